@@ -1,0 +1,76 @@
+"""Attention over the paged KV pool.
+
+The pool is page-major, [pages, layers, 2 (K/V), page_size, kv_heads, head_dim], so one
+page of every layer is one contiguous chunk for the transfer engine. Kernels here see it
+as flat rows of [kv_heads, head_dim]: row(page, layer, kv, offset) =
+((page * layers + layer) * 2 + kv) * page_size + offset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillMeta:
+    """A packed batch of whole prompts: tokens of sequence i are seq_lens[i] long."""
+    seq_lens: list[int]
+    write_rows: torch.Tensor      # [T] pool row of each token for layer 0, K
+
+
+@dataclass
+class DecodeMeta:
+    """One new token per sequence, attending to its whole context through its pages."""
+    write_rows: torch.Tensor      # [B] pool row of the new token for layer 0, K
+    read_index: torch.Tensor      # [B, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
+    mask: torch.Tensor            # [B, 1, 1, S] True where the position is in the context
+
+
+class PagedKV:
+    """Row views of the pool and per-layer offsets into them."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        _, self.num_layers, _, self.page_size, self.kv_heads, self.head_dim = buffer.shape
+        self.rows = buffer.view(-1, self.kv_heads, self.head_dim)     # [R, kv_heads, head_dim]
+        self.elems = buffer.view(-1, self.head_dim)                   # [R * kv_heads, head_dim]
+
+    def offset(self, layer: int, kv: int) -> int:
+        return (layer * 2 + kv) * self.page_size
+
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.rows.index_copy_(0, rows + self.offset(layer, 0), k)
+        self.rows.index_copy_(0, rows + self.offset(layer, 1), v)
+
+    def gather(self, layer: int, kv: int, index: torch.Tensor) -> torch.Tensor:
+        flat = self.elems.index_select(0, (index + self.offset(layer, kv) * self.kv_heads).view(-1))
+        return flat.view(*index.shape, self.head_dim)                 # [B, kv_heads, S, head_dim]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      meta: PrefillMeta, scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence. q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+    out, start = torch.empty_like(q), 0
+    for n in meta.seq_lens:
+        end = start + n
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv: PagedKV, layer: int, meta: DecodeMeta,
+                     scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] -> [B, Hq, D], reading K/V of the whole context from the pool."""
+    b, hq, d = q.shape
+    k = kv.gather(layer, 0, meta.read_index)                         # [B, Hkv, S, D]
+    v = kv.gather(layer, 1, meta.read_index)
+    groups = hq // kv.kv_heads
+    qg = q.view(b, kv.kv_heads, groups, d)                           # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [B, Hkv, G, S]
+    scores = scores.masked_fill(~meta.mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)             # [B, Hkv, G, D]
+    return out.view(b, hq, d)

@@ -1,0 +1,78 @@
+"""The KV pool: one contiguous buffer per worker, registered with the transfer engine once."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engines.allocator import PageAllocator
+from engines.attention import PagedKV
+from engines.config import ModelConfig
+
+DEFAULT_PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two workers must agree on to exchange pages byte for byte."""
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    element_bytes: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> "KVLayout":
+        return cls(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim,
+                   str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size())
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of every layer, K and V: one contiguous chunk of the pool."""
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim \
+            * self.element_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"page_bytes": self.page_bytes, "order": "page,layer,kv,token,head,dim"}
+
+
+class KVPool:
+    """Buffer [pages, layers, 2, page_size, kv_heads, head_dim] plus its page allocator."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.layout, self.num_pages, self.dtype, self.device = layout, num_pages, dtype, device
+        self.allocator = PageAllocator(num_pages)
+        self.buffer: torch.Tensor | None = None
+        self.kv: PagedKV | None = None
+        self.allocate_memory()
+
+    @classmethod
+    def with_budget(cls, layout: KVLayout, megabytes: float, dtype: torch.dtype,
+                    device: torch.device) -> "KVPool":
+        pages = int(megabytes * 2**20 // layout.page_bytes)
+        if pages < 1:
+            raise ValueError(f"{megabytes} MB holds no page of {layout.page_bytes} bytes")
+        return cls(layout, pages, dtype, device)
+
+    def allocate_memory(self) -> None:
+        L = self.layout
+        self.buffer = torch.zeros(self.num_pages, L.num_layers, 2, L.page_size, L.num_kv_heads,
+                                  L.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = PagedKV(self.buffer)
+
+    def release_memory(self) -> None:
+        """Drop the buffer (the caller has checked no page is in use)."""
+        self.buffer, self.kv = None, None
+
+    @property
+    def data_ptr(self) -> int:
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.layout.page_bytes
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.layout.page_size)

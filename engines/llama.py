@@ -1,0 +1,135 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV pool."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.attention import DecodeMeta, PagedKV, PrefillMeta, decode_attention, prefill_attention
+from engines.config import ModelConfig
+from engines.rope import RotaryEmbedding, apply_rotary
+
+# checkpoint name suffix -> (our parameter suffix, shard) for fused projections
+PACKED_WEIGHTS: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Uninitialised: every value is overwritten by the checkpoint loader.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = _param(dim), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # at least float32 for the variance, as the reference does for half types
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.shards = {"q": (0, self.hq * self.d), "k": (self.hq * self.d, self.hkv * self.d),
+                       "v": ((self.hq + self.hkv) * self.d, self.hkv * self.d)}
+        self.qkv_proj = nn.Module()
+        self.qkv_proj.weight = _param((self.hq + 2 * self.hkv) * self.d, cfg.hidden_size)
+        self.qkv_proj.bias = _param((self.hq + 2 * self.hkv) * self.d) if cfg.attention_bias else None
+        self.o_proj = nn.Module()
+        self.o_proj.weight = _param(cfg.hidden_size, self.hq * self.d)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: PagedKV,
+                layer: int, meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        kv.write(layer, meta.write_rows, k, v)
+        if isinstance(meta, PrefillMeta):
+            o = prefill_attention(q, k, v, meta, self.scale)          # [T, Hq, D]
+        else:
+            o = decode_attention(q, kv, layer, meta, self.scale)
+        return F.linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.shards = {"gate": (0, self.inter), "up": (self.inter, self.inter)}
+        self.gate_up_proj = nn.Module()
+        self.gate_up_proj.weight = _param(2 * self.inter, cfg.hidden_size)
+        self.down_proj = nn.Module()
+        self.down_proj.weight = _param(cfg.hidden_size, self.inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.inter, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.self_attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, self.index, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow the Hugging Face checkpoints, except the fused
+    qkv_proj / gate_up_proj (see PACKED_WEIGHTS)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = (self.model.embed_tokens.weight if cfg.tie_word_embeddings
+                               else _param(cfg.vocab_size, cfg.hidden_size))
+        self.rotary: RotaryEmbedding | None = None
+
+    def setup_rotary(self, dtype: torch.dtype, device: torch.device) -> None:
+        c = self.cfg
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling,
+                                      dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
+                meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last norm)."""
+        rope = self.rotary.tables(positions)
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            x = layer(x, rope, kv, meta)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.model.norm(hidden), self.lm_head.weight)

@@ -1,0 +1,57 @@
+"""Batched forward passes through page tables: prefill of whole prompts, decode steps."""
+from __future__ import annotations
+
+import torch
+
+from engines.attention import DecodeMeta, PrefillMeta
+from engines.kv_pool import KVPool
+from engines.loader import LoadedModel
+
+
+class ModelRunner:
+    """Runs one model against one KV pool. Inputs are plain lists; outputs are logits of
+    the last position of each sequence, [B, vocab], in the model's dtype."""
+
+    def __init__(self, model: LoadedModel, pool: KVPool) -> None:
+        self.model, self.pool, self.device = model, pool, model.device
+        L = pool.layout
+        self.page_size, self.kv_heads = L.page_size, L.num_kv_heads
+        self.page_stride = L.num_layers * 2 * L.page_size     # pool rows per page
+
+    def _rows(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        pages = page_table[positions // self.page_size]
+        return pages * self.page_stride + positions % self.page_size
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def prefill(self, prompts: list[list[int]], page_tables: list[list[int]]) -> torch.Tensor:
+        """Compute and store the KV of each whole prompt; logits of each prompt's last token."""
+        positions = [torch.arange(len(p), device=self.device) for p in prompts]
+        rows = torch.cat([self._rows(self._tensor(pt), pos) for pt, pos in zip(page_tables, positions)])
+        meta = PrefillMeta([len(p) for p in prompts], rows)
+        ids = self._tensor([t for p in prompts for t in p])
+        hidden = self.model.net(ids, torch.cat(positions), self.pool.kv, meta)
+        last = torch.cumsum(self._tensor([len(p) for p in prompts]), 0) - 1
+        return self.model.net.logits(hidden[last])
+
+    def decode(self, tokens: list[int], positions: list[int],
+               page_tables: list[list[int]]) -> torch.Tensor:
+        """Feed token i at position i of its sequence; it attends to positions 0..pos."""
+        b, span = len(tokens), max(positions) + 1
+        width = -(-span // self.page_size)
+        table = self._tensor([pt[:width] + [pt[0]] * (width - len(pt[:width])) for pt in page_tables])
+        pos = self._tensor(positions)
+        steps = torch.arange(span, device=self.device)
+        read_rows = self._rows_batched(table, steps)                      # [B, S]
+        heads = torch.arange(self.kv_heads, device=self.device)
+        meta = DecodeMeta(
+            write_rows=read_rows.gather(1, pos[:, None]).squeeze(1),
+            read_index=read_rows[:, None, :] * self.kv_heads + heads[None, :, None],  # [B, Hkv, S]
+            mask=(steps[None, :] <= pos[:, None])[:, None, None, :])             # [B, 1, 1, S]
+        hidden = self.model.net(self._tensor(tokens), pos, self.pool.kv, meta)
+        return self.model.net.logits(hidden)
+
+    def _rows_batched(self, table: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        pages = table[:, steps // self.page_size]                          # [B, S]
+        return pages * self.page_stride + steps % self.page_size

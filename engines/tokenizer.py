@@ -1,0 +1,57 @@
+"""Text <-> token ids via the `tokenizers` library (tokenizer.json)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from engines.config import ModelError
+
+
+class Tokenizer:
+    """A thin wrapper so callers never depend on the library's types."""
+
+    def __init__(self, inner: HFTokenizer) -> None:
+        self.inner = inner
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # the library raises bare Exception subclasses
+            raise ModelError(f"{path}: cannot load tokenizer: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids, skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        return self.inner.to_str()
+
+
+def byte_tokenizer(bos_id: int, eos_id: int) -> Tokenizer:
+    """One token per byte (ids 0..255) plus <bos>/<eos>: any text, no training."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel maps each byte to a printable character; order the vocab by byte value.
+    byte_chars = sorted(alphabet, key=_byte_of_char)
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    inner = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens(["<bos>", "<eos>"])
+    assert inner.token_to_id("<bos>") == bos_id and inner.token_to_id("<eos>") == eos_id
+    return Tokenizer(inner)
+
+
+def _byte_of_char(ch: str) -> int:
+    # The GPT-2 byte-level map: printable bytes map to themselves, the rest to 256 + n.
+    code = ord(ch)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]

@@ -1,0 +1,104 @@
+"""Reading safetensors checkpoints into a model: load once, or update in place.
+
+Both go through `read_checkpoint`, which checks every tensor against the model before
+any parameter is touched, so a mismatched or corrupt checkpoint leaves the weights as
+they were.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from engines.config import ModelError
+from engines.llama import PACKED_WEIGHTS
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# one checkpoint tensor bound for (parameter name, row offset, row count)
+Placement = tuple[str, int, int]
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ModelError(f"{index}: malformed index file: {e}") from None
+        files = [root / s for s in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelError(f"{index} names missing shard files: {', '.join(missing)}")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{root}: no *.safetensors files")
+    return files
+
+
+def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ModelError(f"{file}: corrupt or unreadable safetensors file: {e}") from None
+
+
+def placement(model: nn.Module, name: str) -> Placement | None:
+    """Where checkpoint tensor `name` goes in `model`; None for tensors we ignore."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+        return None
+    for ckpt, (ours, shard) in PACKED_WEIGHTS.items():
+        marker = f".{ckpt}."
+        if marker in name:
+            owner = model.get_submodule(name.split(marker)[0])
+            start, rows = owner.shards[shard]
+            return name.replace(marker, f".{ours}."), start, rows
+    return name, 0, -1
+
+
+def read_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
+                    path: str) -> list[tuple[Placement, torch.Tensor]]:
+    """Every tensor of a checkpoint, validated against `model`'s parameters;
+    `path` names the checkpoint in errors."""
+    params = dict(model.named_parameters())
+    covered: dict[str, int] = {}
+    plan: list[tuple[Placement, torch.Tensor]] = []
+    for name, tensor in tensors:
+        try:
+            where = placement(model, name)
+        except AttributeError:
+            raise ModelError(f"{path}: tensor {name!r} does not belong to this model") from None
+        if where is None:
+            continue
+        pname, start, rows = where
+        if pname not in params:
+            raise ModelError(f"{path}: tensor {name!r} does not belong to this model")
+        want = params[pname].shape if rows < 0 else (rows, *params[pname].shape[1:])
+        if tuple(tensor.shape) != tuple(want):
+            raise ModelError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(want)}")
+        covered[pname] = covered.get(pname, 0) + (tensor.shape[0] if rows >= 0 else params[pname].shape[0])
+        plan.append(((pname, start, rows), tensor))
+    missing = [n for n, p in params.items() if covered.get(n, 0) != (p.shape[0] if p.dim() else 1)]
+    if missing:
+        raise ModelError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    return plan
+
+
+@torch.inference_mode()
+def apply_checkpoint(model: nn.Module, plan: list[tuple[Placement, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    for (pname, start, rows), tensor in plan:
+        target = params[pname] if rows < 0 else params[pname][start:start + rows]
+        target.copy_(tensor)

@@ -1,0 +1,40 @@
+"""Small random Hugging Face checkpoints for reference tests (transformers is test-only)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VARIANTS = {
+    "llama": dict(cls="LlamaConfig", extra={}),
+    "llama3_tied": dict(cls="LlamaConfig", extra=dict(
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2": dict(cls="Qwen2Config", extra={}),
+    "qwen3": dict(cls="Qwen3Config", extra=dict(head_dim=16)),
+    "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
+}
+
+
+def make_checkpoint(kind: str, root: Path, seed: int = 0, shard: bool = False) -> Path:
+    import transformers
+    spec = VARIANTS[kind]
+    cfg = getattr(transformers, spec["cls"])(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, **spec["extra"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():    # larger than the default init: peaked logits, no near-ties
+            p.normal_(0.0, 0.2)
+    path = root / f"{kind}-{seed}"
+    model.save_pretrained(path, max_shard_size="100KB" if shard else "2GB")
+    return path
+
+
+def hf_model(path: Path, dtype: torch.dtype):
+    import transformers
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return m.eval()

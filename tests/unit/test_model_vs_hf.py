@@ -1,0 +1,79 @@
+"""Prefill and every decode step against Hugging Face transformers on random checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.kv_pool import KVLayout, KVPool
+from engines.loader import load_model
+from engines.runner import ModelRunner
+from tests.unit.hf_models import VARIANTS, hf_model, make_checkpoint
+
+pytest.importorskip("transformers", reason="transformers is the test-time reference; pip install '.[test]'")
+
+PROMPT_LENS = [1, 5, 16, 17, 40]        # one token to several 16-token pages
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _ours(path, dtype: str):
+    model = load_model(str(path), dtype=dtype)
+    pool = KVPool(KVLayout.for_model(model.cfg, 16, model.dtype), 64, model.dtype, model.device)
+    return model, pool, ModelRunner(model, pool)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    return make_checkpoint(request.param, tmp_path_factory.mktemp("hf"), shard=request.param == "llama")
+
+
+def _greedy(runner, pool, prompts, steps):
+    tables = [pool.allocator.alloc(pool.pages_for(len(p) + steps)) for p in prompts]
+    logits = [runner.prefill(prompts, tables)]
+    seqs = [list(p) for p in prompts]
+    for _ in range(steps):
+        nxt = logits[-1].argmax(-1).tolist()
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits.append(runner.decode(nxt, [len(s) - 1 for s in seqs], tables))
+    return seqs, logits
+
+
+@torch.inference_mode()
+# float64: the reference normalises in float32 even for float64 inputs, hence 1e-6, not 1e-12
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-4), ("float64", 1e-6)])
+def test_logits_match_every_step(checkpoint, dtype, tol):
+    model, pool, runner = _ours(checkpoint, dtype)
+    ref = hf_model(checkpoint, model.dtype)
+    prompts = _prompts(model.cfg.vocab_size)
+    seqs, logits = _greedy(runner, pool, prompts, steps=6)
+    for step, ours in enumerate(logits):
+        for i, seq in enumerate(seqs):
+            prefix = seq[:len(prompts[i]) + step]
+            theirs = ref(torch.tensor([prefix])).logits[0, -1]
+            assert torch.allclose(ours[i], theirs, atol=tol, rtol=0), \
+                f"step {step} prompt {i}: max diff {(ours[i] - theirs).abs().max():.3g}"
+
+
+@torch.inference_mode()
+def test_greedy_tokens_exact_float64(checkpoint):
+    model, pool, runner = _ours(checkpoint, "float64")
+    ref = hf_model(checkpoint, torch.float64)
+    prompts = _prompts(model.cfg.vocab_size)
+    seqs, _ = _greedy(runner, pool, prompts, steps=12)
+    for p, seq in zip(prompts, seqs):
+        out = ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert seq == out[0].tolist()
+
+
+def test_batch_equals_alone(checkpoint):
+    model, pool, runner = _ours(checkpoint, "float64")
+    prompts = _prompts(model.cfg.vocab_size)
+    together, _ = _greedy(runner, pool, prompts, steps=8)
+    for p, seq in zip(prompts, together):
+        alone, _ = _greedy(runner, pool, [p], steps=8)
+        assert alone[0] == seq
