@@ -60,9 +60,15 @@ def tiny_state_dict(seed: int) -> dict[str, torch.Tensor]:
     def rand(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
-    sd = {"model.embed_tokens.weight": rand(c["vocab_size"], h, std=1.0),
+    embed, head = rand(c["vocab_size"], h, std=1.0), rand(c["vocab_size"], h, std=0.5)
+    # Hidden dimension 0 carries a constant that lm_head turns into a bias towards
+    # printable ASCII, so the demo prints characters rather than stray bytes.
+    embed[:, 0] = 4.0
+    head[:, 0] = -2.0
+    head[32:127, 0] = 2.0
+    sd = {"model.embed_tokens.weight": embed,
           "model.norm.weight": 1.0 + rand(h, std=0.1),
-          "lm_head.weight": rand(c["vocab_size"], h, std=0.5)}
+          "lm_head.weight": head}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         sd |= {p + "input_layernorm.weight": 1.0 + rand(h, std=0.1),

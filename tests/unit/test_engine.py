@@ -1,0 +1,170 @@
+"""The offline engine (`zpd run`'s path), weight updates and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engines.config import ModelError
+from engines.loader import load_model, update_weights
+from engines.sampler import SamplingParams
+from engines.tiny import save_tiny
+from zpd.offline import OfflineEngine
+from zpd.request import Request, RequestError
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+def _run(model, prompts, params=GREEDY, **kw):
+    engine = OfflineEngine(model, **kw)
+    return engine, engine.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    return load_model("tiny", dtype="float64")
+
+
+PROMPTS = [[1], list(range(2, 20)), list(range(50, 90)), [7, 7, 7], list(range(100, 133))]
+
+
+def test_batch_equals_each_prompt_alone(tiny64):
+    _, together = _run(tiny64, PROMPTS, max_batch=2)       # admission in waves
+    for p, out in zip(PROMPTS, together):
+        _, (alone,) = _run(tiny64, [p])
+        assert alone["output_ids"] == out["output_ids"]
+        assert len(out["output_ids"]) == 12 and out["finish_reason"] == {"type": "length"}
+
+
+def test_small_pool_back_pressure_still_serves_everything(tiny64):
+    # room for about two requests at a time: the rest wait for pages
+    engine, outs = _run(tiny64, PROMPTS, kv_cache_mb=tiny64_pages_mb(tiny64, 8))
+    _, ref = _run(tiny64, PROMPTS)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in ref]
+    engine.pool.allocator.check()
+    assert engine.pool.allocator.free == engine.pool.num_pages
+
+
+def tiny64_pages_mb(model, pages):
+    from engines.kv_pool import KVLayout
+    return pages * KVLayout.for_model(model.cfg, 16, model.dtype).page_bytes / 2**20
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny64):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_new_tokens=10, ignore_eos=True)
+    _, a = _run(tiny64, PROMPTS, params)
+    _, b = _run(tiny64, PROMPTS[2:3], params)
+    assert a[2]["output_ids"] == b[0]["output_ids"]
+
+
+def test_stop_token_ids_and_stop_strings(tiny64):
+    _, (free,) = _run(tiny64, [PROMPTS[1]])
+    stop_at = free["output_ids"][3]
+    _, (out,) = _run(tiny64, [PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=12,
+                                                          stop_token_ids=(stop_at,), ignore_eos=True))
+    first = free["output_ids"].index(stop_at)
+    assert out["output_ids"] == free["output_ids"][:first + 1]
+    assert out["finish_reason"] == {"type": "stop", "matched": stop_at}
+    text = free["text"]
+    needle = next(text[i:i + 2] for i in range(2, len(text) - 1) if text[i:i + 2].isprintable()
+                  and "\ufffd" not in text[i:i + 2])
+    _, (cut,) = _run(tiny64, [PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=12,
+                                                          stop=(needle,), ignore_eos=True))
+    assert cut["finish_reason"]["matched"] == needle
+    assert cut["text"] == text[:text.index(needle)]
+
+
+def test_eos_ends_unless_ignored(tiny64):
+    eos = tiny64.cfg.eos_token_ids[0]
+    prompts = [[i] for i in range(40)]
+    _, outs = _run(tiny64, prompts, SamplingParams(temperature=0, max_new_tokens=30))
+    stopped = [o for o in outs if o["finish_reason"]["type"] == "stop"]
+    assert stopped and all(o["output_ids"][-1] == eos for o in stopped)
+
+
+def test_weight_update_equals_fresh_load(tmp_path):
+    model = load_model("tiny", dtype="float64")
+    _, before = _run(model, PROMPTS)
+    new_dir = save_tiny(tmp_path / "w2", seed=5)
+    assert update_weights(model, str(new_dir), "v2") == "v2"
+    _, after = _run(model, PROMPTS)
+    _, fresh = _run(load_model(str(new_dir), dtype="float64"), PROMPTS)
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in fresh]
+    assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
+    assert after[0]["weight_versions"] == ["v2"] * 12
+
+
+def test_mismatched_checkpoint_keeps_old_weights(tmp_path):
+    model = load_model("tiny", dtype="float64")
+    _, before = _run(model, PROMPTS)
+    bad = save_tiny(tmp_path / "bad", seed=1)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="architecture differs"):
+        update_weights(model, str(bad))
+    from safetensors.torch import load_file, save_file
+    good = save_tiny(tmp_path / "partial", seed=2)
+    sd = load_file(good / "model.safetensors")
+    sd.pop("model.norm.weight")
+    save_file(sd, good / "model.safetensors")
+    with pytest.raises(ModelError, match="lacks"):
+        update_weights(model, str(good))
+    _, after = _run(model, PROMPTS)
+    assert after == before and model.version == "tiny"
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path):
+    with pytest.raises(ModelError, match="neither 'tiny' nor an existing directory"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(str(tmp_path))
+    d = save_tiny(tmp_path / "corrupt")
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelError, match="corrupt"):
+        load_model(str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"],
+                                                     "model_type": "gpt2"}))
+    with pytest.raises(ModelError, match="supported: LlamaForCausalLM"):
+        load_model(str(d))
+    with pytest.raises(ModelError, match="unsupported dtype"):
+        load_model("tiny", dtype="int8")
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], GREEDY, "empty prompt"),
+    ([258], GREEDY, "out of range"),
+    ([-1], GREEDY, "out of range"),
+    ([1] * 4000, SamplingParams(max_new_tokens=200), "exceeds the context length"),
+])
+def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny64, prompt, params, match):
+    engine = OfflineEngine(tiny64)
+    with pytest.raises(RequestError, match=match) as e:
+        engine.submit(Request("bad", prompt, params))
+    assert e.value.status == 400
+    (out,) = engine.run([Request("ok", [1, 2, 3], GREEDY)])
+    assert len(out["output_ids"]) == 12
+    assert engine.pool.allocator.free == engine.pool.num_pages
+
+
+def test_text_prompt_without_tokenizer_is_clear_error(tmp_path, capsys):
+    from zpd.cli import main
+    d = save_tiny(tmp_path / "notok")
+    (d / "tokenizer.json").unlink()
+    assert main(["run", "--model", str(d), "--prompt", "hi"]) == 2
+    assert "has no tokenizer.json: use --input-ids" in capsys.readouterr().err
+    assert main(["run", "--model", str(d), "--input-ids", "1,2", "--max-new-tokens", "3",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] is None and len(out["output_ids"]) <= 3
+
+
+def test_dtypes_run(tmp_path):
+    for dtype in ("float32", "bfloat16", "float16"):
+        model = load_model("tiny", dtype=dtype)
+        _, (out,) = _run(model, [PROMPTS[1]])
+        assert len(out["output_ids"]) == 12
+        assert all(0 <= t < model.cfg.vocab_size for t in out["output_ids"])
+    assert torch.get_default_dtype() == torch.float32

@@ -1,0 +1,5 @@
+import sys
+
+from zpd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,42 @@
+"""The model side of a worker: prefill and decode steps on requests, with sampling."""
+from __future__ import annotations
+
+from engines.kv_pool import KVPool
+from engines.loader import LoadedModel
+from engines.runner import ModelRunner
+from engines.sampler import Sampler
+from zpd.request import Request, StopChecker
+
+
+class Compute:
+    """Owns the runner and sampler of one worker. A request's cached prefix is
+    prompt + output[:-1]; its next input is output[-1] (after prefill samples the first
+    token, or the forced token after a recompute)."""
+
+    def __init__(self, model: LoadedModel, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        self.runner = ModelRunner(model, pool)
+        self.sampler = Sampler()
+        self.stop = StopChecker(() if model.cfg.eos_token_ids is None else model.cfg.eos_token_ids,
+                                model.tokenizer)
+
+    def prefill(self, reqs: list[Request]) -> None:
+        """Write the KV of each cached prefix; sample a first token for fresh requests."""
+        prefixes = [r.prompt + r.output[:-1] for r in reqs]
+        logits = self.runner.prefill(prefixes, [r.pages for r in reqs])
+        fresh = [i for i, r in enumerate(reqs) if not r.output]
+        if fresh:
+            self._sample(logits[fresh], [reqs[i] for i in fresh])
+
+    def decode(self, reqs: list[Request]) -> None:
+        logits = self.runner.decode([r.output[-1] for r in reqs], [r.context_len - 1 for r in reqs],
+                                    [r.pages for r in reqs])
+        self._sample(logits, reqs)
+
+    def _sample(self, logits, reqs: list[Request]) -> None:
+        tokens = self.sampler(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                              [len(r.output) for r in reqs], [r.prompt for r in reqs],
+                              [r.output for r in reqs])
+        for r, t in zip(reqs, tokens):
+            r.emit(t, self.model.version)
+            r.finish = self.stop(r)

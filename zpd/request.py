@@ -1,0 +1,128 @@
+"""A request's record: counts are the truth, everything else is derived."""
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from engines.config import ModelConfig
+from engines.sampler import SamplingParams
+from engines.tokenizer import Tokenizer
+
+# status codes carried in finish_reason (shared/DESIGN.md)
+BAD_REQUEST, NOT_FOUND, CONFLICT, ABORTED = 400, 404, 409, 499
+INTERNAL, UNAVAILABLE, DEADLINE = 500, 503, 504
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; carries the status code to report."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"          # queued, no pages yet
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    RUNNING = "running"          # in the decode batch
+    HELD = "held"                # retracted: no KV, waiting for continue
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int = field(default_factory=lambda: random.getrandbits(63))
+    output: list[int] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    finish: dict | None = None
+    retractions: int = 0
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.seed = self.params.seed
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def max_context(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def emit(self, token: int, version: str) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.output.append(token)
+        self.weight_versions.append(version)
+
+    def abort(self, status: int, message: str) -> None:
+        if self.finish is None:
+            self.finish = {"type": "abort", "status_code": status, "message": message}
+        self.phase = Phase.FINISHED
+
+
+def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_size: int,
+             total_pages: int) -> None:
+    """Reject what can never be served, with the reason (status 400)."""
+    if not prompt:
+        raise RequestError(BAD_REQUEST, "empty prompt")
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise RequestError(BAD_REQUEST, f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
+    if len(prompt) + params.max_new_tokens > cfg.max_position:
+        raise RequestError(BAD_REQUEST, f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                           f"({params.max_new_tokens}) exceeds the context length {cfg.max_position}")
+    pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
+    if pages > total_pages:
+        raise RequestError(BAD_REQUEST, f"request needs {pages} KV pages; this worker has "
+                           f"{total_pages} in all")
+
+
+class StopChecker:
+    """Decides whether a request is done after its latest token."""
+
+    def __init__(self, eos_ids: tuple[int, ...], tokenizer: Tokenizer | None) -> None:
+        self.eos_ids, self.tokenizer = set(eos_ids), tokenizer
+
+    def __call__(self, req: Request) -> dict | None:
+        p, token = req.params, req.output[-1]
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            return {"type": "stop", "matched": token}
+        if p.stop and self.tokenizer is not None:
+            longest = max(map(len, p.stop))
+            # a stop string that appears now must end within the last few tokens
+            tail = self.tokenizer.decode(req.output[-(longest + 4):])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output) >= p.max_new_tokens:
+            return {"type": "length"}
+        return None
+
+
+def response(req: Request, tokenizer: Tokenizer | None) -> dict:
+    """The finished request in the contract's shape (shared/DESIGN.md)."""
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.decode(req.output)
+        matched = (req.finish or {}).get("matched")
+        if isinstance(matched, str) and matched in text:
+            text = text[:text.index(matched)]
+    return {"rid": req.rid, "output_ids": list(req.output), "text": text,
+            "finish_reason": req.finish, "weight_versions": list(req.weight_versions),
+            "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
+                     "retractions": req.retractions}}
