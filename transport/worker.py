@@ -1,0 +1,272 @@
+"""The helper thread that drives a fabric without blocking the scheduler.
+
+`ThreadedBackend` is a complete backend built from a `Driver` (register,
+submit one run, check one submitted run). One helper thread per backend owns
+every in-flight transfer: it submits a transfer's runs batch by batch (at most
+`max_batch_entries` entries in flight per peer), polls them, and posts exactly
+one Completion per transfer id. Transfers to different peers progress side by
+side, so a frozen peer delays only the transfers that go to it.
+
+Why poll with short sleeps instead of Mooncake's blocking batch call: on the
+project's 2-core machines (loopback TCP, 64 MiB as scattered runs, medians)
+the blocking call busy-polls a core in C, while submit + check_status with
+sleeps reached the same or better throughput (64 KiB runs: 1.52 vs 1.53 GB/s
+idle; 1.10 vs 0.76 GB/s with a Python-busy thread in the process) and left a
+competing process 1.3-1.9x more CPU (measured on the project's machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from .base import (MAX_BATCH_ENTRIES, Backend, Completion, Run, TransportError,
+                   check_runs, split_batches)
+from .completions import CompletionQueue
+
+log = logging.getLogger("transport")
+
+PENDING, DONE, FAILED = 0, 1, -1
+
+# Poll quickly right after progress (small writes finish in ~40 us), back off
+# to a millisecond while a transfer is long so the helper stays off the CPU.
+_MIN_SLEEP_S = 50e-6
+_MAX_SLEEP_S = 1e-3
+
+
+class Driver(Protocol):
+    """The fabric-specific calls a ThreadedBackend needs; all but `close` are quick."""
+
+    session_id: str
+
+    def register(self, addr: int, length: int) -> None: ...
+
+    def unregister(self, addr: int) -> None: ...
+
+    def submit(self, peer: str, run: Run) -> object | None:
+        """Start one run; return a handle for `check`, or None if it was refused."""
+
+    def check(self, handle: object) -> int:
+        """PENDING, DONE or FAILED; after DONE/FAILED the handle is never checked again."""
+
+    def close(self, outstanding: int) -> None:
+        """Release the fabric; `outstanding` runs were never seen to finish."""
+
+
+@dataclass
+class _Transfer:
+    tid: int
+    peer: str
+    batches: list[list[Run]]
+    nbytes: int
+    started: float
+    deadline: float
+    next_batch: int = 0
+    pending: list[object] = field(default_factory=list)
+    failure: str = ""
+    cancelled: bool = False
+
+
+class ThreadedBackend(Backend):
+    """A Backend whose blocking work runs on one helper thread over a Driver."""
+
+    def __init__(self, driver: Driver, transfer_timeout_s: float = 10.0,
+                 max_batch_entries: int = MAX_BATCH_ENTRIES) -> None:
+        if transfer_timeout_s <= 0:
+            raise TransportError(f"transfer_timeout_s must be positive, got {transfer_timeout_s}")
+        self._driver = driver
+        self._timeout_s = transfer_timeout_s
+        self._max_entries = max_batch_entries
+        self._done = CompletionQueue()
+        self._lock = threading.Lock()
+        self._transfers: dict[int, _Transfer] = {}  # every transfer without a completion yet
+        self._inbox: queue.SimpleQueue[_Transfer | None] = queue.SimpleQueue()
+        self._stopped = ""  # why writes are refused: "closed" or the helper's death
+        self._thread = threading.Thread(target=self._run, name="transport-helper", daemon=True)
+        self._thread.start()
+
+    @property
+    def session_id(self) -> str:
+        return self._driver.session_id
+
+    def register(self, addr: int, length: int) -> None:
+        self._check_open()
+        self._driver.register(addr, length)
+
+    def unregister(self, addr: int) -> None:
+        self._check_open()
+        self._driver.unregister(addr)
+
+    def _check_open(self) -> None:
+        if self._stopped:
+            raise TransportError(f"backend {self.session_id} is stopped: {self._stopped}")
+
+    def fileno(self) -> int:
+        return self._done.fileno()
+
+    def poll_completions(self) -> list[Completion]:
+        return self._done.drain()
+
+    def write(self, transfer_id: int, peer: str, runs: Sequence[Run]) -> None:
+        runs = check_runs(runs)
+        now = time.monotonic()
+        t = _Transfer(transfer_id, peer, split_batches(runs, self._max_entries),
+                      sum(r[2] for r in runs), now, now + self._timeout_s)
+        with self._lock:
+            if transfer_id in self._transfers:
+                raise TransportError(f"transfer {transfer_id} is already in flight")
+            if self._stopped:
+                self._done.put(Completion(transfer_id, False, self._stopped, t.nbytes, 0.0))
+                return
+            self._transfers[transfer_id] = t
+        self._inbox.put(t)
+
+    def cancel(self, transfer_id: int) -> None:
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                t.cancelled = True  # read by the helper before each batch
+
+    def close(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = "closed"
+        self._inbox.put(None)
+        self._thread.join(timeout=5.0)
+        self._fail_all("closed")
+
+    # ---- helper thread -------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            _Loop(self).run()
+        except BaseException as exc:  # noqa: BLE001 - nothing may strand transfers
+            log.exception("transport helper thread died; failing every pending transfer")
+            with self._lock:
+                self._stopped = self._stopped or f"transport helper thread died: {exc!r}"
+            self._fail_all(self._stopped)
+
+    def _finish(self, t: _Transfer, ok: bool, reason: str) -> None:
+        """Post t's completion unless someone (close, death) already did."""
+        with self._lock:
+            if self._transfers.pop(t.tid, None) is not t:
+                return
+        self._done.put(Completion(t.tid, ok, reason, t.nbytes, time.monotonic() - t.started))
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            stranded = list(self._transfers.values())
+        for t in stranded:
+            self._finish(t, False, reason)
+
+
+class _Loop:
+    """The helper thread's state: active transfers and per-peer entry counts."""
+
+    def __init__(self, owner: ThreadedBackend) -> None:
+        self.owner = owner
+        self.driver = owner._driver
+        self.active: dict[int, _Transfer] = {}
+        self.in_flight: dict[str, int] = {}       # submitted, unsettled entries per peer
+        self.orphans: list[tuple[str, object]] = []  # entries of transfers that timed out
+        self.sleep_s = _MIN_SLEEP_S
+
+    def run(self) -> None:
+        while self._take_new():
+            progressed = self._advance_all()
+            self.sleep_s = _MIN_SLEEP_S if progressed else min(self.sleep_s * 2, _MAX_SLEEP_S)
+        self.driver.close(sum(self.in_flight.values()))
+
+    def _take_new(self) -> bool:
+        """Move new transfers into `active`; sleep when busy, block when idle."""
+        busy = bool(self.active or self.orphans)
+        try:
+            item = self.owner._inbox.get(timeout=self.sleep_s) if busy else self.owner._inbox.get()
+            while True:
+                if item is None:
+                    return False
+                self.active[item.tid] = item
+                item = self.owner._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _advance_all(self) -> bool:
+        progressed = self._settle_orphans()
+        reserved: set[str] = set()  # a peer whose next batch waits for room: later ones wait too
+        now = time.monotonic()
+        for t in list(self.active.values()):
+            progressed |= self._advance(t, now, reserved)
+        return progressed
+
+    def _advance(self, t: _Transfer, now: float, reserved: set[str]) -> bool:
+        progressed = self._poll_pending(t)
+        if t.pending:
+            if now < t.deadline:
+                return progressed
+            # Stop waiting; Mooncake's own timeouts (set below ours) end them.
+            self.orphans.extend((t.peer, h) for h in t.pending)
+            t.pending = []
+            return self._end(t, False, self._timeout_reason())
+        if t.failure:
+            return self._end(t, False, t.failure)
+        if t.cancelled:
+            return self._end(t, False, "cancelled")
+        if t.next_batch == len(t.batches):
+            return self._end(t, True, "")
+        if now >= t.deadline:
+            return self._end(t, False, self._timeout_reason())
+        return self._submit_next(t, reserved) or progressed
+
+    def _poll_pending(self, t: _Transfer) -> bool:
+        before = len(t.pending)
+        t.pending = [h for h in t.pending if not self._settled(t, h)]
+        return len(t.pending) != before
+
+    def _timeout_reason(self) -> str:
+        return f"timeout after {self.owner._timeout_s:g} s"
+
+    def _submit_next(self, t: _Transfer, reserved: set[str]) -> bool:
+        batch = t.batches[t.next_batch]
+        room = self.owner._max_entries - self.in_flight.get(t.peer, 0)
+        if t.peer in reserved or len(batch) > room:
+            reserved.add(t.peer)
+            return False
+        t.next_batch += 1
+        for run in batch:
+            handle = self.driver.submit(t.peer, run)
+            if handle is None:
+                t.failure = f"submit to {t.peer} refused"
+                break
+            t.pending.append(handle)
+            self.in_flight[t.peer] = self.in_flight.get(t.peer, 0) + 1
+        return True
+
+    def _settled(self, t: _Transfer, handle: object) -> bool:
+        state = self.driver.check(handle)
+        if state == PENDING:
+            return False
+        self.in_flight[t.peer] -= 1
+        if state != DONE and not t.failure:
+            t.failure = f"write to {t.peer} failed"
+        return True
+
+    def _settle_orphans(self) -> bool:
+        before = len(self.orphans)
+        kept = []
+        for peer, handle in self.orphans:
+            if self.driver.check(handle) == PENDING:
+                kept.append((peer, handle))
+            else:
+                self.in_flight[peer] -= 1
+        self.orphans = kept
+        return len(kept) != before
+
+    def _end(self, t: _Transfer, ok: bool, reason: str) -> bool:
+        del self.active[t.tid]
+        self.owner._finish(t, ok, reason)
+        return True
