@@ -1,4 +1,4 @@
-"""In-process fakes for deterministic tests: no Mooncake, no threads, no sockets.
+"""In-process fakes for deterministic tests: no Mooncake, no sockets.
 
 `FakeFabric` is the shared "network": the registered regions of every fake
 endpoint in one process. `FakeBackend` copies bytes with ctypes.memmove
@@ -8,7 +8,7 @@ runs of such a transfer are still copied, the transfer reports ok=False).
 
 Timing is counted in `poll_completions()` calls, not seconds: with
 `complete_after_polls=N` a transfer's bytes land and its completion is
-returned by the (N+1)-th poll after its write. While any transfer is
+returned by the (N+1)-th poll after its write (FakeBackend has no thread). While any transfer is
 outstanding the fd stays readable, so a poller loop keeps polling.
 
 `FabricDriver` plugs the same fabric into `ThreadedBackend`, to test the helper
@@ -213,7 +213,8 @@ class FabricDriver:
         return _Handle(peer, run)
 
     def check(self, handle: object) -> int:
-        assert isinstance(handle, _Handle)
+        if not isinstance(handle, _Handle):
+            raise TypeError(f"not a FabricDriver handle: {handle!r}")
         if not self.gate.is_set():
             return PENDING
         self.in_flight -= 1
