@@ -1,0 +1,219 @@
+"""Thin ROUTER/DEALER wrappers that speak ``zpd.protocol`` messages.
+
+Every process binds one ``Router``; a peer connects one ``Dealer`` and both
+directions use that pair. Neither wrapper blocks on send or raises for bad
+bytes: a send that cannot be queued (peer gone, peer's queue full) is counted
+and logged and returns False; a malformed inbound message is logged with the
+peer's identity and dropped. Socket options live in ``configure_socket`` so
+security (CURVE) and tuning have exactly one place.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+
+from zpd.protocol import Message, ProtocolError, decode, encode
+
+log = logging.getLogger("zpd.net")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """CURVE keys (z85 bytes, from ``zmq.curve_keypair()``). A server needs its
+    own pair; a client needs its pair plus ``server_public``. Without a ZAP
+    authenticator this encrypts but admits any client key."""
+
+    public: bytes
+    secret: bytes
+    server_public: Optional[bytes] = None
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    """Tuning shared by Router and Dealer; the defaults suit loopback and LAN."""
+
+    hwm: int = 10_000  # messages queued per peer before sends are dropped
+    max_msg_bytes: int = 256 << 20  # a peer cannot make us allocate more
+    keepalive_idle_s: int = 10  # TCP keepalive finds half-open links that
+    keepalive_intvl_s: int = 5  # app heartbeats would only see as silence
+    keepalive_cnt: int = 3
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 2_000
+    curve: Optional[Curve] = None
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6addr]:port"`` (optionally ``tcp://``) → (host, port)."""
+    hostport = endpoint.removeprefix("tcp://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad endpoint {endpoint!r}, want host:port")
+    return host.strip("[]"), int(port)
+
+
+def format_endpoint(host: str, port: int) -> str:
+    """The inverse of ``parse_endpoint``; IPv6 hosts get brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def configure_socket(sock: zmq.Socket, *, host: str, server: bool, opts: SocketOptions) -> None:
+    """Apply every socket option zpd uses; the one place to add security."""
+    sock.setsockopt(zmq.LINGER, 0)  # close never waits on a dead peer
+    sock.setsockopt(zmq.SNDHWM, opts.hwm)
+    sock.setsockopt(zmq.RCVHWM, opts.hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, opts.max_msg_bytes)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, opts.keepalive_idle_s)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, opts.keepalive_intvl_s)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, opts.keepalive_cnt)
+    sock.setsockopt(zmq.RECONNECT_IVL, opts.reconnect_ivl_ms)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, opts.reconnect_ivl_max_ms)
+    sock.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
+    if server:
+        # Unroutable sends raise EHOSTUNREACH (caught in Router.send) instead
+        # of vanishing, so the caller learns the peer is gone.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted peer reusing its identity takes over the old route.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    if opts.curve is not None:
+        _apply_curve(sock, server=server, curve=opts.curve)
+
+
+def _apply_curve(sock: zmq.Socket, *, server: bool, curve: Curve) -> None:
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+    elif curve.server_public is None:
+        raise ValueError("a CURVE client needs server_public")
+    else:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+
+
+def _wait_readable(sock: zmq.Socket, timeout: Optional[float]) -> bool:
+    if timeout is None:
+        return bool(sock.poll(None, zmq.POLLIN))
+    if timeout <= 0:
+        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    return bool(sock.poll(int(timeout * 1000) or 1, zmq.POLLIN))
+
+
+class _Endpoint:
+    """Shared send/recv bookkeeping; ``socket`` is exposed for ``Loop``."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.socket = sock
+        self.dropped_sends = 0  # counts sends that could not be queued
+        self.bad_messages = 0  # counts inbound messages that failed to decode
+
+    def _send_frames(self, frames: list[bytes], peer: str) -> bool:
+        try:
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            why = "send queue full (peer slow or gone)"
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            why = "peer not connected"
+        self.dropped_sends += 1
+        # Powers of two: a dead peer's heartbeats must not flood the log.
+        if self.dropped_sends & (self.dropped_sends - 1) == 0:
+            log.warning("dropped send to %s: %s (%d dropped so far)", peer, why, self.dropped_sends)
+        return False
+
+    def _recv_frames(self, timeout: Optional[float]) -> Optional[list[bytes]]:
+        if not _wait_readable(self.socket, timeout):
+            return None
+        try:
+            return self.socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def _decode(self, frames: list[bytes], peer: str) -> Optional[Message]:
+        try:
+            return decode(frames)
+        except ProtocolError as e:
+            self.bad_messages += 1
+            log.warning("dropped malformed message from %s: %s", peer, e.reason)
+            return None
+
+    def close(self) -> None:
+        """Close the socket without lingering on unsent messages."""
+        self.socket.close(linger=0)
+
+    def __enter__(self) -> "_Endpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Router(_Endpoint):
+    """The process's bound ROUTER socket. ``endpoint`` is the "host:port"
+    actually bound (port 0 picks a free one); only ``host`` is bound."""
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int,
+                 opts: SocketOptions = SocketOptions()) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        configure_socket(sock, host=host, server=True, opts=opts)
+        bracketed = f"[{host}]" if ":" in host else host
+        try:
+            sock.bind(f"tcp://{bracketed}:{port or '*'}")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        super().__init__(sock)
+        _, bound_port = parse_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        self.endpoint = format_endpoint(host, bound_port)
+
+    def send(self, identity: bytes, msg: Message) -> bool:
+        """Queue ``msg`` for peer ``identity``; False if it had to be dropped."""
+        return self._send_frames([identity, *encode(msg)], _peer_name(identity))
+
+    def recv(self, timeout: Optional[float] = 0) -> Optional[tuple[bytes, Message]]:
+        """Next (identity, message); None if none arrived within ``timeout``
+        seconds (0: don't wait, None: wait forever) or it was malformed."""
+        frames = self._recv_frames(timeout)
+        if frames is None:
+            return None
+        identity = frames[0]
+        msg = self._decode(frames[1:], _peer_name(identity))
+        return None if msg is None else (identity, msg)
+
+
+class Dealer(_Endpoint):
+    """A DEALER connected to one peer's Router. Messages sent before the
+    connection is up are queued (up to the HWM) and delivered on connect, so a
+    handshake can be sent right after construction."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: Optional[bytes] = None,
+                 opts: SocketOptions = SocketOptions()) -> None:
+        host, port = parse_endpoint(endpoint)
+        sock = ctx.socket(zmq.DEALER)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        configure_socket(sock, host=host, server=False, opts=opts)
+        sock.connect(f"tcp://{format_endpoint(host, port)}")
+        super().__init__(sock)
+        self.endpoint = format_endpoint(host, port)
+
+    def send(self, msg: Message) -> bool:
+        """Queue ``msg`` for the peer; False if it had to be dropped."""
+        return self._send_frames(encode(msg), self.endpoint)
+
+    def recv(self, timeout: Optional[float] = 0) -> Optional[Message]:
+        """Next message; None on timeout (see ``Router.recv``) or if malformed."""
+        frames = self._recv_frames(timeout)
+        return None if frames is None else self._decode(frames, self.endpoint)
+
+
+def _peer_name(identity: bytes) -> str:
+    # Identities are arbitrary bytes (zmq's default is 5 binary bytes); keep
+    # log lines short and printable.
+    return repr(identity[:64])
