@@ -8,7 +8,8 @@ import sys
 import orjson
 
 from engines.config import ModelError
-from zpd.options import add_model_options, add_prompt_options, add_sampling_options, sampling_dict
+from zpd.options import (add_model_options, add_prompt_options, add_sampling_options,
+                         add_worker_options, sampling_dict, worker_argv)
 from zpd.request import RequestError
 
 
@@ -26,10 +27,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     engine = OfflineEngine(model, args.kv_cache_mb, args.page_size, args.max_batch)
     reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
     for out in engine.run(reqs):
-        if args.json:
-            sys.stdout.write(orjson.dumps(out).decode() + "\n")
-        else:
-            print(out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])))
+        _print_response(out, args.json)
     return 0
 
 
@@ -39,13 +37,86 @@ def _encode(model, text: str) -> list[int]:
     return model.tokenizer.encode(text)
 
 
+def _print_response(out: dict, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(orjson.dumps(out).decode() + "\n")
+    elif out["finish_reason"].get("type") == "abort":
+        print(f"[{out['rid']} failed: {out['finish_reason']['status_code']} "
+              f"{out['finish_reason']['message']}]")
+    else:
+        print(out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])))
+
+
+def _worker_config(args: argparse.Namespace, role: str):
+    from zpd.config import Deadlines, WorkerConfig
+    wait = args.kv_wait_timeout
+    return WorkerConfig(
+        role=role, model=args.model, host=args.host, port=args.port, device=args.device,
+        dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
+        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
+        max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
+        ib_device=args.ib_device, protocol=args.protocol, ready_file=args.ready_file,
+        deadlines=Deadlines(wait_kv_dest=wait, transfer=args.transfer_timeout, wait_pages=wait,
+                            wait_kv_done=wait, stash=wait))
+
+
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from zpd.prefill import PrefillScheduler
+    from zpd.worker import serve
+    return serve(lambda core, ctx: PrefillScheduler(core), _worker_config(args, "prefill"))
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from zpd.decode import DecodeScheduler
+    from zpd.worker import serve
+    return serve(DecodeScheduler, _worker_config(args, "decode"))
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from zpd.config import RouterConfig
+    from zpd.router import serve_router
+    split = lambda text: tuple(e for e in text.split(",") if e)   # noqa: E731
+    if not split(args.prefill) or not split(args.decode):
+        raise ValueError("the router needs at least one --prefill and one --decode endpoint")
+    return serve_router(RouterConfig(split(args.prefill), split(args.decode), args.host, args.port,
+                                     ready_file=args.ready_file))
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from zpd.launch import launch
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode must be at least 1")
+    return launch(args, worker_argv(args))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from zpd.client import Client
+    inputs = [{"prompt": t} for t in args.prompt] + [{"input_ids": i} for i in args.input_ids]
+    if not inputs:
+        raise RequestError(400, "give at least one --prompt or --input-ids")
+    sampling = sampling_dict(args)
+    with Client(args.router, timeout=args.timeout) as client:
+        if args.stream and len(inputs) == 1:
+            for chunk in client.stream(sampling_params=sampling, **inputs[0]):
+                if args.json:
+                    sys.stdout.write(orjson.dumps(chunk).decode() + "\n")
+                    sys.stdout.flush()
+            return 0
+        outs = client.generate_many([r | {"sampling_params": sampling} for r in inputs])
+    for out in outs:
+        _print_response(out, args.json)
+    return 0 if all(o["finish_reason"].get("type") != "abort" for o in outs) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zpd", description="Prefill/decode disaggregated LLM serving.")
+        prog="zpd", description="Prefill/decode disaggregated LLM serving. "
+                                "'zpd COMMAND --help' explains each command.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="WARNING",
-                        help="DEBUG, INFO, WARNING (default), ERROR")
+                        help="DEBUG, INFO (one line per request event), WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     run = sub.add_parser("run", parents=[common], help="offline generation in one process (the reference path)",
                          description="Generate offline in one process, with continuous batching "
                                      "of all given prompts. No disaggregation.")
@@ -54,19 +125,65 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(run)
     run.add_argument("--json", action="store_true", help="one JSON response per line")
     run.set_defaults(func=_cmd_run)
+
+    for role, func, text in (("prefill", _cmd_prefill, "computes prompts' KV and writes it to decode"),
+                             ("decode", _cmd_decode, "receives KV from prefill and generates")):
+        p = sub.add_parser(role, parents=[common], help=f"start a {role} worker ({text})",
+                           description=f"Start a {role} worker: it {text}.")
+        add_model_options(p)
+        add_worker_options(p)
+        p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+        p.add_argument("--port", type=int, default=0, help="port to bind (default 0: any free port)")
+        p.add_argument("--ready-file", default=None, help="write {role, endpoint, pid} here once ready")
+        p.set_defaults(func=func)
+
+    r = sub.add_parser("router", parents=[common], help="start the router",
+                       description="Start the router: clients connect here; it picks the least "
+                                   "loaded prefill and decode for each request.")
+    r.add_argument("--prefill", required=True, help="prefill endpoints H:P[,H:P...]")
+    r.add_argument("--decode", required=True, help="decode endpoints H:P[,H:P...]")
+    r.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    r.add_argument("--port", type=int, default=5757, help="port to bind (default 5757)")
+    r.add_argument("--ready-file", default=None)
+    r.set_defaults(func=_cmd_router)
+
+    la = sub.add_parser("launch", parents=[common], help="a whole cluster on this host",
+                        description="Start a router and N prefill + K decode workers on this host; "
+                                    "Ctrl-C (or SIGTERM) stops them all.")
+    add_model_options(la)
+    add_worker_options(la)
+    la.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    la.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    la.add_argument("--host", default="127.0.0.1", help="interface for every process (default 127.0.0.1)")
+    la.add_argument("--port", type=int, default=5757, help="router port (default 5757; 0 = any)")
+    la.add_argument("--ready-file", default=None,
+                    help='write {"router": "H:P", "workers": [...]} here once all are ready')
+    la.add_argument("--log-dir", default=None, help="one log file per process here (default: inherit stderr)")
+    la.add_argument("--startup-timeout", type=float, default=180.0)
+    la.set_defaults(func=_cmd_launch)
+
+    g = sub.add_parser("generate", parents=[common], help="send requests to a router",
+                       description="Send requests to a running cluster and print the responses.")
+    g.add_argument("--router", default="127.0.0.1:5757", help="router endpoint (default 127.0.0.1:5757)")
+    add_prompt_options(g)
+    add_sampling_options(g)
+    g.add_argument("--stream", action="store_true", help="print chunks as they arrive (one request)")
+    g.add_argument("--json", action="store_true", help="JSON output, one object per line")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for an answer")
+    g.set_defaults(func=_cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     if getattr(args, "threads", None):
         import torch
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
-    except (ModelError, RequestError, ValueError) as e:
+    except (ModelError, RequestError, ValueError, TimeoutError) as e:
         print(f"zpd {args.command}: error: {e}", file=sys.stderr)
         return 2
 

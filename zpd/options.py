@@ -72,3 +72,35 @@ def sampling_dict(args: argparse.Namespace) -> dict:
         d["ignore_eos"] = True
     SamplingParams.from_dict(d)            # fail early with a clear message
     return d
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker")
+    g.add_argument("--transport", default="mooncake", choices=["mooncake"],
+                   help="KV transfer backend (default mooncake)")
+    g.add_argument("--ib-device", default="",
+                   help="RDMA device name(s) for Mooncake, e.g. mlx5_0 ('' = auto; TCP without RDMA NICs)")
+    g.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
+                   help="Mooncake protocol hint (Mooncake picks RDMA when NICs exist; "
+                        "MC_FORCE_TCP=1 forces TCP)")
+    g.add_argument("--max-prefill-tokens", type=int, default=8192,
+                   help="most prompt tokens in one prefill forward (default 8192)")
+    g.add_argument("--transfer-timeout", type=float, default=20.0,
+                   help="seconds one KV write may take before the request fails with 504")
+    g.add_argument("--kv-wait-timeout", type=float, default=60.0,
+                   help="seconds to wait for KV pages, kv_dest or kv_done before 504")
+
+
+WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
+                      "max_batch", "threads", "transport", "ib_device", "protocol",
+                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "log_level")
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The model/worker flags of `args` as command-line arguments for a child worker."""
+    argv: list[str] = []
+    for name in WORKER_PASSTHROUGH:
+        value = getattr(args, name, None)
+        if value is not None and value != "":
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv

@@ -1,0 +1,117 @@
+"""`zpd launch`: a whole cluster on this host, router plus N prefill and K decode workers.
+
+Each worker binds a free port and reports it through a ready file; the router is
+started once all workers are up; the launcher writes the cluster's ready file and
+stops every child on SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+log = logging.getLogger("zpd.launch")
+
+
+class Child:
+    def __init__(self, role: str, argv: list[str], ready: Path, log_file: Path | None) -> None:
+        self.role, self.ready = role, ready
+        out = open(log_file, "ab") if log_file else None
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     start_new_session=True)
+        if out:
+            out.close()
+        self.info: dict | None = None
+        self.reported = False
+
+    def poll_ready(self) -> bool:
+        if self.info is None and self.ready.exists():
+            self.info = orjson.loads(self.ready.read_bytes())
+        return self.info is not None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+
+def _wait_ready(children: list[Child], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(c.poll_ready() for c in children):
+        for c in children:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.role} worker exited with code {c.proc.returncode} before "
+                                   "it was ready (see its log above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers not ready within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def launch(args, worker_flags: list[str]) -> int:
+    """args: prefill, decode, host, port, ready_file, log_dir, startup_timeout."""
+    tmp = Path(tempfile.mkdtemp(prefix="zpd-launch-"))
+    log_dir = Path(args.log_dir) if args.log_dir else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    py = [sys.executable, "-m", "zpd"]
+    children: list[Child] = []
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    try:
+        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(count):
+                ready = tmp / f"{role}{i}.json"
+                argv = py + [role, "--host", args.host, "--port", "0", "--ready-file", str(ready)] \
+                    + worker_flags
+                children.append(Child(role, argv, ready, log_dir / f"{role}{i}.log" if log_dir else None))
+        _wait_ready(children, args.startup_timeout)
+        eps = {r: ",".join(c.info["endpoint"] for c in children if c.role == r)
+               for r in ("prefill", "decode")}
+        router = Child("router", py + ["router", "--host", args.host, "--port", str(args.port),
+                                       "--prefill", eps["prefill"], "--decode", eps["decode"],
+                                       "--ready-file", str(tmp / "router.json"),
+                                       "--log-level", args.log_level],
+                       tmp / "router.json", log_dir / "router.log" if log_dir else None)
+        children.append(router)
+        _wait_ready([router], args.startup_timeout)
+        cluster = {"router": router.info["endpoint"],
+                   "workers": [{"role": c.role, "endpoint": c.info["endpoint"], "pid": c.proc.pid}
+                               for c in children if c is not router]}
+        if args.ready_file:
+            Path(args.ready_file + ".tmp").write_bytes(orjson.dumps(cluster))
+            os.replace(args.ready_file + ".tmp", args.ready_file)
+        print(f"zpd cluster ready: router {cluster['router']} "
+              f"({args.prefill} prefill, {args.decode} decode); Ctrl-C stops it", flush=True)
+        while not stopping:
+            if router.proc.poll() is not None:
+                log.error("router exited with code %s; stopping the cluster", router.proc.returncode)
+                return 1
+            for c in children:
+                if c.proc.poll() is not None and not c.reported:
+                    c.reported = True
+                    log.error("%s worker %s exited with code %s", c.role, c.info["endpoint"],
+                              c.proc.returncode)
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as e:
+        print(f"zpd launch: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for c in children:
+            c.stop()
+        deadline = time.monotonic() + 10
+        for c in children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)

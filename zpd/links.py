@@ -1,0 +1,88 @@
+"""Decode's connections to prefill workers: one DEALER each, with the hello handshake."""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from zpd.loop import Loop
+from zpd.net import Dealer
+from zpd.protocol import Hello, HelloAck, Message
+
+log = logging.getLogger("zpd.links")
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"      # hello sent, no answer yet
+    READY = "ready"
+    REFUSED = "refused"            # incompatible: every request for it fails
+
+
+@dataclass(eq=False)
+class PrefillLink:
+    endpoint: str
+    dealer: Dealer
+    state: LinkState = LinkState.CONNECTING
+    reason: str = ""
+    waiting: list[Callable[[], None]] = field(default_factory=list)   # run once READY
+
+    def when_ready(self, action: Callable[[], None]) -> None:
+        if self.state is LinkState.READY:
+            action()
+        else:
+            self.waiting.append(action)
+
+
+class PrefillLinks:
+    """Creates links on first use and routes their inbound messages to `on_message`."""
+
+    def __init__(self, ctx: zmq.Context, loop: Loop, hello: Hello,
+                 on_message: Callable[[PrefillLink, Message], None],
+                 on_refused: Callable[[PrefillLink], None]) -> None:
+        self.ctx, self.loop, self.hello = ctx, loop, hello
+        self.on_message, self.on_refused = on_message, on_refused
+        self.links: dict[str, PrefillLink] = {}
+
+    def get(self, endpoint: str) -> PrefillLink:
+        link = self.links.get(endpoint)
+        if link is None:
+            dealer = Dealer(self.ctx, endpoint, identity=f"decode@{self.hello.decode}".encode())
+            link = self.links[endpoint] = PrefillLink(endpoint, dealer)
+            self.loop.add_socket(dealer, lambda: self._on_readable(link))
+            dealer.send(self.hello)
+        return link
+
+    def _on_readable(self, link: PrefillLink) -> None:
+        msg = link.dealer.recv()
+        if msg is None:
+            return
+        if isinstance(msg, HelloAck):
+            self._on_hello_ack(link, msg)
+        else:
+            self.on_message(link, msg)
+
+    def _on_hello_ack(self, link: PrefillLink, msg: HelloAck) -> None:
+        if not msg.ok:
+            link.state, link.reason = LinkState.REFUSED, msg.reason
+            log.error("prefill %s refused us: %s", link.endpoint, msg.reason)
+            link.waiting.clear()
+            self.on_refused(link)
+            return
+        link.state = LinkState.READY
+        log.info("linked to prefill %s (session %s, weights %s)", link.endpoint, msg.session_id,
+                 msg.weight_version)
+        waiting, link.waiting = link.waiting, []
+        for action in waiting:
+            action()
+
+    def status(self) -> list[dict]:
+        return [{"endpoint": l.endpoint, "state": l.state.value, "reason": l.reason}
+                for l in self.links.values()]
+
+    def close(self) -> None:
+        for link in self.links.values():
+            self.loop.remove_socket(link.dealer)
+            link.dealer.close()
