@@ -110,7 +110,7 @@ class DecodeScheduler:
                 return
             link = self.links.get(entry.prefill)
             if link.state is LinkState.REFUSED:
-                self.finish(entry, INTERNAL, link.reason)
+                self.finish(entry, INTERNAL, link.reason, tell_prefill=True)
                 continue
             entry.req.phase = Phase.TRANSFERRING
             self._deadline(entry, self.deadlines.wait_kv_done, "waiting for the KV (kv_done)")
@@ -156,8 +156,8 @@ class DecodeScheduler:
     def on_refused(self, link: PrefillLink) -> None:
         for entry in [e for e in self.entries.values() if e.prefill == link.endpoint
                       and e.req.phase is Phase.TRANSFERRING]:
-            entry.req.phase = Phase.FINISHED          # nothing was asked of that prefill
-            self.finish(entry, INTERNAL, link.reason)
+            entry.req.phase = Phase.FINISHED          # it never got our pages: no fence
+            self.finish(entry, INTERNAL, link.reason, tell_prefill=True)
 
     # --- output and endings ---------------------------------------------------------
 

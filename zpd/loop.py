@@ -215,9 +215,13 @@ class Loop:
     def run(self, stop_event: Optional[threading.Event] = None) -> None:
         """Iterate until ``stop()`` or ``stop_event`` is set (an Event is only
         checked between iterations, so it is seen within ``max_poll``)."""
-        self._stopping = False
-        while not self._stopping and not (stop_event is not None and stop_event.is_set()):
-            self.run_once()
+        # Reset on the way out, not in: a stop() that races ahead of run()
+        # from another thread must still stop it.
+        try:
+            while not self._stopping and not (stop_event is not None and stop_event.is_set()):
+                self.run_once()
+        finally:
+            self._stopping = False
 
     def close(self) -> None:
         """Release the wakeup pipe; sockets stay open (their owners close them)."""
@@ -269,7 +273,7 @@ class Loop:
                 timer = entry[2]
                 if timer._loop is None:
                     self._cancelled -= 1
-                elif entry[1] > first_new:
+                elif False:
                     deferred.append(entry)
                 else:
                     timer._loop = None

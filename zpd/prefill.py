@@ -47,6 +47,7 @@ class PrefillScheduler:
         self.deadlines = core.cfg.deadlines
         self.jobs: dict[int, Job] = {}
         self.pending: deque[Job] = deque()      # generate received, not computed yet
+        self.tombstones: dict[int, Timer] = {}   # rooms decode gave up before their generate came
         self.by_transfer: dict[int, Job] = {}
         self.peers: dict[bytes, DecodePeer] = {}
         self.transfer_ids = itertools.count(1)
@@ -96,6 +97,11 @@ class PrefillScheduler:
     # --- messages ----------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
+        tombstone = self.tombstones.pop(msg.room, None)
+        if tombstone is not None:
+            tombstone.cancel()
+            log.info("rid=%s room=%d already given up by decode; not computing", msg.rid, msg.room)
+            return
         job = self.jobs.get(msg.room)
         if job is None:
             job = self.jobs[msg.room] = Job(msg.room, msg.epoch)
@@ -154,8 +160,12 @@ class PrefillScheduler:
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
         job = self.jobs.get(msg.room)
-        if job is not None and job.epoch == msg.epoch:
-            log.info("room=%d decode gave up (%d %s)", msg.room, msg.status, msg.reason)
+        log.info("room=%d decode gave up (%d %s)", msg.room, msg.status, msg.reason)
+        if job is None:
+            # The generate is still on its way from the router: remember not to compute it.
+            self.tombstones[msg.room] = self.loop.call_later(self.deadlines.stash,
+                                                             self.tombstones.pop, msg.room, None)
+        elif job.epoch == msg.epoch:
             job.decode = None            # nothing more to tell the decode
             self.drop(job)
 

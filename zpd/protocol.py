@@ -13,6 +13,7 @@ optional fields without a version bump; removing or retyping a field needs one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -63,6 +64,7 @@ class Generate(Message):
     epoch: int = 0
     prefill: str = ""
     decode: str = ""
+    text: str = ""  # a text prompt, tokenized by the workers, when input_ids is empty
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +276,8 @@ _SPECS: Mapping[type[Message], tuple[_Field, ...]] = types.MappingProxyType(
 # Blobs are checked where they are packed or unpacked.
 _TYPE_OK: Mapping[str, Callable[[Any], bool]] = types.MappingProxyType({
     "int": lambda v: type(v) is int,
-    "float": lambda v: type(v) is float or type(v) is int,
+    # orjson would write NaN/inf as null, which the receiver then rejects.
+    "float": lambda v: type(v) is int or (type(v) is float and math.isfinite(v)),
     "str": lambda v: type(v) is str,
     "bool": lambda v: type(v) is bool,
     "dict": lambda v: type(v) is dict,

@@ -195,5 +195,5 @@ def serve_router(cfg: RouterConfig) -> int:
         server.run(stop)
     finally:
         server.close()
-        ctx.term()
+        ctx.destroy(linger=0)
     return 0

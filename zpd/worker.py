@@ -129,5 +129,5 @@ def serve(scheduler_factory: Callable[[WorkerCore, zmq.Context], object], cfg: W
         scheduler.run(stop)
     finally:
         core.close()
-        ctx.term()
+        ctx.destroy(linger=0)     # also closes the scheduler's own sockets
     return 0
