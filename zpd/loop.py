@@ -273,7 +273,7 @@ class Loop:
                 timer = entry[2]
                 if timer._loop is None:
                     self._cancelled -= 1
-                elif False:
+                elif entry[1] > first_new:
                     deferred.append(entry)
                 else:
                     timer._loop = None
