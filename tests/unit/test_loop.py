@@ -175,6 +175,20 @@ def test_run_and_stop_from_another_thread() -> None:
         lp.close()
 
 
+def test_stop_before_run_and_stop_event() -> None:
+    lp = Loop(max_poll=0.01)
+    try:
+        lp.stop()
+        started = time.monotonic()
+        lp.run()  # returns at once: the early stop was not lost
+        event = threading.Event()
+        lp.call_later(0.02, event.set)
+        lp.run(stop_event=event)
+        assert time.monotonic() - started < 1.0
+    finally:
+        lp.close()
+
+
 def test_fd_handler_fires(real_loop: Loop) -> None:
     r, w = os.pipe()
     got: list[bytes] = []

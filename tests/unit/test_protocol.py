@@ -144,6 +144,7 @@ def test_unknown_header_keys_are_ignored() -> None:
     p.Generate(rid="r", input_ids=[2**31]),
     p.Generate(rid="r", input_ids=["a"]),  # type: ignore[list-item]
     p.Abort(rid="r", status=True),
+    p.Ping(seq=1, sent_at=float("nan")),
     p.Admin(command="c", args={"x": object()}),
     p.Token(rid="r", token_ids=[], weight_versions=[1]),  # type: ignore[list-item]
 ])
