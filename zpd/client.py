@@ -8,17 +8,19 @@ from typing import Iterator
 
 import zmq
 
-from zpd.net import Dealer
+from zpd.net import Curve, Dealer, SocketOptions
 from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Token
 
 
 class Client:
     """One DEALER connection; not thread-safe (use one Client per thread)."""
 
-    def __init__(self, endpoint: str, timeout: float = 300.0) -> None:
+    def __init__(self, endpoint: str, timeout: float = 300.0, curve: Curve | None = None) -> None:
+        """`curve`: this client's CURVE keys (`zpd.security.client_curve`) for a cluster
+        started with --curve-keys; None speaks plaintext."""
         self.endpoint, self.timeout = endpoint, timeout
         self._ctx = zmq.Context()
-        self._dealer = Dealer(self._ctx, endpoint)
+        self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
 
     def close(self) -> None:
         self._dealer.close()
@@ -40,16 +42,29 @@ class Client:
 
     def generate_many(self, requests: list[dict]) -> list[dict]:
         """Submit all requests at once (they run concurrently); responses in order."""
-        rids = [self._submit(stream=False, **r) for r in requests]
-        parts: dict[str, list[Token]] = {rid: [] for rid in rids}
+        rids = [self.submit(**r) for r in requests]
+        parts: dict[str, list[dict]] = {rid: [] for rid in rids}
         done: dict[str, dict] = {}
         while len(done) < len(rids):
-            msg = self._next(Token, "a token")
-            if msg.rid in parts and msg.rid not in done:
-                parts[msg.rid].append(msg)
-                if msg.finished:
-                    done[msg.rid] = _assemble(parts[msg.rid])
+            chunk = self.receive()
+            if chunk["rid"] in parts and chunk["rid"] not in done:
+                parts[chunk["rid"]].append(chunk)
+                if chunk["finished"]:
+                    done[chunk["rid"]] = assemble(parts[chunk["rid"]])
         return [done[rid] for rid in rids]
+
+    def submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
+               sampling_params: dict | None = None, rid: str | None = None,
+               stream: bool = False) -> str:
+        """Send a request without waiting; returns its rid. Read answers with `receive`."""
+        return self._submit(input_ids, prompt, sampling_params, rid, stream)
+
+    def receive(self, timeout: float | None = None) -> dict:
+        """The next chunk for any submitted request (see `stream` for its fields)."""
+        msg = self._next(Token, "a token", timeout)
+        chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
+                 "weight_versions": list(msg.weight_versions), "finished": msg.finished}
+        return chunk | (_final_fields(msg) if msg.finished else {})
 
     def stream(self, input_ids: list[int] | None = None, prompt: str | None = None,
                sampling_params: dict | None = None, rid: str | None = None) -> Iterator[dict]:
@@ -89,12 +104,15 @@ class Client:
     # --- admin ----------------------------------------------------------------------
 
     def admin(self, command: str, timeout: float | None = None, **args) -> dict:
-        """Send an admin command; returns {"ok": bool, **result}."""
+        """Send an admin command; returns {"ok": bool, **result}. `timeout` bounds the
+        whole call (TimeoutError after it)."""
         req_id = uuid.uuid4().hex
         if timeout is not None:
-            args["timeout"] = timeout
+            # A router answers with what it has (missing workers marked 504) a little
+            # before we give up, so one dead worker still yields the others' results.
+            args["timeout"] = timeout * 0.8
         self._dealer.send(Admin(command, args, req_id))
-        wait = (timeout or self.timeout) + 5.0
+        wait = timeout or self.timeout
         while True:
             msg = self._next(AdminReply, f"the {command!r} reply", wait)
             if msg.req_id == req_id:
@@ -118,7 +136,9 @@ def _final_fields(msg: Token) -> dict:
     return {"finish_reason": msg.finish, "meta": meta, "text": text}
 
 
-def _assemble(parts: list[Token]) -> dict:
-    last = parts[-1]
-    return {"rid": last.rid, "output_ids": [t for p in parts for t in p.token_ids],
-            "weight_versions": [v for p in parts for v in p.weight_versions]} | _final_fields(last)
+def assemble(chunks: list[dict]) -> dict:
+    """One request's chunks, in order, as a finished response."""
+    last = chunks[-1]
+    return {"rid": last["rid"], "output_ids": [t for c in chunks for t in c["token_ids"]],
+            "weight_versions": [v for c in chunks for v in c["weight_versions"]],
+            "finish_reason": last["finish_reason"], "meta": last["meta"], "text": last["text"]}

@@ -1,11 +1,12 @@
 """The decode worker's scheduler: reserve pages, ask prefill for the KV, then generate.
 
 Loop body: poll sockets and fire deadlines, admit requests waiting for pages, one
-decode step for the running batch, emit tokens.
+decode step for the running batch, emit tokens. Pages a prefill write may still reach
+are fenced until that prefill answers for them (`kv_done`/`kv_failed`) or a fence longer
+than any transfer has passed.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections import deque
@@ -18,10 +19,11 @@ from engines.sampler import SamplingParams
 from zpd.decode_batch import DecodeBatch
 from zpd.links import LinkState, PrefillLink, PrefillLinks
 from zpd.loop import Timer
-from zpd.protocol import Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message, Token
+from zpd.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
+                          Recompute, Token)
 from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Phase, Request, RequestError,
                          response, validate)
-from zpd.worker import WorkerCore
+from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
 
 log = logging.getLogger("zpd.decode")
 
@@ -44,24 +46,29 @@ class DecodeScheduler:
         self.deadlines = core.cfg.deadlines
         self.entries: dict[int, Entry] = {}
         self.by_rid: dict[str, Entry] = {}
-        self.waiting: deque[Entry] = deque()           # no pages yet
-        self.fenced: dict[int, list[int]] = {}         # fence id -> pages a write may still reach
-        self.fence_ids = itertools.count()
+        self.waiting: deque[Entry] = deque()                   # no pages yet
+        self.fenced: dict[tuple[int, int], tuple[list[int], Timer]] = {}   # (room, epoch) -> pages
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
+        self.live_prefills: list[str] | None = None            # from the router's continue
+        self.pause_waiters: list[Respond] = []
         hello = Hello(core.endpoint, core.layout.to_dict(), core.compat_hash,
                       core.backend.session_id, self.pool.data_ptr, self.pool.num_pages,
                       core.model.version)
-        self.links = PrefillLinks(ctx, self.loop, hello, self.on_prefill_message, self.on_refused)
+        self.links = PrefillLinks(ctx, self.loop, hello, self.on_prefill_message, self.on_refused,
+                                  core.security.client_options())
         core.handlers |= {Generate: self.on_generate, Abort: self.on_abort, Admin: core.on_admin}
-        core.admin_commands["status"] = self.status
+        core.admin_commands |= {"status": self.status, "pause": self.pause, "continue": self.resume}
+        core.busy = lambda: bool(self.entries or self.fenced)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            busy = len(self.batch) > 0 or self._admissible()
-            self.loop.run_once(max_wait=0 if busy else None)
-            self.admit()
-            for req in self.batch.step():
-                self.emit(self.by_rid[req.rid])
+            running = self.core.paused is None and (len(self.batch) > 0 or self._admissible())
+            self.loop.run_once(max_wait=0 if running else None)
+            if self.core.paused is None:
+                self.admit()
+                for req in self.batch.step():
+                    self.emit(self.by_rid[req.rid])
+            self._answer_pause_waiters()
 
     # --- admission -------------------------------------------------------------
 
@@ -73,6 +80,7 @@ class DecodeScheduler:
         try:
             params = SamplingParams.from_dict(msg.sampling)
             prompt = self.core.prompt_ids(msg)
+            validate(prompt, params, self.core.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
         except RequestError as e:
             error = e
         except ValueError as e:
@@ -82,19 +90,21 @@ class DecodeScheduler:
         self.entries[msg.room], self.by_rid[msg.rid] = entry, entry
         log.info("rid=%s room=%d epoch=%d generate via prefill %s", msg.rid, msg.room, msg.epoch,
                  msg.prefill)
-        try:
-            if error:
-                raise error
-            validate(entry.req.prompt, params, self.core.model.cfg, self.pool.layout.page_size,
-                     self.pool.num_pages)
-        except RequestError as e:
-            self.finish(entry, e.status, str(e), tell_prefill=True)
-            return
+        if error is not None:
+            self.finish(entry, error.status, str(error), tell_prefill=True)
+        elif self.core.paused in ("retract", "abort"):
+            entry.req.phase = Phase.HELD          # the prefill drops it; recomputed after continue
+        else:
+            self._enqueue(entry)
+
+    def _enqueue(self, entry: Entry) -> None:
+        entry.req.phase = Phase.WAITING
         self.waiting.append(entry)
         self._deadline(entry, self.deadlines.wait_pages, "waiting for KV pages")
 
     def _admissible(self) -> bool:
-        while self.waiting and self.entries.get(self.waiting[0].room) is not self.waiting[0]:
+        while self.waiting and (self.entries.get(self.waiting[0].room) is not self.waiting[0]
+                                or self.waiting[0].req.phase is not Phase.WAITING):
             self.waiting.popleft()
         return bool(self.waiting) and self.batch.has_room and self.pool.allocator.can_alloc(
             self.pool.pages_for(self.waiting[0].req.max_context))
@@ -108,55 +118,69 @@ class DecodeScheduler:
             except PoolFull:
                 self.waiting.appendleft(entry)
                 return
-            link = self.links.get(entry.prefill)
+            link = self.links.get(self._prefill_for(entry))
             if link.state is LinkState.REFUSED:
                 self.finish(entry, INTERNAL, link.reason, tell_prefill=True)
                 continue
+            entry.prefill = link.endpoint
             entry.req.phase = Phase.TRANSFERRING
             self._deadline(entry, self.deadlines.wait_kv_done, "waiting for the KV (kv_done)")
-            link.when_ready(lambda e=entry, l=link: self._send_kv_dest(e, l))
+            link.when_ready(lambda e=entry, l=link, epoch=entry.epoch: self._request_kv(e, l, epoch))
 
-    def _send_kv_dest(self, entry: Entry, link: PrefillLink) -> None:
-        if self.entries.get(entry.room) is entry:
-            prompt_pages = self.pool.pages_for(len(entry.req.prompt) + len(entry.req.output) - 1
-                                               if entry.req.output else len(entry.req.prompt))
-            link.dealer.send(KvDest(entry.room, entry.epoch, entry.req.rid,
-                                    entry.req.pages[:prompt_pages]))
+    def _prefill_for(self, entry: Entry) -> str:
+        """The request's own prefill, unless the router said it is gone after a pause."""
+        live = self.live_prefills
+        if entry.epoch == 0 or not live or entry.prefill in live:
+            return entry.prefill
+        return live[entry.room % len(live)]
+
+    def _request_kv(self, entry: Entry, link: PrefillLink, epoch: int) -> None:
+        if self.entries.get(entry.room) is not entry or entry.epoch != epoch:
+            return
+        req = entry.req
+        prefix = req.prompt + req.output[:-1]
+        if epoch > 0:      # the prefill forgot this request when it was retracted
+            link.dealer.send(Recompute(req.rid, entry.room, epoch, prefix, req.params.to_dict()))
+        link.dealer.send(KvDest(entry.room, epoch, req.rid, req.pages[:self.pool.pages_for(len(prefix))]))
 
     # --- from prefill ---------------------------------------------------------------
 
     def on_prefill_message(self, link: PrefillLink, msg: Message) -> None:
-        entry = self.entries.get(getattr(msg, "room", -1))
-        if entry is None or entry.epoch != getattr(msg, "epoch", -1):
+        key = (getattr(msg, "room", -1), getattr(msg, "epoch", -1))
+        if key in self.fenced and isinstance(msg, (KvDone, KvFailed)):
+            self._unfence(key)                   # the prefill answered: nothing more will land
+            return
+        entry = self.entries.get(key[0])
+        if entry is None or entry.epoch != key[1] or entry.req.phase is not Phase.TRANSFERRING:
             log.debug("dropping %s for unknown or old room from %s", msg.TYPE, link.endpoint)
             return
         if isinstance(msg, KvDone):
             self.on_kv_done(entry, msg)
         elif isinstance(msg, KvFailed):
-            entry.req.phase = Phase.FINISHED   # the prefill will not write any more
+            entry.req.phase = Phase.FINISHED     # the prefill will not write any more
             self.finish(entry, msg.status, f"prefill {link.endpoint}: {msg.reason}")
         else:
             log.warning("unexpected %s from prefill %s", msg.TYPE, link.endpoint)
 
     def on_kv_done(self, entry: Entry, msg: KvDone) -> None:
         req = entry.req
+        if entry.timer is not None:
+            entry.timer.cancel()
         if not req.output:
             req.emit(msg.first_token, msg.weight_version)
             req.finish = self.core.compute.stop(req)
-        if entry.timer is not None:
-            entry.timer.cancel()
+        log.info("rid=%s room=%d epoch=%d kv received", req.rid, entry.room, entry.epoch)
         if req.finished:
             req.phase = Phase.FINISHED
             self.emit(entry)
         else:
             self.batch.add(req)
-            if entry.stream:
-                self.emit(entry)
+            self.emit(entry)
 
     def on_refused(self, link: PrefillLink) -> None:
         for entry in [e for e in self.entries.values() if e.prefill == link.endpoint
                       and e.req.phase is Phase.TRANSFERRING]:
-            entry.req.phase = Phase.FINISHED          # it never got our pages: no fence
+            entry.req.phase = Phase.FINISHED         # it never got our pages: no fence
             self.finish(entry, INTERNAL, link.reason, tell_prefill=True)
 
     # --- output and endings ---------------------------------------------------------
@@ -166,6 +190,8 @@ class DecodeScheduler:
         if not req.finished and not entry.stream:
             return
         new, versions = req.output[entry.sent:], req.weight_versions[entry.sent:]
+        if not new and not req.finished:
+            return
         entry.sent = len(req.output)
         meta = {}
         if req.finished:
@@ -184,35 +210,36 @@ class DecodeScheduler:
         """End the request with an error status and tell the client."""
         log.info("rid=%s room=%d epoch=%d ends: %d %s", entry.req.rid, entry.room, entry.epoch,
                  status, reason)
-        if tell_prefill:
+        if tell_prefill and entry.req.phase is not Phase.HELD:
             self.links.get(entry.prefill).dealer.send(KvFailed(entry.room, entry.epoch, status, reason))
-        if entry.req.phase is Phase.TRANSFERRING:
-            self._fence(entry.req)
-        self.batch.remove(entry.req.rid)
+        self._release(entry)
         entry.req.abort(status, reason)
         self.emit(entry)
+
+    def _release(self, entry: Entry) -> None:
+        """Give back the request's pages; fence them if a prefill write may still land."""
+        req = entry.req
+        self.batch.remove(req.rid)
+        if req.pages and req.phase is Phase.TRANSFERRING:
+            key = (entry.room, entry.epoch)
+            timer = self.loop.call_later(self.deadlines.transfer + 5.0, self._unfence, key)
+            self.fenced[key] = (req.pages, timer)
+        elif req.pages:
+            self.pool.allocator.free_pages(req.pages)
+        req.pages = []
 
     def _forget(self, entry: Entry) -> None:
         self.entries.pop(entry.room, None)
         self.by_rid.pop(entry.req.rid, None)
         if entry.timer is not None:
             entry.timer.cancel()
-        if entry.req.pages:
-            self.pool.allocator.free_pages(entry.req.pages)
-            entry.req.pages = []
+        self._release(entry)
 
-    def _fence(self, req: Request) -> None:
-        """Pages a prefill write may still reach are kept out of use until a fence
-        longer than the transfer deadline has passed."""
-        if not req.pages:
-            return
-        fence_id = next(self.fence_ids)
-        self.fenced[fence_id] = req.pages
-        req.pages = []
-        self.loop.call_later(self.deadlines.transfer + 5.0, self._unfence, fence_id)
-
-    def _unfence(self, fence_id: int) -> None:
-        self.pool.allocator.free_pages(self.fenced.pop(fence_id))
+    def _unfence(self, key: tuple[int, int]) -> None:
+        pages, timer = self.fenced.pop(key, (None, None))
+        if pages is not None:
+            timer.cancel()
+            self.pool.allocator.free_pages(pages)
 
     def _deadline(self, entry: Entry, seconds: float, what: str) -> None:
         if entry.timer is not None:
@@ -224,12 +251,65 @@ class DecodeScheduler:
         if self.entries.get(entry.room) is entry:
             self.finish(entry, DEADLINE, f"deadline expired {what}", tell_prefill=True)
 
-    def status(self, args: dict) -> dict:
-        fenced = sum(map(len, self.fenced.values()))
-        return {"weight_version": self.core.model.version, "paused": None,
+    # --- pause, continue ------------------------------------------------------------
+
+    def pause(self, args: dict, respond: Respond) -> None:
+        mode = pause_mode(args)
+        if self.core.paused is not None and self.core.paused != mode:
+            raise AdminError(409, f"already paused ({self.core.paused}); continue first")
+        self.core.paused = mode
+        for entry in list(self.entries.values()):
+            if mode == "abort":
+                self.finish(entry, ABORTED, "aborted by pause(abort)", tell_prefill=True)
+            elif mode == "retract" and entry.req.phase is not Phase.HELD:
+                self.retract(entry)
+        self.pause_waiters.append(respond)
+        self._answer_pause_waiters()
+
+    def retract(self, entry: Entry) -> None:
+        """Drop the request's KV and hold it; its last token is fed again after continue."""
+        req = entry.req
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if req.phase is Phase.TRANSFERRING:
+            self.links.get(entry.prefill).dealer.send(KvFailed(entry.room, entry.epoch, ABORTED, "retracted"))
+        self._release(entry)
+        req.retractions += 1
+        req.phase = Phase.HELD
+        log.info("rid=%s room=%d epoch=%d retracted after %d tokens", req.rid, entry.room,
+                 entry.epoch, len(req.output))
+
+    def _answer_pause_waiters(self) -> None:
+        """pause(retract|abort) is answered once no page is fenced: then no worker
+        holds KV for any request and memory can be flushed."""
+        if self.pause_waiters and not (self.fenced and self.core.paused in ("retract", "abort")):
+            waiters, self.pause_waiters = self.pause_waiters, []
+            for respond in waiters:
+                respond(True, self._status())
+
+    def resume(self, args: dict, respond: Respond) -> None:
+        """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
+        was, self.core.paused = self.core.paused, None
+        prefills = args.get("prefills")
+        if isinstance(prefills, list) and all(isinstance(p, str) for p in prefills) and prefills:
+            self.live_prefills = prefills
+        held = sorted((e for e in self.entries.values() if e.req.phase is Phase.HELD),
+                      key=lambda e: e.req.arrived)
+        for entry in held:
+            entry.epoch += 1
+            self._enqueue(entry)
+        respond(True, self._status() | {"was_paused": was, "resumed": len(held)})
+
+    def status(self, args: dict, respond: Respond) -> None:
+        respond(True, self._status())
+
+    def _status(self) -> dict:
+        fenced = sum(len(p) for p, _ in self.fenced.values())
+        phases = [e.req.phase for e in self.entries.values()]
+        return {"weight_version": self.core.model.version, "paused": self.core.paused,
                 "kv_pages": self.core.kv_pages(fenced),
-                "queues": {"waiting_pages": len(self.waiting),
-                           "waiting_kv": sum(1 for e in self.entries.values()
-                                             if e.req.phase is Phase.TRANSFERRING),
-                           "running": len(self.batch)},
+                "queues": {"waiting_pages": phases.count(Phase.WAITING),
+                           "waiting_kv": phases.count(Phase.TRANSFERRING),
+                           "running": len(self.batch), "held": phases.count(Phase.HELD)},
+                "held": [e.req.rid for e in self.entries.values() if e.req.phase is Phase.HELD],
                 "peers": self.links.status()}

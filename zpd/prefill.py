@@ -3,6 +3,8 @@
 A job may start computing before decode's `kv_dest` arrives; the write starts once
 both are there. Messages may arrive in either order (router -> prefill and decode ->
 prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly.
+Whenever a job ends, the decode is told (`kv_failed`/`kv_done`) only once no write of
+ours can still land in its pages: that message is what lets it reuse them.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 import transport
 from engines.sampler import SamplingParams
 from zpd.loop import Timer
-from zpd.protocol import Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed
-from zpd.request import BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError, validate
-from zpd.worker import WorkerCore
+from zpd.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
+                          Recompute)
+from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError,
+                         validate, validate_prefix)
+from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
 
 log = logging.getLogger("zpd.prefill")
 
@@ -39,21 +43,25 @@ class Job:
     transfer_id: int | None = None
     timer: Timer | None = None
     failure: tuple[int, str] | None = None
+    notice: tuple[int, str] | None = None   # kv_failed to send once the write is over
 
 
 class PrefillScheduler:
-    def __init__(self, core: WorkerCore) -> None:
+    def __init__(self, core: WorkerCore, ctx=None) -> None:
         self.core, self.pool, self.loop = core, core.pool, core.loop
         self.deadlines = core.cfg.deadlines
         self.jobs: dict[int, Job] = {}
-        self.pending: deque[Job] = deque()      # generate received, not computed yet
-        self.tombstones: dict[int, Timer] = {}   # rooms decode gave up before their generate came
+        self.pending: deque[Job] = deque()          # generate received, not computed yet
+        self.tombstones: dict[int, tuple[int, Timer]] = {}   # room -> (epoch, expiry): ended here
         self.by_transfer: dict[int, Job] = {}
         self.peers: dict[bytes, DecodePeer] = {}
         self.transfer_ids = itertools.count(1)
-        core.handlers |= {Generate: self.on_generate, Hello: self.on_hello, KvDest: self.on_kv_dest,
-                          KvFailed: self.on_kv_failed, Abort: self.on_abort, Admin: core.on_admin}
-        core.admin_commands["status"] = self.status
+        self.pause_waiters: list[Respond] = []
+        core.handlers |= {Generate: self.on_generate, Recompute: self.on_recompute,
+                          Hello: self.on_hello, KvDest: self.on_kv_dest, KvFailed: self.on_kv_failed,
+                          Abort: self.on_abort, Admin: core.on_admin}
+        core.admin_commands |= {"status": self.status, "pause": self.pause, "continue": self.resume}
+        core.busy = lambda: bool(self.jobs)
         self.loop.add_fd(core.backend.fileno(), self.on_completions)
 
     # --- loop ------------------------------------------------------------------
@@ -68,8 +76,8 @@ class PrefillScheduler:
 
     def _runnable(self) -> bool:
         while self.pending and self.jobs.get(self.pending[0].room) is not self.pending[0]:
-            self.pending.popleft()                      # dropped while queued
-        return bool(self.pending) and self.pool.allocator.can_alloc(
+            self.pending.popleft()                      # ended while queued
+        return self.core.paused is None and bool(self.pending) and self.pool.allocator.can_alloc(
             self.pool.pages_for(len(self.pending[0].req.prompt)))
 
     def schedule(self) -> list[Job]:
@@ -94,37 +102,56 @@ class PrefillScheduler:
             else:
                 self._deadline(job, self.deadlines.wait_kv_dest, "waiting for kv_dest")
 
-    # --- messages ----------------------------------------------------------------
+    # --- requests ----------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
-        tombstone = self.tombstones.pop(msg.room, None)
-        if tombstone is not None:
-            tombstone.cancel()
-            log.info("rid=%s room=%d already given up by decode; not computing", msg.rid, msg.room)
-            return
-        job = self.jobs.get(msg.room)
-        if job is None:
-            job = self.jobs[msg.room] = Job(msg.room, msg.epoch)
-        elif job.req is not None or job.epoch != msg.epoch:
-            log.warning("duplicate generate for room %d dropped", msg.room)
-            return
-        prompt, params = [], SamplingParams()
+        prompt, params, failure = [], SamplingParams(), None
         try:
             params = SamplingParams.from_dict(msg.sampling)
             prompt = self.core.prompt_ids(msg)
-            validate(prompt, params, self.core.model.cfg, self.pool.layout.page_size,
-                     self.pool.num_pages)
+            validate(prompt, params, self.core.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
         except (RequestError, ValueError) as e:
-            job.failure = (getattr(e, "status", BAD_REQUEST), str(e))
-        job.req = Request(msg.rid, prompt, params)
-        log.info("rid=%s room=%d epoch=%d generate (%d prompt tokens)", msg.rid, msg.room,
-                 msg.epoch, len(prompt))
-        if job.failure is None:
+            failure = (getattr(e, "status", BAD_REQUEST), str(e))
+        self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
+
+    def on_recompute(self, identity: bytes, msg: Recompute) -> None:
+        """KV for prompt + output[:-1] again, under the current weights, as a new epoch."""
+        failure, params = None, SamplingParams()
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
+        except (RequestError, ValueError) as e:
+            failure = (getattr(e, "status", BAD_REQUEST), str(e))
+        old = self.jobs.get(msg.room)
+        if old is not None and old.epoch < msg.epoch:
+            self.end(old, None, "superseded by a recompute")
+        self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure, identity)
+
+    def admit(self, rid: str, room: int, epoch: int, prompt: list[int], params: SamplingParams,
+              failure: tuple[int, str] | None, decode: bytes | None = None) -> None:
+        if self._tombstoned(room, epoch):
+            log.info("rid=%s room=%d epoch=%d already ended here; not computing", rid, room, epoch)
+            return
+        if self.core.paused in ("retract", "abort"):
+            # decode holds the request and will send a recompute after continue
+            log.info("rid=%s room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
+            self._tombstone(room, epoch)
+            return
+        job = self.jobs.get(room)
+        if job is None:
+            job = self.jobs[room] = Job(room, epoch)
+        elif job.req is not None or job.epoch != epoch:
+            log.warning("duplicate or stale request for room %d epoch %d dropped", room, epoch)
+            return
+        job.req, job.failure = Request(rid, prompt, params), failure
+        job.decode = job.decode or decode
+        log.info("rid=%s room=%d epoch=%d queued (%d prompt tokens)", rid, room, epoch, len(prompt))
+        if failure is None:
             self.pending.append(job)
             self._deadline(job, self.deadlines.wait_pages, "waiting for KV pages")
         elif job.decode is not None:
-            self.fail(job, *job.failure)
-        if job.decode is None and job.failure is not None:
+            self.end(job, *failure)
+        else:
             self._deadline(job, self.deadlines.stash, "waiting for kv_dest")
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
@@ -146,6 +173,10 @@ class PrefillScheduler:
             self.core.router.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
             return
         job = self.jobs.get(msg.room)
+        if job is None and (self._tombstoned(msg.room, msg.epoch) or self.core.paused in ("retract", "abort")):
+            # nothing of ours will ever write there: the decode may reuse the pages
+            self.core.router.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
+            return
         if job is None:
             job = self.jobs[msg.room] = Job(msg.room, msg.epoch)
             self._deadline(job, self.deadlines.stash, "waiting for generate")
@@ -154,24 +185,23 @@ class PrefillScheduler:
             return
         job.decode, job.dest = identity, list(msg.page_ids)
         if job.failure is not None:
-            self.fail(job, *job.failure)
+            self.end(job, *job.failure)
         elif job.computed:
             self.start_write(job)
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
+        """The decode gave up on (room, epoch); answer once our write cannot land."""
         job = self.jobs.get(msg.room)
-        log.info("room=%d decode gave up (%d %s)", msg.room, msg.status, msg.reason)
+        log.info("room=%d epoch=%d decode gave up (%d %s)", msg.room, msg.epoch, msg.status, msg.reason)
         if job is None:
-            # The generate is still on its way from the router: remember not to compute it.
-            self.tombstones[msg.room] = self.loop.call_later(self.deadlines.stash,
-                                                             self.tombstones.pop, msg.room, None)
-        elif job.epoch == msg.epoch:
-            job.decode = None            # nothing more to tell the decode
-            self.drop(job)
+            self._tombstone(msg.room, msg.epoch)     # its generate may still be on the way
+        elif job.epoch <= msg.epoch:
+            job.decode = job.decode or identity
+            self.end(job, ABORTED, "acknowledged")
 
     def on_abort(self, identity: bytes, msg: Abort) -> None:
         for job in [j for j in self.jobs.values() if j.req is not None and j.req.rid == msg.rid]:
-            self.drop(job)
+            self.end(job, msg.status or ABORTED, msg.reason or "aborted")
 
     # --- transfer ----------------------------------------------------------------
 
@@ -179,7 +209,7 @@ class PrefillScheduler:
         peer = self.peers[job.decode]
         n = len(job.req.pages)
         if len(job.dest) < n:
-            self.fail(job, INTERNAL, f"decode gave {len(job.dest)} pages for {n}")
+            self.end(job, INTERNAL, f"decode gave {len(job.dest)} pages for {n}")
             return
         runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages, peer.base_addr,
                                        job.dest[:n], self.pool.layout.page_bytes)
@@ -194,41 +224,52 @@ class PrefillScheduler:
             if job is None:
                 continue
             job.transfer_id = None
-            if not c.ok:
-                self.fail(job, INTERNAL, f"KV transfer failed: {c.reason}")
-            elif self.jobs.get(job.room) is job:
-                first = job.req.output[-1] if job.req.output else -1
+            if self.jobs.get(job.room) is not job:
+                self._finish_ended(job)              # ended while writing
+            elif not c.ok:
+                self.end(job, INTERNAL, f"KV transfer failed: {c.reason}")
+            else:
                 log.info("rid=%s room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
                          job.room, job.epoch, c.nbytes, c.seconds * 1e3)
+                first = job.req.output[-1] if job.req.output else -1
                 self.core.router.send(job.decode, KvDone(job.room, job.epoch, first,
                                                          self.core.model.version))
-                self.drop(job)
-            else:
-                self._free(job)       # dropped while writing: the pages were kept until now
+                self.end(job, None, "")
+        self._answer_pause_waiters()
 
     # --- endings -------------------------------------------------------------------
 
-    def fail(self, job: Job, status: int, reason: str) -> None:
-        log.warning("room=%d epoch=%d failed: %d %s", job.room, job.epoch, status, reason)
-        if job.decode is not None:
-            self.core.router.send(job.decode, KvFailed(job.room, job.epoch, status, reason))
-        self.drop(job)
-
-    def drop(self, job: Job) -> None:
-        """Forget the job; its pages come back now, or when an in-flight write ends."""
+    def end(self, job: Job, status: int | None, reason: str) -> None:
+        """Forget the job. With a status, tell its decode (once no write can land)."""
         if self.jobs.get(job.room) is job:
             del self.jobs[job.room]
+        if status is not None and status != ABORTED:
+            log.warning("room=%d epoch=%d failed: %d %s", job.room, job.epoch, status, reason)
         if job.timer is not None:
             job.timer.cancel()
+        job.notice = None if status is None else (status, reason)
         if job.transfer_id is not None:
-            self.core.backend.cancel(job.transfer_id)   # completion frees the pages
+            self.core.backend.cancel(job.transfer_id)   # its completion finishes the job
         else:
-            self._free(job)
+            self._finish_ended(job)
 
-    def _free(self, job: Job) -> None:
+    def _finish_ended(self, job: Job) -> None:
+        if job.notice is not None and job.decode is not None:
+            self.core.router.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req is not None and job.req.pages:
             self.pool.allocator.free_pages(job.req.pages)
             job.req.pages = []
+
+    def _tombstone(self, room: int, epoch: int) -> None:
+        old = self.tombstones.get(room)
+        if old is not None:
+            old[1].cancel()
+        self.tombstones[room] = (epoch, self.loop.call_later(self.deadlines.stash,
+                                                             self.tombstones.pop, room, None))
+
+    def _tombstoned(self, room: int, epoch: int) -> bool:
+        tomb = self.tombstones.get(room)
+        return tomb is not None and epoch <= tomb[0]
 
     def _deadline(self, job: Job, seconds: float, what: str) -> None:
         if job.timer is not None:
@@ -238,11 +279,40 @@ class PrefillScheduler:
     def _expire(self, job: Job, what: str) -> None:
         job.timer = None
         if self.jobs.get(job.room) is job:
-            self.fail(job, DEADLINE, f"deadline expired {what}")
+            self.end(job, DEADLINE, f"deadline expired {what}")
 
-    def status(self, args: dict) -> dict:
+    # --- admin -------------------------------------------------------------------
+
+    def pause(self, args: dict, respond: Respond) -> None:
+        mode = pause_mode(args)
+        if self.core.paused is not None and self.core.paused != mode:
+            raise AdminError(409, f"already paused ({self.core.paused}); continue first")
+        self.core.paused = mode
+        if mode in ("retract", "abort"):
+            # Everything in flight is dropped: decode holds (retract) or ends (abort) it.
+            for job in list(self.jobs.values()):
+                self._tombstone(job.room, job.epoch)
+                self.end(job, ABORTED, f"pause({mode})")
+        self.pause_waiters.append(respond)
+        self._answer_pause_waiters()
+
+    def _answer_pause_waiters(self) -> None:
+        """A pause is answered once no write of ours is in flight."""
+        if self.pause_waiters and not self.by_transfer:
+            waiters, self.pause_waiters = self.pause_waiters, []
+            for respond in waiters:
+                respond(True, self._status())
+
+    def resume(self, args: dict, respond: Respond) -> None:
+        was, self.core.paused = self.core.paused, None
+        respond(True, self._status() | {"was_paused": was})
+
+    def status(self, args: dict, respond: Respond) -> None:
+        respond(True, self._status())
+
+    def _status(self) -> dict:
         jobs = list(self.jobs.values())
-        return {"weight_version": self.core.model.version, "paused": None,
+        return {"weight_version": self.core.model.version, "paused": self.core.paused,
                 "kv_pages": self.core.kv_pages(),
                 "queues": {"waiting": sum(1 for j in jobs if j.req is not None and not j.computed),
                            "waiting_kv_dest": sum(1 for j in jobs if j.computed and j.dest is None),

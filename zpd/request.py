@@ -92,6 +92,14 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
                            f"{total_pages} in all")
 
 
+def validate_prefix(prefix: list[int], cfg: ModelConfig, capacity_tokens: int) -> None:
+    """A recompute's prefix (prompt + output[:-1]) was valid once; check it still fits."""
+    if not prefix or len(prefix) >= cfg.max_position or len(prefix) > capacity_tokens:
+        raise RequestError(BAD_REQUEST, f"recompute of {len(prefix)} tokens does not fit")
+    if any(not 0 <= t < cfg.vocab_size for t in prefix):
+        raise RequestError(BAD_REQUEST, "recompute has out-of-range token ids")
+
+
 class StopChecker:
     """Decides whether a request is done after its latest token."""
 

@@ -10,6 +10,7 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import orjson
 import zmq
@@ -17,6 +18,7 @@ import zmq
 from zpd.config import RouterConfig
 from zpd.loop import Loop, Timer
 from zpd.net import Dealer, Router
+from zpd.security import ROUTER_POLICY, Security
 from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Pong, Token
 
 log = logging.getLogger("zpd.router")
@@ -40,10 +42,8 @@ class InFlight:
 
 @dataclass(eq=False)
 class Fanout:
-    """One admin command sent to many workers, answered once all reply or time runs out."""
-    client: bytes
-    req_id: str
-    command: str
+    """One admin command sent to many workers, done once all reply or time runs out."""
+    on_done: Callable[[list[dict]], None]
     waiting: set[str]
     replies: list[dict] = field(default_factory=list)
     timer: Timer | None = None
@@ -52,13 +52,17 @@ class Fanout:
 class RouterServer:
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context) -> None:
         self.cfg, self.loop = cfg, Loop()
-        self.front = Router(ctx, cfg.host, cfg.port)
+        self.security = Security(cfg.curve_keys, ctx)
+        self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
         self.endpoint = self.front.endpoint
-        self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=f"router@{self.endpoint}".encode()))
+        self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=f"router@{self.endpoint}".encode(),
+                                                opts=self.security.client_options()))
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
         self.fanouts: dict[str, Fanout] = {}
+        self.paused: str | None = None
+        self.queued: dict[str, tuple[bytes, Generate]] = {}     # arrived while paused
         self.req_ids = itertools.count(1)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
@@ -87,10 +91,17 @@ class RouterServer:
 
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
-        if rid in self.inflight:
+        if rid in self.inflight or rid in self.queued:
             self.front.send(client, Token(rid, [], [], True, {
                 "type": "abort", "status_code": 409, "message": f"rid {rid!r} is already in flight"}))
             return
+        if self.paused is not None:
+            self.queued[rid] = (client, msg)     # runs after continue
+            return
+        self.route(client, msg, rid)
+
+    def route(self, client: bytes, msg: Generate, rid: str | None = None) -> None:
+        rid = rid or msg.rid
         prefill, decode = self.pick("prefill"), self.pick("decode")
         room = random.getrandbits(63)
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
@@ -103,11 +114,20 @@ class RouterServer:
         prefill.dealer.send(routed)
 
     def on_abort(self, msg: Abort) -> None:
+        if msg.rid in self.queued:
+            self._end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
         flight = self.inflight.get(msg.rid)
         if flight is None:
             return
         flight.decode.dealer.send(msg)
         flight.prefill.dealer.send(msg)
+
+    def _end_queued(self, rid: str, status: int, reason: str) -> None:
+        client, msg = self.queued.pop(rid)
+        self.front.send(client, Token(rid, [], [], True, {"type": "abort", "status_code": status,
+                                                          "message": reason},
+                                      {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0,
+                                       "retractions": 0}))
 
     # --- workers ----------------------------------------------------------------
 
@@ -138,12 +158,82 @@ class RouterServer:
             timeout = float(args.pop("timeout", self.cfg.admin_timeout_s))
         except (TypeError, ValueError):
             timeout = self.cfg.admin_timeout_s
+
+        def reply(ok: bool, result: dict) -> None:
+            self.front.send(client, AdminReply(msg.req_id, ok, {
+                "router": self.endpoint, "command": msg.command, "paused": self.paused,
+                "queued": len(self.queued), "inflight": len(self.inflight)} | result))
+
+        log.info("admin %s %s", msg.command, args)
+        if msg.command == "abort":
+            self.admin_abort(args, reply)
+        elif msg.command == "pause":
+            self.admin_pause(args, timeout, reply)
+        elif msg.command == "continue":
+            self.admin_continue(args, timeout, reply)
+        elif msg.command == "update_weights" and self.paused is None and self.inflight:
+            # an idle prefill would take the new weights while its decode keeps the old ones
+            reply(False, {"status": 409, "error": "update_weights while requests are in flight: "
+                                                  "pause first", "workers": []})
+        else:
+            self.fan_out(msg.command, args, self.workers, timeout,
+                         lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
+
+    def admin_abort(self, args: dict, reply) -> None:
+        rid = args.get("rid")
+        if rid in self.queued:
+            self._end_queued(rid, 499, "aborted by admin")
+            reply(True, {"rid": rid, "state": "queued"})
+        elif rid in self.inflight:
+            self.on_abort(Abort(rid, 499, "aborted by admin"))
+            reply(True, {"rid": rid, "state": "inflight"})
+        else:
+            reply(False, {"rid": rid, "status": 404, "error": f"unknown rid {rid!r}"})
+
+    def admin_pause(self, args: dict, timeout: float, reply) -> None:
+        mode = args.get("mode", "retract")
+        if self.paused is not None and self.paused != mode:
+            reply(False, {"status": 409, "error": f"already paused ({self.paused}); continue first"})
+            return
+        self.paused = mode                      # new requests queue here from now on
+        if mode == "abort":
+            for rid in list(self.queued):
+                self._end_queued(rid, 499, "aborted by pause(abort)")
+        self.fan_out("pause", args, self.workers, timeout,
+                     lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
+
+    def admin_continue(self, args: dict, timeout: float, reply) -> None:
+        """Prefills first: the ones that answer are live, and decodes send their
+        recomputes only to those."""
+        prefills = [w for w in self.workers if w.role == "prefill"]
+        decodes = [w for w in self.workers if w.role == "decode"]
+
+        def then_decodes(p_replies: list[dict]) -> None:
+            live = [r["endpoint"] for r in p_replies if r["ok"]]
+            self.fan_out("continue", args | {"prefills": live}, decodes, timeout,
+                         lambda d_replies: done(p_replies + d_replies))
+
+        def done(replies: list[dict]) -> None:
+            ok = all(r["ok"] for r in replies if r["role"] == "decode") and \
+                any(r["ok"] for r in replies if r["role"] == "prefill")
+            if ok:
+                self.paused = None
+                for rid in list(self.queued):
+                    client, msg = self.queued.pop(rid)
+                    self.route(client, msg)
+            reply(ok, {"workers": replies})
+
+        self.fan_out("continue", args, prefills, timeout, then_decodes)
+
+    def fan_out(self, command: str, args: dict, targets: list[Worker], timeout: float,
+                on_done: Callable[[list[dict]], None]) -> None:
         key = f"{next(self.req_ids)}"
-        fan = self.fanouts[key] = Fanout(client, msg.req_id, msg.command,
-                                         {w.endpoint for w in self.workers})
-        fan.timer = self.loop.call_later(timeout, self._admin_done, key)
-        for w in self.workers:
-            w.dealer.send(Admin(msg.command, args, key))
+        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in targets})
+        fan.timer = self.loop.call_later(timeout, self._fan_done, key)
+        for w in targets:
+            w.dealer.send(Admin(command, args, key))
+        if not targets:
+            self._fan_done(key)
 
     def on_admin_reply(self, worker: Worker, msg: AdminReply) -> None:
         fan = self.fanouts.get(msg.req_id)
@@ -153,19 +243,18 @@ class RouterServer:
         fan.replies.append({"ok": msg.ok} | msg.result | {"endpoint": worker.endpoint,
                                                            "role": worker.role})
         if not fan.waiting:
-            self._admin_done(msg.req_id)
+            self._fan_done(msg.req_id)
 
-    def _admin_done(self, key: str) -> None:
+    def _fan_done(self, key: str) -> None:
         fan = self.fanouts.pop(key, None)
         if fan is None:
             return
         if fan.timer is not None:
             fan.timer.cancel()
-        replies = fan.replies + [{"ok": False, "endpoint": ep, "error": "no answer before the timeout",
-                                  "status": 504} for ep in sorted(fan.waiting)]
-        result = {"router": self.endpoint, "command": fan.command, "workers": replies,
-                  "inflight": len(self.inflight)}
-        self.front.send(fan.client, AdminReply(fan.req_id, all(r["ok"] for r in replies), result))
+        roles = {w.endpoint: w.role for w in self.workers}
+        fan.on_done(fan.replies + [{"ok": False, "endpoint": ep, "role": roles[ep], "status": 504,
+                                    "error": "no answer before the timeout"}
+                                   for ep in sorted(fan.waiting)])
 
     # --- process ----------------------------------------------------------------
 
@@ -177,6 +266,7 @@ class RouterServer:
             w.dealer.close()
         self.front.close()
         self.loop.close()
+        self.security.close()
 
 
 def serve_router(cfg: RouterConfig) -> int:

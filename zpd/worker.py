@@ -14,15 +14,35 @@ import zmq
 
 import transport
 from engines.kv_pool import KVLayout, KVPool
-from engines.loader import load_model
+from engines.config import ModelError
+from engines.loader import load_model, update_weights as load_new_weights
 from zpd.compute import Compute
 from zpd.config import WorkerConfig
 from zpd.loop import Loop
 from zpd.net import Router
+from zpd.security import WORKER_POLICY, Security
 from zpd.protocol import Admin, AdminReply, Message, Ping, Pong
 from zpd.request import BAD_REQUEST, RequestError
 
 log = logging.getLogger("zpd.worker")
+
+Respond = Callable[[bool, dict], None]
+PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+class AdminError(Exception):
+    """An admin command refused, with the status code to report."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def pause_mode(args: dict) -> str:
+    mode = args.get("mode", "retract")
+    if mode not in PAUSE_MODES:
+        raise AdminError(400, f"unknown pause mode {mode!r}; use one of {', '.join(PAUSE_MODES)}")
+    return mode
 
 
 class WorkerCore:
@@ -40,12 +60,16 @@ class WorkerCore:
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
             transfer_timeout_s=cfg.deadlines.transfer * 0.75)
         self.backend.register(self.pool.data_ptr, self.pool.nbytes)
-        self.router = Router(ctx, cfg.host, cfg.port)
+        self.security = Security(cfg.curve_keys, ctx)
+        self.router = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
         self.endpoint = self.router.endpoint
         self.loop = Loop()
         self.compat_hash = compat_hash(self.model, self.layout)
         self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {Ping: self._on_ping}
-        self.admin_commands: dict[str, Callable[[dict], dict]] = {}
+        self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
+            "update_weights": self.update_weights, "flush_cache": self.flush_cache}
+        self.paused: str | None = None            # None or the pause mode
+        self.busy: Callable[[], bool] = lambda: False   # set by the scheduler
         self.loop.add_socket(self.router, self._on_router)
 
     def _on_router(self) -> None:
@@ -63,19 +87,40 @@ class WorkerCore:
         self.router.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint))
 
     def on_admin(self, identity: bytes, msg: Admin) -> None:
+        def respond(ok: bool, result: dict) -> None:
+            self.router.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
+                                                                   "role": self.cfg.role} | result))
         command = self.admin_commands.get(msg.command)
         if command is None:
-            result, ok = {"error": f"unknown command {msg.command!r}; known: "
-                                   f"{', '.join(sorted(self.admin_commands))}", "status": 400}, False
-        else:
-            try:
-                result = command(dict(msg.args))
-                ok = result.pop("ok", True)
-            except Exception as e:  # an admin command must answer, whatever happened
-                log.exception("admin %s failed", msg.command)
-                result, ok = {"error": str(e), "status": 500}, False
-        self.router.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
-                                                               "role": self.cfg.role} | result))
+            respond(False, {"error": f"unknown command {msg.command!r}; known: "
+                                     f"{', '.join(sorted(self.admin_commands))}", "status": 400})
+            return
+        log.info("admin %s %s", msg.command, dict(msg.args))
+        try:
+            command(dict(msg.args), respond)
+        except AdminError as e:
+            respond(False, {"error": str(e), "status": e.status})
+        except Exception as e:  # an admin command must answer, whatever happened
+            log.exception("admin %s failed", msg.command)
+            respond(False, {"error": f"{type(e).__name__}: {e}", "status": 500})
+
+    def update_weights(self, args: dict, respond: Respond) -> None:
+        """Allowed while paused or idle; a bad checkpoint leaves the old weights."""
+        path, version = args.get("path"), args.get("version")
+        if not isinstance(path, str) or not path:
+            raise AdminError(400, "update_weights needs a checkpoint path")
+        if self.paused is None and self.busy():
+            raise AdminError(409, "update_weights while requests are running: pause first")
+        try:
+            new = load_new_weights(self.model, path, version if isinstance(version, str) else None)
+        except (ModelError, ValueError) as e:
+            raise AdminError(400, str(e)) from None
+        log.warning("weights updated from %s: version %s", path, new)
+        respond(True, {"weight_version": new})
+
+    def flush_cache(self, args: dict, respond: Respond) -> None:
+        # zpd keeps no prefix cache: KV lives only as long as its request.
+        respond(True, {"flushed_pages": 0, "note": "no prefix cache; nothing to flush"})
 
     def prompt_ids(self, msg) -> list[int]:
         """The request's prompt: its token ids, or its text through our tokenizer."""
@@ -102,6 +147,7 @@ class WorkerCore:
         self.backend.close()
         self.router.close()
         self.loop.close()
+        self.security.close()
 
 
 def compat_hash(model, layout: KVLayout) -> str:

@@ -1,0 +1,279 @@
+"""True retraction: pause, update weights, continue — exact under the new weights.
+
+float64 throughout, so greedy tokens are exact. Expected output of a request paused
+after k tokens: the first k tokens are W1's greedy continuation; the rest are W2's
+greedy continuation of prompt + those k tokens."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from engines.loader import load_model
+from engines.sampler import SamplingParams
+from engines.tiny import save_tiny
+from tests.e2e.cluster import Cluster, assert_all_pages_free
+from zpd.client import assemble
+from zpd.offline import OfflineEngine
+from zpd.request import Request
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
+
+
+class Collector:
+    """Submits streaming requests on one client and gathers their chunks in a thread."""
+
+    def __init__(self, client) -> None:
+        self.client, self.chunks, self.done = client, {}, {}
+        self.lock, self.stop = threading.Lock(), False
+        self.thread = None
+
+    def submit(self, ids: list[int], max_new: int, rid: str) -> None:
+        self.chunks[rid] = []
+        self.client.submit(input_ids=ids, rid=rid, stream=True,
+                           sampling_params={"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True})
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while len(self.done) < len(self.chunks) and not self.stop:
+            try:
+                chunk = self.client.receive(timeout=1.0)
+            except TimeoutError:
+                continue
+            with self.lock:
+                self.chunks[chunk["rid"]].append(chunk)
+                if chunk["finished"]:
+                    self.done[chunk["rid"]] = assemble(self.chunks[chunk["rid"]])
+
+    def tokens_so_far(self) -> dict[str, int]:
+        with self.lock:
+            return {rid: sum(len(c["token_ids"]) for c in cs) for rid, cs in self.chunks.items()}
+
+    def wait(self, timeout: float = 120) -> dict[str, dict]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"only {len(self.done)}/{len(self.chunks)} finished"
+        return self.done
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    if n <= 0:
+        return []
+    engine = OfflineEngine(model)
+    (out,) = engine.run([Request("x", prompt, SamplingParams(temperature=0, max_new_tokens=n,
+                                                             ignore_eos=True))])
+    return out["output_ids"]
+
+
+def check_exact(prompt: list[int], out: dict, models: dict) -> None:
+    """Split the output by weight version and check each span against `zpd run`."""
+    ids, versions = out["output_ids"], out["weight_versions"]
+    assert len(ids) == len(versions)
+    pos, context = 0, list(prompt)
+    while pos < len(ids):
+        version = versions[pos]
+        end = pos
+        while end < len(ids) and versions[end] == version:
+            end += 1
+        assert ids[pos:end] == _greedy(models[version], context, end - pos)[:end - pos], \
+            f"{out['rid']}: tokens {pos}:{end} are not {version}'s greedy continuation"
+        context += ids[pos:end]
+        pos = end
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = {"w2": save_tiny(root / "w2", seed=2), "w3": save_tiny(root / "w3", seed=3)}
+    models = {"tiny": load_model("tiny", dtype="float64")}
+    models |= {v: load_model(str(d), dtype="float64") for v, d in dirs.items()}
+    return dirs, models
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("retract"), extra=("--max-batch", "64")) as c:
+        yield c
+
+
+def _workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    lengths = [1, 3, 16, 17, 40, 90, 150, 200] + [rng.randint(1, 200) for _ in range(n - 8)]
+    return [([rng.randrange(256) for _ in range(k)], rng.choice([1, 2, 5, 40, 80, 120]))
+            for k in lengths]
+
+
+def _pause_midway(cluster, client, col, mode: str) -> dict:
+    """Wait until some requests have tokens and others have none yet, then pause."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        counts = col.tokens_so_far()
+        if sum(1 for c in counts.values() if c > 0) >= 3:
+            break
+        time.sleep(0.002)
+    with cluster.client() as admin:
+        reply = admin.admin("pause", mode=mode, timeout=30)
+        assert reply["ok"], reply
+        return reply
+
+
+def test_retract_update_continue_is_exact(cluster, ckpts):
+    dirs, models = ckpts
+    work = _workload(20, seed=5)
+    with cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work[:12]):
+            col.submit(ids, n, f"a{i}")
+        col.start()
+        time.sleep(0.05)
+        for i, (ids, n) in enumerate(work[12:]):      # likely still in prefill or transfer
+            col.submit(ids, n, f"b{i}")
+        paused = _pause_midway(cluster, client, col, "retract")
+        with cluster.client() as admin:
+            for w in paused["workers"]:           # pause(retract) returned: no KV anywhere
+                assert w["kv_pages"]["free"] == w["kv_pages"]["total"], w
+            finished_before = set(col.done)
+            status = admin.admin("status")
+            held = {rid for w in status["workers"] if w["role"] == "decode" for rid in w["held"]}
+            assert held and held.isdisjoint(finished_before)
+            upd = admin.admin("update_weights", path=str(dirs["w2"]), version="w2")
+            assert upd["ok"] and {w["weight_version"] for w in upd["workers"]} == {"w2"}, upd
+            assert admin.admin("continue")["ok"]
+        outs = col.wait()
+        prompts = {f"a{i}": ids for i, (ids, _) in enumerate(work[:12])} | \
+                  {f"b{i}": ids for i, (ids, _) in enumerate(work[12:])}
+        switched = 0
+        for rid, out in outs.items():
+            check_exact(prompts[rid], out, models)
+            assert out["meta"]["retractions"] == (1 if rid in held else 0), (rid, out["meta"])
+            switched += "w2" in out["weight_versions"] and "tiny" in out["weight_versions"]
+        assert switched >= 2, "no request was paused in the middle of its output"
+        assert any(rid in held and "tiny" not in outs[rid]["weight_versions"] for rid in outs), \
+            "no request was retracted before its first token"
+        assert_all_pages_free(client)
+    with cluster.client() as admin:          # back to W1 for the other tests
+        assert admin.admin("update_weights", path="tiny", version="tiny")["ok"]
+
+
+def test_two_cycles_three_checkpoints(cluster, ckpts):
+    dirs, models = ckpts
+    work = _workload(16, seed=9)
+    with cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work):
+            col.submit(ids, max(n, 60), f"c{i}")
+        col.start()
+        with cluster.client() as admin:
+            for version in ("w2", "w3"):
+                _pause_midway(cluster, client, col, "retract")
+                assert admin.admin("pause", mode="retract")["ok"]      # a second pause is harmless
+                assert admin.admin("update_weights", path=str(dirs[version]), version=version)["ok"]
+                assert admin.admin("continue")["ok"]
+                time.sleep(0.3)
+        outs = col.wait()
+        for i, (ids, _) in enumerate(work):
+            check_exact(ids, outs[f"c{i}"], models)
+        assert any(out["meta"]["retractions"] == 2 for out in outs.values())
+        assert_all_pages_free(client)
+    with cluster.client() as admin:
+        assert admin.admin("continue")["ok"]                 # continue while running: no-op
+        assert admin.admin("update_weights", path="tiny", version="tiny")["ok"]
+
+
+def test_abort_held_request_while_paused(cluster):
+    with cluster.client() as client:
+        col = Collector(client)
+        col.submit(list(range(1, 30)), 200, "held1")
+        col.submit(list(range(5, 9)), 200, "held2")
+        col.start()
+        _pause_midway_one(col)
+        with cluster.client() as admin:
+            assert admin.admin("pause", mode="retract")["ok"]
+            t = time.monotonic()
+            assert admin.admin("abort", rid="held1")["ok"]
+            while "held1" not in col.done:
+                assert time.monotonic() - t < 1.0, "abort of a held request took over a second"
+                time.sleep(0.01)
+            out = col.done["held1"]
+            assert out["finish_reason"]["status_code"] == 499
+            status = admin.admin("status")
+            assert all("held1" not in w.get("held", []) for w in status["workers"])
+            assert "held2" in {r for w in status["workers"] for r in w.get("held", [])}
+            missing = admin.admin("abort", rid="no-such-rid")
+            assert not missing["ok"] and missing["status"] == 404
+            assert admin.admin("continue")["ok"]
+        outs = col.wait()
+        assert outs["held2"]["finish_reason"]["type"] == "length"
+        assert_all_pages_free(client)
+
+
+def _pause_midway_one(col) -> None:
+    deadline = time.monotonic() + 30
+    while min(col.tokens_so_far().values()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+
+
+def test_in_place_keeps_kv_and_resumes(cluster, ckpts):
+    _, models = ckpts
+    work = _workload(10, seed=11)
+    with cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work):
+            col.submit(ids, n, f"p{i}")
+        col.start()
+        reply = _pause_midway(cluster, client, col, "in_place")
+        decode = next(w for w in reply["workers"] if w["role"] == "decode")
+        if len(col.done) < len(work):
+            assert decode["kv_pages"]["held"] > 0          # KV kept while paused
+        with cluster.client() as admin:
+            bad = admin.admin("pause", mode="retract")
+            assert not bad["ok"]                           # 409: paused in another mode
+            assert admin.admin("continue")["ok"]
+        outs = col.wait()
+        for i, (ids, _) in enumerate(work):
+            out = outs[f"p{i}"]
+            check_exact(ids, out, models)                  # no weight change: all W1
+            assert out["meta"]["retractions"] == 0
+        assert_all_pages_free(client)
+
+
+def test_abort_mode_ends_everything(cluster):
+    work = _workload(12, seed=13)
+    with cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work):
+            col.submit(ids, 150, f"x{i}")
+        col.start()
+        _pause_midway(cluster, client, col, "abort")
+        outs = col.wait(30)
+        assert all(o["finish_reason"]["type"] in ("abort", "length") for o in outs.values())
+        assert sum(o["finish_reason"].get("status_code") == 499 for o in outs.values()) >= 6
+        with cluster.client() as admin:
+            queued = admin.submit(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3})
+            time.sleep(0.2)
+            assert admin.admin("status")["queued"] == 1     # waits at the router while paused
+            assert admin.admin("continue")["ok"]
+            out = admin.receive(timeout=30)
+            while not out["finished"]:
+                out = admin.receive(timeout=30)
+            assert out["rid"] == queued and out["finish_reason"]["type"] == "length"
+        assert_all_pages_free(client)
+
+
+def test_update_weights_refused_while_running_and_for_bad_paths(cluster):
+    with cluster.client() as client:
+        rid = client.submit(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+        time.sleep(0.3)
+        busy = client.admin("update_weights", path="tiny:5", version="x")
+        assert not busy["ok"] and busy["status"] == 409 and "pause first" in busy["error"]
+        client.abort(rid)
+        assert client.admin("pause", mode="retract")["ok"]
+        missing = client.admin("update_weights", path="/no/such/dir")
+        assert not missing["ok"] and all("no/such/dir" in w["error"] for w in missing["workers"])
+        assert {w["weight_version"] for w in client.admin("status")["workers"]} == {"tiny"}
+        assert client.admin("continue")["ok"]
