@@ -8,7 +8,9 @@ import sys
 import orjson
 
 from engines.config import ModelError
-from zpd.options import (add_model_options, add_prompt_options, add_sampling_options,
+from zpd.admin import add_admin_parser
+from zpd.keys import add_keys_parser
+from zpd.options import (CURVE_HELP, add_model_options, add_prompt_options, add_sampling_options,
                          add_worker_options, sampling_dict, worker_argv)
 from zpd.request import RequestError
 
@@ -56,6 +58,7 @@ def _worker_config(args: argparse.Namespace, role: str):
         kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, ready_file=args.ready_file,
+        curve_keys=args.curve_keys,
         deadlines=Deadlines(wait_kv_dest=wait, transfer=args.transfer_timeout, wait_pages=wait,
                             wait_kv_done=wait, stash=wait))
 
@@ -79,7 +82,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if not split(args.prefill) or not split(args.decode):
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
     return serve_router(RouterConfig(split(args.prefill), split(args.decode), args.host, args.port,
-                                     ready_file=args.ready_file))
+                                     ready_file=args.ready_file, curve_keys=args.curve_keys))
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -95,7 +98,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not inputs:
         raise RequestError(400, "give at least one --prompt or --input-ids")
     sampling = sampling_dict(args)
-    with Client(args.router, timeout=args.timeout) as client:
+    from zpd.security import client_curve
+    curve = client_curve(args.curve_keys, "client") if args.curve_keys else None
+    with Client(args.router, timeout=args.timeout, curve=curve) as client:
         if args.stream and len(inputs) == 1:
             for chunk in client.stream(sampling_params=sampling, **inputs[0]):
                 if args.json:
@@ -145,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     r.add_argument("--port", type=int, default=5757, help="port to bind (default 5757)")
     r.add_argument("--ready-file", default=None)
+    r.add_argument("--curve-keys", default=None, help=CURVE_HELP)
     r.set_defaults(func=_cmd_router)
 
     la = sub.add_parser("launch", parents=[common], help="a whole cluster on this host",
@@ -170,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print chunks as they arrive (one request)")
     g.add_argument("--json", action="store_true", help="JSON output, one object per line")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for an answer")
+    g.add_argument("--curve-keys", default=None,
+                   help="CURVE key directory (see `zpd keys`); connects with its client key")
     g.set_defaults(func=_cmd_generate)
+    add_admin_parser(sub, common)
+    add_keys_parser(sub, common)
     return parser
 
 

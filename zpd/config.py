@@ -33,6 +33,7 @@ class WorkerConfig:
     protocol: str = "tcp"
     deadlines: Deadlines = field(default_factory=Deadlines)
     ready_file: str | None = None
+    curve_keys: str | None = None    # CURVE key directory (zpd.security); None: plaintext
 
 
 @dataclass(frozen=True)
@@ -43,3 +44,4 @@ class RouterConfig:
     port: int = 0
     admin_timeout_s: float = 30.0
     ready_file: str | None = None
+    curve_keys: str | None = None    # CURVE key directory (zpd.security); None: plaintext

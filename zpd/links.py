@@ -9,7 +9,7 @@ from typing import Callable
 import zmq
 
 from zpd.loop import Loop
-from zpd.net import Dealer
+from zpd.net import Dealer, SocketOptions
 from zpd.protocol import Hello, HelloAck, Message
 
 log = logging.getLogger("zpd.links")
@@ -41,15 +41,17 @@ class PrefillLinks:
 
     def __init__(self, ctx: zmq.Context, loop: Loop, hello: Hello,
                  on_message: Callable[[PrefillLink, Message], None],
-                 on_refused: Callable[[PrefillLink], None]) -> None:
-        self.ctx, self.loop, self.hello = ctx, loop, hello
+                 on_refused: Callable[[PrefillLink], None],
+                 opts: SocketOptions = SocketOptions()) -> None:
+        self.ctx, self.loop, self.hello, self.opts = ctx, loop, hello, opts
         self.on_message, self.on_refused = on_message, on_refused
         self.links: dict[str, PrefillLink] = {}
 
     def get(self, endpoint: str) -> PrefillLink:
         link = self.links.get(endpoint)
         if link is None:
-            dealer = Dealer(self.ctx, endpoint, identity=f"decode@{self.hello.decode}".encode())
+            dealer = Dealer(self.ctx, endpoint, identity=f"decode@{self.hello.decode}".encode(),
+                            opts=self.opts)
             link = self.links[endpoint] = PrefillLink(endpoint, dealer)
             self.loop.add_socket(dealer, lambda: self._on_readable(link))
             dealer.send(self.hello)

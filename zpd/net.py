@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -45,6 +45,12 @@ class SocketOptions:
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
     curve: Optional[Curve] = None
+    zap_domain: str = ""  # ZAP domain of a CURVE server (zpd.security)
+    # Called with each inbound message's sender rights (its ZAP User-Id) and the
+    # message; returns None to accept, or (reason, reply or None) to refuse.
+    guard: Optional[Callable[[str, Message], Optional[tuple[str, Optional[Message]]]]] = None
+    # Called with each new socket before it binds or connects (handshake logging).
+    monitor: Optional[Callable[[zmq.Socket], None]] = None
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -82,6 +88,10 @@ def configure_socket(sock: zmq.Socket, *, host: str, server: bool, opts: SocketO
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if opts.curve is not None:
         _apply_curve(sock, server=server, curve=opts.curve)
+        if server and opts.zap_domain:
+            sock.setsockopt(zmq.ZAP_DOMAIN, opts.zap_domain.encode())
+    if opts.monitor is not None:
+        opts.monitor(sock)
 
 
 def _apply_curve(sock: zmq.Socket, *, server: bool, curve: Curve) -> None:
@@ -171,6 +181,8 @@ class Router(_Endpoint):
         super().__init__(sock)
         _, bound_port = parse_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         self.endpoint = format_endpoint(host, bound_port)
+        self.guard = opts.guard
+        self.refused = 0  # counts inbound messages the guard refused
 
     def send(self, identity: bytes, msg: Message) -> bool:
         """Queue ``msg`` for peer ``identity``; False if it had to be dropped."""
@@ -179,12 +191,41 @@ class Router(_Endpoint):
     def recv(self, timeout: Optional[float] = 0) -> Optional[tuple[bytes, Message]]:
         """Next (identity, message); None if none arrived within ``timeout``
         seconds (0: don't wait, None: wait forever) or it was malformed."""
+        if self.guard is not None:
+            return self._recv_guarded(timeout)
         frames = self._recv_frames(timeout)
         if frames is None:
             return None
         identity = frames[0]
         msg = self._decode(frames[1:], _peer_name(identity))
         return None if msg is None else (identity, msg)
+
+    def _recv_guarded(self, timeout: Optional[float]) -> Optional[tuple[bytes, Message]]:
+        # Zero-copy frames carry the connection's metadata, here the rights that
+        # the ZAP handler gave the sender's key.
+        if not _wait_readable(self.socket, timeout):
+            return None
+        try:
+            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            user = frames[0].get("User-Id")
+        except zmq.ZMQError:
+            user = ""
+        identity = frames[0].bytes
+        msg = self._decode([f.bytes for f in frames[1:]], _peer_name(identity))
+        refusal = None if msg is None else self.guard(user, msg)
+        if refusal is None:
+            return None if msg is None else (identity, msg)
+        why, reply = refusal
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:
+            log.warning("refused %s from %s: %s (%d refused so far)", msg.TYPE,
+                        _peer_name(identity), why, self.refused)
+        if reply is not None:
+            self.send(identity, reply)
+        return None
 
 
 class Dealer(_Endpoint):

@@ -18,6 +18,10 @@ SAMPLING_FLAGS = {  # flag -> (type, help)
 }
 
 
+CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection and admit "
+              "only authorised keys (default: plaintext)")
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
@@ -89,11 +93,13 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="seconds one KV write may take before the request fails with 504")
     g.add_argument("--kv-wait-timeout", type=float, default=60.0,
                    help="seconds to wait for KV pages, kv_dest or kv_done before 504")
+    g.add_argument("--curve-keys", default=None, help=CURVE_HELP)
 
 
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
-                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "log_level")
+                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "log_level",
+                      "curve_keys")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

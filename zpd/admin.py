@@ -1,0 +1,108 @@
+"""`zpd admin`: send one admin command to a router (which fans it out to every
+worker) or straight to one worker, print one JSON object, and exit 0 only when
+every worker carried it out.
+
+Exit codes: 0 all ok; 1 the command failed on at least one worker (see the
+per-worker results); 2 bad usage; 3 no answer within --timeout (endpoint down
+or unreachable).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import orjson
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
+
+# CLI subcommand -> (wire command, help, builds the wire args from the parsed flags)
+COMMANDS: dict[str, tuple[str, str, Callable[[argparse.Namespace], dict]]] = {
+    "pause": ("pause", "stop scheduling: --mode abort (end in-flight requests with 499), "
+                       "in_place (keep their KV) or retract (free their KV, keep the requests)",
+              lambda a: {"mode": a.mode}),
+    "continue": ("continue", "resume after pause (retracted requests are recomputed)",
+                 lambda a: {}),
+    "update-weights": ("update_weights", "load new weights from a checkpoint directory "
+                                         "(on every worker's host) while paused or idle",
+                       lambda a: {"path": a.path} | ({"version": a.version} if a.version else {})),
+    "status": ("status", "queues, KV pages, peers, weight version and pause mode per worker",
+               lambda a: {}),
+    "abort": ("abort", "end request RID with 499", lambda a: {"rid": a.rid}),
+    "release-memory": ("release_memory", "free the KV pool's memory (while paused)", lambda a: {}),
+    "resume-memory": ("resume_memory", "allocate the KV pool again", lambda a: {}),
+    "flush-cache": ("flush_cache", "drop cached KV not held by a request", lambda a: {}),
+}
+
+
+def add_admin_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Register `zpd admin` and its commands on the top-level subparsers."""
+    p = sub.add_parser(
+        "admin", parents=[common], help="send an admin command to a router or a worker",
+        description="Send one admin command and print one JSON object: through a router, "
+                    '{"ok", "command", "workers": [one result per worker], ...}; to a worker, '
+                    "that worker's result. Exit 0 when every worker succeeded, 1 when any "
+                    "failed, 3 when no answer came within --timeout.")
+    p.add_argument("--endpoint", default="127.0.0.1:5757",
+                   help="router or worker endpoint H:P (default 127.0.0.1:5757)")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds to wait for every answer (default 10)")
+    p.add_argument("--curve-keys", default=None,
+                   help="CURVE key directory (see `zpd keys`); connects with its admin key")
+    cmds = p.add_subparsers(dest="admin_command", required=True, metavar="ADMIN_COMMAND")
+    for name, (_, text, _) in COMMANDS.items():
+        c = cmds.add_parser(name, help=text, description=text)
+        if name == "pause":
+            c.add_argument("--mode", required=True, choices=["abort", "in_place", "retract"])
+        elif name == "update-weights":
+            c.add_argument("--path", required=True, help="checkpoint directory on the workers' hosts")
+            c.add_argument("--version", default=None, help="weight version string to report")
+        elif name == "abort":
+            c.add_argument("rid", help="request id")
+    p.set_defaults(func=run_admin)
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    from zpd.client import Client
+    from zpd.security import client_curve
+
+    wire, _, build = COMMANDS[args.admin_command]
+    if args.timeout <= 0:
+        print("zpd admin: error: --timeout must be positive", file=sys.stderr)
+        return EXIT_USAGE
+    curve = client_curve(args.curve_keys, "admin") if args.curve_keys else None
+    try:
+        with Client(args.endpoint, timeout=args.timeout, curve=curve) as client:
+            reply = client.admin(wire, timeout=args.timeout, **build(args))
+    except TimeoutError as e:
+        print(f"zpd admin: error: {args.endpoint} did not answer {wire!r} within "
+              f"{args.timeout:g} s (is the router or worker running, and the address right?): {e}",
+              file=sys.stderr)
+        _print({"ok": False, "endpoint": args.endpoint, "command": wire, "status": 504,
+                "error": f"no answer within {args.timeout:g} s"})
+        return EXIT_NO_ANSWER
+    ok = all_ok(reply)
+    reply["ok"] = ok
+    _print(reply)
+    if not ok:
+        for failure in failures(reply):
+            print(f"zpd admin: {wire} failed on {failure.get('role', '?')} "
+                  f"{failure.get('endpoint', args.endpoint)}: {failure.get('status', '')} "
+                  f"{failure.get('error', '')}".rstrip(), file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def all_ok(reply: dict) -> bool:
+    """True only if the reply and every per-worker result in it say ok."""
+    return bool(reply.get("ok")) and all(w.get("ok") for w in reply.get("workers", []))
+
+
+def failures(reply: dict) -> list[dict]:
+    """The failed per-worker results, or the reply itself when it came from one worker."""
+    bad = [w for w in reply.get("workers", []) if not w.get("ok")]
+    return bad or ([] if reply.get("ok") else [reply])
+
+
+def _print(obj: dict) -> None:
+    sys.stdout.write(orjson.dumps(obj).decode() + "\n")
+    sys.stdout.flush()
