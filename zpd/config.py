@@ -13,6 +13,8 @@ class Deadlines:
     wait_pages: float = 60.0         # either side: waiting for free KV pages
     wait_kv_done: float = 60.0       # decode: from kv_dest sent to kv_done received
     stash: float = 30.0              # a message that arrived before its generate
+    heartbeat: float = 0.5           # every peer pair pings this often, both ways
+    peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
 
 
 @dataclass(frozen=True)
@@ -43,5 +45,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 0
     admin_timeout_s: float = 30.0
+    heartbeat: float = 0.5           # ping every worker this often
+    peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.security); None: plaintext

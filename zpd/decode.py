@@ -21,8 +21,8 @@ from zpd.links import LinkState, PrefillLink, PrefillLinks
 from zpd.loop import Timer
 from zpd.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                           Recompute, Token)
-from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Phase, Request, RequestError,
-                         response, validate)
+from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, UNAVAILABLE, Phase, Request,
+                         RequestError, response, validate)
 from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
 
 log = logging.getLogger("zpd.decode")
@@ -55,7 +55,9 @@ class DecodeScheduler:
                       core.backend.session_id, self.pool.data_ptr, self.pool.num_pages,
                       core.model.version)
         self.links = PrefillLinks(ctx, self.loop, hello, self.on_prefill_message, self.on_refused,
-                                  core.security.client_options())
+                                  core.security.client_options(), self.deadlines.heartbeat,
+                                  self.deadlines.peer_timeout)
+        self.loop.every(self.deadlines.heartbeat, self.end_orphans)
         core.handlers |= {Generate: self.on_generate, Abort: self.on_abort, Admin: core.on_admin}
         core.admin_commands |= {"status": self.status, "pause": self.pause, "continue": self.resume}
         core.busy = lambda: bool(self.entries or self.fenced)
@@ -119,8 +121,9 @@ class DecodeScheduler:
                 self.waiting.appendleft(entry)
                 return
             link = self.links.get(self._prefill_for(entry))
-            if link.state is LinkState.REFUSED:
-                self.finish(entry, INTERNAL, link.reason, tell_prefill=True)
+            if link.state in (LinkState.REFUSED, LinkState.DEAD):
+                status = UNAVAILABLE if link.state is LinkState.DEAD else INTERNAL
+                self.finish(entry, status, link.reason, tell_prefill=True)
                 continue
             entry.prefill = link.endpoint
             entry.req.phase = Phase.TRANSFERRING
@@ -178,10 +181,24 @@ class DecodeScheduler:
             self.emit(entry)
 
     def on_refused(self, link: PrefillLink) -> None:
+        """The prefill refused our hello (500) or stopped answering (503)."""
+        dead = link.state is LinkState.DEAD
         for entry in [e for e in self.entries.values() if e.prefill == link.endpoint
                       and e.req.phase is Phase.TRANSFERRING]:
-            entry.req.phase = Phase.FINISHED         # it never got our pages: no fence
-            self.finish(entry, INTERNAL, link.reason, tell_prefill=True)
+            if not dead:
+                entry.req.phase = Phase.FINISHED     # it never got our pages: no fence
+            # a dead (perhaps only frozen) prefill may still write: its pages stay fenced
+            self.finish(entry, UNAVAILABLE if dead else INTERNAL, link.reason, tell_prefill=True)
+
+    def end_orphans(self) -> None:
+        """A router that stopped pinging is gone: end its requests and free their pages."""
+        for router in self.core.silent_peers():
+            orphans = [e for e in self.entries.values() if e.client == router]
+            if orphans:
+                log.error("router %r silent: ending its %d requests", router[:40], len(orphans))
+            for entry in orphans:
+                self.finish(entry, UNAVAILABLE, "router unavailable", tell_prefill=True)
+            del self.core.pinged_at[router]
 
     # --- output and endings ---------------------------------------------------------
 

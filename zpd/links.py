@@ -10,7 +10,7 @@ import zmq
 
 from zpd.loop import Loop
 from zpd.net import Dealer, SocketOptions
-from zpd.protocol import Hello, HelloAck, Message
+from zpd.protocol import Hello, HelloAck, Message, Ping, Pong
 
 log = logging.getLogger("zpd.links")
 
@@ -19,6 +19,7 @@ class LinkState(enum.Enum):
     CONNECTING = "connecting"      # hello sent, no answer yet
     READY = "ready"
     REFUSED = "refused"            # incompatible: every request for it fails
+    DEAD = "dead"                  # no heartbeat answer: requests fail with 503 until it answers
 
 
 @dataclass(eq=False)
@@ -28,6 +29,7 @@ class PrefillLink:
     state: LinkState = LinkState.CONNECTING
     reason: str = ""
     waiting: list[Callable[[], None]] = field(default_factory=list)   # run once READY
+    last_seen: float = 0.0
 
     def when_ready(self, action: Callable[[], None]) -> None:
         if self.state is LinkState.READY:
@@ -42,17 +44,34 @@ class PrefillLinks:
     def __init__(self, ctx: zmq.Context, loop: Loop, hello: Hello,
                  on_message: Callable[[PrefillLink, Message], None],
                  on_refused: Callable[[PrefillLink], None],
-                 opts: SocketOptions = SocketOptions()) -> None:
+                 opts: SocketOptions = SocketOptions(), heartbeat: float = 0.5,
+                 peer_timeout: float = 2.0) -> None:
         self.ctx, self.loop, self.hello, self.opts = ctx, loop, hello, opts
         self.on_message, self.on_refused = on_message, on_refused
+        self.peer_timeout = peer_timeout
         self.links: dict[str, PrefillLink] = {}
+        self.pings = 0
+        loop.every(heartbeat, self.heartbeat)
+
+    def heartbeat(self) -> None:
+        """Ping every prefill; one silent past the timeout is dead (the refused stay refused)."""
+        now = self.loop.time()
+        self.pings += 1
+        for link in self.links.values():
+            link.dealer.send(Ping(self.pings, now, self.hello.decode))
+            if link.state in (LinkState.READY, LinkState.CONNECTING) and \
+                    now - link.last_seen > self.peer_timeout:
+                link.state, link.reason = LinkState.DEAD, f"prefill {link.endpoint} is unavailable"
+                log.error("prefill %s silent for %.1f s: marked dead", link.endpoint, now - link.last_seen)
+                link.waiting.clear()
+                self.on_refused(link)
 
     def get(self, endpoint: str) -> PrefillLink:
         link = self.links.get(endpoint)
         if link is None:
             dealer = Dealer(self.ctx, endpoint, identity=f"decode@{self.hello.decode}".encode(),
                             opts=self.opts)
-            link = self.links[endpoint] = PrefillLink(endpoint, dealer)
+            link = self.links[endpoint] = PrefillLink(endpoint, dealer, last_seen=self.loop.time())
             self.loop.add_socket(dealer, lambda: self._on_readable(link))
             dealer.send(self.hello)
         return link
@@ -60,6 +79,14 @@ class PrefillLinks:
     def _on_readable(self, link: PrefillLink) -> None:
         msg = link.dealer.recv()
         if msg is None:
+            return
+        link.last_seen = self.loop.time()
+        if link.state is LinkState.DEAD:
+            # back (maybe a new process on the same port): handshake again before use
+            link.state, link.reason = LinkState.CONNECTING, ""
+            log.warning("prefill %s answers again; saying hello", link.endpoint)
+            link.dealer.send(self.hello)
+        if isinstance(msg, Pong):
             return
         if isinstance(msg, HelloAck):
             self._on_hello_ack(link, msg)

@@ -19,7 +19,7 @@ from zpd.config import RouterConfig
 from zpd.loop import Loop, Timer
 from zpd.net import Dealer, Router
 from zpd.security import ROUTER_POLICY, Security
-from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Pong, Token
+from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Ping, Pong, Token
 
 log = logging.getLogger("zpd.router")
 
@@ -30,6 +30,8 @@ class Worker:
     endpoint: str
     dealer: Dealer
     load: int = 0
+    alive: bool = True
+    last_seen: float = 0.0
 
 
 @dataclass(eq=False)
@@ -66,12 +68,40 @@ class RouterServer:
         self.req_ids = itertools.count(1)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
+            w.last_seen = self.loop.time()
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
+        self.pings = itertools.count()
+        self.loop.every(cfg.heartbeat, self.heartbeat)
 
-    def pick(self, role: str) -> Worker:
-        candidates = [w for w in self.workers if w.role == role]
+    def pick(self, role: str) -> Worker | None:
+        candidates = [w for w in self.workers if w.role == role and w.alive]
+        if not candidates:
+            return None
         least = min(w.load for w in candidates)
         return random.choice([w for w in candidates if w.load == least])
+
+    # --- liveness ----------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        now, seq = self.loop.time(), next(self.pings)
+        for w in self.workers:
+            w.dealer.send(Ping(seq, now, self.endpoint))
+            if w.alive and now - w.last_seen > self.cfg.peer_timeout:
+                self.mark_dead(w)
+
+    def mark_dead(self, worker: Worker) -> None:
+        """Fail its requests now (503) and route around it until it answers again."""
+        worker.alive = False
+        # A decode fails its own requests when their prefill dies (it may have moved a
+        # retracted request to another prefill), so only a dead decode loses requests here.
+        lost = [f for f in self.inflight.values() if worker is f.decode]
+        log.error("%s %s silent for %.1f s: marked dead, failing %d requests", worker.role,
+                  worker.endpoint, self.loop.time() - worker.last_seen, len(lost))
+        for flight in lost:
+            reason = f"decode {worker.endpoint} is unavailable"
+            flight.prefill.dealer.send(Abort(flight.rid, 503, reason))
+            self.on_token(Token(flight.rid, [], [], True, {"type": "abort", "status_code": 503,
+                                                          "message": reason}))
 
     # --- clients ---------------------------------------------------------------
 
@@ -103,6 +133,10 @@ class RouterServer:
     def route(self, client: bytes, msg: Generate, rid: str | None = None) -> None:
         rid = rid or msg.rid
         prefill, decode = self.pick("prefill"), self.pick("decode")
+        if prefill is None or decode is None:
+            self.front.send(client, Token(rid, [], [], True, {
+                "type": "abort", "status_code": 503, "message": "no live prefill and decode worker"}))
+            return
         room = random.getrandbits(63)
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
         prefill.load += 1
@@ -133,11 +167,17 @@ class RouterServer:
 
     def on_worker(self, worker: Worker) -> None:
         msg = worker.dealer.recv()
+        if msg is None:
+            return
+        worker.last_seen = self.loop.time()
+        if not worker.alive:
+            worker.alive = True
+            log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
         if isinstance(msg, Token):
             self.on_token(msg)
         elif isinstance(msg, AdminReply):
             self.on_admin_reply(worker, msg)
-        elif msg is not None and not isinstance(msg, Pong):
+        elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
     def on_token(self, msg: Token) -> None:
@@ -228,11 +268,14 @@ class RouterServer:
     def fan_out(self, command: str, args: dict, targets: list[Worker], timeout: float,
                 on_done: Callable[[list[dict]], None]) -> None:
         key = f"{next(self.req_ids)}"
-        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in targets})
+        live = [w for w in targets if w.alive]
+        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
+        fan.replies = [{"ok": False, "endpoint": w.endpoint, "role": w.role, "status": 503,
+                        "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
         fan.timer = self.loop.call_later(timeout, self._fan_done, key)
-        for w in targets:
+        for w in live:
             w.dealer.send(Admin(command, args, key))
-        if not targets:
+        if not live:
             self._fan_done(key)
 
     def on_admin_reply(self, worker: Worker, msg: AdminReply) -> None:

@@ -69,6 +69,7 @@ class WorkerCore:
         self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
             "update_weights": self.update_weights, "flush_cache": self.flush_cache}
         self.paused: str | None = None            # None or the pause mode
+        self.pinged_at: dict[bytes, float] = {}     # peer identity -> last ping from it
         self.busy: Callable[[], bool] = lambda: False   # set by the scheduler
         self.loop.add_socket(self.router, self._on_router)
 
@@ -84,7 +85,13 @@ class WorkerCore:
         handler(identity, msg)
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        self.pinged_at[identity] = self.loop.time()
         self.router.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint))
+
+    def silent_peers(self) -> list[bytes]:
+        """Peers that used to ping us and stopped (a dead router, for orphan cleanup)."""
+        limit = self.loop.time() - self.cfg.deadlines.peer_timeout
+        return [peer for peer, at in self.pinged_at.items() if at < limit]
 
     def on_admin(self, identity: bytes, msg: Admin) -> None:
         def respond(ok: bool, result: dict) -> None:

@@ -96,7 +96,10 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("retract"), extra=("--max-batch", "64")) as c:
+    # Every KV write takes 0.4 s longer, so a request submitted shortly before a pause
+    # is reliably still in transfer when the pause lands, whatever the machine's load.
+    with Cluster(tmp_path_factory.mktemp("retract"), extra=("--max-batch", "64"),
+                 env={"ZPD_TRANSPORT_FAULT": "delay:seconds=0.4"}) as c:
         yield c
 
 
@@ -129,8 +132,8 @@ def test_retract_update_continue_is_exact(cluster, ckpts):
         for i, (ids, n) in enumerate(work[:12]):
             col.submit(ids, n, f"a{i}")
         col.start()
-        time.sleep(0.05)
-        for i, (ids, n) in enumerate(work[12:]):      # likely still in prefill or transfer
+        time.sleep(0.15)
+        for i, (ids, n) in enumerate(work[12:]):      # still in transfer when the pause lands
             col.submit(ids, n, f"b{i}")
         paused = _pause_midway(cluster, client, col, "retract")
         with cluster.client() as admin:
@@ -277,3 +280,37 @@ def test_update_weights_refused_while_running_and_for_bad_paths(cluster):
         assert not missing["ok"] and all("no/such/dir" in w["error"] for w in missing["workers"])
         assert {w["weight_version"] for w in client.admin("status")["workers"]} == {"tiny"}
         assert client.admin("continue")["ok"]
+
+
+def test_recompute_moves_to_another_prefill_when_its_own_is_gone(tmp_path, ckpts):
+    """2P1D: kill a prefill while paused; after continue its requests are recomputed
+    on the other prefill, still exactly."""
+    import os
+    import signal
+    dirs, models = ckpts
+    work = _workload(16, seed=17)
+    with Cluster(tmp_path, prefill=2, decode=1) as cluster, cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work):
+            col.submit(ids, max(n, 40), f"k{i}")
+        col.start()
+        _pause_midway(cluster, client, col, "retract")
+        victim = next(w for w in cluster.info["workers"] if w["role"] == "prefill")
+        os.kill(victim["pid"], signal.SIGKILL)
+        with cluster.client() as admin:
+            upd = admin.admin("update_weights", path=str(dirs["w2"]), version="w2", timeout=3)
+            answered = [w for w in upd["workers"] if w["ok"]]
+            assert len(answered) == 2 and {w["weight_version"] for w in answered} == {"w2"}
+            resumed = admin.admin("continue", timeout=3)
+            assert resumed["ok"], resumed
+            dead = [w for w in resumed["workers"] if w["endpoint"] == victim["endpoint"]]
+            assert dead and not dead[0]["ok"]
+        outs = col.wait()
+        for i, (ids, _) in enumerate(work):
+            out = outs[f"k{i}"]
+            assert out["finish_reason"]["type"] == "length", out["finish_reason"]
+            check_exact(ids, out, models)
+        status = client.admin("status", timeout=3)
+        for w in status["workers"]:
+            if w["ok"]:
+                assert w["kv_pages"]["free"] == w["kv_pages"]["total"], w
