@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Start (or stop) every zpd process listed in a hostfile, over ssh or on this node.
+set -Eeuo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: launch_cluster.sh HOSTFILE [start|stop]
+
+HOSTFILE has one process per line, '#' starts a comment:
+
+    # role     host            port   extra options for that process
+    prefill    10.0.0.1        5760   --ib-device mlx5_0
+    decode     10.0.0.2        5770   --ib-device mlx5_0 --max-batch 128
+    router     10.0.0.1        5757
+
+role is prefill, decode or router (exactly one router); the extra options are
+split on whitespace. host is the address the
+process binds and announces; it is started directly when host is this node
+(127.x, localhost, this node's name or one of its addresses) and over ssh
+otherwise, or always over ssh when written user@host. Workers start first; the
+router starts once every worker's port answers, with the prefill and decode
+endpoints of the file. Each process logs to RUN_DIR/logs/ROLE-HOST-PORT.log on
+its own node; pid files go to RUN_DIR/pids/ on this node.
+
+'stop' stops every process the last start recorded (router first), by pid:
+SIGTERM, then SIGKILL after 15 s.
+
+Environment (forwarded to every process, local or remote):
+  ZPD_MODEL, ZPD_DEVICE, ZPD_DTYPE, ZPD_PROTOCOL, ZPD_IB_DEVICE, ZPD_KV_CACHE_MB,
+  ZPD_CURVE_KEYS, ZPD_LOG_LEVEL, ZPD_PYTHON   see scripts/launch_prefill.sh --help
+  ZPD_RUN_DIR          logs and pid files (default RUN_DIR=<checkout>/run)
+  ZPD_REMOTE_DIR       the checkout's path on remote nodes (default: this checkout's path)
+  ZPD_SSH              ssh command (default: ssh -o BatchMode=yes)
+  ZPD_STARTUP_TIMEOUT  seconds to wait for each process's port (default 300)
+EOF
+}
+
+[ $# -ge 1 ] || { usage >&2; exit 2; }
+case "$1" in -h|--help) usage; exit 0;; esac
+hostfile=$1; action=${2:-start}
+here=$(cd "$(dirname "$0")/.." && pwd)
+run_dir=${ZPD_RUN_DIR:-$here/run}
+remote_dir=${ZPD_REMOTE_DIR:-$here}
+read -r -a ssh_cmd <<<"${ZPD_SSH:-ssh -o BatchMode=yes}"
+timeout_s=${ZPD_STARTUP_TIMEOUT:-300}
+forward_vars=(ZPD_MODEL ZPD_DEVICE ZPD_DTYPE ZPD_PROTOCOL ZPD_IB_DEVICE ZPD_KV_CACHE_MB
+              ZPD_CURVE_KEYS ZPD_LOG_LEVEL ZPD_PYTHON MC_FORCE_TCP MC_LOG_LEVEL)
+
+is_local() {   # host (without user@) is this node
+  local h=$1
+  case "$h" in 127.*|localhost|::1) return 0;; esac
+  [ "$h" = "$(hostname)" ] || [ "$h" = "$(hostname -f 2>/dev/null || true)" ] && return 0
+  ip -o addr show 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | grep -qxF "$h"
+}
+
+# Runs a shell command line on the process's node.
+on_node() {   # target local(0/1) command-line
+  if [ "$2" = 1 ]; then bash -c "$3"; else "${ssh_cmd[@]}" "$1" "$3"; fi
+}
+
+port_open() {   # host port: something accepts TCP connections there
+  timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null
+}
+
+pid_file() { echo "$run_dir/pids/$1-$2-$3.pid"; }
+
+stop_all() {
+  local f role host port target pid local_ n=0
+  for role in router decode prefill; do
+    for f in "$run_dir"/pids/"$role"-*.pid; do
+      [ -e "$f" ] || continue
+      read -r target local_ pid port <"$f"
+      # Only a process that still runs zpd: the pid may have been reused since.
+      on_node "$target" "$local_" "
+        if grep -qa zpd /proc/$pid/cmdline 2>/dev/null; then
+          kill -TERM $pid
+          for i in \$(seq 75); do kill -0 $pid 2>/dev/null || exit 0; sleep 0.2; done
+          echo 'pid $pid ignored SIGTERM for 15 s: SIGKILL' >&2; kill -KILL $pid
+        fi" || echo "launch_cluster.sh: could not stop $role on $target (pid $pid)" >&2
+      echo "stopped $role $target:$port (pid $pid)"
+      rm -f "$f"; n=$((n + 1))
+    done
+  done
+  [ $n -gt 0 ] || echo "launch_cluster.sh: nothing to stop (no pid files in $run_dir/pids)"
+}
+
+start_one() {   # role target port extra...
+  local role=$1 target=$2 port=$3; shift 3
+  local host=${target#*@} local_=0 script log env_args="" v q
+  if [ "$target" = "$host" ] && is_local "$host"; then local_=1; fi
+  log="$run_dir/logs/$role-$host-$port.log"
+  for v in "${forward_vars[@]}"; do
+    [ -n "${!v:-}" ] && env_args+=" $v=$(printf %q "${!v}")"
+  done
+  script="launch_$role.sh --host $(printf %q "$host") --port $port --log-file $(printf %q "$log")"
+  for q in "$@"; do script+=" $(printf %q "$q")"; done
+  local dir=$here; [ $local_ = 1 ] || dir=$remote_dir
+  # setsid: the process outlives this shell and its terminal; exec keeps the pid.
+  local pid
+  pid=$(on_node "$target" "$local_" "mkdir -p $(printf %q "$run_dir/logs") && cd $(printf %q "$dir") || exit 1
+        env$env_args setsid bash scripts/$script </dev/null >/dev/null 2>&1 & echo \$!")
+  [[ "$pid" =~ ^[0-9]+$ ]] || { echo "launch_cluster.sh: could not start $role on $target: $pid" >&2; return 1; }
+  echo "$target $local_ $pid $port" >"$(pid_file "$role" "$host" "$port")"
+  echo "started $role on $host:$port (pid $pid, log $log)"
+}
+
+wait_port() {   # role host port
+  local deadline=$((SECONDS + timeout_s)) f target local_ pid
+  read -r target local_ pid _ <"$(pid_file "$1" "$2" "$3")"
+  until port_open "$2" "$3"; do
+    if ! on_node "$target" "$local_" "kill -0 $pid" 2>/dev/null; then
+      echo "launch_cluster.sh: $1 on $2:$3 exited; the end of its log ($run_dir/logs/$1-$2-$3.log):" >&2
+      on_node "$target" "$local_" "tail -n 20 $(printf %q "$run_dir/logs/$1-$2-$3.log")" >&2 || true
+      return 1
+    fi
+    [ $SECONDS -lt $deadline ] || { echo "launch_cluster.sh: $1 on $2:$3 not up in ${timeout_s} s" >&2; return 1; }
+    sleep 0.5
+  done
+}
+
+start_all() {
+  local lines=() role target port rest prefill="" decode="" router_line="" line
+  while IFS= read -r line || [ -n "$line" ]; do
+    line=${line%%#*}
+    read -r role target port rest <<<"$line" || true
+    [ -n "$role" ] || continue
+    [[ "$port" =~ ^[0-9]+$ ]] || { echo "launch_cluster.sh: bad port in: $role $target $port" >&2; exit 2; }
+    case "$role" in
+      prefill) prefill+="${prefill:+,}${target#*@}:$port"; lines+=("$role $target $port $rest");;
+      decode) decode+="${decode:+,}${target#*@}:$port"; lines+=("$role $target $port $rest");;
+      router) [ -z "$router_line" ] || { echo "launch_cluster.sh: more than one router" >&2; exit 2; }
+              router_line="$role $target $port $rest";;
+      *) echo "launch_cluster.sh: unknown role '$role' (prefill, decode or router)" >&2; exit 2;;
+    esac
+  done <"$hostfile"
+  if [ -z "$prefill" ] || [ -z "$decode" ] || [ -z "$router_line" ]; then
+    echo "launch_cluster.sh: $hostfile needs at least one prefill, one decode and one router" >&2
+    exit 2
+  fi
+  if ls "$run_dir"/pids/*.pid >/dev/null 2>&1; then
+    echo "launch_cluster.sh: $run_dir/pids has pid files: run '$0 $hostfile stop' first" >&2
+    exit 1
+  fi
+  mkdir -p "$run_dir/pids" "$run_dir/logs"
+  # A failed start stops what it started, so a retry begins from nothing.
+  trap 'echo "launch_cluster.sh: start failed; stopping what was started" >&2; stop_all >&2' ERR
+  for line in "${lines[@]}"; do
+    read -r -a f <<<"$line"
+    start_one "${f[@]}"
+  done
+  for line in "${lines[@]}"; do
+    read -r role target port _ <<<"$line"
+    wait_port "$role" "${target#*@}" "$port"
+  done
+  read -r -a f <<<"$router_line"
+  start_one router "${f[1]}" "${f[2]}" --prefill "$prefill" --decode "$decode" "${f[@]:3}"
+  wait_port router "${f[1]#*@}" "${f[2]}"
+  trap - ERR
+  echo "zpd cluster up: router ${f[1]#*@}:${f[2]}; prefill $prefill; decode $decode; logs in $run_dir/logs"
+}
+
+case "$action" in
+  start) start_all;;
+  stop) stop_all;;
+  *) usage >&2; exit 2;;
+esac
