@@ -81,6 +81,27 @@ def test_streamed_equals_zpd_run(one_one):
         assert_all_pages_free(client)
 
 
+@pytest.mark.parametrize("name", ["one_one", "two_two"])
+def test_concurrent_streams_equal_zpd_run(name, request):
+    """32 streaming requests in flight at once on one connection."""
+    from zpd.client import assemble
+    cluster = request.getfixturevalue(name)
+    work = _workload(32, seed=4)
+    expected = _reference(work)
+    with cluster.client() as client:
+        rids = [client.submit(stream=True, **w) for w in work]
+        chunks: dict[str, list[dict]] = {rid: [] for rid in rids}
+        finished = 0
+        while finished < len(rids):
+            chunk = client.receive(timeout=60)
+            chunks[chunk["rid"]].append(chunk)
+            finished += chunk["finished"]
+        for rid, exp in zip(rids, expected):
+            assert assemble(chunks[rid])["output_ids"] == exp
+            assert len(chunks[rid]) == len(exp)          # one chunk per token
+        assert_all_pages_free(client)
+
+
 def test_seeded_sampling_equals_zpd_run(two_two):
     work = _workload(16, seed=2)
     for i, w in enumerate(work):
