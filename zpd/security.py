@@ -215,7 +215,9 @@ class _HandshakeWatch:
     A refused peer reconnects forever, so repeats are logged at powers of two."""
 
     HINTS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key not authorised (not under authorized/)",
-             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "CURVE handshake failed (wrong server key?)"}
+             # Also what a bound socket sees when a plaintext peer hangs up first.
+             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "CURVE handshake failed: peer without "
+                                                   "--curve-keys, or with another server key"}
 
     def __init__(self) -> None:
         self._pending: list[zmq.Socket] = []
