@@ -18,7 +18,7 @@ split on whitespace. host is the address the
 process binds and announces; it is started directly when host is this node
 (127.x, localhost, this node's name or one of its addresses) and over ssh
 otherwise, or always over ssh when written user@host. Workers start first; the
-router starts once every worker's port answers, with the prefill and decode
+router starts once every worker is ready, with the prefill and decode
 endpoints of the file. Each process logs to RUN_DIR/logs/ROLE-HOST-PORT.log on
 its own node; pid files go to RUN_DIR/pids/ on this node.
 
@@ -31,7 +31,7 @@ Environment (forwarded to every process, local or remote):
   ZPD_RUN_DIR          logs and pid files (default RUN_DIR=<checkout>/run)
   ZPD_REMOTE_DIR       the checkout's path on remote nodes (default: this checkout's path)
   ZPD_SSH              ssh command (default: ssh -o BatchMode=yes)
-  ZPD_STARTUP_TIMEOUT  seconds to wait for each process's port (default 300)
+  ZPD_STARTUP_TIMEOUT  seconds to wait for each process to be ready (default 300)
 EOF
 }
 
@@ -58,10 +58,6 @@ on_node() {   # target local(0/1) command-line
   if [ "$2" = 1 ]; then bash -c "$3"; else "${ssh_cmd[@]}" "$1" "$3"; fi
 }
 
-port_open() {   # host port: something accepts TCP connections there
-  timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null
-}
-
 pid_file() { echo "$run_dir/pids/$1-$2-$3.pid"; }
 
 stop_all() {
@@ -72,6 +68,7 @@ stop_all() {
       read -r target local_ pid port <"$f"
       # Only a process that still runs zpd: the pid may have been reused since.
       on_node "$target" "$local_" "
+        rm -f $(printf %q "$run_dir/ready/$role-${target#*@}-$port.json")
         if grep -qa zpd /proc/$pid/cmdline 2>/dev/null; then
           kill -TERM $pid
           for i in \$(seq 75); do kill -0 $pid 2>/dev/null || exit 0; sleep 0.2; done
@@ -86,35 +83,41 @@ stop_all() {
 
 start_one() {   # role target port extra...
   local role=$1 target=$2 port=$3; shift 3
-  local host=${target#*@} local_=0 script log env_args="" v q
+  local host=${target#*@} local_=0 script log ready env_args="" v q
   if [ "$target" = "$host" ] && is_local "$host"; then local_=1; fi
   log="$run_dir/logs/$role-$host-$port.log"
+  ready="$run_dir/ready/$role-$host-$port.json"
   for v in "${forward_vars[@]}"; do
     [ -n "${!v:-}" ] && env_args+=" $v=$(printf %q "${!v}")"
   done
   script="launch_$role.sh --host $(printf %q "$host") --port $port --log-file $(printf %q "$log")"
+  script+=" --ready-file $(printf %q "$ready")"
   for q in "$@"; do script+=" $(printf %q "$q")"; done
   local dir=$here; [ $local_ = 1 ] || dir=$remote_dir
   # setsid: the process outlives this shell and its terminal; exec keeps the pid.
   local pid
-  pid=$(on_node "$target" "$local_" "mkdir -p $(printf %q "$run_dir/logs") && cd $(printf %q "$dir") || exit 1
+  pid=$(on_node "$target" "$local_" "mkdir -p $(printf %q "$run_dir/logs") $(printf %q "$run_dir/ready") &&
+        rm -f $(printf %q "$ready") && cd $(printf %q "$dir") || exit 1
         env$env_args setsid bash scripts/$script </dev/null >/dev/null 2>&1 & echo \$!")
   [[ "$pid" =~ ^[0-9]+$ ]] || { echo "launch_cluster.sh: could not start $role on $target: $pid" >&2; return 1; }
   echo "$target $local_ $pid $port" >"$(pid_file "$role" "$host" "$port")"
   echo "started $role on $host:$port (pid $pid, log $log)"
 }
 
-wait_port() {   # role host port
-  local deadline=$((SECONDS + timeout_s)) f target local_ pid
+# Each process writes its ready file once its socket is bound and it serves; the
+# file is polled rather than the port, so no probe connection shows in the logs.
+wait_ready() {   # role host port
+  local deadline=$((SECONDS + timeout_s)) target local_ pid
+  local ready=$(printf %q "$run_dir/ready/$1-$2-$3.json")
   read -r target local_ pid _ <"$(pid_file "$1" "$2" "$3")"
-  until port_open "$2" "$3"; do
+  until on_node "$target" "$local_" "test -f $ready"; do
     if ! on_node "$target" "$local_" "kill -0 $pid" 2>/dev/null; then
       echo "launch_cluster.sh: $1 on $2:$3 exited; the end of its log ($run_dir/logs/$1-$2-$3.log):" >&2
       on_node "$target" "$local_" "tail -n 20 $(printf %q "$run_dir/logs/$1-$2-$3.log")" >&2 || true
       return 1
     fi
     [ $SECONDS -lt $deadline ] || { echo "launch_cluster.sh: $1 on $2:$3 not up in ${timeout_s} s" >&2; return 1; }
-    sleep 0.5
+    sleep 1
   done
 }
 
@@ -150,11 +153,11 @@ start_all() {
   done
   for line in "${lines[@]}"; do
     read -r role target port _ <<<"$line"
-    wait_port "$role" "${target#*@}" "$port"
+    wait_ready "$role" "${target#*@}" "$port"
   done
   read -r -a f <<<"$router_line"
   start_one router "${f[1]}" "${f[2]}" --prefill "$prefill" --decode "$decode" "${f[@]:3}"
-  wait_port router "${f[1]#*@}" "${f[2]}"
+  wait_ready router "${f[1]#*@}" "${f[2]}"
   trap - ERR
   echo "zpd cluster up: router ${f[1]#*@}:${f[2]}; prefill $prefill; decode $decode; logs in $run_dir/logs"
 }

@@ -70,7 +70,7 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         pids = recorded_pids(run_dir)
         assert started.returncode == 0, started.stdout + started.stderr
         assert len(pids) == 3 and all(alive(p) for p in pids)
-        assert (tmp_path / "ssh-targets").read_text().split() == ["root@127.0.0.1"]
+        assert set((tmp_path / "ssh-targets").read_text().split()) == {"root@127.0.0.1"}
 
         again = cluster_script(hostfile, env)          # refuses to start twice
         assert again.returncode == 1 and "stop" in again.stderr
@@ -95,6 +95,7 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         assert stopped.stdout.count("stopped ") == 3
         assert not any(alive(p) for p in pids), "stop left processes behind"
         assert not list((run_dir / "pids").glob("*.pid"))
+        assert not list((run_dir / "ready").glob("*.json"))
     finally:
         for pid in pids:
             if alive(pid):
