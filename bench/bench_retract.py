@@ -1,0 +1,865 @@
+"""True retraction on a real 1P1D cluster: pause(retract) and continue latency with many
+running requests, and the recompute after continue vs a fresh prefill of the same tokens.
+
+    python bench/bench_retract.py [--model tiny|small|mid|DIR] [--requests 256] [--cycles 5]
+                                  [--repeats 7] [--prompt-len 64,192] [--pin 0|1]
+
+One `zpd launch` (1 prefill, 1 decode, --threads 1, log level INFO, one log per process)
+serves every phase; this process is the client (one zpd.Client per load, owned by one
+receiving thread that stamps every streamed chunk with time.monotonic() on arrival) and
+the admin (a second Client in the main thread).
+
+1. pause/continue: --requests streaming requests (greedy, ignore_eos, long
+   max_new_tokens), all decoding (each has >= 1 streamed token). Each cycle: pause(retract)
+   timed as the admin round trip on the client; then continue, and for each request the
+   time from sending continue to its first chunk after the pause; p50/p99/max over the
+   requests and the time until all have a new token. Medians over --cycles cycles (the
+   same requests throughout, so their contexts grow from cycle to cycle).
+2. recompute vs fresh, --repeats interleaved repeats on the same cluster, same N:
+   recompute: N new requests decoding (each has >= --min-output tokens), pause(retract),
+   continue; time from sending continue until every held request has its next token
+   (the prefill recomputes prompt + output[:-1], writes it, the decode feeds the last
+   token). Then those requests are ended (pause abort, continue) and the cluster drains.
+   fresh: N new requests whose prompts are exactly those prefixes (prompt + output so
+   far), max_new_tokens=2; time from the first submit until every one has its 2nd token
+   (prefill + transfer + one decode step each). Tokens/s for both count the same tokens:
+   the prefix lengths. Target: recompute / fresh time <= 1.1 (median of per-repeat ratios).
+   Diagnostics in the same repeats: fresh-long (the same prefixes with the long
+   max_new_tokens: after their 2nd token they keep decoding and streaming, as resumed
+   requests do after a recompute) and, with --pin 1, a recompute and its fresh run with
+   the prefill process pinned alone to CPU 0 (decode, router and client on CPU 1).
+   The breakdown comes from the workers' INFO logs (millisecond timestamps: the prefill's
+   "queued" and "kv written (N bytes, X ms)", the decode's "kv received"), from each
+   process's CPU seconds in the window (/proc), and from the model work alone, timed in
+   this process after the cluster stops (prefill of the same prefixes, decode steps).
+
+The machine's cores are shared (other jobs may run); compared figures are measured in the
+same run, interleaved, and the CPU used by other processes during each window is printed
+("others (cores)"). Bigger models (--model small/mid) need a bigger --kv-cache-mb and a
+--max-prefill-tokens small enough that one prefill forward stays well under the workers'
+2 s peer timeout on a loaded core; otherwise the router and decode mark the busy prefill
+dead and requests fail with 503.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from zpd.client import Client  # noqa: E402
+
+PRESETS = {   # random Llamas written as HF directories; "tiny" is the embedded model
+    "small": dict(vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "mid": dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=64),
+}
+TINY_DESC = "tiny: embedded Llama, 2 layers, hidden 64, 4/2 heads, MLP 128, vocab 258"
+
+
+def make_model(root: Path, c: dict, seed: int = 0) -> Path:
+    """A random Llama as a Hugging Face directory (config.json + model.safetensors)."""
+    import torch
+    from safetensors.torch import save_file
+    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> "torch.Tensor":
+        return (torch.randn(*shape, generator=g) * 0.02).contiguous()
+    t = {"model.embed_tokens.weight": w(c["vocab_size"], h), "model.norm.weight": torch.ones(h),
+         "lm_head.weight": w(c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": w(c["num_attention_heads"] * d, h),
+              p + "self_attn.k_proj.weight": w(c["num_key_value_heads"] * d, h),
+              p + "self_attn.v_proj.weight": w(c["num_key_value_heads"] * d, h),
+              p + "self_attn.o_proj.weight": w(h, c["num_attention_heads"] * d),
+              p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
+              p + "mlp.down_proj.weight": w(h, inter),
+              p + "input_layernorm.weight": torch.ones(h),
+              p + "post_attention_layernorm.weight": torch.ones(h)}
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(root / "model.safetensors"))
+    cfg = c | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
+               "eos_token_id": 2}
+    (root / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def log_step(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- processes and CPU -----------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a whole process (all threads)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+class CpuWindow:
+    """CPU seconds of our processes, and of everything else on the machine, over a window."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.t0, self.busy0 = time.monotonic(), machine_busy_seconds()
+        self.cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+
+    def end(self) -> dict[str, float]:
+        cpu = {k: cpu_seconds(p) - self.cpu0[k] for k, p in self.pids.items()}
+        wall = time.monotonic() - self.t0
+        others = machine_busy_seconds() - self.busy0 - sum(cpu.values())
+        return cpu | {"others (cores)": max(0.0, others) / wall, "wall": wall}
+
+
+def wait_quiet(max_s: float, limit_cores: float = 0.3) -> float:
+    """Wait (at most max_s) until the machine is nearly idle for 0.5 s; returns the cores
+    busy then (others' work: ours is idle)."""
+    deadline = time.monotonic() + max_s
+    while True:
+        before = machine_busy_seconds()
+        time.sleep(0.5)
+        busy = (machine_busy_seconds() - before) / 0.5
+        if busy <= limit_cores or time.monotonic() >= deadline:
+            return busy
+
+
+class Launch:
+    """`zpd launch` in its own session; one log per process under `tmp/logs`."""
+
+    def __init__(self, tmp: Path, model: str, args) -> None:
+        ready, self.logs = tmp / "cluster.json", tmp / "logs"
+        self.argv = [sys.executable, "-m", "zpd", "launch", "--model", model, "--dtype", args.dtype,
+                     "--prefill", "1", "--decode", "1", "--port", "0", "--ready-file", str(ready),
+                     "--threads", "1", "--kv-cache-mb", str(args.kv_cache_mb),
+                     "--max-batch", str(args.max_batch), "--log-level", "INFO",
+                     "--log-dir", str(self.logs)]
+        if args.max_prefill_tokens:
+            self.argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+        self.shown = shlex.join(self.argv).replace(str(tmp), "$TMP")
+        env = os.environ | {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=open(tmp / "launch.log", "wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("cluster did not start:\n" + (tmp / "launch.log").read_text()[-3000:])
+            time.sleep(0.1)
+        info = json.loads(ready.read_text())
+        self.router = info["router"]
+        self.pids = {w["role"]: w["pid"] for w in info["workers"]}
+        self.pids["router"] = next((p for p in _children(self.proc.pid) if p not in self.pids.values()), 0)
+        self.pids["client (this process)"] = os.getpid()
+
+    def pin(self, on: bool) -> None:
+        """on: the prefill alone on CPU 0, decode, router and this process on CPU 1 (every
+        thread; threads started later inherit it); off: every process on every CPU."""
+        every = set(range(os.cpu_count() or 1))
+        for name, pid in self.pids.items():
+            cpus = ({0} if name == "prefill" else {1}) if on else every
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                try:
+                    os.sched_setaffinity(int(task.name), cpus)
+                except OSError:
+                    pass                        # a thread that just ended
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def log(self, name: str) -> str:
+        f = self.logs / f"{name}.log"
+        return f.read_text(errors="replace") if f.exists() else ""
+
+
+# --- load: one client, one receiving thread --------------------------------------------
+
+@dataclass
+class Stream:
+    """Submits `reqs` (rid, input_ids, sampling) on its own Client from its own thread, then
+    receives; every chunk's arrival is stamped. The thread owns the socket throughout."""
+    router: str
+    reqs: list[tuple[str, list[int], dict]]
+    timeout: float = 300.0
+    times: dict[str, list[float]] = field(default_factory=dict)     # arrival of each chunk
+    counts: dict[str, list[int]] = field(default_factory=dict)      # tokens so far, per chunk
+    output: dict[str, list[int]] = field(default_factory=dict)
+    finish: dict[str, dict] = field(default_factory=dict)
+    last_chunk: float = 0.0
+    submitted_at: float = 0.0
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        for rid, _, _ in self.reqs:
+            self.times[rid], self.counts[rid], self.output[rid] = [], [], []
+        self.lock, self.stopping = threading.Lock(), False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            with Client(self.router, timeout=self.timeout) as client:
+                self.submitted_at = time.monotonic()
+                for rid, ids, sampling in self.reqs:
+                    client.submit(input_ids=ids, rid=rid, stream=True, sampling_params=sampling)
+                while len(self.finish) < len(self.reqs) and not self.stopping:
+                    try:
+                        chunk = client.receive(timeout=0.5)
+                    except TimeoutError:
+                        continue
+                    now = time.monotonic()
+                    rid = chunk["rid"]
+                    with self.lock:
+                        self.output[rid] += chunk["token_ids"]
+                        self.times[rid].append(now)
+                        self.counts[rid].append(len(self.output[rid]))
+                        self.last_chunk = now
+                        if chunk["finished"]:
+                            self.finish[rid] = chunk["finish_reason"]
+        except Exception as e:           # reported by the main thread's waits
+            self.error = repr(e)
+
+    def min_tokens(self) -> int:
+        with self.lock:
+            return min(len(o) for o in self.output.values())
+
+    def tokens(self) -> dict[str, int]:
+        with self.lock:
+            return {rid: len(o) for rid, o in self.output.items()}
+
+    def wait_until(self, cond, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if self.error:
+                raise RuntimeError(f"client thread failed: {self.error}")
+            bad = [f"{r}: {f}" for r, f in list(self.finish.items())
+                   if f.get("type") == "abort" and f.get("status_code") != 499]
+            if bad and what != "finished":
+                raise RuntimeError(f"requests failed while waiting for {what}: {bad[:3]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.005)
+
+    def drain(self, quiet: float = 0.15) -> None:
+        """Wait until no chunk has arrived for `quiet` seconds (after a pause)."""
+        while time.monotonic() - max(self.last_chunk, self.submitted_at) < quiet:
+            time.sleep(0.02)
+
+    def first_after(self, t0: float, count: int = 1) -> dict[str, float]:
+        """Per request: when its first chunk after t0 arrived (count=1), or when it reached
+        `count` tokens in total (count > 1)."""
+        got = {}
+        with self.lock:
+            for rid, ts in self.times.items():
+                if count > 1:
+                    k = next((i for i, c in enumerate(self.counts[rid]) if c >= count), None)
+                else:
+                    k = bisect_right(ts, t0)
+                    k = k if k < len(ts) else None
+                if k is not None:
+                    got[rid] = ts[k]
+        return got
+
+    def join(self, timeout: float = 60.0) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.stopping = True
+            self.thread.join(5)
+
+
+def gaps_in(stream: "Stream", t0: float, t1: float) -> list[float]:
+    """Gaps between consecutive chunks of each request, both inside [t0, t1]: the decode
+    step period seen by the client."""
+    out = []
+    with stream.lock:
+        for ts in stream.times.values():
+            inside = [t for t in ts if t0 < t <= t1]
+            out += [b - a for a, b in zip(inside, inside[1:])]
+    return out
+
+
+def make_requests(prefix: str, n: int, lengths: tuple[int, int], vocab: int, max_new: int,
+                  rng: random.Random) -> list[tuple[str, list[int], dict]]:
+    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    return [(f"{prefix}{i}", [rng.randrange(vocab) for _ in range(rng.randint(*lengths))], sampling)
+            for i in range(n)]
+
+
+def end_all(admin: Client, stream: Stream) -> None:
+    """End every request of `stream` (pause abort + continue) and wait for their ends."""
+    assert admin.admin("pause", mode="abort")["ok"]
+    assert admin.admin("continue")["ok"]
+    stream.wait_until(lambda: len(stream.finish) == len(stream.reqs), "finished", 60)
+    stream.join()
+
+
+def wait_idle(admin: Client, timeout: float = 30.0) -> None:
+    """Until every worker holds no page and no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = admin.admin("status")
+        idle = all(w["kv_pages"]["free"] == w["kv_pages"]["total"] and not any(w["queues"].values())
+                   for w in st["workers"]) and not st.get("inflight")
+        if idle:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"cluster not idle: {st}")
+        time.sleep(0.05)
+
+
+# --- log breakdown ------------------------------------------------------------------------
+
+LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ \S+: rid=(\S+) room=\d+ epoch=(\d+) (.*)$")
+
+
+def parse_log(text: str) -> list[tuple[float, str, int, str]]:
+    """(wall time, rid, epoch, event text) for every per-request INFO line."""
+    out = []
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if m:
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out.append((t, m.group(2), int(m.group(3)), m.group(4)))
+    return out
+
+
+def breakdown(events: dict[str, list], rids: set[str], epoch_min: int, t0_wall: float,
+              t_all_wall: float) -> dict[str, float]:
+    """Milestones (seconds after t0) of one phase from the prefill and decode logs."""
+    def pick(role: str, word: str) -> list[tuple[float, str]]:
+        return [(t, ev) for t, rid, ep, ev in events[role]
+                if rid in rids and ep >= epoch_min and t >= t0_wall - 0.002 and ev.startswith(word)]
+    queued, written, received = pick("prefill", "queued"), pick("prefill", "kv written"), \
+        pick("decode", "kv received")
+    if not (queued and written and received):
+        return {}
+    kv_ms = [float(m.group(1)) for _, ev in written if (m := re.search(r"([\d.]+) ms\)", ev))]
+    kv_bytes = sum(int(m.group(1)) for _, ev in written if (m := re.search(r"\((\d+) bytes", ev)))
+    write_start = [t - ms / 1e3 for (t, _), ms in zip(written, kv_ms)]
+    return {"first queued": min(t for t, _ in queued) - t0_wall,
+            "last queued": max(t for t, _ in queued) - t0_wall,
+            "first write start": min(write_start) - t0_wall,
+            "last kv written": max(t for t, _ in written) - t0_wall,
+            "last kv received": max(t for t, _ in received) - t0_wall,
+            "all next tokens": t_all_wall - t0_wall,
+            "kv write ms p50": pct(kv_ms, 50), "kv write ms p99": pct(kv_ms, 99),
+            "kv write ms sum": sum(kv_ms), "kv MiB": kv_bytes / 2**20,
+            "writes": len(written), "requests": len(rids)}
+
+
+# --- phases ----------------------------------------------------------------------------
+
+def phase_pause_continue(cluster: Launch, admin: Client, args, vocab: int, rng: random.Random) -> dict:
+    n = args.requests
+    stream = Stream(cluster.router, make_requests("pc", n, args.prompt_lens, vocab, args.max_new, rng),
+                    args.timeout)
+    stream.wait_until(lambda: stream.min_tokens() >= 1, f"all {n} requests decoding", args.timeout)
+    res = {"pause": [], "continue_rtt": [], "p50": [], "p99": [], "max": [], "held": [],
+           "running_at_pause": [], "tokens_at_pause": []}
+    for cycle in range(args.cycles):
+        wait_quiet(args.quiet_wait)
+        status = admin.admin("status")
+        running = sum(w["queues"].get("running", 0) for w in status["workers"] if w["role"] == "decode")
+        t = time.perf_counter()
+        reply = admin.admin("pause", mode="retract")
+        res["pause"].append(time.perf_counter() - t)
+        assert reply["ok"], reply
+        stream.drain()
+        held = admin.admin("status")
+        held_n = sum(len(w.get("held", [])) for w in held["workers"] if w["role"] == "decode")
+        res["held"].append(held_n)
+        res["running_at_pause"].append(running)
+        res["tokens_at_pause"].append(sum(stream.tokens().values()) / n)
+        t0 = time.monotonic()
+        t = time.perf_counter()
+        assert admin.admin("continue")["ok"]
+        res["continue_rtt"].append(time.perf_counter() - t)
+        stream.wait_until(lambda: len(stream.first_after(t0)) == n, "a token after continue", args.timeout)
+        lat = [ts - t0 for ts in stream.first_after(t0).values()]
+        for q, key in ((50, "p50"), (99, "p99"), (100, "max")):
+            res[key].append(pct(lat, q))
+        log_step(f"  cycle {cycle + 1}: pause {res['pause'][-1] * 1e3:.1f} ms, held {held_n}, "
+                 f"continue -> all have a new token {res['max'][-1] * 1e3:.0f} ms")
+    end_all(admin, stream)
+    wait_idle(admin)
+    return res
+
+
+@dataclass
+class Run:
+    """One measured window."""
+    t: float                  # seconds until every request has its next (fresh: 2nd) token
+    tokens: int               # prefix tokens: prompt + output so far, summed
+    cpu: dict                 # CPU seconds per process in the window, others' cores, wall
+    rids: set
+    t0_wall: float
+    all_wall: float
+    extra_tokens: int         # streamed in the window beyond each request's first new one
+    gap: float = float("nan")  # median gap between consecutive tokens of a request in the window
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.t
+
+
+def run_recompute(cluster: Launch, admin: Client, args, vocab: int, rng: random.Random, tag: str):
+    """N requests decoding, pause(retract), continue: seconds until each has its next token."""
+    n = args.requests
+    stream = Stream(cluster.router, make_requests(f"{tag}-", n, args.prompt_lens, vocab,
+                                                  args.max_new, rng), args.timeout)
+    stream.wait_until(lambda: stream.min_tokens() >= args.min_output, f"{args.min_output} tokens each",
+                      args.timeout)
+    assert admin.admin("pause", mode="retract")["ok"]
+    stream.drain()
+    prefixes = {rid: ids + stream.output[rid] for rid, ids, _ in stream.reqs}
+    wait_quiet(args.quiet_wait)
+    window = CpuWindow(cluster.pids)
+    t0_wall, t0 = time.time(), time.monotonic()
+    assert admin.admin("continue")["ok"]
+    stream.wait_until(lambda: len(stream.first_after(t0)) == n, "a token after continue", args.timeout)
+    t_all = max(stream.first_after(t0).values())
+    cpu = window.end()
+    # tokens that reached the client inside the window beyond each request's first new one
+    with stream.lock:
+        extra = sum(max(0, stream.counts[rid][bisect_right(stream.times[rid], t_all) - 1]
+                        - stream.counts[rid][bisect_right(stream.times[rid], t0) - 1] - 1)
+                    for rid in prefixes)
+    gap = med(gaps_in(stream, t0, t_all))
+    end_all(admin, stream)
+    wait_idle(admin)
+    return Run(t_all - t0, sum(map(len, prefixes.values())), cpu, set(prefixes), t0_wall,
+               t0_wall + t_all - t0, extra, gap), prefixes
+
+
+def run_fresh(cluster: Launch, admin: Client, args, prefixes: dict[str, list[int]], tag: str,
+              max_new: int = 2) -> "Run":
+    """N new requests of exactly these prompts: until each has 2 tokens. max_new > 2: they
+    keep decoding and streaming after that, as resumed requests do after a recompute."""
+    sampling = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    reqs = [(f"{tag}-{i}", ids, sampling) for i, ids in enumerate(prefixes.values())]
+    wait_quiet(args.quiet_wait)
+    window = CpuWindow(cluster.pids)
+    t0_wall, t0 = time.time(), time.monotonic()
+    stream = Stream(cluster.router, reqs, args.timeout)
+    stream.wait_until(lambda: len(stream.first_after(0, count=2)) == len(reqs), "2 tokens each",
+                      args.timeout)
+    t_all = max(stream.first_after(0, count=2).values())
+    cpu = window.end()
+    t0_wall += stream.submitted_at - t0             # from the first submit, once connected
+    t0 = stream.submitted_at
+    with stream.lock:
+        extra = sum(max(0, c[bisect_right(stream.times[rid], t_all) - 1] - 2)
+                    for rid, c in stream.counts.items())
+    gap = med(gaps_in(stream, t0, t_all))
+    if max_new > 2:
+        end_all(admin, stream)
+    else:
+        stream.wait_until(lambda: len(stream.finish) == len(reqs), "finished", 60)
+        stream.join()
+    wait_idle(admin)
+    return Run(t_all - t0, sum(map(len, prefixes.values())), cpu, {r for r, _, _ in reqs}, t0_wall,
+               t0_wall + t_all - t0, extra, gap)
+
+
+def phase_pairs(cluster: Launch, admin: Client, args, vocab: int, rng: random.Random) -> list[dict]:
+    """Each repeat: a recompute, then fresh runs of exactly its prefixes, max_new_tokens 2
+    and long (alternating which goes first); with --pin, a recompute and its fresh run
+    again with the prefill alone on CPU 0."""
+    reps = []
+    for rep in range(args.repeats):
+        re_run, prefixes = run_recompute(cluster, admin, args, vocab, rng, f"re{rep}")
+        got = {"re": re_run, "prefixes": prefixes}
+        for kind in (("fresh", "long") if rep % 2 == 0 else ("long", "fresh")):
+            got[kind] = run_fresh(cluster, admin, args, prefixes, f"{kind}{rep}",
+                                  2 if kind == "fresh" else args.max_new)
+        line = (f"  repeat {rep + 1}: recompute {re_run.t * 1e3:.0f} ms, fresh {got['fresh'].t * 1e3:.0f} ms "
+                f"(ratio {re_run.t / got['fresh'].t:.2f}, {re_run.tokens} prefix tokens), fresh "
+                f"long {got['long'].t * 1e3:.0f} ms")
+        if args.pin:
+            cluster.pin(True)
+            try:
+                got["re_pin"], pinned = run_recompute(cluster, admin, args, vocab, rng, f"rp{rep}")
+                got["fresh_pin"] = run_fresh(cluster, admin, args, pinned, f"fp{rep}")
+            finally:
+                cluster.pin(False)
+            line += (f"; pinned: recompute {got['re_pin'].t * 1e3:.0f} ms, fresh "
+                     f"{got['fresh_pin'].t * 1e3:.0f} ms")
+        reps.append(got)
+        log_step(line)
+    return reps
+
+
+# --- in-process reference: the model work alone -------------------------------------------
+
+def components(model_path: str, args, prefixes: list[list[int]]) -> dict[str, float]:
+    """Seconds, in this process with torch threads 1 (as each worker), no cluster running:
+    prefill of exactly these prefixes in batches of 32 (what the prefill takes per loop
+    iteration: 64 messages, two per request), and one decode step of N and of 8 requests
+    at their median context. Medians of 3."""
+    import torch
+    from engines.kv_pool import KVLayout, KVPool
+    from engines.loader import load_model
+    from engines.sampler import SamplingParams
+    from zpd.compute import Compute
+    from zpd.request import Request
+    torch.set_num_threads(1)
+    model = load_model(model_path, dtype=args.dtype)
+    pool = KVPool.with_budget(KVLayout.for_model(model.cfg, 16, model.dtype), args.kv_cache_mb,
+                              model.dtype, model.device)
+    compute = Compute(model, pool)
+    greedy = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+
+    def prefill_all() -> None:
+        for i in range(0, len(prefixes), 32):
+            reqs = [Request(f"p{j}", p, greedy) for j, p in enumerate(prefixes[i:i + 32])]
+            for r in reqs:
+                r.pages = pool.allocator.alloc(pool.pages_for(len(r.prompt)))
+            compute.prefill(reqs)
+            for r in reqs:
+                pool.allocator.free_pages(r.pages)
+
+    def step(n: int):
+        ctx = int(statistics.median(map(len, prefixes)))
+        reqs = []
+        for i in range(n):
+            r = Request(f"s{i}", [1] * ctx, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
+            r.output = [1]
+            r.pages = pool.allocator.alloc(pool.pages_for(ctx + 16))
+            reqs.append(r)
+
+        def run() -> None:
+            compute.decode(reqs)
+            for r in reqs:                      # stay at the same context
+                r.output = r.output[:1]
+                r.weight_versions = r.weight_versions[:1]
+        return run
+
+    def timed(fn, repeats: int = 3) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    with torch.inference_mode():
+        return {"prefill": timed(prefill_all), "step_n": timed(step(len(prefixes)), 5),
+                "step_8": timed(step(8), 5), "ctx": statistics.median(map(len, prefixes))}
+
+
+# --- report ----------------------------------------------------------------------------
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+MS = 1e3
+KINDS = (("re", "recompute"), ("fresh", "fresh"), ("long", "fresh-long"))
+PINNED = (("re_pin", "re pinned"), ("fresh_pin", "fr pinned"))
+
+
+def report(args, cluster: Launch, pc: dict, reps: list[dict], logs: dict, comp: dict) -> None:
+    kinds = KINDS + (PINNED if "re_pin" in reps[0] else ())
+    report_setup(args, cluster)
+    report_pause(args, pc)
+    report_recompute(args, reps, comp)
+    report_cpu(reps, kinds)
+    report_logs(reps, kinds, logs)
+
+
+def report_setup(args, cluster: Launch) -> None:
+    print("\n=== bench_retract: pause(retract) / continue, recompute vs fresh prefill ===")
+    print("command:   " + shlex.join([sys.executable] + sys.argv))
+    print("cluster:   " + cluster.shown)
+    print(f"model:     {args.model_desc}, {args.dtype}, page size 16")
+    print(f"threads:   {os.cpu_count()} CPUs, unpinned, shared by everything. prefill: torch threads 1; "
+          f"decode: torch threads 1; router: 1 process; this process: 1 receiving thread per load "
+          "+ main thread (admin)")
+    lo, hi = args.prompt_lens
+    print(f"load:      {args.requests} streaming requests, prompts {lo}-{hi} random tokens, greedy, "
+          f"ignore_eos, max_new_tokens {args.max_new}")
+
+
+def report_pause(args, pc: dict) -> None:
+    ms, n = MS, args.requests
+    print(f"\n1. pause(retract) / continue with {n} running requests "
+          f"(medians of {len(pc['pause'])} cycles; held = requests the decode held)")
+    rows = [("pause(retract) round trip", pc["pause"]), ("continue round trip", pc["continue_rtt"]),
+            ("continue -> new token p50", pc["p50"]), ("continue -> new token p99", pc["p99"]),
+            ("continue -> new token max", pc["max"]),
+            (f"continue -> all {n} have one", pc["max"])]
+    for name, xs in rows:
+        print(f"  {name:<32}{med(xs) * ms:9.1f} ms   (cycles: "
+              + ", ".join(f"{x * ms:.1f}" for x in xs) + ")")
+    print(f"  held per cycle: {pc['held']}; decode running at pause: {pc['running_at_pause']}; "
+          f"mean tokens per request at pause: " + ", ".join(f"{x:.0f}" for x in pc["tokens_at_pause"]))
+
+
+def report_recompute(args, reps: list[dict], comp: dict) -> None:
+    ms, n = MS, args.requests
+    ratios = [r["re"].t / r["fresh"].t for r in reps]
+    long_ratios = [r["re"].t / r["long"].t for r in reps]
+    print(f"\n2. recompute of N={n} held requests vs N fresh requests of the same prefixes "
+          f"({len(reps)} interleaved repeats, same cluster)")
+    print("  recompute: continue -> every held request has its next token (resumed requests keep "
+          "decoding and streaming)\n  fresh:     first submit -> every request of the same prefixes "
+          "has its 2nd token (max_new_tokens 2)\n  fresh-long: the same, but with the long max_new_tokens, "
+          "so they keep decoding and streaming like the resumed requests (diagnostic)")
+    print(f"  {'rep':<5}{'prefix tok':>11}{'recompute ms':>13}{'fresh ms':>10}{'re/fresh':>9}"
+          f"{'re tok/s':>10}{'fresh tok/s':>12}{'fr-long ms':>14}{'others (cores) re/fr/long':>27}")
+    for i, r in enumerate(reps):
+        print(f"  {i + 1:<5}{r['re'].tokens:>11}{r['re'].t * ms:>13.0f}{r['fresh'].t * ms:>10.0f}"
+              f"{ratios[i]:>9.2f}{r['re'].tok_s:>10.0f}{r['fresh'].tok_s:>12.0f}{r['long'].t * ms:>14.0f}"
+              f"{'':>9}" + " / ".join(f"{r[k].cpu['others (cores)']:.2f}" for k, _ in KINDS))
+    ratio = med(ratios)
+
+    def both(kind: str) -> str:
+        return (f"{med([r[kind].t for r in reps]) * ms:.0f} ms "
+                f"({med([r[kind].tok_s for r in reps]):.0f} tok/s)")
+    print(f"  median: recompute {both('re')}, fresh {both('fresh')}, fresh-long {both('long')}")
+    print("  (tokens: prompt + output so far per request, summed; the recompute prefills one token "
+          "fewer each and feeds it as the decode input, fresh prefills all and decodes once)")
+    print(f"  ratio recompute/fresh time, median of per-repeat ratios: {ratio:.2f}   "
+          f"TARGET <= 1.1: {verdict(ratio <= 1.1)}")
+    print(f"  diagnostic: recompute/fresh-long time, median {med(long_ratios):.2f} (per repeat: "
+          + ", ".join(f"{x:.2f}" for x in long_ratios) + ")")
+    if "re_pin" in reps[0]:
+        pin_ratios = [r["re_pin"].t / r["fresh_pin"].t for r in reps]
+        print(f"  diagnostic, pinned (prefill alone on CPU 0; decode, router, client on CPU 1): "
+              f"recompute {both('re_pin')}, fresh {both('fresh_pin')}, ratio median "
+              f"{med(pin_ratios):.2f} (per repeat: " + ", ".join(f"{x:.2f}" for x in pin_ratios)
+              + f"); within 1.1: {verdict(med(pin_ratios) <= 1.1)}")
+
+    tok0 = reps[0]["re"].tokens
+    print(f"  model work alone (this process, torch threads 1, cluster stopped; repeat 1's "
+          f"{tok0} prefix tokens): prefill in batches of 32 {comp['prefill'] * ms:.0f} ms "
+          f"({tok0 / comp['prefill']:.0f} tok/s); one decode step at context {comp['ctx']:.0f}: "
+          f"{n} requests {comp['step_n'] * ms:.1f} ms, 8 requests {comp['step_8'] * ms:.1f} ms")
+    print(f"  (repeat 1 in the cluster: recompute {reps[0]['re'].t * ms:.0f} ms, fresh "
+          f"{reps[0]['fresh'].t * ms:.0f} ms)")
+
+
+
+def report_cpu(reps: list[dict], kinds: tuple) -> None:
+    ms = MS
+    print("\n  CPU seconds of each process in the windows (medians; wall = window length, s):")
+    print(f"  {'':<24}" + "".join(f"{label:>11}" for _, label in kinds))
+    for k in reps[0]["re"].cpu:
+        print(f"  {k:<24}" + "".join(f"{med([r[kind].cpu[k] for r in reps]):>11.2f}"
+                                     for kind, _ in kinds))
+    print(f"  {'prefill busy (cpu/wall)':<24}" + "".join(
+        f"{med([r[kind].cpu['prefill'] / r[kind].cpu['wall'] for r in reps]):>11.0%}"
+        for kind, _ in kinds))
+    print(f"  {'tokens beyond the next':<24}" + "".join(
+        f"{med([r[kind].extra_tokens for r in reps]):>11.0f}" for kind, _ in kinds)
+          + "   (streamed inside the window after each request's next / 2nd token)")
+    print(f"  {'token gap ms (p50)':<24}" + "".join(
+        f"{med([r[kind].gap for r in reps]) * ms:>11.1f}" for kind, _ in kinds)
+          + "   (consecutive tokens of one request inside the window: the decode step period)")
+
+
+
+def report_logs(reps: list[dict], kinds: tuple, logs: dict) -> None:
+    ms = MS
+    print("\n  breakdown from the worker logs (ms after continue / first submit; medians):")
+    br = {kind: [breakdown(logs, r[kind].rids, 1 if kind.startswith("re") else 0, r[kind].t0_wall,
+                           r[kind].all_wall) for r in reps] for kind, _ in kinds}
+    if all(all(v) for v in br.values()):
+        print(f"  {'milestone':<24}" + "".join(f"{label:>11}" for _, label in kinds))
+        for k in br["re"][0]:
+            scale = 1 if k.startswith("kv ") or k in ("writes", "requests") else ms
+            print(f"  {k:<24}" + "".join(f"{med([d[k] for d in br[kind]]) * scale:>11.1f}"
+                                         for kind, _ in kinds))
+        print("  (queued: the prefill took the request in; write start: kv written minus its "
+              "duration; kv received: the decode got kv_done)")
+        for a, b, label in (("re", "fresh", "unpinned"), ("re_pin", "fresh_pin", "pinned")):
+            if a not in br:
+                continue
+            m = {k: med([d[k] for d in br[a]]) - med([d[k] for d in br[b]])
+                 for k in ("last kv written", "last kv received", "all next tokens")}
+            print(f"  recompute - fresh, {label}: {m['all next tokens'] * ms:+.0f} ms = prefill and "
+                  f"writes (last kv written) {m['last kv written'] * ms:+.0f} ms, kv_done to the decode "
+                  f"{(m['last kv received'] - m['last kv written']) * ms:+.0f} ms, last decode step and "
+                  f"streaming {(m['all next tokens'] - m['last kv received']) * ms:+.0f} ms")
+    else:
+        print("  (log lines missing: no breakdown)")
+
+
+# --- main ----------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny, small, mid (random Llamas) or an HF dir")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--requests", type=int, default=256, help="N: requests held at each pause")
+    ap.add_argument("--prompt-len", default="64,192", help="prompt lengths: MIN,MAX (uniform)")
+    ap.add_argument("--max-new", type=int, default=0,
+                    help="max_new_tokens of the long requests (default: what the KV pool holds)")
+    ap.add_argument("--max-new-cap", type=int, default=1024,
+                    help="cap on the default max_new_tokens (long contexts slow every decode step)")
+    ap.add_argument("--min-output", type=int, default=8,
+                    help="part 2: every request has at least this many tokens before the pause")
+    ap.add_argument("--cycles", type=int, default=5, help="part 1: pause/continue cycles")
+    ap.add_argument("--repeats", type=int, default=7, help="part 2: interleaved repeats")
+    ap.add_argument("--kv-cache-mb", type=float, default=256)
+    ap.add_argument("--max-batch", type=int, default=512)
+    ap.add_argument("--max-prefill-tokens", type=int, default=0,
+                    help="passed to the workers (default: theirs). Keep one prefill forward well "
+                         "under the 2 s peer timeout: a bigger model needs a smaller value")
+    ap.add_argument("--pin", type=int, default=1,
+                    help="1 (default): each repeat also runs a recompute and its fresh run with the "
+                         "prefill pinned alone to CPU 0 (diagnostic); 0: skip")
+    ap.add_argument("--quiet-wait", type=float, default=1.0,
+                    help="before each measured window, wait up to this long for the machine to idle")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep-logs", default="", help="copy the cluster's log directory here")
+    args = ap.parse_args()
+    args.prompt_lens = tuple(int(x) for x in args.prompt_len.split(","))
+    return args
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    desc: str
+    vocab: int              # prompts draw token ids below this
+    token_bytes: int        # KV bytes per token
+    context: int
+
+
+def prepare_model(args, tmp: Path) -> ModelInfo:
+    """The model directory (written for a preset) and what the load needs to know of it."""
+    elt = {"float32": 4, "float64": 8}.get(args.dtype, 2)
+    if args.model.startswith("tiny"):
+        return ModelInfo(args.model, TINY_DESC, 256, 2 * 2 * 2 * 16 * elt, 4096)
+    if args.model in PRESETS:
+        c = PRESETS[args.model]
+        path = str(make_model(tmp / "model", c, args.seed))
+        desc = (f"{args.model}: random Llama, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+                f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, MLP "
+                f"{c['intermediate_size']}, vocab {c['vocab_size']}")
+    else:
+        path, desc = args.model, args.model
+        c = json.loads((Path(args.model) / "config.json").read_text())
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return ModelInfo(path, desc, c["vocab_size"], c["num_hidden_layers"] * 2 * kv_heads * head_dim * elt,
+                     c.get("max_position_embeddings", 4096))
+
+
+def default_max_new(args, model: ModelInfo) -> int:
+    """The decode reserves prompt + max_new_tokens per request: fit N of them in 90% of the
+    pool (the rest for the fresh requests and rounding to pages) and in the context."""
+    per_req = int(args.kv_cache_mb * 2**20 * 0.9 / model.token_bytes / args.requests)
+    longest = args.prompt_lens[1]
+    max_new = min(args.max_new_cap, model.context - longest - 1, per_req - longest - 16)
+    if max_new < 64:
+        raise SystemExit(f"--kv-cache-mb {args.kv_cache_mb:g} holds only {per_req} tokens per request "
+                         f"for {args.requests} requests: raise it")
+    return max_new
+
+
+def measure(cluster: Launch, args, vocab: int, rng: random.Random) -> tuple[dict, list[dict]]:
+    with Client(cluster.router, timeout=args.timeout) as admin:
+        log_step("warm-up")
+        warm = Stream(cluster.router, make_requests("warm", 32, args.prompt_lens, vocab, 4, rng))
+        warm.wait_until(lambda: len(warm.finish) == 32, "finished", args.timeout)
+        warm.join()
+        log_step(f"part 1: pause(retract)/continue with {args.requests} running, {args.cycles} cycles")
+        pc = phase_pause_continue(cluster, admin, args, vocab, rng)
+        log_step(f"part 2: recompute vs fresh, N={args.requests}, {args.repeats} repeats")
+        return pc, phase_pairs(cluster, admin, args, vocab, rng)
+
+
+def main() -> None:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-retract-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = prepare_model(args, tmp)
+        args.model_desc = model.desc
+        args.max_new = args.max_new or default_max_new(args, model)
+        log_step(f"zpd launch ({args.model})")
+        cluster = Launch(tmp, model.path, args)
+        try:
+            pc, reps = measure(cluster, args, model.vocab, rng)
+        except BaseException:
+            cluster.stop()
+            for name in ("router", "prefill0", "decode0"):
+                tail = "\n".join(line for line in cluster.log(name).splitlines()
+                                 if " INFO " not in line)[-3000:]
+                print(f"--- {name} log (without INFO lines), tail ---\n{tail}", file=sys.stderr)
+            raise
+        finally:
+            cluster.stop()
+            if args.keep_logs:
+                subprocess.run(["cp", "-r", str(cluster.logs), args.keep_logs], check=False)
+        logs = {role: parse_log(cluster.log(f"{role}0")) for role in ("prefill", "decode")}
+        log_step("model work alone, in this process")
+        wait_quiet(args.quiet_wait)
+        comp = components(model.path, args, list(reps[0]["prefixes"].values()))
+        report(args, cluster, pc, reps, logs, comp)
+    print(f"\ntotal run time {time.monotonic() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
