@@ -11,6 +11,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import zmq
 
@@ -21,8 +22,8 @@ from zpd.links import LinkState, PrefillLink, PrefillLinks
 from zpd.loop import Timer
 from zpd.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                           Recompute, Token)
-from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, UNAVAILABLE, Phase, Request,
-                         RequestError, response, validate)
+from zpd.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE, Phase,
+                         Request, RequestError, response, validate)
 from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
 
 log = logging.getLogger("zpd.decode")
@@ -38,6 +39,15 @@ class Entry:
     stream: bool
     sent: int = 0            # output tokens already sent to the client
     timer: Timer | None = None
+    asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
+
+
+class Fence(NamedTuple):
+    """Pages a prefill write may still reach: free only once `prefill` answers for them
+    or the timer (longer than any write) fires."""
+    pages: list[int]
+    timer: Timer
+    prefill: str
 
 
 class DecodeScheduler:
@@ -47,20 +57,24 @@ class DecodeScheduler:
         self.entries: dict[int, Entry] = {}
         self.by_rid: dict[str, Entry] = {}
         self.waiting: deque[Entry] = deque()                   # no pages yet
-        self.fenced: dict[tuple[int, int], tuple[list[int], Timer]] = {}   # (room, epoch) -> pages
+        self.fenced: dict[tuple[int, int], Fence] = {}          # by (room, epoch)
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
         self.live_prefills: list[str] | None = None            # from the router's continue
         self.pause_waiters: list[Respond] = []
-        hello = Hello(core.endpoint, core.layout.to_dict(), core.compat_hash,
-                      core.backend.session_id, self.pool.data_ptr, self.pool.num_pages,
-                      core.model.version)
-        self.links = PrefillLinks(ctx, self.loop, hello, self.on_prefill_message, self.on_refused,
+        self.links = PrefillLinks(ctx, self.loop, self._hello(), self.on_prefill_message,
+                                  self.on_refused, self.on_prefill_restarted,
                                   core.security.client_options(), self.deadlines.heartbeat,
-                                  self.deadlines.peer_timeout)
+                                  self.deadlines.peer_timeout, core.drops)
         self.loop.every(self.deadlines.heartbeat, self.end_orphans)
+        core.on_memory_resumed = lambda: self.links.rehello(self._hello())
         core.handlers |= {Generate: self.on_generate, Abort: self.on_abort, Admin: core.on_admin}
         core.admin_commands |= {"status": self.status, "pause": self.pause, "continue": self.resume}
         core.busy = lambda: bool(self.entries or self.fenced)
+
+    def _hello(self) -> Hello:
+        core = self.core
+        return Hello(core.endpoint, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
+                     core.pool_addr, self.pool.num_pages, core.model.version)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -75,8 +89,11 @@ class DecodeScheduler:
     # --- admission -------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
-        if msg.room in self.entries or msg.rid in self.by_rid:
+        if msg.room in self.entries:
             log.warning("duplicate generate rid=%s room=%d dropped", msg.rid, msg.room)
+            return
+        if msg.rid in self.by_rid:
+            self.refuse_duplicate(identity, msg)
             return
         prompt, params, error = [], SamplingParams(), None
         try:
@@ -99,6 +116,15 @@ class DecodeScheduler:
         else:
             self._enqueue(entry)
 
+    def refuse_duplicate(self, identity: bytes, msg: Generate) -> None:
+        """A rid still running here (e.g. an orphan of a router that was restarted and
+        got the same rid again): answer 409 and free its prefill, so nothing waits."""
+        reason = f"rid {msg.rid!r} is already in flight on decode {self.core.endpoint}"
+        log.warning("rid=%s room=%d refused: %s", msg.rid, msg.room, reason)
+        self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, CONFLICT, reason))
+        self.core.send(identity, Token(msg.rid, [], [], True, {"type": "abort", "status_code": CONFLICT,
+                                                               "message": reason}))
+
     def _enqueue(self, entry: Entry) -> None:
         entry.req.phase = Phase.WAITING
         self.waiting.append(entry)
@@ -108,8 +134,8 @@ class DecodeScheduler:
         while self.waiting and (self.entries.get(self.waiting[0].room) is not self.waiting[0]
                                 or self.waiting[0].req.phase is not Phase.WAITING):
             self.waiting.popleft()
-        return bool(self.waiting) and self.batch.has_room and self.pool.allocator.can_alloc(
-            self.pool.pages_for(self.waiting[0].req.max_context))
+        return bool(self.waiting) and self.batch.has_room and not self.core.memory_released \
+            and self.pool.allocator.can_alloc(self.pool.pages_for(self.waiting[0].req.max_context))
 
     def admit(self) -> None:
         """FIFO: reserve pages for prompt + max_new_tokens, then ask for the KV."""
@@ -138,19 +164,22 @@ class DecodeScheduler:
         return live[entry.room % len(live)]
 
     def _request_kv(self, entry: Entry, link: PrefillLink, epoch: int) -> None:
-        if self.entries.get(entry.room) is not entry or entry.epoch != epoch:
+        if self.entries.get(entry.room) is not entry or entry.epoch != epoch or \
+                entry.req.phase is not Phase.TRANSFERRING:      # ended or retracted meanwhile
             return
         req = entry.req
         prefix = req.prompt + req.output[:-1]
         if epoch > 0:      # the prefill forgot this request when it was retracted
-            link.dealer.send(Recompute(req.rid, entry.room, epoch, prefix, req.params.to_dict()))
-        link.dealer.send(KvDest(entry.room, epoch, req.rid, req.pages[:self.pool.pages_for(len(prefix))]))
+            link.send(Recompute(req.rid, entry.room, epoch, prefix, req.params.to_dict()))
+        link.send(KvDest(entry.room, epoch, req.rid, req.pages[:self.pool.pages_for(len(prefix))]))
+        entry.asked = epoch
 
     # --- from prefill ---------------------------------------------------------------
 
     def on_prefill_message(self, link: PrefillLink, msg: Message) -> None:
         key = (getattr(msg, "room", -1), getattr(msg, "epoch", -1))
-        if key in self.fenced and isinstance(msg, (KvDone, KvFailed)):
+        fence = self.fenced.get(key)
+        if fence is not None and fence.prefill == link.endpoint and isinstance(msg, (KvDone, KvFailed)):
             self._unfence(key)                   # the prefill answered: nothing more will land
             return
         entry = self.entries.get(key[0])
@@ -181,14 +210,29 @@ class DecodeScheduler:
             self.emit(entry)
 
     def on_refused(self, link: PrefillLink) -> None:
-        """The prefill refused our hello (500) or stopped answering (503)."""
+        """The prefill refused our hello (500) or stopped answering (503): fail its
+        requests now, also those still waiting for pages, which would only fail later."""
         dead = link.state is LinkState.DEAD
-        for entry in [e for e in self.entries.values() if e.prefill == link.endpoint
-                      and e.req.phase is Phase.TRANSFERRING]:
-            if not dead:
+        for entry in [e for e in self.entries.values() if self._uses(e, link)]:
+            if not dead and entry.req.phase is Phase.TRANSFERRING:
                 entry.req.phase = Phase.FINISHED     # it never got our pages: no fence
             # a dead (perhaps only frozen) prefill may still write: its pages stay fenced
             self.finish(entry, UNAVAILABLE if dead else INTERNAL, link.reason, tell_prefill=True)
+
+    def _uses(self, entry: Entry, link: PrefillLink) -> bool:
+        phase = entry.req.phase
+        if phase is Phase.TRANSFERRING:
+            return entry.prefill == link.endpoint
+        return phase is Phase.WAITING and self._prefill_for(entry) == link.endpoint
+
+    def on_prefill_restarted(self, link: PrefillLink) -> None:
+        """The prefill answered our hello from a new transport session: the process
+        that might have written into fenced pages is gone, so they are free."""
+        stale = [key for key, fence in self.fenced.items() if fence.prefill == link.endpoint]
+        if stale:
+            log.warning("prefill %s restarted: releasing %d fences", link.endpoint, len(stale))
+        for key in stale:
+            self._unfence(key)
 
     def end_orphans(self) -> None:
         """A router that stopped pinging is gone: end its requests and free their pages."""
@@ -214,7 +258,7 @@ class DecodeScheduler:
         if req.finished:
             final = response(req, self.core.model.tokenizer)
             meta = final["meta"] | {"text": final["text"]}
-        self.core.router.send(entry.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
+        self.core.send(entry.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
         if req.finished:
             self._forget(entry)
 
@@ -228,7 +272,7 @@ class DecodeScheduler:
         log.info("rid=%s room=%d epoch=%d ends: %d %s", entry.req.rid, entry.room, entry.epoch,
                  status, reason)
         if tell_prefill and entry.req.phase is not Phase.HELD:
-            self.links.get(entry.prefill).dealer.send(KvFailed(entry.room, entry.epoch, status, reason))
+            self.links.get(entry.prefill).send(KvFailed(entry.room, entry.epoch, status, reason))
         self._release(entry)
         entry.req.abort(status, reason)
         self.emit(entry)
@@ -237,10 +281,10 @@ class DecodeScheduler:
         """Give back the request's pages; fence them if a prefill write may still land."""
         req = entry.req
         self.batch.remove(req.rid)
-        if req.pages and req.phase is Phase.TRANSFERRING:
+        if req.pages and req.phase is Phase.TRANSFERRING and entry.asked == entry.epoch:
             key = (entry.room, entry.epoch)
             timer = self.loop.call_later(self.deadlines.transfer + 5.0, self._unfence, key)
-            self.fenced[key] = (req.pages, timer)
+            self.fenced[key] = Fence(req.pages, timer, entry.prefill)
         elif req.pages:
             self.pool.allocator.free_pages(req.pages)
         req.pages = []
@@ -253,10 +297,10 @@ class DecodeScheduler:
         self._release(entry)
 
     def _unfence(self, key: tuple[int, int]) -> None:
-        pages, timer = self.fenced.pop(key, (None, None))
-        if pages is not None:
-            timer.cancel()
-            self.pool.allocator.free_pages(pages)
+        fence = self.fenced.pop(key, None)
+        if fence is not None:
+            fence.timer.cancel()
+            self.pool.allocator.free_pages(fence.pages)
 
     def _deadline(self, entry: Entry, seconds: float, what: str) -> None:
         if entry.timer is not None:
@@ -289,7 +333,7 @@ class DecodeScheduler:
         if entry.timer is not None:
             entry.timer.cancel()
         if req.phase is Phase.TRANSFERRING:
-            self.links.get(entry.prefill).dealer.send(KvFailed(entry.room, entry.epoch, ABORTED, "retracted"))
+            self.links.get(entry.prefill).send(KvFailed(entry.room, entry.epoch, ABORTED, "retracted"))
         self._release(entry)
         req.retractions += 1
         req.phase = Phase.HELD
@@ -321,10 +365,12 @@ class DecodeScheduler:
         respond(True, self._status())
 
     def _status(self) -> dict:
-        fenced = sum(len(p) for p, _ in self.fenced.values())
+        fenced = sum(len(f.pages) for f in self.fenced.values())
+        held = sum(len(e.req.pages) for e in self.entries.values())
         phases = [e.req.phase for e in self.entries.values()]
         return {"weight_version": self.core.model.version, "paused": self.core.paused,
-                "kv_pages": self.core.kv_pages(fenced),
+                "memory": self.core.memory_state(),
+                "kv_pages": self.core.kv_pages(held, fenced),
                 "queues": {"waiting_pages": phases.count(Phase.WAITING),
                            "waiting_kv": phases.count(Phase.TRANSFERRING),
                            "running": len(self.batch), "held": phases.count(Phase.HELD)},

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 
+from zpd.drops import DropPlan
+from zpd.liveness import PeerClock
 from zpd.loop import Loop
 from zpd.net import Dealer, SocketOptions
 from zpd.protocol import Hello, HelloAck, Message, Ping, Pong
@@ -24,18 +27,25 @@ class LinkState(enum.Enum):
 
 @dataclass(eq=False)
 class PrefillLink:
+    """One prefill as this decode sees it: its DEALER, handshake state and liveness."""
     endpoint: str
     dealer: Dealer
+    clock: PeerClock
+    drops: DropPlan
     state: LinkState = LinkState.CONNECTING
     reason: str = ""
+    session: str = ""              # the prefill's transport session, from its last hello_ack
     waiting: list[Callable[[], None]] = field(default_factory=list)   # run once READY
-    last_seen: float = 0.0
 
     def when_ready(self, action: Callable[[], None]) -> None:
         if self.state is LinkState.READY:
             action()
         else:
             self.waiting.append(action)
+
+    def send(self, msg: Message) -> None:
+        if not self.drops.drops(msg):
+            self.dealer.send(msg)
 
 
 class PrefillLinks:
@@ -44,11 +54,16 @@ class PrefillLinks:
     def __init__(self, ctx: zmq.Context, loop: Loop, hello: Hello,
                  on_message: Callable[[PrefillLink, Message], None],
                  on_refused: Callable[[PrefillLink], None],
+                 on_restarted: Callable[[PrefillLink], None],
                  opts: SocketOptions = SocketOptions(), heartbeat: float = 0.5,
-                 peer_timeout: float = 2.0) -> None:
+                 peer_timeout: float = 2.0, drops: DropPlan | None = None) -> None:
         self.ctx, self.loop, self.hello, self.opts = ctx, loop, hello, opts
-        self.on_message, self.on_refused = on_message, on_refused
+        self.on_message, self.on_refused, self.on_restarted = on_message, on_refused, on_restarted
         self.peer_timeout = peer_timeout
+        self.drops = drops or DropPlan()
+        # The pid makes a restarted decode a new peer to the prefill, so a write meant
+        # for the old process can never go to the new one's pages.
+        self.identity = f"decode@{hello.decode}/{os.getpid()}".encode()
         self.links: dict[str, PrefillLink] = {}
         self.pings = 0
         loop.every(heartbeat, self.heartbeat)
@@ -58,34 +73,45 @@ class PrefillLinks:
         now = self.loop.time()
         self.pings += 1
         for link in self.links.values():
-            link.dealer.send(Ping(self.pings, now, self.hello.decode))
             if link.state in (LinkState.READY, LinkState.CONNECTING) and \
-                    now - link.last_seen > self.peer_timeout:
+                    link.clock.silent(now, self.peer_timeout):
                 link.state, link.reason = LinkState.DEAD, f"prefill {link.endpoint} is unavailable"
-                log.error("prefill %s silent for %.1f s: marked dead", link.endpoint, now - link.last_seen)
+                log.error("prefill %s silent for %.1f s: marked dead", link.endpoint,
+                          link.clock.silence(now))
                 link.waiting.clear()
                 self.on_refused(link)
+            link.send(Ping(self.pings, now, self.hello.decode))
+            link.clock.pinged(now)
 
     def get(self, endpoint: str) -> PrefillLink:
         link = self.links.get(endpoint)
         if link is None:
-            dealer = Dealer(self.ctx, endpoint, identity=f"decode@{self.hello.decode}".encode(),
-                            opts=self.opts)
-            link = self.links[endpoint] = PrefillLink(endpoint, dealer, last_seen=self.loop.time())
+            dealer = Dealer(self.ctx, endpoint, identity=self.identity, opts=self.opts)
+            link = self.links[endpoint] = PrefillLink(endpoint, dealer, PeerClock(self.loop.time()),
+                                                      self.drops)
             self.loop.add_socket(dealer, lambda: self._on_readable(link))
-            dealer.send(self.hello)
+            link.send(self.hello)
         return link
+
+    def rehello(self, hello: Hello) -> None:
+        """Our pool moved (resume_memory): every prefill must learn the new address
+        before it is sent another kv_dest, so READY links handshake again."""
+        self.hello = hello
+        for link in self.links.values():
+            if link.state is LinkState.READY:
+                link.state = LinkState.CONNECTING
+            link.send(hello)
 
     def _on_readable(self, link: PrefillLink) -> None:
         msg = link.dealer.recv()
         if msg is None:
             return
-        link.last_seen = self.loop.time()
+        link.clock.heard(self.loop.time())
         if link.state is LinkState.DEAD:
             # back (maybe a new process on the same port): handshake again before use
             link.state, link.reason = LinkState.CONNECTING, ""
             log.warning("prefill %s answers again; saying hello", link.endpoint)
-            link.dealer.send(self.hello)
+            link.send(self.hello)
         if isinstance(msg, Pong):
             return
         if isinstance(msg, HelloAck):
@@ -100,9 +126,12 @@ class PrefillLinks:
             link.waiting.clear()
             self.on_refused(link)
             return
-        link.state = LinkState.READY
+        restarted = link.session not in ("", msg.session_id)
+        link.state, link.session = LinkState.READY, msg.session_id
         log.info("linked to prefill %s (session %s, weights %s)", link.endpoint, msg.session_id,
                  msg.weight_version)
+        if restarted:
+            self.on_restarted(link)
         waiting, link.waiting = link.waiting, []
         for action in waiting:
             action()

@@ -77,8 +77,8 @@ class PrefillScheduler:
     def _runnable(self) -> bool:
         while self.pending and self.jobs.get(self.pending[0].room) is not self.pending[0]:
             self.pending.popleft()                      # ended while queued
-        return self.core.paused is None and bool(self.pending) and self.pool.allocator.can_alloc(
-            self.pool.pages_for(len(self.pending[0].req.prompt)))
+        return self.core.paused is None and not self.core.memory_released and bool(self.pending) \
+            and self.pool.allocator.can_alloc(self.pool.pages_for(len(self.pending[0].req.prompt)))
 
     def schedule(self) -> list[Job]:
         """FIFO: take queued jobs while pages and the token budget allow."""
@@ -164,18 +164,18 @@ class PrefillScheduler:
             self.peers[identity] = DecodePeer(msg.session_id, msg.base_addr)
         else:
             log.error("hello from %s refused: %s", msg.decode, reason)
-        self.core.router.send(identity, HelloAck(
+        self.core.send(identity, HelloAck(
             ok, self.core.layout.to_dict(), self.core.compat_hash, self.core.backend.session_id,
-            self.pool.data_ptr, self.pool.num_pages, self.core.model.version, reason))
+            self.core.pool_addr, self.pool.num_pages, self.core.model.version, reason))
 
     def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
         if identity not in self.peers:
-            self.core.router.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
+            self.core.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
             return
         job = self.jobs.get(msg.room)
         if job is None and (self._tombstoned(msg.room, msg.epoch) or self.core.paused in ("retract", "abort")):
             # nothing of ours will ever write there: the decode may reuse the pages
-            self.core.router.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
+            self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
             return
         if job is None:
             job = self.jobs[msg.room] = Job(msg.room, msg.epoch)
@@ -190,14 +190,25 @@ class PrefillScheduler:
             self.start_write(job)
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
-        """The decode gave up on (room, epoch); answer once our write cannot land."""
+        """The decode gave up on (room, epoch); answer once our write cannot land.
+        The answer is what lets it reuse the pages, so it must come as soon as that
+        is true, not only when we had a job for the room."""
         job = self.jobs.get(msg.room)
         log.info("room=%d epoch=%d decode gave up (%d %s)", msg.room, msg.epoch, msg.status, msg.reason)
-        if job is None:
-            self._tombstone(msg.room, msg.epoch)     # its generate may still be on the way
-        elif job.epoch <= msg.epoch:
+        if job is not None and job.epoch <= msg.epoch:
             job.decode = job.decode or identity
             self.end(job, ABORTED, "acknowledged")
+            return
+        self._tombstone(msg.room, msg.epoch)     # its generate may still be on the way
+        writing = self._writing(msg.room, msg.epoch)
+        if writing is not None:                   # ended, but its write is still in flight
+            writing.notice = writing.notice or (ABORTED, "acknowledged")
+        else:                                     # finished, or never started here
+            self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "nothing in flight"))
+
+    def _writing(self, room: int, epoch: int) -> Job | None:
+        return next((j for j in self.by_transfer.values() if j.room == room and j.epoch <= epoch),
+                    None)
 
     def on_abort(self, identity: bytes, msg: Abort) -> None:
         for job in [j for j in self.jobs.values() if j.req is not None and j.req.rid == msg.rid]:
@@ -232,8 +243,7 @@ class PrefillScheduler:
                 log.info("rid=%s room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
                          job.room, job.epoch, c.nbytes, c.seconds * 1e3)
                 first = job.req.output[-1] if job.req.output else -1
-                self.core.router.send(job.decode, KvDone(job.room, job.epoch, first,
-                                                         self.core.model.version))
+                self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version))
                 self.end(job, None, "")
         self._answer_pause_waiters()
 
@@ -255,7 +265,7 @@ class PrefillScheduler:
 
     def _finish_ended(self, job: Job) -> None:
         if job.notice is not None and job.decode is not None:
-            self.core.router.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
+            self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req is not None and job.req.pages:
             self.pool.allocator.free_pages(job.req.pages)
             job.req.pages = []
@@ -312,8 +322,10 @@ class PrefillScheduler:
 
     def _status(self) -> dict:
         jobs = list(self.jobs.values())
+        owners = {j for j in jobs + list(self.by_transfer.values()) if j.req is not None}
         return {"weight_version": self.core.model.version, "paused": self.core.paused,
-                "kv_pages": self.core.kv_pages(),
+                "memory": self.core.memory_state(),
+                "kv_pages": self.core.kv_pages(sum(len(j.req.pages) for j in owners), 0),
                 "queues": {"waiting": sum(1 for j in jobs if j.req is not None and not j.computed),
                            "waiting_kv_dest": sum(1 for j in jobs if j.computed and j.dest is None),
                            "writing": len(self.by_transfer),

@@ -16,6 +16,7 @@ import orjson
 import zmq
 
 from zpd.config import RouterConfig
+from zpd.liveness import PeerClock
 from zpd.loop import Loop, Timer
 from zpd.net import Dealer, Router
 from zpd.security import ROUTER_POLICY, Security
@@ -29,9 +30,9 @@ class Worker:
     role: str
     endpoint: str
     dealer: Dealer
+    clock: PeerClock
     load: int = 0
     alive: bool = True
-    last_seen: float = 0.0
 
 
 @dataclass(eq=False)
@@ -57,8 +58,12 @@ class RouterServer:
         self.security = Security(cfg.curve_keys, ctx)
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
         self.endpoint = self.front.endpoint
-        self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=f"router@{self.endpoint}".encode(),
-                                                opts=self.security.client_options()))
+        # The pid tells workers that a router restarted on the same port is another
+        # process: the old one's requests are orphans they must end.
+        identity = f"router@{self.endpoint}/{os.getpid()}".encode()
+        self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=identity,
+                                                opts=self.security.client_options()),
+                               PeerClock(self.loop.time()))
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
@@ -68,7 +73,6 @@ class RouterServer:
         self.req_ids = itertools.count(1)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
-            w.last_seen = self.loop.time()
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
         self.pings = itertools.count()
         self.loop.every(cfg.heartbeat, self.heartbeat)
@@ -85,9 +89,10 @@ class RouterServer:
     def heartbeat(self) -> None:
         now, seq = self.loop.time(), next(self.pings)
         for w in self.workers:
-            w.dealer.send(Ping(seq, now, self.endpoint))
-            if w.alive and now - w.last_seen > self.cfg.peer_timeout:
+            if w.alive and w.clock.silent(now, self.cfg.peer_timeout):
                 self.mark_dead(w)
+            w.dealer.send(Ping(seq, now, self.endpoint))
+            w.clock.pinged(now)
 
     def mark_dead(self, worker: Worker) -> None:
         """Fail its requests now (503) and route around it until it answers again."""
@@ -96,10 +101,13 @@ class RouterServer:
         # retracted request to another prefill), so only a dead decode loses requests here.
         lost = [f for f in self.inflight.values() if worker is f.decode]
         log.error("%s %s silent for %.1f s: marked dead, failing %d requests", worker.role,
-                  worker.endpoint, self.loop.time() - worker.last_seen, len(lost))
+                  worker.endpoint, worker.clock.silence(self.loop.time()), len(lost))
         for flight in lost:
             reason = f"decode {worker.endpoint} is unavailable"
             flight.prefill.dealer.send(Abort(flight.rid, 503, reason))
+            # A frozen decode reads this when it wakes and frees the request's pages
+            # instead of generating for a client that already has its 503.
+            worker.dealer.send(Abort(flight.rid, 503, reason))
             self.on_token(Token(flight.rid, [], [], True, {"type": "abort", "status_code": 503,
                                                           "message": reason}))
 
@@ -169,7 +177,7 @@ class RouterServer:
         msg = worker.dealer.recv()
         if msg is None:
             return
-        worker.last_seen = self.loop.time()
+        worker.clock.heard(self.loop.time())
         if not worker.alive:
             worker.alive = True
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)

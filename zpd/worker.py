@@ -18,6 +18,7 @@ from engines.config import ModelError
 from engines.loader import load_model, update_weights as load_new_weights
 from zpd.compute import Compute
 from zpd.config import WorkerConfig
+from zpd.drops import DropPlan
 from zpd.loop import Loop
 from zpd.net import Router
 from zpd.security import WORKER_POLICY, Security
@@ -67,17 +68,30 @@ class WorkerCore:
         self.compat_hash = compat_hash(self.model, self.layout)
         self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {Ping: self._on_ping}
         self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
-            "update_weights": self.update_weights, "flush_cache": self.flush_cache}
+            "update_weights": self.update_weights, "flush_cache": self.flush_cache,
+            "release_memory": self.release_memory, "resume_memory": self.resume_memory}
         self.paused: str | None = None            # None or the pause mode
-        self.pinged_at: dict[bytes, float] = {}     # peer identity -> last ping from it
+        self.memory_released = False              # KV pool dropped: schedule nothing
+        self.pinged_at: dict[bytes, float] = {}     # peer identity -> last message from it
         self.busy: Callable[[], bool] = lambda: False   # set by the scheduler
+        self.on_memory_resumed: Callable[[], None] = lambda: None   # set by the scheduler
+        self.drops = DropPlan.from_env()
         self.loop.add_socket(self.router, self._on_router)
+
+    def send(self, identity: bytes, msg: Message) -> None:
+        """Every message to a peer goes out here (ZPD_DROP_MESSAGES may lose it)."""
+        if not self.drops.drops(msg):
+            self.router.send(identity, msg)
 
     def _on_router(self) -> None:
         got = self.router.recv()
         if got is None:
             return
         identity, msg = got
+        if identity in self.pinged_at:
+            # Any message shows the peer is alive: a burst of requests queued ahead of
+            # its ping must not make it look silent.
+            self.pinged_at[identity] = self.loop.time()
         handler = self.handlers.get(type(msg))
         if handler is None:
             log.warning("%s: dropping unexpected %s from %r", self.cfg.role, msg.TYPE, identity[:32])
@@ -86,7 +100,7 @@ class WorkerCore:
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         self.pinged_at[identity] = self.loop.time()
-        self.router.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint))
+        self.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint))
 
     def silent_peers(self) -> list[bytes]:
         """Peers that used to ping us and stopped (a dead router, for orphan cleanup)."""
@@ -95,8 +109,8 @@ class WorkerCore:
 
     def on_admin(self, identity: bytes, msg: Admin) -> None:
         def respond(ok: bool, result: dict) -> None:
-            self.router.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
-                                                                   "role": self.cfg.role} | result))
+            self.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
+                                                            "role": self.cfg.role} | result))
         command = self.admin_commands.get(msg.command)
         if command is None:
             respond(False, {"error": f"unknown command {msg.command!r}; known: "
@@ -129,6 +143,47 @@ class WorkerCore:
         # zpd keeps no prefix cache: KV lives only as long as its request.
         respond(True, {"flushed_pages": 0, "note": "no prefix cache; nothing to flush"})
 
+    def release_memory(self, args: dict, respond: Respond) -> None:
+        """Drop the KV pool and its transport registration (e.g. to update weights in
+        the room it frees). Only with no page in use: pages are held or fenced exactly
+        while some request's KV, or a write into it, may still be there."""
+        if not self.memory_released:
+            in_use = self.pool.allocator.allocated
+            if in_use:
+                raise AdminError(409, f"{in_use} KV pages in use: pause (retract or abort) "
+                                      "and wait for them first")
+            self.backend.unregister(self.pool.data_ptr)
+            self.pool.release_memory()
+            self.memory_released = True
+            if self.pool.device.type == "cuda":
+                import torch
+                torch.cuda.empty_cache()
+            log.warning("KV pool memory released (%d bytes)", self.pool.nbytes)
+        respond(True, {"memory": self.memory_state()})
+
+    def resume_memory(self, args: dict, respond: Respond) -> None:
+        """Allocate and register the pool again; its address changes, so the
+        scheduler tells its peers (`on_memory_resumed`) before using it."""
+        if self.memory_released:
+            self.pool.allocate_memory()
+            try:
+                self.backend.register(self.pool.data_ptr, self.pool.nbytes)
+            except transport.TransportError as e:
+                self.pool.release_memory()
+                raise AdminError(500, f"could not register the KV pool again: {e}") from None
+            self.memory_released = False
+            self.on_memory_resumed()
+            log.warning("KV pool memory resumed at %#x", self.pool.data_ptr)
+        respond(True, {"memory": self.memory_state()})
+
+    def memory_state(self) -> str:
+        return "released" if self.memory_released else "resident"
+
+    @property
+    def pool_addr(self) -> int:
+        """The pool's address, 0 while its memory is released."""
+        return 0 if self.memory_released else self.pool.data_ptr
+
     def prompt_ids(self, msg) -> list[int]:
         """The request's prompt: its token ids, or its text through our tokenizer."""
         if msg.input_ids or not msg.text:
@@ -138,9 +193,11 @@ class WorkerCore:
                                             "send input_ids")
         return self.model.tokenizer.encode(msg.text)
 
-    def kv_pages(self, fenced: int = 0) -> dict:
+    def kv_pages(self, held: int, fenced: int) -> dict:
+        """Counted from the scheduler's own records, so free + held + fenced == total
+        is a real check: a page allocated to no live request or fence breaks it."""
         a = self.pool.allocator
-        return {"total": a.total, "free": a.free, "held": a.allocated - fenced, "fenced": fenced}
+        return {"total": a.total, "free": a.free, "held": held, "fenced": fenced}
 
     def write_ready_file(self) -> None:
         if self.cfg.ready_file:

@@ -154,7 +154,6 @@ def test_flush_cache(cluster):
     assert rc == 0 and out["ok"] and len(out["workers"]) == 2, (out, err)
 
 
-@pytest.mark.xfail(strict=True, reason="handler lands with issue 5")
 def test_release_and_resume_memory(cluster):
     assert admin(cluster.router, "pause", "--mode", "retract")[0] == 0
     try:
