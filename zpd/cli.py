@@ -10,8 +10,8 @@ import orjson
 from engines.config import ModelError
 from zpd.admin import add_admin_parser
 from zpd.keys import add_keys_parser
-from zpd.options import (CURVE_HELP, add_model_options, add_prompt_options, add_sampling_options,
-                         add_worker_options, sampling_dict, worker_argv)
+from zpd.options import (CURVE_HELP, add_liveness_options, add_model_options, add_prompt_options,
+                         add_sampling_options, add_worker_options, sampling_dict, worker_argv)
 from zpd.request import RequestError
 
 
@@ -60,7 +60,8 @@ def _worker_config(args: argparse.Namespace, role: str):
         ib_device=args.ib_device, protocol=args.protocol, ready_file=args.ready_file,
         curve_keys=args.curve_keys,
         deadlines=Deadlines(wait_kv_dest=wait, transfer=args.transfer_timeout, wait_pages=wait,
-                            wait_kv_done=wait, stash=wait))
+                            wait_kv_done=wait, stash=wait, heartbeat=args.heartbeat,
+                            peer_timeout=args.peer_timeout))
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
@@ -82,6 +83,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if not split(args.prefill) or not split(args.decode):
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
     return serve_router(RouterConfig(split(args.prefill), split(args.decode), args.host, args.port,
+                                     heartbeat=args.heartbeat, peer_timeout=args.peer_timeout,
                                      ready_file=args.ready_file, curve_keys=args.curve_keys))
 
 
@@ -151,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=5757, help="port to bind (default 5757)")
     r.add_argument("--ready-file", default=None)
     r.add_argument("--curve-keys", default=None, help=CURVE_HELP)
+    add_liveness_options(r)
     r.set_defaults(func=_cmd_router)
 
     la = sub.add_parser("launch", parents=[common], help="a whole cluster on this host",

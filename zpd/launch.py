@@ -78,7 +78,9 @@ def launch(args, worker_flags: list[str]) -> int:
         router = Child("router", py + ["router", "--host", args.host, "--port", str(args.port),
                                        "--prefill", eps["prefill"], "--decode", eps["decode"],
                                        "--ready-file", str(tmp / "router.json"),
-                                       "--log-level", args.log_level]
+                                       "--log-level", args.log_level,
+                                       "--heartbeat", str(args.heartbeat),
+                                       "--peer-timeout", str(args.peer_timeout)]
                        + (["--curve-keys", args.curve_keys] if args.curve_keys else []),
                        tmp / "router.json", log_dir / "router.log" if log_dir else None)
         children.append(router)

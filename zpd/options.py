@@ -93,12 +93,22 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="seconds one KV write may take before the request fails with 504")
     g.add_argument("--kv-wait-timeout", type=float, default=60.0,
                    help="seconds to wait for KV pages, kv_dest or kv_done before 504")
+    add_liveness_options(g)
     g.add_argument("--curve-keys", default=None, help=CURVE_HELP)
+
+
+def add_liveness_options(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--heartbeat", type=float, default=0.5,
+                   help="seconds between pings to every peer (default 0.5)")
+    g.add_argument("--peer-timeout", type=float, default=2.0,
+                   help="a peer silent this long is dead: its requests fail with 503 and no "
+                        "new ones go to it until it answers again (default 2)")
 
 
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
-                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "log_level",
+                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "heartbeat",
+                      "peer_timeout", "log_level",
                       "curve_keys")
 
 
