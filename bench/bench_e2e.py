@@ -3,18 +3,22 @@ load and cores: TTFT, inter-token latency, output tokens/s, plus the control-pla
 overhead per request.
 
     python bench/bench_e2e.py [--model mid|tiny|DIR] [--requests 64] [--prompt-len 512]
-                              [--new-tokens 128] [--concurrency 16] [--ramp-s 0]
+                              [--new-tokens 128] [--concurrency 16] [--ramp-s 0] [--rounds 2]
 
 Load: a closed loop of --concurrency slots; each slot sends one request after
 another (greedy, ignore_eos, so both sides make exactly --new-tokens tokens for
-the same prompts). --ramp-s spreads the slots' first requests over that many
-seconds (0: all start at once; with equal lengths the slots then move in waves).
+the same prompts; the outputs are compared). --ramp-s spreads the slots' first
+requests over that many seconds (0: all start at once; with equal lengths the
+slots then move in waves). --rounds alternate colocated and 1P1D runs and pool
+them, so a burst of other work on a shared machine skews both sides.
 
 Cores: the machine's cores, unpinned, are shared by everything on both sides.
 Colocated: this process runs OfflineEngine (the `zpd run` path) with 2 torch
 threads. 1P1D: `zpd launch --threads 1`, i.e. prefill and decode one torch
 thread each, plus the router and this process's client threads (one Client per
-slot), which take CPU from the same cores; their CPU use is printed.
+slot), which take CPU from the same cores; their CPU use is printed, and so is
+the CPU that other processes on the machine took during each phase (before
+each phase the script waits up to --quiet-wait s for the machine to go idle).
 
 TTFT: colocated, Request.first_token_at - arrived (the token is sampled right
 after prefill); 1P1D, first streamed chunk received - submit, on the client.
@@ -23,15 +27,17 @@ first token's time, then the time each decode step of DecodeBatch returns;
 1P1D: chunk arrival times on the client). Output tokens/s: all output tokens /
 (last finish - first submit).
 
+Control-plane overhead: requests one at a time, back to back, each paired with
+this process's timing of the prefill worker's compute call on the same prompt
+(same code, one thread); overhead = median(TTFT - compute) - one KV transfer of
+the prompt (two Mooncake backends of the project's transport in this process),
+in ms and in ZeroMQ DEALER/ROUTER round trips measured here.
+
 The default model ("mid": random Llama, 6 layers, hidden 384, 6 query / 2 KV
 heads, MLP 1024, vocab 32000, ~34M parameters, float32) is written to a
-temporary HF directory; it is sized so the whole default run takes about 3
-minutes on 2 idle cores (a 512-token prefill ~130 ms on one thread, a decode
-step of 16 requests ~45 ms), far above the control plane's per-message cost. Control-plane overhead: the TTFT of isolated requests at
-concurrency 1 minus the prefill compute of that prompt (measured in this
-process with the worker's code and thread count) minus one KV transfer of it
-(measured in this process between two Mooncake backends of the project's
-transport), in ms and in measured ZeroMQ DEALER/ROUTER round trips.
+temporary HF directory. It is sized so the whole default run takes about 4
+minutes on 2 idle cores (a 512-token prefill ~125 ms on one thread, a decode
+step of 16 requests ~45 ms), far above the control plane's per-message cost.
 """
 from __future__ import annotations
 
@@ -127,6 +133,7 @@ class LoadResult:
     tokens: int = 0
     wall: float = 0.0
     mismatched_rounds: int = 0
+    rounds: list[tuple[float, float]] = field(default_factory=list)    # (tok/s, wall) per round
 
     def merge(self, other: "LoadResult") -> None:
         """Pool another round of the same prompts; every round must give the same tokens."""
@@ -137,6 +144,7 @@ class LoadResult:
         self.gaps += other.gaps
         self.tokens += other.tokens
         self.wall += other.wall
+        self.rounds.append((other.tokens / other.wall, other.wall))
 
     def add(self, i: int, submitted: float, stamps: list[float], output: list[int]) -> None:
         self.ttft.append(stamps[0] - submitted)
@@ -207,8 +215,9 @@ class Launch:
                      "--peer-timeout", str(args.peer_timeout), "--log-level", args.log_level,
                      "--log-dir", str(self.logs)]
         self.shown = shlex.join(self.argv).replace(str(tmp), "$TMP")
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=open(tmp / "launch.log", "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        with open(tmp / "launch.log", "wb") as out:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         deadline = time.monotonic() + 180
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -299,23 +308,27 @@ def run_disagg(router: str, prompts: list[list[int]], sampling: dict, args) -> L
     def slot(k: int) -> None:
         time.sleep(k * args.ramp_s / args.concurrency)
         with Client(router, timeout=args.timeout) as client:
-            while True:
+            while not errors:
                 with lock:
                     i = next(pending, None)
-                if i is None or errors:
+                if i is None:
                     return
-                chunks = client.stream(input_ids=prompts[i], sampling_params=sampling, rid=f"d{i}")
                 submitted, stamps, out, last = time.monotonic(), [], [], {}
-                for last in chunks:
+                for last in client.stream(input_ids=prompts[i], sampling_params=sampling):
                     now = time.monotonic()
                     stamps += [now] * len(last["token_ids"])
                     out += last["token_ids"]
                 if last.get("finish_reason", {}).get("type") != "length":
-                    errors.append(f"request {i}: {last.get('finish_reason')}")
-                    return
+                    raise RuntimeError(f"request {i} ended with {last.get('finish_reason')}")
                 with lock:
                     res.add(i, submitted, stamps, out)
-    threads = [threading.Thread(target=slot, args=(k,)) for k in range(args.concurrency)]
+
+    def guarded(k: int) -> None:
+        try:
+            slot(k)
+        except Exception as e:       # a failed slot must fail the run, not shrink it
+            errors.append(f"slot {k}: {e!r}")
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(args.concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -326,20 +339,34 @@ def run_disagg(router: str, prompts: list[list[int]], sampling: dict, args) -> L
     return res
 
 
-def isolated_ttft(router: str, prompts: list[list[int]], timeout: float) -> list[float]:
-    """TTFT of requests sent one at a time, back to back (2 new tokens; the first is
-    timed; the next request goes once the second token is in)."""
-    out = []
-    with Client(router, timeout=timeout) as client:
+def isolated_pairs(router: str, model: LoadedModel, prompts: list[list[int]], args) -> dict:
+    """Requests one at a time, back to back (2 new tokens; the first is timed), each
+    paired with this process's timing of the prefill worker's compute call for the same
+    prompt (one torch thread) right after it, so a burst of other work on the machine
+    lands on both halves of a pair. Medians, seconds."""
+    torch.set_num_threads(1)
+    layout = KVLayout.for_model(model.cfg, PAGE_SIZE, model.dtype)
+    pool = KVPool.with_budget(layout, 4 * layout.page_bytes * -(-len(prompts[0]) // PAGE_SIZE) / 2**20,
+                              model.dtype, model.device)
+    compute = Compute(model, pool)
+    sampling = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+    ttft, work = [], []
+    with Client(router, timeout=args.timeout) as client, torch.inference_mode():
         for p in prompts:
-            chunks = client.stream(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 2,
-                                                                 "ignore_eos": True})
+            chunks = client.stream(input_ids=p, sampling_params=sampling)
             t0 = time.monotonic()
             next(chunks)
-            out.append(time.monotonic() - t0)
+            ttft.append(time.monotonic() - t0)
             for _ in chunks:
                 pass
-    return out
+            r = Request("x", p, SamplingParams.from_dict(sampling))
+            r.pages = pool.allocator.alloc(pool.pages_for(len(p)))
+            t0 = time.monotonic()
+            compute.prefill([r])
+            work.append(time.monotonic() - t0)
+            pool.allocator.free_pages(r.pages)
+    return {"ttft": statistics.median(ttft), "compute": statistics.median(work),
+            "diff": statistics.median(a - b for a, b in zip(ttft, work))}
 
 
 # --- component measurements ---------------------------------------------------------
@@ -366,8 +393,10 @@ def compute_times(model: LoadedModel, prompt_len: int, short_len: int, batch: in
     rng = random.Random(7)
 
     def prefill(n: int):
+        prompts = iter(prompts_for(4 * repeats + 2, n, model.cfg.vocab_size, rng.randrange(1 << 30)))
+
         def run() -> None:
-            r = Request("p", [rng.randrange(model.cfg.vocab_size) for _ in range(n)], greedy)
+            r = Request("p", next(prompts), greedy)
             r.pages = pool.allocator.alloc(pool.pages_for(n))
             compute.prefill([r])
             pool.allocator.free_pages(r.pages)
@@ -501,6 +530,10 @@ def report(args, cmd: Launch, co: LoadResult, dg: LoadResult, comp: dict, xfer: 
     for name, a, b, target, ok in rows:
         print(f"{name:<16}{a:>12.1f}{b:>12.1f}{b / a:>11.2f}x  {target:<36}{'' if ok is None else verdict(ok)}")
 
+    print("per round:  output tok/s colocated " + " / ".join(f"{t:.1f}" for t, _ in co.rounds)
+          + ", 1P1D " + " / ".join(f"{t:.1f}" for t, _ in dg.rounds) + "; others' load (cores) colocated "
+          + " / ".join(f"{x:.2f}" for x in noise["colocated load"]) + ", 1P1D "
+          + " / ".join(f"{x:.2f}" for x in noise["1P1D load"]))
     unit = rtt["hot"]
     print("\ncontrol plane, per request (isolated requests, concurrency 1, back to back; medians):")
     print(f"  messages by design: {len(FIRST_TOKEN_MESSAGES)} to the first token ("
@@ -512,17 +545,17 @@ def report(args, cmd: Launch, co: LoadResult, dg: LoadResult, comp: dict, xfer: 
           f"(the unit below); {rtt['idle'] * 1e6:.0f} us when each follows 20 ms of idleness")
     print(f"  {'prompt':>8} {'TTFT':>9} {'- prefill':>10} {'- transfer':>11} {'= overhead':>11} "
           f"{'round trips':>12}  target <= 3")
-    for n, t_iso, t_pf, t_tr in ((args.prompt_len, iso["long"], comp["prefill"][1], t_x),
-                                 (args.short_len, iso["short"], comp["prefill_short"][1], xfer["short"])):
-        over = t_iso - t_pf - t_tr
+    for n, got, t_tr in ((args.prompt_len, iso["long"], t_x), (args.short_len, iso["short"], xfer["short"])):
+        t_iso, t_pf, over = got["ttft"], got["compute"], got["diff"] - t_tr
         print(f"  {n:>8} {t_iso * ms:>9.2f} {t_pf * ms:>10.2f} {t_tr * ms:>11.2f} {over * ms:>11.2f} "
               f"{over / unit:>12.1f}  {verdict(over <= 3 * unit)}")
-    print("  (ms. TTFT: client submit to first streamed token. Subtracted: the prefill worker's compute "
-          "call for one prompt of that length (forward + first-token sampling, one torch thread, timed "
-          "in this process with the same code, back to back) and one KV write of it between two Mooncake "
-          "backends in this process. What is left is the control plane: 5 hops, codecs, every process's "
-          "wake-up from poll and its handling, page allocation. The short prompt's figure is the sharper: "
-          "the long prompt's compute varies by more than the whole overhead.)")
+    print("  (ms, medians; overhead = median over pairs of (TTFT - prefill) - transfer. TTFT: client "
+          "submit to first streamed token, one request at a time. prefill: the prefill worker's compute "
+          "call (forward + first-token sampling) on the same prompt with one torch thread, timed in this "
+          "process right after each request. transfer: one KV write of that prompt between two Mooncake "
+          "backends in this process (components below). Left: the control plane's 5 hops, codecs, each "
+          "process's wake-up from poll and handling, page allocation. The short prompt's figure is the "
+          "sharper: the long prompt's compute varies by more than the whole overhead.)")
 
     print(f"\ncomponents (in-process, medians):")
     for name, label in (("prefill", f"prefill {args.prompt_len} tokens"),
@@ -565,8 +598,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peer-timeout", type=float, default=60.0,
                     help="1P1D heartbeat timeout (zpd's default 2 s is shorter than one full "
                          "prefill forward on one thread here; heartbeats are answered between forwards)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="load rounds, each colocated then 1P1D, pooled (default 1)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="load rounds, each colocated then 1P1D, pooled (default 2)")
     ap.add_argument("--isolated", type=int, default=15, help="isolated requests per prompt length")
     ap.add_argument("--short-len", type=int, default=16, help="short prompt for the overhead figure")
     ap.add_argument("--repeats", type=int, default=7, help="repeats of in-process component timings")
@@ -642,15 +675,16 @@ def measure_load(model: LoadedModel, cluster: Launch, prompts, sampling: dict, a
     return co, dg, cpu
 
 
-def measure_isolated(cluster: Launch, vocab: int, args, noise: dict) -> dict:
+def measure_isolated(cluster: Launch, model: LoadedModel, args, noise: dict) -> dict:
     log_step("1P1D: isolated requests")
     iso = {}
     for key, n, count, seed in (("long", args.prompt_len, args.isolated, 2),
                                 ("short", args.short_len, 2 * args.isolated, 3)):
         wait_quiet(args.quiet_wait)
         others = Others(list(cluster.pids.values()) + [cluster.proc.pid, os.getpid()])
-        iso[key] = statistics.median(isolated_ttft(
-            cluster.router, prompts_for(count, n, vocab, args.seed + seed), args.timeout))
+        prompts = prompts_for(count + 1, n, model.cfg.vocab_size, args.seed + seed)
+        isolated_pairs(cluster.router, model, prompts[:1], args)            # warm-up
+        iso[key] = isolated_pairs(cluster.router, model, prompts[1:], args)
         noise[f"isolated {key}"] = [others.cores()]
     return iso
 
@@ -679,7 +713,7 @@ def main() -> None:
             warm_up(model, cluster, prompts_for(args.concurrency, args.prompt_len, vocab, args.seed + 1),
                     sampling, args)
             co, dg, cpu = measure_load(model, cluster, prompts, sampling, args, noise)
-            iso = measure_isolated(cluster, vocab, args, noise)
+            iso = measure_isolated(cluster, model, args, noise)
         finally:
             cluster.stop()
         kv_ms = [float(m) for m in re.findall(r"kv written \(\d+ bytes, ([\d.]+) ms\)",
