@@ -258,6 +258,8 @@ class DecodeScheduler:
         if req.finished:
             final = response(req, self.core.model.tokenizer)
             meta = final["meta"] | {"text": final["text"]}
+            log.info("rid=%s room=%d epoch=%d finished: %s after %d tokens", req.rid, entry.room,
+                     entry.epoch, req.finish.get("type"), len(req.output))
         self.core.send(entry.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
         if req.finished:
             self._forget(entry)
