@@ -15,6 +15,7 @@ class Deadlines:
     stash: float = 30.0              # a message that arrived before its generate
     heartbeat: float = 0.5           # every peer pair pings this often, both ways
     peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
+    dead_fence: float = 300.0        # decode: longest pages stay fenced for a silent prefill
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,7 @@
 
 Loop body: poll sockets and fire deadlines, admit requests waiting for pages, one
 decode step for the running batch, emit tokens. Pages a prefill write may still reach
-are fenced until that prefill answers for them (`kv_done`/`kv_failed`) or a fence longer
-than any transfer has passed.
+are fenced (zpd/fences.py says until when).
 """
 from __future__ import annotations
 
@@ -11,13 +10,13 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import zmq
 
 from engines.allocator import PoolFull
 from engines.sampler import SamplingParams
 from zpd.decode_batch import DecodeBatch
+from zpd.fences import Fences
 from zpd.links import LinkState, PrefillLink, PrefillLinks
 from zpd.loop import Timer
 from zpd.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
@@ -42,14 +41,6 @@ class Entry:
     asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
 
 
-class Fence(NamedTuple):
-    """Pages a prefill write may still reach: free only once `prefill` answers for them
-    or the timer (longer than any write) fires."""
-    pages: list[int]
-    timer: Timer
-    prefill: str
-
-
 class DecodeScheduler:
     def __init__(self, core: WorkerCore, ctx: zmq.Context) -> None:
         self.core, self.pool, self.loop = core, core.pool, core.loop
@@ -57,7 +48,8 @@ class DecodeScheduler:
         self.entries: dict[int, Entry] = {}
         self.by_rid: dict[str, Entry] = {}
         self.waiting: deque[Entry] = deque()                   # no pages yet
-        self.fenced: dict[tuple[int, int], Fence] = {}          # by (room, epoch)
+        self.fences = Fences(self.loop, self.pool.allocator, self.deadlines.transfer + 5.0,
+                             self.deadlines.dead_fence, self._prefill_dead)
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
         self.live_prefills: list[str] | None = None            # from the router's continue
         self.pause_waiters: list[Respond] = []
@@ -69,7 +61,7 @@ class DecodeScheduler:
         core.on_memory_resumed = lambda: self.links.rehello(self._hello())
         core.handlers |= {Generate: self.on_generate, Abort: self.on_abort, Admin: core.on_admin}
         core.admin_commands |= {"status": self.status, "pause": self.pause, "continue": self.resume}
-        core.busy = lambda: bool(self.entries or self.fenced)
+        core.busy = lambda: bool(self.entries or self.fences)
 
     def _hello(self) -> Hello:
         core = self.core
@@ -178,10 +170,8 @@ class DecodeScheduler:
 
     def on_prefill_message(self, link: PrefillLink, msg: Message) -> None:
         key = (getattr(msg, "room", -1), getattr(msg, "epoch", -1))
-        fence = self.fenced.get(key)
-        if fence is not None and fence.prefill == link.endpoint and isinstance(msg, (KvDone, KvFailed)):
-            self._unfence(key)                   # the prefill answered: nothing more will land
-            return
+        if isinstance(msg, (KvDone, KvFailed)) and self.fences.answered(key, link.endpoint):
+            return                               # the prefill answered: nothing more will land
         entry = self.entries.get(key[0])
         if entry is None or entry.epoch != key[1] or entry.req.phase is not Phase.TRANSFERRING:
             log.debug("dropping %s for unknown or old room from %s", msg.TYPE, link.endpoint)
@@ -228,11 +218,13 @@ class DecodeScheduler:
     def on_prefill_restarted(self, link: PrefillLink) -> None:
         """The prefill answered our hello from a new transport session: the process
         that might have written into fenced pages is gone, so they are free."""
-        stale = [key for key, fence in self.fenced.items() if fence.prefill == link.endpoint]
-        if stale:
-            log.warning("prefill %s restarted: releasing %d fences", link.endpoint, len(stale))
-        for key in stale:
-            self._unfence(key)
+        released = self.fences.release_prefill(link.endpoint)
+        if released:
+            log.warning("prefill %s restarted: released %d fences", link.endpoint, released)
+
+    def _prefill_dead(self, endpoint: str) -> bool:
+        link = self.links.links.get(endpoint)
+        return link is not None and link.state is LinkState.DEAD
 
     def end_orphans(self) -> None:
         """A router that stopped pinging is gone: end its requests and free their pages."""
@@ -284,9 +276,7 @@ class DecodeScheduler:
         req = entry.req
         self.batch.remove(req.rid)
         if req.pages and req.phase is Phase.TRANSFERRING and entry.asked == entry.epoch:
-            key = (entry.room, entry.epoch)
-            timer = self.loop.call_later(self.deadlines.transfer + 5.0, self._unfence, key)
-            self.fenced[key] = Fence(req.pages, timer, entry.prefill)
+            self.fences.add((entry.room, entry.epoch), req.pages, entry.prefill)
         elif req.pages:
             self.pool.allocator.free_pages(req.pages)
         req.pages = []
@@ -297,12 +287,6 @@ class DecodeScheduler:
         if entry.timer is not None:
             entry.timer.cancel()
         self._release(entry)
-
-    def _unfence(self, key: tuple[int, int]) -> None:
-        fence = self.fenced.pop(key, None)
-        if fence is not None:
-            fence.timer.cancel()
-            self.pool.allocator.free_pages(fence.pages)
 
     def _deadline(self, entry: Entry, seconds: float, what: str) -> None:
         if entry.timer is not None:
@@ -345,7 +329,7 @@ class DecodeScheduler:
     def _answer_pause_waiters(self) -> None:
         """pause(retract|abort) is answered once no page is fenced: then no worker
         holds KV for any request and memory can be flushed."""
-        if self.pause_waiters and not (self.fenced and self.core.paused in ("retract", "abort")):
+        if self.pause_waiters and not (self.fences and self.core.paused in ("retract", "abort")):
             waiters, self.pause_waiters = self.pause_waiters, []
             for respond in waiters:
                 respond(True, self._status())
@@ -367,7 +351,7 @@ class DecodeScheduler:
         respond(True, self._status())
 
     def _status(self) -> dict:
-        fenced = sum(len(f.pages) for f in self.fenced.values())
+        fenced = self.fences.pages
         held = sum(len(e.req.pages) for e in self.entries.values())
         phases = [e.req.phase for e in self.entries.values()]
         return {"weight_version": self.core.model.version, "paused": self.core.paused,

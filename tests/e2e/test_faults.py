@@ -296,9 +296,12 @@ def test_prefill_dies_or_freezes_mid_transfer(delayed, sig):
         outs = reqs.wait()
         affected = _split_by_victim(outs, victim, work)
         ended_within(reqs, affected, t, DETECT + SLACK)
+        _during_outage(delayed, victim)
+        # A frozen prefill's clock stands still: its write may go on when it wakes, so
+        # its pages stay fenced past the fence time (TRANSFER + 5 s) while it is silent.
+        time.sleep(max(0.0, t + DETECT + TRANSFER + 5.0 + 0.5 - time.monotonic()))
         fenced = sum(delayed.worker_status(d)["kv_pages"]["fenced"] for d in delayed.decodes)
         assert fenced > 0, "the dead prefill's destination pages must stay fenced"
-        _during_outage(delayed, victim)
     finally:
         client.close()
         victim.restart() if sig == "kill" else victim.signal(signal.SIGCONT)
