@@ -61,7 +61,7 @@ def _worker_config(args: argparse.Namespace, role: str):
         curve_keys=args.curve_keys,
         deadlines=Deadlines(wait_kv_dest=wait, transfer=args.transfer_timeout, wait_pages=wait,
                             wait_kv_done=wait, stash=wait, heartbeat=args.heartbeat,
-                            peer_timeout=args.peer_timeout))
+                            peer_timeout=args.peer_timeout, dead_fence=args.dead_fence))
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:

@@ -93,6 +93,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="seconds one KV write may take before the request fails with 504")
     g.add_argument("--kv-wait-timeout", type=float, default=60.0,
                    help="seconds to wait for KV pages, kv_dest or kv_done before 504")
+    g.add_argument("--dead-fence", type=float, default=300.0,
+                   help="decode: longest pages stay fenced for a prefill that stopped answering "
+                        "in the middle of writing them (default 300)")
     add_liveness_options(g)
     g.add_argument("--curve-keys", default=None, help=CURVE_HELP)
 
@@ -107,9 +110,8 @@ def add_liveness_options(g: argparse._ActionsContainer) -> None:
 
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
-                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "heartbeat",
-                      "peer_timeout", "log_level",
-                      "curve_keys")
+                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
+                      "heartbeat", "peer_timeout", "log_level", "curve_keys")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
