@@ -67,7 +67,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both sides (default: torch's; 1 is steadier on a busy machine)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import transformers
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp))
