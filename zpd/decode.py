@@ -113,7 +113,8 @@ class DecodeScheduler:
         got the same rid again): answer 409 and free its prefill, so nothing waits."""
         reason = f"rid {msg.rid!r} is already in flight on decode {self.core.endpoint}"
         log.warning("rid=%s room=%d refused: %s", msg.rid, msg.room, reason)
-        self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, CONFLICT, reason))
+        if msg.prefill:
+            self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, CONFLICT, reason))
         self.core.send(identity, Token(msg.rid, [], [], True, {"type": "abort", "status_code": CONFLICT,
                                                                "message": reason}))
 

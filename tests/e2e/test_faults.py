@@ -35,7 +35,8 @@ from transport import FAULT_ENV
 from zpd.client import Client, assemble
 from zpd.drops import DROP_ENV
 from zpd.offline import OfflineEngine
-from zpd.protocol import Ping, Pong, decode, encode
+from zpd.net import Dealer
+from zpd.protocol import Generate, Ping, Pong, Token, decode, encode
 from zpd.request import Request
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
@@ -398,6 +399,28 @@ def test_release_and_resume_memory(delayed):
     check_correct(outs, work)
     assert all(o["meta"]["retractions"] == 1 for o in outs.values())
     serves_correctly(delayed)
+
+
+def test_a_rid_still_running_on_a_decode_is_refused(delayed):
+    """E.g. a restarted router given a rid whose orphan still runs: the decode answers
+    409 at once instead of dropping the request (which would leave it hanging)."""
+    with delayed.client() as c, delayed.client() as admin:
+        runs = submit(c, {"dup": ([1, 2, 3], 4000)}, stream=True)
+        wait_for(lambda: runs.tokens("dup") >= 1, what="tokens")
+        (holder,) = [d for d in delayed.decodes if "rid=dup " in d.log.read_text()]
+        ctx = zmq.Context()
+        try:
+            raw = Dealer(ctx, holder.endpoint)
+            raw.send(Generate("dup", [4, 5], {"max_new_tokens": 2}, False, 12345, 0,
+                              delayed.prefills[0].endpoint, holder.endpoint))
+            reply = raw.recv(timeout=5)
+            raw.close()
+        finally:
+            ctx.term()
+        admin.abort("dup")
+        assert status(runs.wait()["dup"]) == 499
+    assert isinstance(reply, Token) and reply.finished and reply.finish["status_code"] == 409, reply
+    delayed.wait_all_free(timeout=3)
 
 
 def test_router_killed(delayed):
