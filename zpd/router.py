@@ -20,7 +20,7 @@ from zpd.liveness import PeerClock
 from zpd.loop import Loop, Timer
 from zpd.net import Dealer, Router
 from zpd.security import ROUTER_POLICY, Security
-from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Ping, Pong, Token
+from zpd.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token
 
 log = logging.getLogger("zpd.router")
 
