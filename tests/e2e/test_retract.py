@@ -115,7 +115,8 @@ def _pause_midway(cluster, client, col, mode: str) -> dict:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         counts = col.tokens_so_far()
-        if sum(1 for c in counts.values() if c > 0) >= 3:
+        # mid-output: has tokens and is not done (short requests may finish at once)
+        if sum(1 for rid, c in counts.items() if c > 0 and rid not in col.done) >= 3:
             break
         time.sleep(0.002)
     with cluster.client() as admin:
