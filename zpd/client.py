@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from typing import Iterator
 
 import zmq
 
 from zpd.net import Curve, Dealer, SocketOptions
-from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Token
+from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Token, Tokens
 
 
 class Client:
@@ -21,6 +22,7 @@ class Client:
         self.endpoint, self.timeout = endpoint, timeout
         self._ctx = zmq.Context()
         self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
+        self._parts: deque[Token] = deque()     # the rest of a batched `Tokens` message
 
     def close(self) -> None:
         self._dealer.close()
@@ -119,6 +121,8 @@ class Client:
                 return {"ok": msg.ok} | msg.result
 
     def _next(self, kind: type[Message], what: str, timeout: float | None = None) -> Message:
+        if kind is Token and self._parts:
+            return self._parts.popleft()
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             left = deadline - time.monotonic()
@@ -126,7 +130,11 @@ class Client:
                 raise TimeoutError(f"no answer from {self.endpoint} within "
                                    f"{timeout or self.timeout:.0f} s while waiting for {what}")
             msg = self._dealer.recv(timeout=left)
-            if isinstance(msg, kind):
+            if isinstance(msg, Tokens):            # several requests' tokens at once
+                self._parts.extend(msg.unpack())
+                if kind is Token and self._parts:
+                    return self._parts.popleft()
+            elif isinstance(msg, kind):
                 return msg
 
 

@@ -72,11 +72,15 @@ class DecodeScheduler:
         while not stop.is_set():
             running = self.core.paused is None and (len(self.batch) > 0 or self._admissible())
             self.loop.run_once(max_wait=0 if running else None)
+            self.core.flush_tokens()        # e.g. first tokens from kv_done: before the step
             if self.core.paused is None:
                 self.admit()
-                for req in self.batch.step():
+                with self.core.long_call():
+                    stepped = self.batch.step()
+                for req in stepped:
                     self.emit(self.by_rid[req.rid])
             self._answer_pause_waiters()
+            self.core.flush_tokens()
 
     # --- admission -------------------------------------------------------------
 
@@ -253,7 +257,7 @@ class DecodeScheduler:
             meta = final["meta"] | {"text": final["text"]}
             log.info("rid=%s room=%d epoch=%d finished: %s after %d tokens", req.rid, entry.room,
                      entry.epoch, req.finish.get("type"), len(req.output))
-        self.core.send(entry.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
+        self.core.queue_token(entry.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
         if req.finished:
             self._forget(entry)
 

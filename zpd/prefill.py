@@ -71,7 +71,8 @@ class PrefillScheduler:
             self.loop.run_once(max_wait=0 if self._runnable() else None)
             batch = self.schedule()
             if batch:
-                self.core.compute.prefill([j.req for j in batch])
+                with self.core.long_call():
+                    self.core.compute.prefill([j.req for j in batch])
                 self.after_compute(batch)
 
     def _runnable(self) -> bool:

@@ -164,6 +164,53 @@ class Token(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Tokens(Message):
+    """Decode → router → client: many requests' new tokens in one message (a decode
+    step's worth), so a step costs one send per peer instead of one per request.
+    Parallel arrays: request ``rids[i]`` gets the next ``counts[i]`` entries of
+    ``token_ids`` and ``weight_versions``; ``ends`` maps each finished rid to
+    ``{"finish": finish_reason, "meta": meta}``."""
+
+    TYPE: ClassVar[str] = "tokens"
+    rids: list[str]
+    counts: list[int]
+    token_ids: list[int]
+    weight_versions: list[str]
+    ends: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
+            raise ProtocolError(f"tokens: {len(self.counts)} counts for {len(self.rids)} rids")
+        if sum(self.counts) != len(self.token_ids) or len(self.token_ids) != len(self.weight_versions):
+            raise ProtocolError(f"tokens: counts sum to {sum(self.counts)} but there are "
+                                f"{len(self.token_ids)} ids and {len(self.weight_versions)} versions")
+        rids = set(self.rids)
+        if len(rids) != len(self.rids):
+            raise ProtocolError("tokens: a rid appears twice")
+        for rid, end in self.ends.items():
+            if rid not in rids or type(end) is not dict or type(end.get("meta", {})) is not dict:
+                raise ProtocolError(f"tokens: bad end for rid {rid!r}")
+
+    @classmethod
+    def pack(cls, parts: Sequence[Token]) -> "Tokens":
+        """One message for many Token parts (distinct rids)."""
+        return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
+                   [i for t in parts for i in t.token_ids],
+                   [v for t in parts for v in t.weight_versions],
+                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished})
+
+    def unpack(self) -> list[Token]:
+        """The parts, in order."""
+        out, at = [], 0
+        for rid, n in zip(self.rids, self.counts):
+            end = self.ends.get(rid)
+            out.append(Token(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
+                             end is not None, end and end.get("finish"), (end or {}).get("meta", {})))
+            at += n
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class Abort(Message):
     """Client/admin → router → workers: end ``rid`` with ``status``."""
 
@@ -229,7 +276,7 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {
         cls.TYPE: cls
         for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                    Token, Abort, Admin, AdminReply, Ping, Pong, Error)
+                    Token, Tokens, Abort, Admin, AdminReply, Ping, Pong, Error)
     }
 )
 

@@ -20,7 +20,7 @@ from zpd.liveness import PeerClock
 from zpd.loop import Loop, Timer
 from zpd.net import Dealer, Router
 from zpd.security import ROUTER_POLICY, Security
-from zpd.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token
+from zpd.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens
 
 log = logging.getLogger("zpd.router")
 
@@ -183,20 +183,36 @@ class RouterServer:
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
         if isinstance(msg, Token):
             self.on_token(msg)
+        elif isinstance(msg, Tokens):
+            self.on_tokens(msg)
         elif isinstance(msg, AdminReply):
             self.on_admin_reply(worker, msg)
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
     def on_token(self, msg: Token) -> None:
-        flight = self.inflight.get(msg.rid)
-        if flight is None:
-            return
-        self.front.send(flight.client, msg)
-        if msg.finished:
-            del self.inflight[msg.rid]
+        flight = self._settle(msg)
+        if flight is not None:
+            self.front.send(flight.client, msg)
+
+    def on_tokens(self, msg: Tokens) -> None:
+        """A decode step's tokens: one message on to each client concerned."""
+        by_client: dict[bytes, list[Token]] = {}
+        for part in msg.unpack():
+            flight = self._settle(part)
+            if flight is not None:
+                by_client.setdefault(flight.client, []).append(part)
+        for client, parts in by_client.items():
+            self.front.send(client, parts[0] if len(parts) == 1 else Tokens.pack(parts))
+
+    def _settle(self, part: Token) -> InFlight | None:
+        """The request's flight (None if unknown); forgotten once it finishes."""
+        flight = self.inflight.get(part.rid)
+        if flight is not None and part.finished:
+            del self.inflight[part.rid]
             flight.prefill.load -= 1
             flight.decode.load -= 1
+        return flight
 
     # --- admin ------------------------------------------------------------------
 

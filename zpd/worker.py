@@ -7,7 +7,9 @@ import logging
 import os
 import signal
 import threading
-from typing import Callable
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import orjson
 import zmq
@@ -16,18 +18,21 @@ import transport
 from engines.kv_pool import KVLayout, KVPool
 from engines.config import ModelError
 from engines.loader import load_model, update_weights as load_new_weights
+from zpd.busy import BusyResponder
 from zpd.compute import Compute
 from zpd.config import WorkerConfig
 from zpd.drops import DropPlan
 from zpd.loop import Loop
 from zpd.net import Router
 from zpd.security import WORKER_POLICY, Security
-from zpd.protocol import Admin, AdminReply, Message, Ping, Pong
+from zpd.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
 from zpd.request import BAD_REQUEST, RequestError
 
 log = logging.getLogger("zpd.worker")
 
 Respond = Callable[[bool, dict], None]
+# For liveness tests: seconds added to every long call (forward, weight load) of a worker.
+SLOW_ENV = "ZPD_SLOW_CALLS"
 PAUSE_MODES = ("abort", "in_place", "retract")
 
 
@@ -76,18 +81,73 @@ class WorkerCore:
         self.busy: Callable[[], bool] = lambda: False   # set by the scheduler
         self.on_memory_resumed: Callable[[], None] = lambda: None   # set by the scheduler
         self.drops = DropPlan.from_env()
+        self.slow_s = _seconds_from_env(SLOW_ENV)
+        self.outbox: dict[bytes, dict[str, Token]] = {}   # peer -> rid -> tokens not sent yet
         self.loop.add_socket(self.router, self._on_router)
+        # Pings are answered during forwards longer than this, so a busy worker stays alive.
+        self.responder = BusyResponder(self.router, self._answer_while_busy,
+                                       min(cfg.deadlines.heartbeat, cfg.deadlines.peer_timeout / 4))
+
+    @contextmanager
+    def long_call(self) -> Iterator[None]:
+        """Wrap a long call on the scheduler thread (a forward, a weight load): peers'
+        pings are answered meanwhile; other messages wait for the loop, in order."""
+        with self.responder.busy():
+            yield
+            if self.slow_s:
+                time.sleep(self.slow_s)
+        if self.responder.backlog:
+            self.loop.call_soon_threadsafe(self._drain_backlog)   # even if the socket is quiet
+
+    def _answer_while_busy(self, identity: bytes, msg: Message) -> bool:
+        """On the responder thread: answer a ping now; keep anything else."""
+        if identity in self.pinged_at or isinstance(msg, Ping):
+            self.pinged_at[identity] = self.loop.time()
+        if not isinstance(msg, Ping):
+            return False
+        pong = Pong(msg.seq, msg.sent_at, self.endpoint)
+        if not self.drops.drops(pong):
+            self.router.send(identity, pong)
+        return True
+
+    def _drain_backlog(self) -> None:
+        while self.responder.backlog:
+            self._dispatch(*self.responder.backlog.popleft())
 
     def send(self, identity: bytes, msg: Message) -> None:
-        """Every message to a peer goes out here (ZPD_DROP_MESSAGES may lose it)."""
+        """Every message to a peer goes out here (ZPD_DROP_MESSAGES may lose it),
+        after the tokens queued before it, so the peer sees them in order."""
+        if self.outbox:
+            self.flush_tokens()
         if not self.drops.drops(msg):
             self.router.send(identity, msg)
 
+    def queue_token(self, identity: bytes, part: Token) -> None:
+        """Queue a request's new tokens for `flush_tokens`; a second part for the same
+        rid before the flush is appended to the first."""
+        parts = self.outbox.setdefault(identity, {})
+        old = parts.get(part.rid)
+        if old is not None:
+            part = Token(part.rid, old.token_ids + part.token_ids,
+                         old.weight_versions + part.weight_versions, part.finished, part.finish,
+                         part.meta)
+        parts[part.rid] = part
+
+    def flush_tokens(self) -> None:
+        """Send the queued tokens: one message per peer (a decode step's worth)."""
+        outbox, self.outbox = self.outbox, {}
+        for identity, parts in outbox.items():
+            msg = next(iter(parts.values())) if len(parts) == 1 else Tokens.pack(list(parts.values()))
+            if not self.drops.drops(msg):
+                self.router.send(identity, msg)
+
     def _on_router(self) -> None:
+        self._drain_backlog()               # what came during a long call goes first
         got = self.router.recv()
-        if got is None:
-            return
-        identity, msg = got
+        if got is not None:
+            self._dispatch(*got)
+
+    def _dispatch(self, identity: bytes, msg: Message) -> None:
         if identity in self.pinged_at:
             # Any message shows the peer is alive: a burst of requests queued ahead of
             # its ping must not make it look silent.
@@ -133,7 +193,8 @@ class WorkerCore:
         if self.paused is None and self.busy():
             raise AdminError(409, "update_weights while requests are running: pause first")
         try:
-            new = load_new_weights(self.model, path, version if isinstance(version, str) else None)
+            with self.long_call():
+                new = load_new_weights(self.model, path, version if isinstance(version, str) else None)
         except (ModelError, ValueError) as e:
             raise AdminError(400, str(e)) from None
         log.warning("weights updated from %s: version %s", path, new)
@@ -208,10 +269,24 @@ class WorkerCore:
             os.replace(tmp, self.cfg.ready_file)
 
     def close(self) -> None:
+        self.responder.close()
         self.backend.close()
         self.router.close()
         self.loop.close()
         self.security.close()
+
+
+def _seconds_from_env(name: str) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 3600:
+        raise ValueError(f"{name}={raw!r}: want seconds, 0 <= s < 3600")
+    if value:
+        log.warning("%s=%g: every forward of this worker takes %g s more", name, value, value)
+    return value
 
 
 def compat_hash(model, layout: KVLayout) -> str:

@@ -224,3 +224,22 @@ def _drive(cluster: FaultCluster, work: dict, aborts: dict[str, float], kill_aft
                 outs[chunk["rid"]] = assemble(parts[chunk["rid"]])
                 ended[chunk["rid"]] = time.monotonic()
     return outs, submitted, ended
+
+
+# --- a busy worker is not a dead one ----------------------------------------------------
+
+def test_forwards_longer_than_the_peer_timeout_do_not_kill_workers(tmp_path) -> None:
+    """Every forward takes 1.2 s (ZPD_SLOW_CALLS) against a 0.8 s peer timeout: pings
+    are answered during the forward (zpd/busy.py), so neither the router nor the
+    decode declares a worker dead, and the outputs are exact."""
+    from tests.e2e.cluster import Cluster
+    from tests.e2e.fault_checks import reference
+    from zpd.worker import SLOW_ENV
+    work = [([5, 6, 7, 8], 2), ([9, 10, 11], 3)]
+    with Cluster(tmp_path, extra=("--peer-timeout", "0.8", "--heartbeat", "0.2"),
+                 env={SLOW_ENV: "1.2"}) as cluster, cluster.client(timeout=60) as client:
+        outs = client.generate_many([{"input_ids": ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": n, "ignore_eos": True}} for ids, n in work])
+        assert [o["output_ids"] for o in outs] == reference(work), [o["finish_reason"] for o in outs]
+        log = cluster.log.read_text()
+    assert "marked dead" not in log and "unavailable" not in log, log[-3000:]

@@ -183,3 +183,25 @@ def test_curve_encrypted_pair(ctx: zmq.Context) -> None:
         plain.close()
         good.close()
         router.close()
+
+
+def test_client_reads_batched_tokens_in_order(ctx: zmq.Context) -> None:
+    """A `Tokens` message (a decode step's worth) reaches the caller as one chunk per
+    request, in order, across receive() and stream()."""
+    from zpd.client import Client
+    router = Router(ctx, "127.0.0.1", 0)
+    client = Client(router.endpoint, timeout=WAIT)
+    try:
+        rid = client.submit(input_ids=[1, 2], rid="a", stream=True)
+        identity, msg = router.recv(timeout=WAIT)
+        assert isinstance(msg, p.Generate) and msg.rid == rid
+        router.send(identity, p.Tokens.pack([p.Token("a", [7], ["v1"]), p.Token("b", [8, 9], ["v1", "v1"])]))
+        router.send(identity, p.Tokens.pack([p.Token("b", [], [], True, {"type": "length"}, {"n": 2}),
+                                             p.Token("a", [6], ["v2"], True, {"type": "stop"})]))
+        got = [client.receive() for _ in range(4)]
+        assert [(c["rid"], c["token_ids"], c["finished"]) for c in got] == [
+            ("a", [7], False), ("b", [8, 9], False), ("b", [], True), ("a", [6], True)]
+        assert got[2]["meta"] == {"n": 2} and got[3]["finish_reason"] == {"type": "stop"}
+    finally:
+        client.close()
+        router.close()

@@ -31,6 +31,8 @@ SAMPLES: list[p.Message] = [
     p.Token(rid="r1", token_ids=[4, 5], weight_versions=["v1", "v2"], finished=True,
             finish={"type": "length"}, meta={"prompt_tokens": 3}),
     p.Token(rid="r1", token_ids=[4], weight_versions=["v1"]),
+    p.Tokens(rids=["r1", "r2"], counts=[2, 0], token_ids=[4, 5], weight_versions=["v1", "v2"],
+             ends={"r2": {"finish": {"type": "abort", "status_code": 499}, "meta": {}}}),
     p.Abort(rid="r1"),
     p.Admin(command="pause", args={"mode": "retract"}, req_id="q1"),
     p.AdminReply(req_id="q1", ok=True, result={"paused": "retract"}),
@@ -211,3 +213,33 @@ def test_fuzz_plausible_headers(frames: list[bytes]) -> None:
 def test_fuzz_round_trip_ids(ids: list[int], rid: str) -> None:
     msg = p.Recompute(rid=rid, room=1, epoch=1, input_ids=ids)
     assert decode(encode(msg)) == msg
+
+
+def test_tokens_pack_unpack_keeps_every_part() -> None:
+    parts = [p.Token("a", [1, 2], ["v1", "v1"]),
+             p.Token("b", [], [], True, {"type": "abort", "status_code": 503}, {"x": 1}),
+             p.Token("c", [3], ["v2"], True, {"type": "length"}, {"prompt_tokens": 4})]
+    got = decode(encode(p.Tokens.pack(parts)))
+    assert got.unpack() == parts
+
+
+@pytest.mark.parametrize("fields", [
+    dict(rids=["a"], counts=[1, 1], token_ids=[1, 2], weight_versions=["v", "v"]),  # counts vs rids
+    dict(rids=["a"], counts=[2], token_ids=[1], weight_versions=["v"]),             # too few ids
+    dict(rids=["a"], counts=[1], token_ids=[1], weight_versions=["v", "w"]),        # versions vs ids
+    dict(rids=["a", "a"], counts=[1, 0], token_ids=[1], weight_versions=["v"]),     # rid twice
+    dict(rids=["a"], counts=[-1], token_ids=[], weight_versions=[]),
+    dict(rids=["a"], counts=[1], token_ids=[1], weight_versions=["v"], ends={"b": {}}),
+    dict(rids=["a"], counts=[1], token_ids=[1], weight_versions=["v"], ends={"a": 3}),
+])
+def test_inconsistent_tokens_is_protocol_error(fields: dict) -> None:
+    header = {"v": p.PROTOCOL_VERSION, "type": "tokens", "rids": fields["rids"], "counts": 0,
+              "token_ids": 1, "weight_versions": fields["weight_versions"],
+              "ends": fields.get("ends", {})}
+    frames = [orjson.dumps(header), struct_ids(fields["counts"]), struct_ids(fields["token_ids"])]
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+def struct_ids(values: list[int]) -> bytes:
+    return struct.pack(f"<{len(values)}i", *values)
