@@ -191,6 +191,7 @@ class DecodeScheduler:
 
     def on_kv_done(self, entry: Entry, msg: KvDone) -> None:
         req = entry.req
+        req.timings = {k: v for k, v in msg.timings.items() if isinstance(v, (int, float))}
         if entry.timer is not None:
             entry.timer.cancel()
         if not req.output:

@@ -12,7 +12,8 @@ import itertools
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import transport
 from engines.sampler import SamplingParams
@@ -44,6 +45,16 @@ class Job:
     timer: Timer | None = None
     failure: tuple[int, str] | None = None
     notice: tuple[int, str] | None = None   # kv_failed to send once the write is over
+    marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
+
+
+def _timings(marks: dict, transfer_s: float) -> dict:
+    """Milliseconds spent in each step of a job (Request.timings names them)."""
+    ms = lambda s: round(s * 1e3, 3)                       # noqa: E731
+    return {"prefill_queue": ms(marks["forward"] - marks["queued"]),
+            "prefill_forward": ms(marks["computed"] - marks["forward"]),
+            "kv_dest_wait": ms(max(0.0, marks["write"] - marks["computed"])),
+            "kv_transfer": ms(transfer_s)}
 
 
 class PrefillScheduler:
@@ -71,8 +82,11 @@ class PrefillScheduler:
             self.loop.run_once(max_wait=0 if self._runnable() else None)
             batch = self.schedule()
             if batch:
+                started = time.monotonic()
                 with self.core.long_call():
                     self.core.compute.prefill([j.req for j in batch])
+                for job in batch:
+                    job.marks |= {"forward": started, "computed": time.monotonic()}
                 self.after_compute(batch)
 
     def _runnable(self) -> bool:
@@ -145,6 +159,7 @@ class PrefillScheduler:
             log.warning("duplicate or stale request for room %d epoch %d dropped", room, epoch)
             return
         job.req, job.failure = Request(rid, prompt, params), failure
+        job.marks["queued"] = time.monotonic()
         job.decode = job.decode or decode
         log.info("rid=%s room=%d epoch=%d queued (%d prompt tokens)", rid, room, epoch, len(prompt))
         if failure is None:
@@ -226,6 +241,7 @@ class PrefillScheduler:
         runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages, peer.base_addr,
                                        job.dest[:n], self.pool.layout.page_bytes)
         job.transfer_id = next(self.transfer_ids)
+        job.marks["write"] = time.monotonic()
         self.by_transfer[job.transfer_id] = job
         self._deadline(job, self.deadlines.transfer, "KV transfer")
         self.core.backend.write(job.transfer_id, peer.session, runs)
@@ -244,7 +260,8 @@ class PrefillScheduler:
                 log.info("rid=%s room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
                          job.room, job.epoch, c.nbytes, c.seconds * 1e3)
                 first = job.req.output[-1] if job.req.output else -1
-                self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version))
+                self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version,
+                                                  _timings(job.marks, c.seconds)))
                 self.end(job, None, "")
         self._answer_pause_waiters()
 

@@ -46,6 +46,11 @@ class Request:
     retractions: int = 0
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    # Where the time went, in ms, reported in meta["timings"]: prefill_queue (generate
+    # received -> forward starts), prefill_forward (the forward it was part of, with
+    # sampling), kv_dest_wait (forward done -> decode's destination known), kv_transfer
+    # (write submitted -> complete). Those of the last prefill after a recompute.
+    timings: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -133,4 +138,4 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
     return {"rid": req.rid, "output_ids": list(req.output), "text": text,
             "finish_reason": req.finish, "weight_versions": list(req.weight_versions),
             "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
-                     "retractions": req.retractions}}
+                     "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})}

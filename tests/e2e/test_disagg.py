@@ -63,6 +63,9 @@ def test_greedy_equals_zpd_run(name, request):
             assert o["finish_reason"]["type"] in ("stop", "length")
             assert o["meta"]["prompt_tokens"] == len(w["input_ids"])
             assert o["weight_versions"] == ["tiny"] * len(o["output_ids"])
+            timings = o["meta"]["timings"]        # where the prefill's time went, in ms
+            assert set(timings) == {"prefill_queue", "prefill_forward", "kv_dest_wait", "kv_transfer"}
+            assert all(0 <= v < 60_000 for v in timings.values()) and timings["prefill_forward"] > 0
         status = assert_all_pages_free(client)
     if name == "two_two":
         # both prefills and both decodes were used
