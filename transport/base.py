@@ -71,6 +71,10 @@ class Backend(abc.ABC):
     def write(self, transfer_id: int, peer: str, runs: Sequence[Run]) -> None:
         """Queue a transfer of `runs` into `peer`'s memory; never blocks on I/O."""
 
+    def connect(self, peer: str) -> None:
+        """Open the session to `peer` ahead of its first write, off the caller's
+        thread; never blocks. A backend without sessions ignores it."""
+
     @abc.abstractmethod
     def cancel(self, transfer_id: int) -> None:
         """Best effort: parts not yet handed to the fabric are skipped."""

@@ -199,12 +199,17 @@ class FabricDriver:
         self.in_flight = 0
         self.max_in_flight = 0
         self.closed_with_outstanding: int | None = None
+        self.opened: list[str] = []
 
     def register(self, addr: int, length: int) -> None:
         self.fabric.register(self.session_id, addr, length)
 
     def unregister(self, addr: int) -> None:
         self.fabric.unregister(self.session_id, addr)
+
+    def open(self, peer: str) -> None:
+        self.fabric._session(peer)        # raises for an unknown session, as a handshake would
+        self.opened.append(peer)
 
     def submit(self, peer: str, run: Run) -> object | None:
         self.submitted += 1

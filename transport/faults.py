@@ -84,6 +84,9 @@ class FaultyBackend(Backend):
         else:  # fail or drop: nothing reaches the fabric
             self._inject(transfer_id, _Held(peer, runs, now), rule.mode == "drop", rule.reason)
 
+    def connect(self, peer: str) -> None:
+        self.inner.connect(peer)
+
     def cancel(self, transfer_id: int) -> None:
         with self._lock:
             held = self._held.pop(transfer_id, None)

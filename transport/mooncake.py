@@ -114,6 +114,11 @@ class MooncakeDriver:
         handle = self._engine.transfer_submit_write(peer, run[0], run[1], run[2])
         return None if handle in _REFUSED else handle
 
+    def open(self, peer: str) -> None:
+        # Fetches the peer's segment descriptor (the P2P handshake) and caches it.
+        if not self._engine.get_first_buffer_address(peer):
+            raise TransportError(f"Mooncake could not open the session to {peer}")
+
     def check(self, handle: object) -> int:
         state = self._engine.transfer_check_status(handle)
         if state == 0:

@@ -60,8 +60,16 @@ class Driver(Protocol):
     def check(self, handle: object) -> int:
         """PENDING, DONE or FAILED; after DONE/FAILED the handle is never checked again."""
 
+    def open(self, peer: str) -> None:
+        """Open the session to `peer` now (may wait for its handshake); raise on failure."""
+
     def close(self, outstanding: int) -> None:
         """Release the fabric; `outstanding` runs were never seen to finish."""
+
+
+@dataclass
+class _Open:
+    peer: str
 
 
 @dataclass
@@ -91,7 +99,7 @@ class ThreadedBackend(Backend):
         self._done = CompletionQueue()
         self._lock = threading.Lock()
         self._transfers: dict[int, _Transfer] = {}  # every transfer without a completion yet
-        self._inbox: queue.SimpleQueue[_Transfer | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Transfer | _Open | None] = queue.SimpleQueue()
         self._stopped = ""  # why writes are refused: "closed" or the helper's death
         self._thread = threading.Thread(target=self._run, name="transport-helper", daemon=True)
         self._thread.start()
@@ -131,6 +139,14 @@ class ThreadedBackend(Backend):
                 return
             self._transfers[transfer_id] = t
         self._inbox.put(t)
+
+    def connect(self, peer: str) -> None:
+        """Open the peer's session on the helper thread now, while the peer is known to
+        be alive (it just said hello): with Mooncake the first write to a peer does its
+        handshake, and against a peer frozen meanwhile that handshake stalls every
+        write of this engine (measured: > 60 s), not only the ones to that peer."""
+        if not self._stopped:
+            self._inbox.put(_Open(peer))
 
     def cancel(self, transfer_id: int) -> None:
         with self._lock:
@@ -209,10 +225,22 @@ class _Loop:
             while True:
                 if item is None:
                     return False
-                self.active[item.tid] = item
+                if isinstance(item, _Open):
+                    self._open(item.peer)
+                else:
+                    self.active[item.tid] = item
                 item = self.owner._inbox.get_nowait()
         except queue.Empty:
             return True
+
+    def _open(self, peer: str) -> None:
+        started = time.monotonic()
+        try:
+            self.driver.open(peer)
+        except Exception as exc:  # noqa: BLE001 - the first write will fail and say why
+            log.warning("opening the session to %s failed: %s", peer, exc)
+            return
+        log.info("session to %s open (%.1f ms)", peer, (time.monotonic() - started) * 1e3)
 
     def _advance_all(self) -> bool:
         progressed = self._settle_orphans()

@@ -178,6 +178,7 @@ class PrefillScheduler:
                                 f"{self.core.compat_hash})")
         if ok:
             self.peers[identity] = DecodePeer(msg.session_id, msg.base_addr)
+            self.core.backend.connect(msg.session_id)     # handshake now, not at its first write
         else:
             log.error("hello from %s refused: %s", msg.decode, reason)
         self.core.send(identity, HelloAck(

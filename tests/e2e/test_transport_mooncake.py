@@ -158,3 +158,29 @@ def test_killed_peer_fails_fast(pair, peer_process) -> None:
     a.write(21, session, [(src.ctypes.data, addr, PAGE)])
     c = wait_one(a)
     assert not c.ok and c.seconds < TIMEOUT_S, c
+
+
+def test_session_opened_ahead_keeps_a_frozen_peer_from_stalling_others(pair, peer_process) -> None:
+    """connect() does the handshake while the peer is alive. Without it, the first write
+    to a peer frozen meanwhile does the handshake, which stalls every write of the engine
+    (measured: > 60 s, writes to other, already open peers included)."""
+    _, b, src, dst = pair
+    proc, session, addr = peer_process
+    a = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, environ={})
+    try:
+        a.register(src.ctypes.data, src.nbytes)
+        a.connect(session)
+        a.connect(b.session_id)
+        time.sleep(0.5)                           # the helper thread opens both
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        a.write(30, session, [(src.ctypes.data, addr, PAGE)])       # to the frozen peer
+        a.write(31, b.session_id, [(src.ctypes.data + PAGE, dst.ctypes.data + 7 * PAGE, PAGE)])
+        first = wait_one(a)
+        assert (first.transfer_id, first.ok) == (31, True) and time.monotonic() - started < 1.0, first
+        assert (dst[7 * PAGE:8 * PAGE] == src[PAGE:2 * PAGE]).all()
+        frozen = wait_one(a)
+        assert frozen.transfer_id == 30 and not frozen.ok, frozen
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        a.close()

@@ -433,3 +433,16 @@ def test_mooncake_timeouts_stay_below_ours() -> None:
     assert configure_timeouts(10.0, env) == {"MC_TCP_PROGRESS_TIMEOUT_SEC": "5",
                                              "MC_TCP_STATUS_TIMEOUT_SEC": "2"}
     assert configure_timeouts(0.5, {})["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "1"
+
+
+def test_threaded_connect_opens_the_session_on_the_helper_thread() -> None:
+    fabric, src, dst = transport.FakeFabric(), Buf(64, seed=4), Buf(64)
+    a, driver = threaded(fabric, src)
+    b, _ = threaded(fabric, dst)
+    a.connect(b.session_id)
+    a.connect("no-such-session")                  # logged; the first write would say why
+    wait_until(lambda: driver.opened == [b.session_id])
+    a.write(1, b.session_id, [(src.addr, dst.addr, 64)])
+    [c] = wait_for(a)
+    assert c.ok and dst.raw.raw == src.raw.raw
+    a.close(), b.close()
