@@ -42,12 +42,10 @@ step of 16 requests ~45 ms), far above the control plane's per-message cost.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,8 +59,9 @@ import numpy as np
 import torch
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (Launch, cpu_seconds, log_step, machine_busy_seconds, make_model, pct,  # noqa: E402
+                    verdict, wait_quiet)
 
 import transport  # noqa: E402
 from engines.kv_pool import KVLayout, KVPool  # noqa: E402
@@ -86,43 +85,13 @@ CRITICAL_HOPS = 5
 
 # --- model and workload ---------------------------------------------------------------
 
-def make_model(root: Path, seed: int = 0) -> Path:
-    """A random Llama as a Hugging Face directory (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-    c = MID
-    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * 0.02).contiguous()
-    t = {"model.embed_tokens.weight": w(c["vocab_size"], h), "model.norm.weight": torch.ones(h),
-         "lm_head.weight": w(c["vocab_size"], h)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": w(c["num_attention_heads"] * d, h),
-              p + "self_attn.k_proj.weight": w(c["num_key_value_heads"] * d, h),
-              p + "self_attn.v_proj.weight": w(c["num_key_value_heads"] * d, h),
-              p + "self_attn.o_proj.weight": w(h, c["num_attention_heads"] * d),
-              p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-              p + "mlp.down_proj.weight": w(h, inter),
-              p + "input_layernorm.weight": torch.ones(h),
-              p + "post_attention_layernorm.weight": torch.ones(h)}
-    save_file(t, str(root / "model.safetensors"))
-    cfg = c | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-               "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
-               "eos_token_id": 2}
-    (root / "config.json").write_text(json.dumps(cfg))
-    return root
+def make_mid_model(root: Path, seed: int = 0) -> Path:
+    return make_model(root, MID, seed, max_position=4096)
 
 
 def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
-
-
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 
 @dataclass
@@ -202,77 +171,12 @@ def run_colocated(model: LoadedModel, prompts: list[list[int]], sampling: dict, 
 
 # --- 1P1D: `zpd launch` --------------------------------------------------------------
 
-class Launch:
-    """`zpd launch` in its own session; logs per process under `tmp/logs`."""
-
-    def __init__(self, tmp: Path, model: str, args) -> None:
-        ready, self.logs = tmp / "cluster.json", tmp / "logs"
-        self.argv = [sys.executable, "-m", "zpd", "launch", "--model", model, "--dtype", args.dtype,
-                     "--prefill", "1", "--decode", "1", "--port", "0", "--ready-file", str(ready),
-                     "--threads", "1", "--kv-cache-mb", str(args.kv_cache_mb),
-                     "--max-batch", str(args.max_batch),
-                     "--max-prefill-tokens", str(args.max_prefill_tokens),
-                     "--peer-timeout", str(args.peer_timeout), "--log-level", args.log_level,
-                     "--log-dir", str(self.logs)]
-        self.shown = shlex.join(self.argv).replace(str(tmp), "$TMP")
-        with open(tmp / "launch.log", "wb") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("cluster did not start:\n" + (tmp / "launch.log").read_text()[-3000:])
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
-        self.router = info["router"]
-        self.pids = {w["role"]: w["pid"] for w in info["workers"]}
-        self.pids["router"] = next((p for p in _children(self.proc.pid) if p not in self.pids.values()), 0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def log(self, name: str) -> str:
-        f = self.logs / f"{name}.log"
-        return f.read_text(errors="replace") if f.exists() else ""
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds spent by everything on the machine so far (all cores)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_quiet(max_s: float, limit_cores: float = 0.15) -> float:
-    """Wait (at most max_s) until the machine is nearly idle for 1 s, since this
-    benchmark shares the cores with whatever else runs; returns the cores busy in
-    the last second (which is then only others' work, ours being idle)."""
-    deadline = time.monotonic() + max_s
-    while True:
-        before = machine_busy_seconds()
-        time.sleep(1.0)
-        busy = machine_busy_seconds() - before
-        if busy <= limit_cores or time.monotonic() >= deadline:
-            return busy
+def launch(tmp: Path, model: str, args) -> Launch:
+    """1P1D, one torch thread per worker."""
+    return Launch(tmp, model, ["--dtype", args.dtype, "--threads", "1",
+                               "--kv-cache-mb", str(args.kv_cache_mb), "--max-batch", str(args.max_batch),
+                               "--max-prefill-tokens", str(args.max_prefill_tokens),
+                               "--peer-timeout", str(args.peer_timeout), "--log-level", args.log_level])
 
 
 class Others:
@@ -288,15 +192,6 @@ class Others:
     def cores(self) -> float:
         others = machine_busy_seconds() - self.total0 - (self._ours() - self.ours0)
         return max(0.0, others) / (time.monotonic() - self.t0)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_disagg(router: str, prompts: list[list[int]], sampling: dict, args) -> LoadResult:
@@ -339,34 +234,24 @@ def run_disagg(router: str, prompts: list[list[int]], sampling: dict, args) -> L
     return res
 
 
-def isolated_pairs(router: str, model: LoadedModel, prompts: list[list[int]], args) -> dict:
-    """Requests one at a time, back to back (2 new tokens; the first is timed), each
-    paired with this process's timing of the prefill worker's compute call for the same
-    prompt (one torch thread) right after it, so a burst of other work on the machine
-    lands on both halves of a pair. Medians, seconds."""
-    torch.set_num_threads(1)
-    layout = KVLayout.for_model(model.cfg, PAGE_SIZE, model.dtype)
-    pool = KVPool.with_budget(layout, 4 * layout.page_bytes * -(-len(prompts[0]) // PAGE_SIZE) / 2**20,
-                              model.dtype, model.device)
-    compute = Compute(model, pool)
+def isolated(router: str, prompts: list[list[int]], args) -> dict:
+    """Requests one at a time, back to back (2 new tokens; the first is timed). The
+    workers report where the prefill's time went (meta.timings, ms): the forward and
+    the KV write are subtracted from the client's time to first token; what is left is
+    the control plane (and the prefill's and decode's queues, empty here). Medians, s."""
     sampling = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
-    ttft, work = [], []
-    with Client(router, timeout=args.timeout) as client, torch.inference_mode():
+    ttft, forward, transfer, over = [], [], [], []
+    with Client(router, timeout=args.timeout) as client:
         for p in prompts:
             chunks = client.stream(input_ids=p, sampling_params=sampling)
             t0 = time.monotonic()
             next(chunks)
-            ttft.append(time.monotonic() - t0)
-            for _ in chunks:
-                pass
-            r = Request("x", p, SamplingParams.from_dict(sampling))
-            r.pages = pool.allocator.alloc(pool.pages_for(len(p)))
-            t0 = time.monotonic()
-            compute.prefill([r])
-            work.append(time.monotonic() - t0)
-            pool.allocator.free_pages(r.pages)
-    return {"ttft": statistics.median(ttft), "compute": statistics.median(work),
-            "diff": statistics.median(a - b for a, b in zip(ttft, work))}
+            t = time.monotonic() - t0
+            timings = [c for c in chunks][-1]["meta"]["timings"]
+            f, x = timings["prefill_forward"] / 1e3, timings["kv_transfer"] / 1e3
+            ttft.append(t), forward.append(f), transfer.append(x), over.append(t - f - x)
+    med = statistics.median
+    return {"ttft": med(ttft), "forward": med(forward), "transfer": med(transfer), "overhead": med(over)}
 
 
 # --- component measurements ---------------------------------------------------------
@@ -490,8 +375,23 @@ def zmq_round_trip(samples: int, idle_s: float = 0.0) -> float:
 
 # --- report ------------------------------------------------------------------------
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
+def split_bound(args, comp: dict, co: LoadResult) -> None:
+    """What the 1+1 thread split allows at best, from the in-process component times:
+    colocated does all prefill and decode work on two threads, one after the other;
+    1P1D at best overlaps them perfectly, each on one thread, so it is bound by the
+    larger of the two. Closed-loop waves (equal lengths, ramp 0) overlap them hardly
+    at all, which gives the other figure."""
+    steps = args.requests * args.new_tokens / args.concurrency
+    work = {t: (args.requests * comp["prefill"][t], steps * comp["decode_step"][t]) for t in (1, 2)}
+    colocated = sum(work[2])
+    best, waves = max(work[1]), sum(work[1])
+    tokens = args.requests * args.new_tokens
+    print(f"thread split: prefill work {work[1][0]:.1f} s and decode work {work[1][1]:.1f} s on one "
+          f"thread each (colocated, two threads: {work[2][0]:.1f} + {work[2][1]:.1f} s); 1P1D tok/s "
+          f"can reach at most {tokens / best:.0f} with perfect overlap ({colocated / best:.2f}x the "
+          f"colocated estimate of {tokens / colocated:.0f}), {tokens / waves:.0f} with none "
+          f"({colocated / waves:.2f}x); measured colocated: {co.tokens / co.wall:.0f} (its prefill "
+          "forwards batch whole waves, faster than one prompt at a time)")
 
 
 def report(args, cmd: Launch, co: LoadResult, dg: LoadResult, comp: dict, xfer: dict,
@@ -501,10 +401,6 @@ def report(args, cmd: Launch, co: LoadResult, dg: LoadResult, comp: dict, xfer: 
     print("\n=== bench_e2e: 1P1D vs colocated ===")
     print("command:   " + shlex.join([sys.executable] + sys.argv))
     print("1P1D:      " + cmd.shown)
-    if args.peer_timeout != 2.0:
-        print(f"           (--peer-timeout {args.peer_timeout:g}: with zpd's default 2 s, a prefill forward of "
-              f"{args.max_prefill_tokens} tokens on one thread, which outlasts it, gets the prefill "
-              "declared dead and its requests failed with 503, since pings are answered between forwards)")
     print(f"model:     {args.model_desc}, {args.dtype}; load: {args.requests} requests, "
           f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens (greedy, ignore_eos), "
           f"closed loop, concurrency {args.concurrency}, ramp {args.ramp_s:g} s")
@@ -532,6 +428,7 @@ def report(args, cmd: Launch, co: LoadResult, dg: LoadResult, comp: dict, xfer: 
     for name, a, b, target, ok in rows:
         print(f"{name:<16}{a:>12.1f}{b:>12.1f}{b / a:>11.2f}x  {target:<36}{'' if ok is None else verdict(ok)}")
 
+    split_bound(args, comp, co)
     print("per round:  output tok/s colocated " + " / ".join(f"{t:.1f}" for t, _ in co.rounds)
           + ", 1P1D " + " / ".join(f"{t:.1f}" for t, _ in dg.rounds) + "; others' load (cores) colocated "
           + " / ".join(f"{x:.2f}" for x in noise["colocated load"]) + ", 1P1D "
@@ -545,21 +442,23 @@ def report(args, cmd: Launch, co: LoadResult, dg: LoadResult, comp: dict, xfer: 
           f"{args.new_tokens}-token streamed request")
     print(f"  ZeroMQ DEALER/ROUTER round trip, 200 B, two processes: {unit * 1e6:.0f} us back to back "
           f"(the unit below); {rtt['idle'] * 1e6:.0f} us when each follows 20 ms of idleness")
-    print(f"  {'prompt':>8} {'TTFT':>9} {'- prefill':>10} {'- transfer':>11} {'= overhead':>11} "
-          f"{'round trips':>12}  target <= 3")
-    for n, got, t_tr in ((args.prompt_len, iso["long"], t_x), (args.short_len, iso["short"], xfer["short"])):
-        t_iso, t_pf, over = got["ttft"], got["compute"], got["diff"] - t_tr
-        print(f"  {n:>8} {t_iso * ms:>9.2f} {t_pf * ms:>10.2f} {t_tr * ms:>11.2f} {over * ms:>11.2f} "
-              f"{over / unit:>12.1f}  {verdict(over <= 3 * unit) if over > 0 else 'n/a (below the noise)'}")
-    print("  (ms, medians; overhead = median over pairs of (TTFT - prefill) - transfer. TTFT: client "
-          "submit to first streamed token, one request at a time. prefill: the prefill worker's compute "
-          "call (forward + first-token sampling) on the same prompt with one torch thread, timed in this "
-          "process right after each request. transfer: one KV write of that prompt between two Mooncake "
-          "backends in this process (components below). Left: the control plane's 5 hops, codecs, each "
-          "process's wake-up from poll and handling, page allocation. The short prompt's figure is the "
-          "sharper: the long prompt's compute varies by more than the whole overhead.)")
+    idle = rtt["idle"]
+    print(f"  {'prompt':>8} {'TTFT':>9} {'- forward':>10} {'- transfer':>11} {'= overhead':>11} "
+          f"{'round trips':>12} {'idle RTTs':>10}  target <= 3 round trips")
+    for n, got in ((args.prompt_len, iso["long"]), (args.short_len, iso["short"])):
+        over = got["overhead"]
+        print(f"  {n:>8} {got['ttft'] * ms:>9.2f} {got['forward'] * ms:>10.2f} {got['transfer'] * ms:>11.2f} "
+              f"{over * ms:>11.2f} {over / unit:>12.1f} {over / idle:>10.1f}  {verdict(over <= 3 * unit)}")
+    print("  (ms, medians over requests. TTFT: client submit to first streamed token, one request at a "
+          "time. forward and transfer: what the prefill worker reports in the response's meta.timings "
+          "(its forward with first-token sampling; its KV write, submit to completion). overhead = "
+          "TTFT - forward - transfer: the 5 one-way hops (client->router, router->prefill, "
+          "prefill->decode kv_done, decode->router, router->client, each a process waking from poll), "
+          "codecs and handling, the transport helper's hand-offs, page allocation. round trips: in "
+          "units of the back-to-back round trip; idle RTTs: of the round trip after 20 ms idle, which is "
+          "what each hop here follows (the processes idle through the forward).)")
 
-    print(f"\ncomponents (in-process, medians):")
+    print("\ncomponents (in-process, medians):")
     for name, label in (("prefill", f"prefill {args.prompt_len} tokens"),
                         ("prefill_short", f"prefill {args.short_len} tokens"),
                         ("decode_step", f"decode step, batch {args.concurrency}, "
@@ -597,9 +496,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=64, help="both sides (default 64, as zpd's)")
     ap.add_argument("--max-prefill-tokens", type=int, default=8192,
                     help="most prompt tokens in one prefill forward, both sides (default 8192, as zpd's)")
-    ap.add_argument("--peer-timeout", type=float, default=60.0,
-                    help="1P1D heartbeat timeout (zpd's default 2 s is shorter than one full "
-                         "prefill forward on one thread here; heartbeats are answered between forwards)")
+    ap.add_argument("--peer-timeout", type=float, default=2.0,
+                    help="1P1D heartbeat timeout (default 2 s, as zpd's; pings are answered during "
+                         "forwards longer than that)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="load rounds, each colocated then 1P1D, pooled (default 2)")
     ap.add_argument("--budget-s", type=float, default=300.0,
@@ -620,13 +519,9 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def log_step(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def measure_components(model: LoadedModel, args) -> tuple[float, dict, dict]:
     log_step("ZeroMQ round trip, KV transfer and compute, in-process")
-    wait_quiet(args.quiet_wait)
+    wait_quiet(args.quiet_wait, 0.15, 1.0)
     rtt = {"hot": zmq_round_trip(args.rtt_samples), "idle": zmq_round_trip(100, idle_s=0.02)}
     page_bytes = KVLayout.for_model(model.cfg, PAGE_SIZE, model.dtype).page_bytes
     xfer = {"long": transfer_time(model, args.prompt_len, args.repeats * 3),
@@ -670,13 +565,13 @@ def measure_load(model: LoadedModel, cluster: Launch, prompts, sampling: dict, a
             break
         log_step(f"round {r + 1}/{args.rounds}: colocated load (torch threads 2)")
         torch.set_num_threads(2)
-        wait_quiet(args.quiet_wait)
+        wait_quiet(args.quiet_wait, 0.15, 1.0)
         others = Others([os.getpid()])
         with torch.inference_mode():
             co.merge(run_colocated(model, prompts, sampling, args))
         noise.setdefault("colocated load", []).append(others.cores())
         log_step(f"round {r + 1}/{args.rounds}: 1P1D load")
-        wait_quiet(args.quiet_wait)
+        wait_quiet(args.quiet_wait, 0.15, 1.0)
         others = Others(list(pids.values()) + [cluster.proc.pid])
         before = {k: cpu_seconds(p) for k, p in pids.items()}
         dg.merge(run_disagg(cluster.router, prompts, sampling, args))
@@ -691,11 +586,11 @@ def measure_isolated(cluster: Launch, model: LoadedModel, args, noise: dict) -> 
     iso = {}
     for key, n, count, seed in (("long", args.prompt_len, args.isolated, 2),
                                 ("short", args.short_len, 2 * args.isolated, 3)):
-        wait_quiet(args.quiet_wait)
+        wait_quiet(args.quiet_wait, 0.15, 1.0)
         others = Others(list(cluster.pids.values()) + [cluster.proc.pid, os.getpid()])
         prompts = prompts_for(count + 1, n, model.cfg.vocab_size, args.seed + seed)
-        isolated_pairs(cluster.router, model, prompts[:1], args)            # warm-up
-        iso[key] = isolated_pairs(cluster.router, model, prompts[1:], args)
+        isolated(cluster.router, prompts[:1], args)            # warm-up
+        iso[key] = isolated(cluster.router, prompts[1:], args)
         noise[f"isolated {key}"] = [others.cores()]
     return iso
 
@@ -710,7 +605,7 @@ def main() -> None:
         model_path, args.model_desc = args.model, args.model
         if args.model == "mid":
             (tmp / "model").mkdir()
-            model_path = str(make_model(tmp / "model", args.seed))
+            model_path = str(make_mid_model(tmp / "model", args.seed))
             args.model_desc = ("mid: random Llama, {num_hidden_layers} layers, hidden {hidden_size}, "
                                "{num_attention_heads}/{num_key_value_heads} heads, MLP "
                                "{intermediate_size}, vocab {vocab_size}").format(**MID)
@@ -719,7 +614,7 @@ def main() -> None:
         prompts = prompts_for(args.requests, args.prompt_len, vocab, args.seed)
         rtt, xfer, comp = measure_components(model, args)
         log_step("1P1D: zpd launch")
-        cluster = Launch(tmp, model_path, args)
+        cluster = launch(tmp, model_path, args)
         try:
             warm_up(model, cluster, prompts_for(args.concurrency, args.prompt_len, vocab, args.seed + 1),
                     sampling, args)

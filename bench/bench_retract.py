@@ -48,7 +48,6 @@ import os
 import random
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -60,10 +59,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (Launch, cpu_seconds, log_step, machine_busy_seconds, make_model, med, pct,  # noqa: E402
+                    verdict, wait_quiet)
 
 from zpd.client import Client  # noqa: E402
 
@@ -74,78 +73,6 @@ PRESETS = {   # random Llamas written as HF directories; "tiny" is the embedded 
                 num_attention_heads=8, num_key_value_heads=2, head_dim=64),
 }
 TINY_DESC = "tiny: embedded Llama, 2 layers, hidden 64, 4/2 heads, MLP 128, vocab 258"
-
-
-def make_model(root: Path, c: dict, seed: int = 0) -> Path:
-    """A random Llama as a Hugging Face directory (config.json + model.safetensors)."""
-    import torch
-    from safetensors.torch import save_file
-    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape: int) -> "torch.Tensor":
-        return (torch.randn(*shape, generator=g) * 0.02).contiguous()
-    t = {"model.embed_tokens.weight": w(c["vocab_size"], h), "model.norm.weight": torch.ones(h),
-         "lm_head.weight": w(c["vocab_size"], h)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": w(c["num_attention_heads"] * d, h),
-              p + "self_attn.k_proj.weight": w(c["num_key_value_heads"] * d, h),
-              p + "self_attn.v_proj.weight": w(c["num_key_value_heads"] * d, h),
-              p + "self_attn.o_proj.weight": w(h, c["num_attention_heads"] * d),
-              p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-              p + "mlp.down_proj.weight": w(h, inter),
-              p + "input_layernorm.weight": torch.ones(h),
-              p + "post_attention_layernorm.weight": torch.ones(h)}
-    root.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(root / "model.safetensors"))
-    cfg = c | {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-               "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
-               "eos_token_id": 2}
-    (root / "config.json").write_text(json.dumps(cfg))
-    return root
-
-
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def log_step(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --- processes and CPU -----------------------------------------------------------------
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 class CpuWindow:
@@ -163,70 +90,15 @@ class CpuWindow:
         return cpu | {"others (cores)": max(0.0, others) / wall, "wall": wall}
 
 
-def wait_quiet(max_s: float, limit_cores: float = 0.3) -> float:
-    """Wait (at most max_s) until the machine is nearly idle for 0.5 s; returns the cores
-    busy then (others' work: ours is idle)."""
-    deadline = time.monotonic() + max_s
-    while True:
-        before = machine_busy_seconds()
-        time.sleep(0.5)
-        busy = (machine_busy_seconds() - before) / 0.5
-        if busy <= limit_cores or time.monotonic() >= deadline:
-            return busy
-
-
-class Launch:
-    """`zpd launch` in its own session; one log per process under `tmp/logs`."""
-
-    def __init__(self, tmp: Path, model: str, args) -> None:
-        ready, self.logs = tmp / "cluster.json", tmp / "logs"
-        self.argv = [sys.executable, "-m", "zpd", "launch", "--model", model, "--dtype", args.dtype,
-                     "--prefill", "1", "--decode", "1", "--port", "0", "--ready-file", str(ready),
-                     "--threads", "1", "--kv-cache-mb", str(args.kv_cache_mb),
-                     "--max-batch", str(args.max_batch), "--log-level", "INFO",
-                     "--log-dir", str(self.logs)]
-        if args.max_prefill_tokens:
-            self.argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
-        self.shown = shlex.join(self.argv).replace(str(tmp), "$TMP")
-        env = os.environ | {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=open(tmp / "launch.log", "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("cluster did not start:\n" + (tmp / "launch.log").read_text()[-3000:])
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
-        self.router = info["router"]
-        self.pids = {w["role"]: w["pid"] for w in info["workers"]}
-        self.pids["router"] = next((p for p in _children(self.proc.pid) if p not in self.pids.values()), 0)
-        self.pids["client (this process)"] = os.getpid()
-
-    def pin(self, on: bool) -> None:
-        """on: the prefill alone on CPU 0, decode, router and this process on CPU 1 (every
-        thread; threads started later inherit it); off: every process on every CPU."""
-        every = set(range(os.cpu_count() or 1))
-        for name, pid in self.pids.items():
-            cpus = ({0} if name == "prefill" else {1}) if on else every
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                try:
-                    os.sched_setaffinity(int(task.name), cpus)
-                except OSError:
-                    pass                        # a thread that just ended
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def log(self, name: str) -> str:
-        f = self.logs / f"{name}.log"
-        return f.read_text(errors="replace") if f.exists() else ""
+def launch(tmp: Path, model: str, args) -> Launch:
+    """1P1D, one torch thread per worker, INFO logs (the breakdown reads them)."""
+    flags = ["--dtype", args.dtype, "--threads", "1", "--kv-cache-mb", str(args.kv_cache_mb),
+             "--max-batch", str(args.max_batch), "--log-level", "INFO"]
+    if args.max_prefill_tokens:
+        flags += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    cluster = Launch(tmp, model, flags)
+    cluster.pids["client (this process)"] = os.getpid()     # CPU windows and pinning count it
+    return cluster
 
 
 # --- load: one client, one receiving thread --------------------------------------------
@@ -606,10 +478,6 @@ def components(model_path: str, args, prefixes: list[list[int]]) -> dict[str, fl
 
 # --- report ----------------------------------------------------------------------------
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 MS = 1e3
 KINDS = (("re", "recompute"), ("fresh", "fresh"), ("long", "fresh-long"))
 PINNED = (("re_pin", "re pinned"), ("fresh_pin", "fr pinned"))
@@ -839,7 +707,7 @@ def main() -> None:
         args.model_desc = model.desc
         args.max_new = args.max_new or default_max_new(args, model)
         log_step(f"zpd launch ({args.model})")
-        cluster = Launch(tmp, model.path, args)
+        cluster = launch(tmp, model.path, args)
         try:
             pc, reps = measure(cluster, args, model.vocab, rng)
         except BaseException:

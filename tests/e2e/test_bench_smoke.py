@@ -1,0 +1,37 @@
+"""The benchmark scripts still run end to end (tiny settings: seconds, not figures).
+CI does not judge their targets, which need a quiet machine and full-size loads;
+this only keeps the scripts from rotting unseen."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.cluster import ROOT
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
+
+RUNS = {
+    "bench_e2e.py": (["--requests", "8", "--prompt-len", "64", "--new-tokens", "8",
+                      "--concurrency", "4", "--rounds", "1", "--isolated", "2", "--repeats", "1",
+                      "--rtt-samples", "50", "--quiet-wait", "0"],
+                     [r"output tok/s\s+[\d.]+\s+[\d.]+", r"thread split: prefill work [\d.]+ s",
+                      r"\s16\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+-?[\d.]+"]),
+    "bench_retract.py": (["--requests", "16", "--cycles", "1", "--repeats", "1", "--quiet-wait", "0"],
+                         [r"pause\(retract\) round trip\s+[\d.]+ ms",
+                          r"ratio recompute/fresh time, median of per-repeat ratios: [\d.]+"]),
+    "bench_transfer.py": (["--repeats", "1", "--tokens", "256"], [r"ratio"]),
+    "bench_loop.py": (["--quick"], [r"ratio"]),
+}
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_benchmark_runs(script: str) -> None:
+    args, wanted = RUNS[script]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for pattern in wanted:
+        assert re.search(pattern, done.stdout), (pattern, done.stdout[-3000:])
