@@ -18,7 +18,7 @@ from engines.sampler import SamplingParams
 from zpd.decode_batch import DecodeBatch
 from zpd.fences import Fences
 from zpd.links import LinkState, PrefillLink, PrefillLinks
-from zpd.loop import Timer
+from zpd.deadline import Deadline
 from zpd.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                           Recompute, Token)
 from zpd.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE, Phase,
@@ -37,7 +37,7 @@ class Entry:
     client: bytes            # the router's identity on our socket
     stream: bool
     sent: int = 0            # output tokens already sent to the client
-    timer: Timer | None = None
+    deadline: Deadline | None = None   # set when the entry is made
     asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
 
 
@@ -102,6 +102,7 @@ class DecodeScheduler:
             error = RequestError(BAD_REQUEST, str(e))
         entry = Entry(msg.room, msg.epoch, Request(msg.rid, prompt, params), msg.prefill, identity,
                       msg.stream)
+        entry.deadline = Deadline(self.loop, lambda what, e=entry: self._expire(e, what))
         self.entries[msg.room], self.by_rid[msg.rid] = entry, entry
         log.info("rid=%s room=%d epoch=%d generate via prefill %s", msg.rid, msg.room, msg.epoch,
                  msg.prefill)
@@ -192,8 +193,7 @@ class DecodeScheduler:
     def on_kv_done(self, entry: Entry, msg: KvDone) -> None:
         req = entry.req
         req.timings = {k: v for k, v in msg.timings.items() if isinstance(v, (int, float))}
-        if entry.timer is not None:
-            entry.timer.cancel()
+        entry.deadline.cancel()
         if not req.output:
             req.emit(msg.first_token, msg.weight_version)
             req.finish = self.core.compute.stop(req)
@@ -290,17 +290,13 @@ class DecodeScheduler:
     def _forget(self, entry: Entry) -> None:
         self.entries.pop(entry.room, None)
         self.by_rid.pop(entry.req.rid, None)
-        if entry.timer is not None:
-            entry.timer.cancel()
+        entry.deadline.cancel()
         self._release(entry)
 
     def _deadline(self, entry: Entry, seconds: float, what: str) -> None:
-        if entry.timer is not None:
-            entry.timer.cancel()
-        entry.timer = self.loop.call_later(seconds, self._expire, entry, what)
+        entry.deadline.start(seconds, what, paused=self.core.paused is not None)
 
     def _expire(self, entry: Entry, what: str) -> None:
-        entry.timer = None
         if self.entries.get(entry.room) is entry:
             self.finish(entry, DEADLINE, f"deadline expired {what}", tell_prefill=True)
 
@@ -312,6 +308,7 @@ class DecodeScheduler:
             raise AdminError(409, f"already paused ({self.core.paused}); continue first")
         self.core.paused = mode
         for entry in list(self.entries.values()):
+            entry.deadline.suspend()             # a held request waits as long as the pause
             if mode == "abort":
                 self.finish(entry, ABORTED, "aborted by pause(abort)", tell_prefill=True)
             elif mode == "retract" and entry.req.phase is not Phase.HELD:
@@ -322,8 +319,7 @@ class DecodeScheduler:
     def retract(self, entry: Entry) -> None:
         """Drop the request's KV and hold it; its last token is fed again after continue."""
         req = entry.req
-        if entry.timer is not None:
-            entry.timer.cancel()
+        entry.deadline.cancel()
         if req.phase is Phase.TRANSFERRING:
             self.links.get(entry.prefill).send(KvFailed(entry.room, entry.epoch, ABORTED, "retracted"))
         self._release(entry)
@@ -348,6 +344,8 @@ class DecodeScheduler:
             self.live_prefills = prefills
         held = sorted((e for e in self.entries.values() if e.req.phase is Phase.HELD),
                       key=lambda e: e.req.arrived)
+        for entry in self.entries.values():
+            entry.deadline.resume()
         for entry in held:
             entry.epoch += 1
             self._enqueue(entry)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import transport
 from engines.sampler import SamplingParams
+from zpd.deadline import Deadline
 from zpd.loop import Timer
 from zpd.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
                           Recompute)
@@ -42,7 +43,7 @@ class Job:
     dest: list[int] | None = None
     computed: bool = False
     transfer_id: int | None = None
-    timer: Timer | None = None
+    deadline: Deadline | None = None   # set by the scheduler when it makes the job
     failure: tuple[int, str] | None = None
     notice: tuple[int, str] | None = None   # kv_failed to send once the write is over
     marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
@@ -154,7 +155,7 @@ class PrefillScheduler:
             return
         job = self.jobs.get(room)
         if job is None:
-            job = self.jobs[room] = Job(room, epoch)
+            job = self.jobs[room] = self._job(room, epoch)
         elif job.req is not None or job.epoch != epoch:
             log.warning("duplicate or stale request for room %d epoch %d dropped", room, epoch)
             return
@@ -195,7 +196,7 @@ class PrefillScheduler:
             self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
             return
         if job is None:
-            job = self.jobs[msg.room] = Job(msg.room, msg.epoch)
+            job = self.jobs[msg.room] = self._job(msg.room, msg.epoch)
             self._deadline(job, self.deadlines.stash, "waiting for generate")
         if job.epoch != msg.epoch or job.dest is not None:
             log.warning("stale or duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
@@ -244,7 +245,7 @@ class PrefillScheduler:
         job.transfer_id = next(self.transfer_ids)
         job.marks["write"] = time.monotonic()
         self.by_transfer[job.transfer_id] = job
-        self._deadline(job, self.deadlines.transfer, "KV transfer")
+        self._deadline(job, self.deadlines.transfer, "KV transfer", suspendable=False)
         self.core.backend.write(job.transfer_id, peer.session, runs)
 
     def on_completions(self) -> None:
@@ -274,8 +275,7 @@ class PrefillScheduler:
             del self.jobs[job.room]
         if status is not None and status != ABORTED:
             log.warning("room=%d epoch=%d failed: %d %s", job.room, job.epoch, status, reason)
-        if job.timer is not None:
-            job.timer.cancel()
+        job.deadline.cancel()
         job.notice = None if status is None else (status, reason)
         if job.transfer_id is not None:
             self.core.backend.cancel(job.transfer_id)   # its completion finishes the job
@@ -300,13 +300,16 @@ class PrefillScheduler:
         tomb = self.tombstones.get(room)
         return tomb is not None and epoch <= tomb[0]
 
-    def _deadline(self, job: Job, seconds: float, what: str) -> None:
-        if job.timer is not None:
-            job.timer.cancel()
-        job.timer = self.loop.call_later(seconds, self._expire, job, what)
+    def _job(self, room: int, epoch: int) -> Job:
+        job = Job(room, epoch)
+        job.deadline = Deadline(self.loop, lambda what: self._expire(job, what))
+        return job
+
+    def _deadline(self, job: Job, seconds: float, what: str, suspendable: bool = True) -> None:
+        """A phase's deadline; a pause stops its clock unless it is a KV write's."""
+        job.deadline.start(seconds, what, paused=suspendable and self.core.paused is not None)
 
     def _expire(self, job: Job, what: str) -> None:
-        job.timer = None
         if self.jobs.get(job.room) is job:
             self.end(job, DEADLINE, f"deadline expired {what}")
 
@@ -317,6 +320,9 @@ class PrefillScheduler:
         if self.core.paused is not None and self.core.paused != mode:
             raise AdminError(409, f"already paused ({self.core.paused}); continue first")
         self.core.paused = mode
+        for job in self.jobs.values():
+            if job.transfer_id is None:
+                job.deadline.suspend()           # a held job waits as long as the pause
         if mode in ("retract", "abort"):
             # Everything in flight is dropped: decode holds (retract) or ends (abort) it.
             for job in list(self.jobs.values()):
@@ -334,6 +340,8 @@ class PrefillScheduler:
 
     def resume(self, args: dict, respond: Respond) -> None:
         was, self.core.paused = self.core.paused, None
+        for job in self.jobs.values():
+            job.deadline.resume()
         respond(True, self._status() | {"was_paused": was})
 
     def status(self, args: dict, respond: Respond) -> None:

@@ -38,15 +38,16 @@ from zpd.protocol import Generate, Token
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
 DELAY = 1.0              # seconds every write of the delayed cluster waits
+DELAYED_KV_WAIT = 10.0   # the delayed cluster's --kv-wait-timeout
 
 
 # --- the delayed cluster: 2 prefills, 2 decodes, every write sits DELAY s in transfer ----
 
 @pytest.fixture(scope="module")
 def delayed(tmp_path_factory):
-    # kv_wait is long here: requests held in a paused worker's queue must not expire
+    # kv_wait is long here, so a slow abort shows as a timing failure, not a 504
     with FaultCluster(tmp_path_factory.mktemp("delayed"), prefill=2, decode=2,
-                      flags=("--transfer-timeout", str(TRANSFER), "--kv-wait-timeout", "10",
+                      flags=("--transfer-timeout", str(TRANSFER), "--kv-wait-timeout", str(DELAYED_KV_WAIT),
                              "--kv-cache-mb", "8"),
                       prefill_env={FAULT_ENV: f"delay:seconds={DELAY}"}) as c:
         warm_up(c)
@@ -153,6 +154,36 @@ def test_abort_while_waiting_at_a_worker(delayed, side):
     check_correct(outs, {rid: work[rid] for rid in outs})
     delayed.wait_all_free(timeout=3)
     serves_correctly(delayed)
+
+
+@pytest.mark.parametrize("first", ["prefill", "decode"])
+def test_pause_in_place_outlasting_the_deadlines_fails_nothing(delayed, first):
+    """pause(in_place) on every worker for longer than --kv-wait-timeout. Paused prefills
+    first: the decodes have asked for the KV and wait for kv_done, the prefills hold the
+    jobs uncomputed. Paused decodes first: the prefills computed the prompts and wait
+    for kv_dest, the decodes hold the requests without pages. Either way the requests
+    wait as long as the pause, then complete exactly, with no 504."""
+    if first == "prefill":
+        held, queues = delayed.prefills, ((delayed.prefills, "waiting"), (delayed.decodes, "waiting_kv"))
+    else:
+        held, queues = delayed.decodes, ((delayed.prefills, "waiting_kv_dest"),
+                                         (delayed.decodes, "waiting_pages"))
+    work = {f"{first}-held{i}": w for i, w in enumerate(prompts(2, seed=6))}
+    _pause_workers(held, "in_place")
+    try:
+        with delayed.client() as c:
+            reqs = submit(c, work)
+            for workers, queue in queues:
+                wait_for(lambda: queue_total(delayed, workers, queue) == 2, what=queue)
+            _pause_workers(delayed.workers, "in_place")
+            time.sleep(DELAYED_KV_WAIT + 1.0)         # past every phase deadline
+            assert not reqs.done, reqs.done
+            _pause_workers(delayed.workers, None)
+            outs = reqs.wait()
+    finally:
+        _pause_workers(delayed.workers, None)
+    check_correct(outs, work)
+    delayed.wait_all_free(timeout=3)
 
 
 def test_abort_while_prefill_computing(delayed):
