@@ -119,6 +119,7 @@ class _Endpoint:
     def __init__(self, sock: zmq.Socket) -> None:
         self.socket = sock
         self.dropped_sends = 0  # counts sends that could not be queued
+        self.last_send_unreachable = False  # the last failed send: peer not connected
         self.bad_messages = 0  # counts inbound messages that failed to decode
 
     def _send_frames(self, frames: list[bytes], peer: str) -> bool:
@@ -126,11 +127,11 @@ class _Endpoint:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
-            why = "send queue full (peer slow or gone)"
+            why, self.last_send_unreachable = "send queue full (peer slow or gone)", False
         except zmq.ZMQError as e:
             if e.errno != errno.EHOSTUNREACH:
                 raise
-            why = "peer not connected"
+            why, self.last_send_unreachable = "peer not connected", True
         self.dropped_sends += 1
         # Powers of two: a dead peer's heartbeats must not flood the log.
         if self.dropped_sends & (self.dropped_sends - 1) == 0:

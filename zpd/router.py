@@ -93,6 +93,31 @@ class RouterServer:
                 self.mark_dead(w)
             w.dealer.send(Ping(seq, now, self.endpoint))
             w.clock.pinged(now)
+        self.probe_clients(Ping(seq, now, self.endpoint))
+
+    def probe_clients(self, ping: Ping) -> None:
+        """A client that hung up (crashed, closed its socket) can take no tokens: end its
+        requests now instead of generating to max_new_tokens for no one. A ping it
+        ignores is the probe: ZeroMQ refuses it at once once the client is gone."""
+        clients = {f.client for f in self.inflight.values()} | {c for c, _ in self.queued.values()}
+        for client in clients:
+            self.to_client(client, ping)
+
+    def to_client(self, client: bytes, msg) -> None:
+        if not self.front.send(client, msg) and self.front.last_send_unreachable:
+            self.client_gone(client)
+
+    def client_gone(self, client: bytes) -> None:
+        queued = [rid for rid, (c, _) in self.queued.items() if c == client]
+        running = [rid for rid, f in self.inflight.items() if f.client == client]
+        if not queued and not running:
+            return
+        log.warning("client %r disconnected: ending its %d requests", client[:32],
+                    len(queued) + len(running))
+        for rid in queued:
+            del self.queued[rid]
+        for rid in running:
+            self.on_abort(Abort(rid, 499, "client disconnected"))
 
     def mark_dead(self, worker: Worker) -> None:
         """Fail its requests now (503) and route around it until it answers again."""
@@ -193,7 +218,7 @@ class RouterServer:
     def on_token(self, msg: Token) -> None:
         flight = self._settle(msg)
         if flight is not None:
-            self.front.send(flight.client, msg)
+            self.to_client(flight.client, msg)
 
     def on_tokens(self, msg: Tokens) -> None:
         """A decode step's tokens: one message on to each client concerned."""
@@ -203,7 +228,7 @@ class RouterServer:
             if flight is not None:
                 by_client.setdefault(flight.client, []).append(part)
         for client, parts in by_client.items():
-            self.front.send(client, parts[0] if len(parts) == 1 else Tokens.pack(parts))
+            self.to_client(client, parts[0] if len(parts) == 1 else Tokens.pack(parts))
 
     def _settle(self, part: Token) -> InFlight | None:
         """The request's flight (None if unknown); forgotten once it finishes."""

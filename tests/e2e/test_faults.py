@@ -366,6 +366,31 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
     delayed.wait_all_free(timeout=3)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_gets_its_requests_ended(delayed, stream):
+    """A client that disconnects with requests in flight must not leave them generating
+    to max_new_tokens for no one. Streamed: the next token cannot be delivered; not
+    streamed: the router's heartbeat probe finds the client gone. Either way the
+    requests end and their pages come back within a heartbeat or two."""
+    ctx = zmq.Context()
+    try:
+        raw = Dealer(ctx, delayed.router.endpoint)
+        for rid in ("gone-1", "gone-2"):
+            raw.send(Generate(f"{rid}-{stream}", [7, 8, 9], {"max_new_tokens": 3000, "ignore_eos": True,
+                                                            "temperature": 0}, stream))
+        with delayed.client() as admin:
+            wait_for(lambda: queue_total(delayed, delayed.decodes, "running") == 2, what="running")
+            raw.close()                              # the client hangs up
+            t = time.monotonic()
+            wait_for(lambda: admin.admin("status")["inflight"] == 0, timeout=10, what="requests ended")
+            assert time.monotonic() - t <= 2 * 0.5 + SLACK
+    finally:
+        ctx.term()
+    delayed.wait_all_free(timeout=5)
+    assert "disconnected: ending its 2 requests" in delayed.router.log.read_text()
+    serves_correctly(delayed)
+
+
 def test_router_killed(delayed):
     """Workers end a dead router's requests (running and in transfer) and free their pages."""
     with delayed.client() as c:
