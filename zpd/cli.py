@@ -91,6 +91,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from zpd.launch import launch
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
+    for flag in ("prefill_threads", "decode_threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     return launch(args, worker_argv(args))
 
 
@@ -163,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_options(la)
     la.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     la.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    la.add_argument("--prefill-threads", type=int, default=None,
+                    help="torch threads of each prefill worker (default: --threads)")
+    la.add_argument("--decode-threads", type=int, default=None,
+                    help="torch threads of each decode worker (default: --threads)")
     la.add_argument("--host", default="127.0.0.1", help="interface for every process (default 127.0.0.1)")
     la.add_argument("--port", type=int, default=5757, help="router port (default 5757; 0 = any)")
     la.add_argument("--ready-file", default=None,

@@ -69,8 +69,9 @@ def launch(args, worker_flags: list[str]) -> int:
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 ready = tmp / f"{role}{i}.json"
+                threads = getattr(args, f"{role}_threads", None)
                 argv = py + [role, "--host", args.host, "--port", "0", "--ready-file", str(ready)] \
-                    + worker_flags
+                    + worker_flags + (["--threads", str(threads)] if threads else [])
                 children.append(Child(role, argv, ready, log_dir / f"{role}{i}.log" if log_dir else None))
         _wait_ready(children, args.startup_timeout)
         eps = {r: ",".join(c.info["endpoint"] for c in children if c.role == r)

@@ -216,3 +216,20 @@ def test_launch_then_generate_from_another_shell(tmp_path):
         assert got["output_ids"] == orjson.loads(ref.stdout)["output_ids"]
         pids = cluster.pids()
     assert not any(alive(p) for p in pids), "launch left workers behind"
+
+
+def test_launch_gives_prefill_and_decode_their_own_thread_counts(tmp_path):
+    """--prefill-threads/--decode-threads override --threads per role (a prefill and a
+    decode rarely want the same number); bad values are refused before anything starts."""
+    from pathlib import Path
+    with Cluster(tmp_path, extra=("--prefill-threads", "1", "--decode-threads", "2")) as cluster:
+        for w in cluster.info["workers"]:
+            argv = Path(f"/proc/{w['pid']}/cmdline").read_bytes().split(b"\0")
+            last = argv[len(argv) - 1 - argv[::-1].index(b"--threads") + 1]
+            assert last == (b"1" if w["role"] == "prefill" else b"2"), (w["role"], argv)
+        with cluster.client() as client:
+            work = _workload(4, seed=5)
+            assert [o["output_ids"] for o in client.generate_many(work)] == _reference(work)
+    bad = subprocess.run(zpd_cmd("launch", "--model", "tiny", "--decode-threads", "0"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--decode-threads must be at least 1" in bad.stderr
