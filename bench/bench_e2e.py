@@ -14,9 +14,11 @@ them, so a burst of other work on a shared machine skews both sides.
 
 Cores: the machine's cores, unpinned, are shared by everything on both sides.
 Colocated: this process runs OfflineEngine (the `zpd run` path) with 2 torch
-threads. 1P1D: `zpd launch --threads 1`, i.e. prefill and decode one torch
-thread each, plus the router and this process's client threads (one Client per
-slot), which take CPU from the same cores; their CPU use is printed, and so is
+threads. 1P1D: `zpd launch --prefill-threads 1 --decode-threads 1` by default, i.e.
+prefill and decode one torch thread each (other splits: --prefill-threads,
+--decode-threads, and --cluster-env GOMP_SPINCOUNT=N to tame OpenMP's spinning when
+their threads outnumber the cores), plus the router and this process's client
+threads (one Client per slot), which take CPU from the same cores; their CPU use is printed, and so is
 the CPU that other processes on the machine took during each phase (before
 each phase the script waits up to --quiet-wait s for the machine to go idle).
 
@@ -166,11 +168,14 @@ def run_colocated(model: LoadedModel, prompts: list[list[int]], sampling: dict, 
 # --- 1P1D: `zpd launch` --------------------------------------------------------------
 
 def launch(tmp: Path, model: str, args) -> Launch:
-    """1P1D, one torch thread per worker."""
-    return Launch(tmp, model, ["--dtype", args.dtype, "--threads", "1",
+    """1P1D, --prefill-threads / --decode-threads torch threads (default one each)."""
+    env = dict(kv.split("=", 1) for kv in args.cluster_env)
+    return Launch(tmp, model, ["--dtype", args.dtype, "--prefill-threads", str(args.prefill_threads),
+                               "--decode-threads", str(args.decode_threads),
                                "--kv-cache-mb", str(args.kv_cache_mb), "--max-batch", str(args.max_batch),
                                "--max-prefill-tokens", str(args.max_prefill_tokens),
-                               "--peer-timeout", str(args.peer_timeout), "--log-level", args.log_level])
+                               "--peer-timeout", str(args.peer_timeout), "--log-level", args.log_level],
+                  env)
 
 
 class Others:
@@ -381,6 +386,13 @@ def parse_args() -> argparse.Namespace:
                     help="spread the slots' first requests over this many seconds (default 0)")
     ap.add_argument("--kv-cache-mb", type=float, default=256)
     ap.add_argument("--max-batch", type=int, default=64, help="both sides (default 64, as zpd's)")
+    ap.add_argument("--prefill-threads", type=int, default=1,
+                    help="1P1D prefill worker's torch threads (default 1; colocated has 2)")
+    ap.add_argument("--decode-threads", type=int, default=1,
+                    help="1P1D decode worker's torch threads (default 1)")
+    ap.add_argument("--cluster-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment for the 1P1D processes only (repeatable), e.g. "
+                         "GOMP_SPINCOUNT=20000 when their threads outnumber the cores")
     ap.add_argument("--max-prefill-tokens", type=int, default=8192,
                     help="most prompt tokens in one prefill forward, both sides (default 8192, as zpd's)")
     ap.add_argument("--peer-timeout", type=float, default=2.0,

@@ -47,8 +47,10 @@ def report(args, cmd: Launch, co, dg, comp: dict, xfer: dict,
           f"{args.prompt_len}-token prompts, {args.new_tokens} new tokens (greedy, ignore_eos), "
           f"closed loop, concurrency {args.concurrency}, ramp {args.ramp_s:g} s")
     print(f"cores:     {os.cpu_count()} CPUs, unpinned, shared by both sides. colocated: one process, "
-          f"torch threads 2 (OfflineEngine = `zpd run`). 1P1D: prefill torch threads 1, decode "
-          f"torch threads 1, plus router and {args.concurrency} client threads in this process")
+          f"torch threads 2 (OfflineEngine = `zpd run`). 1P1D: prefill torch threads "
+          f"{args.prefill_threads}, decode torch threads {args.decode_threads}"
+          + (f" ({' '.join(args.cluster_env)})" if args.cluster_env else "")
+          + f", plus router and {args.concurrency} client threads in this process")
     same = sum(co.outputs[i] == dg.outputs.get(i) for i in co.outputs)
     print(f"outputs:   {same}/{len(co.outputs)} requests identical token for token "
           f"({co.tokens} vs {dg.tokens} output tokens in {args.rounds} round(s); "
@@ -70,7 +72,8 @@ def report(args, cmd: Launch, co, dg, comp: dict, xfer: dict,
     for name, a, b, target, ok in rows:
         print(f"{name:<16}{a:>12.1f}{b:>12.1f}{b / a:>11.2f}x  {target:<36}{'' if ok is None else verdict(ok)}")
 
-    split_bound(args, comp, co)
+    if (args.prefill_threads, args.decode_threads) == (1, 1):
+        split_bound(args, comp, co)
     print("per round:  output tok/s colocated " + " / ".join(f"{t:.1f}" for t, _ in co.rounds)
           + ", 1P1D " + " / ".join(f"{t:.1f}" for t, _ in dg.rounds) + "; others' load (cores) colocated "
           + " / ".join(f"{x:.2f}" for x in noise["colocated load"]) + ", 1P1D "
