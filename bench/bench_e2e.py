@@ -234,10 +234,10 @@ def run_disagg(router: str, prompts: list[list[int]], sampling: dict, args) -> L
 
 
 def isolated(router: str, prompts: list[list[int]], args) -> dict:
-    """Requests one at a time, back to back (2 new tokens; the first is timed). The
-    workers report where the prefill's time went (meta.timings, ms): the forward and
-    the KV write are subtracted from the client's time to first token; what is left is
-    the control plane (and the prefill's and decode's queues, empty here). Medians, s."""
+    """Requests one at a time, back to back, streamed (2 new tokens; the first is timed).
+    The prefill worker reports its forward (meta.timings, ms); subtracted from the
+    client's time to first token, what is left is the control plane (the first token
+    goes prefill -> router -> client beside the KV write). Medians, s."""
     sampling = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
     ttft, forward, transfer, over = [], [], [], []
     with Client(router, timeout=args.timeout) as client:
@@ -248,7 +248,7 @@ def isolated(router: str, prompts: list[list[int]], args) -> dict:
             t = time.monotonic() - t0
             timings = [c for c in chunks][-1]["meta"]["timings"]
             f, x = timings["prefill_forward"] / 1e3, timings["kv_transfer"] / 1e3
-            ttft.append(t), forward.append(f), transfer.append(x), over.append(t - f - x)
+            ttft.append(t), forward.append(f), transfer.append(x), over.append(t - f)
     med = statistics.median
     return {"ttft": med(ttft), "forward": med(forward), "transfer": med(transfer), "overhead": med(over)}
 

@@ -344,12 +344,29 @@ class DecodeScheduler:
             self.live_prefills = prefills
         held = sorted((e for e in self.entries.values() if e.req.phase is Phase.HELD),
                       key=lambda e: e.req.arrived)
+        early = args.get("early") if isinstance(args.get("early"), dict) else {}
+        for entry in held:
+            self._take_early_token(entry, early.get(entry.req.rid))
         for entry in self.entries.values():
             entry.deadline.resume()
         for entry in held:
             entry.epoch += 1
             self._enqueue(entry)
         respond(True, self._status() | {"was_paused": was, "resumed": len(held)})
+
+    def _take_early_token(self, entry: Entry, got) -> None:
+        """The client already has this request's first token (its prefill sent it to the
+        router before the KV arrived here): resume after it, as after any token."""
+        req = entry.req
+        if req.output or not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], int)
+                              and isinstance(got[1], str)):
+            return
+        if not 0 <= got[0] < self.core.model.cfg.vocab_size:
+            log.warning("rid=%s: early token %r out of range; ignored", req.rid, got[0])
+            return
+        req.emit(got[0], got[1])     # sent again with the next ones: the router passes it once
+        log.info("rid=%s room=%d resumes after its first token %d (%s), which its prefill sent "
+                 "ahead", req.rid, entry.room, got[0], got[1])
 
     def status(self, args: dict, respond: Respond) -> None:
         respond(True, self._status())

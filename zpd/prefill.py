@@ -20,7 +20,7 @@ from engines.sampler import SamplingParams
 from zpd.deadline import Deadline
 from zpd.loop import Timer
 from zpd.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
-                          Recompute)
+                          Recompute, Token)
 from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError,
                          validate, validate_prefix)
 from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
@@ -47,6 +47,7 @@ class Job:
     failure: tuple[int, str] | None = None
     notice: tuple[int, str] | None = None   # kv_failed to send once the write is over
     marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
+    early_to: bytes | None = None        # a streaming client's router: send it the first token
 
 
 def _timings(marks: dict, transfer_s: float) -> dict:
@@ -113,10 +114,21 @@ class PrefillScheduler:
     def after_compute(self, batch: list[Job]) -> None:
         for job in batch:
             job.computed = True
+            self._send_first_token(job)
             if job.dest is not None:
                 self.start_write(job)
             else:
                 self._deadline(job, self.deadlines.wait_kv_dest, "waiting for kv_dest")
+
+    def _send_first_token(self, job: Job) -> None:
+        """A streamed request's first token goes straight to its router, so the client
+        does not wait for the KV write, kv_done and the decode's hop. The decode sends
+        it again (the router passes each index once); if the request ends at that
+        token, only the decode's final answer says so."""
+        req = job.req
+        if job.early_to is None or len(req.output) != 1 or self.core.compute.stop(req) is not None:
+            return
+        self.core.send(job.early_to, Token(req.rid, list(req.output), list(req.weight_versions)))
 
     # --- requests ----------------------------------------------------------------
 
@@ -129,6 +141,9 @@ class PrefillScheduler:
         except (RequestError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
         self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
+        job = self.jobs.get(msg.room)
+        if msg.stream and job is not None and job.req is not None and job.epoch == msg.epoch:
+            job.early_to = identity
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
         """KV for prompt + output[:-1] again, under the current weights, as a new epoch."""

@@ -41,6 +41,9 @@ class InFlight:
     client: bytes
     prefill: Worker
     decode: Worker
+    sent: int = 0                        # output tokens passed on to the client
+    from_decode: int = 0                 # output tokens the decode has sent
+    early: tuple[int, str] | None = None  # the first token, straight from the prefill
 
 
 @dataclass(eq=False)
@@ -206,7 +209,9 @@ class RouterServer:
         if not worker.alive:
             worker.alive = True
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
-        if isinstance(msg, Token):
+        if isinstance(msg, Token) and worker.role == "prefill":
+            self.on_first_token(msg)
+        elif isinstance(msg, Token):
             self.on_token(msg)
         elif isinstance(msg, Tokens):
             self.on_tokens(msg)
@@ -215,29 +220,47 @@ class RouterServer:
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
+    def on_first_token(self, msg: Token) -> None:
+        """A streamed request's first token from its prefill, ahead of the KV write."""
+        flight = self.inflight.get(msg.rid)
+        if flight is None or flight.sent or len(msg.token_ids) != 1 or msg.finished:
+            return                                # the decode's copy came first
+        flight.early, flight.sent = (msg.token_ids[0], msg.weight_versions[0]), 1
+        self.to_client(flight.client, msg)
+
     def on_token(self, msg: Token) -> None:
-        flight = self._settle(msg)
-        if flight is not None:
-            self.to_client(flight.client, msg)
+        flight, part = self._settle(msg)
+        if part is not None:
+            self.to_client(flight.client, part)
 
     def on_tokens(self, msg: Tokens) -> None:
         """A decode step's tokens: one message on to each client concerned."""
         by_client: dict[bytes, list[Token]] = {}
-        for part in msg.unpack():
-            flight = self._settle(part)
-            if flight is not None:
+        for got in msg.unpack():
+            flight, part = self._settle(got)
+            if part is not None:
                 by_client.setdefault(flight.client, []).append(part)
         for client, parts in by_client.items():
             self.to_client(client, parts[0] if len(parts) == 1 else Tokens.pack(parts))
 
-    def _settle(self, part: Token) -> InFlight | None:
-        """The request's flight (None if unknown); forgotten once it finishes."""
+    def _settle(self, part: Token) -> tuple[InFlight | None, Token | None]:
+        """The request's flight and what of the decode's `part` the client has not had
+        (None: nothing); the flight is forgotten once it finishes."""
         flight = self.inflight.get(part.rid)
-        if flight is not None and part.finished:
+        if flight is None:
+            return None, None
+        start, n = flight.from_decode, len(part.token_ids)
+        flight.from_decode += n
+        skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
+        flight.sent = max(flight.sent, start + n)
+        if skip:
+            part = Token(part.rid, part.token_ids[skip:], part.weight_versions[skip:],
+                         part.finished, part.finish, part.meta)
+        if part.finished:
             del self.inflight[part.rid]
             flight.prefill.load -= 1
             flight.decode.load -= 1
-        return flight
+        return flight, (part if part.token_ids or part.finished else None)
 
     # --- admin ------------------------------------------------------------------
 
@@ -299,7 +322,11 @@ class RouterServer:
 
         def then_decodes(p_replies: list[dict]) -> None:
             live = [r["endpoint"] for r in p_replies if r["ok"]]
-            self.fan_out("continue", args | {"prefills": live}, decodes, timeout,
+            # First tokens the client has from a prefill but no decode confirmed: a
+            # decode holding such a request resumes after that token, not before it.
+            early = {f.rid: list(f.early) for f in self.inflight.values()
+                     if f.early is not None and f.from_decode == 0}
+            self.fan_out("continue", args | {"prefills": live, "early": early}, decodes, timeout,
                          lambda d_replies: done(p_replies + d_replies))
 
         def done(replies: list[dict]) -> None:

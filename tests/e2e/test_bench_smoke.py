@@ -18,7 +18,7 @@ RUNS = {
                       "--concurrency", "4", "--rounds", "1", "--isolated", "2", "--repeats", "1",
                       "--rtt-samples", "50", "--quiet-wait", "0"],
                      [r"output tok/s\s+[\d.]+\s+[\d.]+", r"thread split: prefill work [\d.]+ s",
-                      r"\s16\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+-?[\d.]+"]),
+                      r"\s16\s+[\d.]+\s+[\d.]+\s+-?[\d.]+\s+-?[\d.]+"]),
     "bench_retract.py": (["--requests", "16", "--cycles", "1", "--repeats", "1", "--quiet-wait", "0"],
                          [r"pause\(retract\) round trip\s+[\d.]+ ms",
                           r"ratio recompute/fresh time, median of per-repeat ratios: [\d.]+"]),

@@ -163,6 +163,38 @@ def test_retract_update_continue_is_exact(cluster, ckpts):
         assert admin.admin("update_weights", path="tiny", version="tiny")["ok"]
 
 
+def test_retract_after_the_first_token_went_ahead_is_exact(cluster, ckpts):
+    """A streamed request's first token goes from its prefill to the client before the
+    KV write ends. Pausing then (write still under way, so the decode has no output
+    yet) must resume after that token: it is W1's, everything after is W2's greedy
+    continuation of prompt + that token, and no token is repeated or lost."""
+    dirs, models = ckpts
+    work = [([11 + i, 7, 3, 90 + i], 6) for i in range(6)]
+    with cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work):
+            col.submit(ids, n, f"e{i}")
+        col.start()
+        deadline = time.monotonic() + 30
+        while any(c < 1 for c in col.tokens_so_far().values()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert all(c == 1 for c in col.tokens_so_far().values()), col.tokens_so_far()
+        with cluster.client() as admin:             # within the 0.4 s the writes take
+            assert admin.admin("pause", mode="retract", timeout=30)["ok"]
+            assert admin.admin("update_weights", path=str(dirs["w2"]), version="w2")["ok"]
+            assert admin.admin("continue")["ok"]
+        outs = col.wait()
+        for i, (ids, n) in enumerate(work):
+            out = outs[f"e{i}"]
+            check_exact(ids, out, models)
+            assert out["weight_versions"] == ["tiny"] + ["w2"] * (n - 1), out
+            assert out["meta"]["retractions"] == 1
+        assert_all_pages_free(client)
+    assert "which its prefill sent ahead" in cluster.log.read_text()
+    with cluster.client() as admin:
+        assert admin.admin("update_weights", path="tiny", version="tiny")["ok"]
+
+
 def test_two_cycles_three_checkpoints(cluster, ckpts):
     dirs, models = ckpts
     work = _workload(16, seed=9)
