@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -56,38 +54,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Launch, cpu_seconds, log_step, machine_busy_seconds, make_model, wait_quiet  # noqa: E402
+from common import (Launch, cpu_seconds, log_step, machine_busy_seconds, make_model,  # noqa: E402
+                    random_prompts, wait_quiet)
+from e2e_components import PAGE_SIZE, compute_times, transfer_time, zmq_round_trip  # noqa: E402
 
 from e2e_report import report  # noqa: E402
 
-import transport  # noqa: E402
-from engines.kv_pool import KVLayout, KVPool  # noqa: E402
+from engines.kv_pool import KVLayout  # noqa: E402
 from engines.loader import LoadedModel, load_model  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
 from zpd.client import Client  # noqa: E402
-from zpd.compute import Compute  # noqa: E402
 from zpd.offline import OfflineEngine  # noqa: E402
 from zpd.request import Request  # noqa: E402
 
 MID = dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
            num_attention_heads=6, num_key_value_heads=2, head_dim=64)
-PAGE_SIZE = 16
 
 
 # --- model and workload ---------------------------------------------------------------
 
 def make_mid_model(root: Path, seed: int = 0) -> Path:
     return make_model(root, MID, seed, max_position=4096)
-
-
-def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
 @dataclass
@@ -253,125 +243,6 @@ def isolated(router: str, prompts: list[list[int]], args) -> dict:
     return {"ttft": med(ttft), "forward": med(forward), "transfer": med(transfer), "overhead": med(over)}
 
 
-# --- component measurements ---------------------------------------------------------
-
-def median_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def compute_times(model: LoadedModel, prompt_len: int, short_len: int, batch: int, ctx: int,
-                  threads: int, repeats: int, kv_mb: float) -> dict[str, float]:
-    """Seconds: prefill of one prompt (the call a prefill worker makes, with sampling),
-    and one decode step of `batch` requests at context `ctx` (KV contents irrelevant)."""
-    torch.set_num_threads(threads)
-    layout = KVLayout.for_model(model.cfg, PAGE_SIZE, model.dtype)
-    pool = KVPool.with_budget(layout, kv_mb, model.dtype, model.device)
-    compute = Compute(model, pool)
-    greedy = SamplingParams(temperature=0, max_new_tokens=4096, ignore_eos=True)
-    rng = random.Random(7)
-
-    def prefill(n: int):
-        prompts = iter(prompts_for(4 * repeats + 2, n, model.cfg.vocab_size, rng.randrange(1 << 30)))
-
-        def run() -> None:
-            r = Request("p", next(prompts), greedy)
-            r.pages = pool.allocator.alloc(pool.pages_for(n))
-            compute.prefill([r])
-            pool.allocator.free_pages(r.pages)
-        return run
-    reqs = []
-    for i in range(batch):
-        r = Request(f"s{i}", [1] * (ctx - 1), greedy)
-        r.output = [1]
-        r.pages = pool.allocator.alloc(pool.pages_for(ctx + repeats + 2))
-        reqs.append(r)
-    with torch.inference_mode():
-        got = {"prefill": median_of(prefill(prompt_len), repeats),
-               "prefill_short": median_of(prefill(short_len), repeats * 3),
-               "decode_step": median_of(lambda: compute.decode(reqs), repeats)}
-    return got
-
-
-def transfer_time(model: LoadedModel, tokens: int, repeats: int) -> float:
-    """Seconds for one KV write of a `tokens`-token prompt (contiguous pages both sides,
-    as the allocators hand them out) between two Mooncake backends, completion seen
-    through the fd, as a prefill worker sees it."""
-    page_bytes = KVLayout.for_model(model.cfg, PAGE_SIZE, model.dtype).page_bytes
-    pages = -(-tokens // PAGE_SIZE)
-    src = np.ones(pages * page_bytes, dtype=np.uint8)
-    dst = np.zeros(2 * pages * page_bytes, dtype=np.uint8)
-    a = transport.create_backend("mooncake", host="127.0.0.1", environ={})
-    b = transport.create_backend("mooncake", host="127.0.0.1", environ={})
-    try:
-        a.register(src.ctypes.data, src.nbytes)
-        b.register(dst.ctypes.data, dst.nbytes)
-        runs = transport.coalesce_runs(src.ctypes.data, list(range(pages)), dst.ctypes.data,
-                                       list(range(1, pages + 1)), page_bytes)
-        poller = zmq.Poller()
-        poller.register(a.fileno(), zmq.POLLIN)
-        ids = iter(range(1, 1 << 30))
-
-        def write() -> None:
-            a.write(next(ids), b.session_id, runs)
-            while True:
-                poller.poll(10_000)
-                done = a.poll_completions()
-                if done:
-                    assert done[0].ok, done
-                    return
-        return median_of(write, repeats)
-    finally:
-        a.close()
-        b.close()
-
-
-ECHO = """
-import sys, zmq
-s = zmq.Context().socket(zmq.ROUTER)
-print(s.bind_to_random_port("tcp://127.0.0.1"), flush=True)
-while True:
-    m = s.recv_multipart()
-    if m[1] == b"stop":
-        break
-    s.send_multipart(m)
-"""
-
-
-def zmq_round_trip(samples: int, idle_s: float = 0.0) -> float:
-    """Median seconds of a 200-byte DEALER -> ROUTER -> DEALER round trip between two
-    processes on loopback, back to back (idle_s=0) or each after idle_s of silence,
-    when both processes have gone to sleep (as between isolated requests)."""
-    echo = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE)
-    ctx = zmq.Context()
-    try:
-        port = int(echo.stdout.readline())
-        d = ctx.socket(zmq.DEALER)
-        d.connect(f"tcp://127.0.0.1:{port}")
-        payload, times = b"x" * 200, []
-        for i in range(samples + 100):
-            if idle_s and i >= 100:
-                time.sleep(idle_s)
-            t = time.perf_counter()
-            d.send(payload)
-            d.recv()
-            if i >= 100:
-                times.append(time.perf_counter() - t)
-        d.send(b"stop")
-        echo.wait(5)
-        return statistics.median(times)
-    finally:
-        if echo.poll() is None:
-            echo.kill()
-            echo.wait()
-        ctx.destroy(linger=0)
-
-
 # --- report ------------------------------------------------------------------------
 
 def parse_args() -> argparse.Namespace:
@@ -487,7 +358,7 @@ def measure_isolated(cluster: Launch, model: LoadedModel, args, noise: dict) -> 
                                 ("short", args.short_len, 2 * args.isolated, 3)):
         wait_quiet(args.quiet_wait, 0.15, 1.0)
         others = Others(list(cluster.pids.values()) + [cluster.proc.pid, os.getpid()])
-        prompts = prompts_for(count + 1, n, model.cfg.vocab_size, args.seed + seed)
+        prompts = random_prompts(count + 1, n, model.cfg.vocab_size, args.seed + seed)
         isolated(cluster.router, prompts[:1], args)            # warm-up
         iso[key] = isolated(cluster.router, prompts[1:], args)
         noise[f"isolated {key}"] = [others.cores()]
@@ -510,12 +381,12 @@ def main() -> None:
                                "{intermediate_size}, vocab {vocab_size}").format(**MID)
         model = load_model(model_path, dtype=args.dtype)
         vocab = model.cfg.vocab_size
-        prompts = prompts_for(args.requests, args.prompt_len, vocab, args.seed)
+        prompts = random_prompts(args.requests, args.prompt_len, vocab, args.seed)
         rtt, xfer, comp = measure_components(model, args)
         log_step("1P1D: zpd launch")
         cluster = launch(tmp, model_path, args)
         try:
-            warm_up(model, cluster, prompts_for(args.concurrency, args.prompt_len, vocab, args.seed + 1),
+            warm_up(model, cluster, random_prompts(args.concurrency, args.prompt_len, vocab, args.seed + 1),
                     sampling, args)
             co, dg, cpu = measure_load(model, cluster, prompts, sampling, args, noise)
             iso = measure_isolated(cluster, model, args, noise)

@@ -10,15 +10,14 @@ so prefill is excluded from it. Medians of --repeats runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_time as timed  # noqa: E402  (also puts the repository on sys.path)
 
 from engines.loader import load_model  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
@@ -34,16 +33,6 @@ def make_model(root: Path) -> Path:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(root)
     return root
-
-
-def timed(fn, repeats: int) -> float:
-    fn()                                    # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def hf_generate(model, prompts: torch.Tensor, new: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import signal
 import statistics
@@ -63,6 +64,22 @@ def pct(xs: list[float], q: float) -> float:
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
 def verdict(ok: bool) -> str:
