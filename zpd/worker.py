@@ -92,23 +92,23 @@ class WorkerCore:
     def long_call(self) -> Iterator[None]:
         """Wrap a long call on the scheduler thread (a forward, a weight load): peers'
         pings are answered meanwhile; other messages wait for the loop, in order."""
-        with self.responder.busy():
-            yield
-            if self.slow_s:
-                time.sleep(self.slow_s)
-        if self.responder.backlog:
-            self.loop.call_soon_threadsafe(self._drain_backlog)   # even if the socket is quiet
+        try:
+            with self.responder.busy():
+                yield
+                if self.slow_s:
+                    time.sleep(self.slow_s)
+        finally:
+            if self.responder.backlog:
+                self.loop.call_soon_threadsafe(self._drain_backlog)   # even if the socket is quiet
 
     def _answer_while_busy(self, identity: bytes, msg: Message) -> bool:
         """On the responder thread: answer a ping now; keep anything else."""
-        if identity in self.pinged_at or isinstance(msg, Ping):
+        if isinstance(msg, Ping):
+            self._on_ping(identity, msg)
+            return True
+        if identity in self.pinged_at:
             self.pinged_at[identity] = self.loop.time()
-        if not isinstance(msg, Ping):
-            return False
-        pong = Pong(msg.seq, msg.sent_at, self.endpoint)
-        if not self.drops.drops(pong):
-            self.router.send(identity, pong)
-        return True
+        return False
 
     def _drain_backlog(self) -> None:
         while self.responder.backlog:
@@ -159,8 +159,12 @@ class WorkerCore:
         handler(identity, msg)
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        """Also called on the responder thread: it sends straight to the socket (a pong's
+        place among queued tokens does not matter), never through the token outbox."""
         self.pinged_at[identity] = self.loop.time()
-        self.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint))
+        pong = Pong(msg.seq, msg.sent_at, self.endpoint)
+        if not self.drops.drops(pong):
+            self.router.send(identity, pong)
 
     def silent_peers(self) -> list[bytes]:
         """Peers that used to ping us and stopped (a dead router, for orphan cleanup)."""
