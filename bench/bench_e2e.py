@@ -67,8 +67,8 @@ from engines.kv_pool import KVLayout  # noqa: E402
 from engines.loader import LoadedModel, load_model  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
 from zpd.client import Client  # noqa: E402
-from zpd.offline import OfflineEngine  # noqa: E402
-from zpd.request import Request  # noqa: E402
+from engines.offline import OfflineEngine  # noqa: E402
+from engines.request import Request  # noqa: E402
 
 MID = dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
            num_attention_heads=6, num_key_value_heads=2, head_dim=64)

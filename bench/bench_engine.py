@@ -21,8 +21,8 @@ from common import median_time as timed  # noqa: E402  (also puts the repository
 
 from engines.loader import load_model  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
-from zpd.offline import OfflineEngine  # noqa: E402
-from zpd.request import Request  # noqa: E402
+from engines.offline import OfflineEngine  # noqa: E402
+from engines.request import Request  # noqa: E402
 
 
 def make_model(root: Path) -> Path:

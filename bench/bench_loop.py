@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run without inst
 
 import zmq  # noqa: E402
 
-from zpd import protocol as p  # noqa: E402
-from zpd.loop import Loop, Timer  # noqa: E402
-from zpd.net import Dealer, Router  # noqa: E402
+from zpd.wire import protocol as p  # noqa: E402
+from zpd.wire.loop import Loop, Timer  # noqa: E402
+from zpd.wire.net import Dealer, Router  # noqa: E402
 
 
 def _noop() -> None:

@@ -252,8 +252,8 @@ def components(model_path: str, args, prefixes: list[list[int]]) -> dict[str, fl
     from engines.kv_pool import KVLayout, KVPool
     from engines.loader import load_model
     from engines.sampler import SamplingParams
-    from zpd.compute import Compute
-    from zpd.request import Request
+    from engines.compute import Compute
+    from engines.request import Request
     torch.set_num_threads(1)
     model = load_model(model_path, dtype=args.dtype)
     pool = KVPool.with_budget(KVLayout.for_model(model.cfg, 16, model.dtype), args.kv_cache_mb,

@@ -20,8 +20,8 @@ import transport  # noqa: E402
 from engines.kv_pool import KVLayout, KVPool  # noqa: E402
 from engines.loader import LoadedModel  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
-from zpd.compute import Compute  # noqa: E402
-from zpd.request import Request  # noqa: E402
+from engines.compute import Compute  # noqa: E402
+from engines.request import Request  # noqa: E402
 
 PAGE_SIZE = 16
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from .base import Backend, Completion, Run, TransportError, check_runs
 from .completions import CompletionQueue
-from .worker import DONE, FAILED, PENDING
+from .threaded import DONE, FAILED, PENDING
 
 
 class FakeFabric:

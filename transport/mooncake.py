@@ -37,7 +37,7 @@ import os
 from typing import Any
 
 from .base import BackendUnavailableError, Run, TransportError
-from .worker import DONE, FAILED, PENDING, ThreadedBackend
+from .threaded import DONE, FAILED, PENDING, ThreadedBackend
 
 log = logging.getLogger("transport")
 

@@ -11,4 +11,7 @@ def __getattr__(name: str):
     if name == "Client":
         from zpd.client import Client
         return Client
+    if name == "client_curve":
+        from zpd.wire.security import client_curve
+        return client_curve
     raise AttributeError(f"module 'zpd' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 import sys
 
-from zpd.cli import main
+from zpd.ops.cli import main
 
 sys.exit(main())

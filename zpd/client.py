@@ -9,15 +9,15 @@ from typing import Iterator
 
 import zmq
 
-from zpd.net import Curve, Dealer, SocketOptions
-from zpd.protocol import Abort, Admin, AdminReply, Generate, Message, Token, Tokens
+from zpd.wire.net import Curve, Dealer, SocketOptions
+from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Message, Token, Tokens
 
 
 class Client:
     """One DEALER connection; not thread-safe (use one Client per thread)."""
 
     def __init__(self, endpoint: str, timeout: float = 300.0, curve: Curve | None = None) -> None:
-        """`curve`: this client's CURVE keys (`zpd.security.client_curve`) for a cluster
+        """`curve`: this client's CURVE keys (`zpd.wire.security.client_curve`) for a cluster
         started with --curve-keys; None speaks plaintext."""
         self.endpoint, self.timeout = endpoint, timeout
         self._ctx = zmq.Context()

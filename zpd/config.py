@@ -36,7 +36,7 @@ class WorkerConfig:
     protocol: str = "tcp"
     deadlines: Deadlines = field(default_factory=Deadlines)
     ready_file: str | None = None
-    curve_keys: str | None = None    # CURVE key directory (zpd.security); None: plaintext
+    curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
 
 
 @dataclass(frozen=True)
@@ -49,4 +49,4 @@ class RouterConfig:
     heartbeat: float = 0.5           # ping every worker this often
     peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
-    curve_keys: str | None = None    # CURVE key directory (zpd.security); None: plaintext
+    curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext

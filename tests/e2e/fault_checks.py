@@ -10,8 +10,8 @@ from engines.loader import load_model
 from engines.sampler import SamplingParams
 from tests.e2e.fault_cluster import FaultCluster, Proc, Requests
 from zpd.client import Client
-from zpd.offline import OfflineEngine
-from zpd.request import Request
+from engines.offline import OfflineEngine
+from engines.request import Request
 
 DETECT = 2.0 + 0.5       # peer timeout + one heartbeat: a dead peer is noticed by then
 SLACK = 2.0              # a loaded 2-core machine: scheduling, polling, process wake-ups

@@ -15,10 +15,10 @@ from engines.loader import load_model
 from engines.sampler import SamplingParams
 from tests.e2e.cluster import Cluster, ROOT, assert_all_pages_free, zpd_cmd
 from zpd.client import Client
-from zpd.net import Curve
-from zpd.offline import OfflineEngine
-from zpd.request import Request
-from zpd.security import client_curve, create_keys
+from zpd.wire.net import Curve
+from engines.offline import OfflineEngine
+from engines.request import Request
+from zpd.wire.security import client_curve, create_keys
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")

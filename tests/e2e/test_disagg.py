@@ -15,9 +15,9 @@ import zmq
 from engines.loader import load_model
 from engines.sampler import SamplingParams
 from tests.e2e.cluster import Cluster, alive, assert_all_pages_free, zpd_cmd
-from zpd.offline import OfflineEngine
-from zpd.protocol import Admin, Ping, decode, encode
-from zpd.request import Request
+from engines.offline import OfflineEngine
+from zpd.wire.protocol import Admin, Ping, decode, encode
+from engines.request import Request
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 

@@ -32,8 +32,8 @@ from tests.e2e.fault_checks import (DETECT, SLACK, check_correct, ended_within, 
 from tests.e2e.fault_cluster import TRANSFER, FaultCluster, Proc, Requests, wait_for
 from transport import FAULT_ENV
 from zpd.client import Client
-from zpd.net import Dealer
-from zpd.protocol import Generate, Token
+from zpd.wire.net import Dealer
+from zpd.wire.protocol import Generate, Token
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 

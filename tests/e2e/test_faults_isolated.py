@@ -17,8 +17,8 @@ from tests.e2e.fault_checks import SLACK, check_correct, serves_correctly, statu
 from tests.e2e.fault_cluster import FAST, KV_WAIT, TRANSFER, FaultCluster, Proc
 from transport import FAULT_ENV
 from zpd.client import Client, assemble
-from zpd.drops import DROP_ENV
-from zpd.protocol import Ping, Pong, decode, encode
+from zpd.wire.drops import DROP_ENV
+from zpd.wire.protocol import Ping, Pong, decode, encode
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -230,11 +230,11 @@ def _drive(cluster: FaultCluster, work: dict, aborts: dict[str, float], kill_aft
 
 def test_forwards_longer_than_the_peer_timeout_do_not_kill_workers(tmp_path) -> None:
     """Every forward takes 1.2 s (ZPD_SLOW_CALLS) against a 0.8 s peer timeout: pings
-    are answered during the forward (zpd/busy.py), so neither the router nor the
+    are answered during the forward (zpd/worker/busy.py), so neither the router nor the
     decode declares a worker dead, and the outputs are exact."""
     from tests.e2e.cluster import Cluster
     from tests.e2e.fault_checks import reference
-    from zpd.worker import SLOW_ENV
+    from zpd.worker.core import SLOW_ENV
     work = [([5, 6, 7, 8], 2), ([9, 10, 11], 3)]
     with Cluster(tmp_path, extra=("--peer-timeout", "0.8", "--heartbeat", "0.2"),
                  env={SLOW_ENV: "1.2"}) as cluster, cluster.client(timeout=60) as client:

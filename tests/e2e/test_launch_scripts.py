@@ -15,8 +15,8 @@ from engines.loader import load_model
 from engines.sampler import SamplingParams
 from tests.e2e.cluster import ROOT, alive
 from zpd.client import Client
-from zpd.offline import OfflineEngine
-from zpd.request import Request
+from engines.offline import OfflineEngine
+from engines.request import Request
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 

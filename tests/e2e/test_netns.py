@@ -17,8 +17,8 @@ import pytest
 from engines.loader import load_model
 from engines.sampler import SamplingParams
 from tests.e2e.cluster import ROOT, zpd_cmd
-from zpd.offline import OfflineEngine
-from zpd.request import Request
+from engines.offline import OfflineEngine
+from engines.request import Request
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 

@@ -16,8 +16,8 @@ from engines.sampler import SamplingParams
 from engines.tiny import save_tiny
 from tests.e2e.cluster import Cluster, assert_all_pages_free
 from zpd.client import assemble
-from zpd.offline import OfflineEngine
-from zpd.request import Request
+from engines.offline import OfflineEngine
+from engines.request import Request
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from zpd import protocol as p
-from zpd.busy import BusyResponder
-from zpd.net import Dealer, Router
+from zpd.wire import protocol as p
+from zpd.worker.busy import BusyResponder
+from zpd.wire.net import Dealer, Router
 
 WAIT = 5.0
 

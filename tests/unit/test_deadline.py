@@ -1,8 +1,8 @@
 """Deadline: one phase at a time; a pause stops the clock, continue restarts the phase."""
 from __future__ import annotations
 
-from zpd.deadline import Deadline
-from zpd.loop import Loop
+from zpd.wire.deadline import Deadline
+from zpd.wire.loop import Loop
 
 
 class Clock:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from zpd.drops import DROP_ENV, DropPlan
-from zpd.protocol import KvDest, KvDone, Ping
+from zpd.wire.drops import DROP_ENV, DropPlan
+from zpd.wire.protocol import KvDest, KvDone, Ping
 
 
 def test_drops_exactly_the_first_n_of_each_named_type():

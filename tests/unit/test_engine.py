@@ -10,8 +10,8 @@ from engines.config import ModelError
 from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams
 from engines.tiny import save_tiny
-from zpd.offline import OfflineEngine
-from zpd.request import Request, RequestError
+from engines.offline import OfflineEngine
+from engines.request import Request, RequestError
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -150,7 +150,7 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny64, prompt, para
 
 
 def test_text_prompt_without_tokenizer_is_clear_error(tmp_path, capsys):
-    from zpd.cli import main
+    from zpd.ops.cli import main
     d = save_tiny(tmp_path / "notok")
     (d / "tokenizer.json").unlink()
     assert main(["run", "--model", str(d), "--prompt", "hi"]) == 2

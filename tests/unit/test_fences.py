@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engines.allocator import PageAllocator
-from zpd.fences import Fences
-from zpd.loop import Loop
+from zpd.worker.fences import Fences
+from zpd.wire.loop import Loop
 
 
 class Clock:

@@ -1,7 +1,7 @@
 """PeerClock: a silent peer is dead; our own stall is not its silence."""
 from __future__ import annotations
 
-from zpd.liveness import PeerClock
+from zpd.wire.liveness import PeerClock
 
 TIMEOUT, BEAT = 2.0, 0.5
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from zpd import protocol as p
-from zpd.loop import Loop
-from zpd.net import Dealer, Router
+from zpd.wire import protocol as p
+from zpd.wire.loop import Loop
+from zpd.wire.net import Dealer, Router
 
 
 class FakeClock:
@@ -128,13 +128,13 @@ def test_raising_callback_is_logged_and_loop_continues(
     loop.call_later(1, boom)
     loop.call_later(1, fired.append, "after")
     loop.every(1, boom)
-    with caplog.at_level(logging.ERROR, logger="zpd.loop"):
+    with caplog.at_level(logging.ERROR, logger="zpd.wire.loop"):
         clock.now += 1
         loop.run_once(max_wait=0)
         clock.now += 1
         loop.run_once(max_wait=0)
     assert fired == ["after"]
-    errors = [r for r in caplog.records if r.name == "zpd.loop"]
+    errors = [r for r in caplog.records if r.name == "zpd.wire.loop"]
     assert len(errors) == 3  # boom once + the periodic twice: it survived
     assert all(r.exc_info and "handler bug" in r.getMessage() + str(r.exc_info[1]) for r in errors)
 

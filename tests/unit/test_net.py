@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from zpd import protocol as p
-from zpd.net import Curve, Dealer, Router, SocketOptions, format_endpoint, parse_endpoint
+from zpd.wire import protocol as p
+from zpd.wire.net import Curve, Dealer, Router, SocketOptions, format_endpoint, parse_endpoint
 
 WAIT = 5.0  # generous: a loaded CI box, never reached when things work
 
@@ -90,14 +90,14 @@ def test_garbage_is_dropped_logged_and_next_message_arrives(
             raw.send_multipart(frames)
         good = p.Ping(seq=1, sent_at=0.5, sender="evil")
         raw.send_multipart(p.encode(good))
-        with caplog.at_level(logging.WARNING, logger="zpd.net"):
+        with caplog.at_level(logging.WARNING, logger="zpd.wire.net"):
             results = [router.recv(timeout=WAIT) for _ in range(len(garbage) + 1)]
     finally:
         raw.close()
     assert results[:-1] == [None] * len(garbage)
     assert results[-1] == (b"evil-peer", good)
     assert router.bad_messages == len(garbage)
-    drops = [r for r in caplog.records if r.name == "zpd.net" and "malformed" in r.getMessage()]
+    drops = [r for r in caplog.records if r.name == "zpd.wire.net" and "malformed" in r.getMessage()]
     assert len(drops) == len(garbage)
     assert all("evil-peer" in r.getMessage() for r in drops)
     assert "out of range" in drops[-1].getMessage()
@@ -106,7 +106,7 @@ def test_garbage_is_dropped_logged_and_next_message_arrives(
 def test_send_to_unknown_peer_is_dropped_not_raised(
         pair: tuple[Router, Dealer], caplog: pytest.LogCaptureFixture) -> None:
     router, _ = pair
-    with caplog.at_level(logging.WARNING, logger="zpd.net"):
+    with caplog.at_level(logging.WARNING, logger="zpd.wire.net"):
         assert router.send(b"nobody", p.Abort(rid="x")) is False
     assert router.dropped_sends == 1
     assert any("nobody" in r.getMessage() for r in caplog.records)

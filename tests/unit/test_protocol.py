@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zpd import protocol as p
-from zpd.protocol import ProtocolError, decode, encode
+from zpd.wire import protocol as p
+from zpd.wire.protocol import ProtocolError, decode, encode
 
 LAYOUT = {"num_layers": 2, "page_size": 16, "page_bytes": 4096, "dtype": "float16",
           "num_kv_heads": 2, "head_dim": 64}

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from zpd.net import Curve, Dealer, Router, SocketOptions
-from zpd.protocol import Admin, AdminReply, Generate, Hello, Token
-from zpd.security import (ROUTER_POLICY, WORKER_POLICY, Security, SecurityError, client_curve,
+from zpd.wire.net import Curve, Dealer, Router, SocketOptions
+from zpd.wire.protocol import Admin, AdminReply, Generate, Hello, Token
+from zpd.wire.security import (ROUTER_POLICY, WORKER_POLICY, Security, SecurityError, client_curve,
                           create_keys, rights_of)
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
@@ -103,7 +103,7 @@ def test_unknown_key_and_plaintext_are_refused(server, ctx, keys, caplog) -> Non
     stranger = _dealer(ctx, router.endpoint,
                        Curve(stranger_public, stranger_secret, client_curve(keys).server_public))
     plain = _dealer(ctx, router.endpoint, None)
-    with caplog.at_level(logging.WARNING, logger="zpd.security"):
+    with caplog.at_level(logging.WARNING, logger="zpd.wire.security"):
         for i, peer in enumerate((stranger, plain)):
             peer.send(Generate(f"bad{i}", [1], {}, False))
             peer.send(Admin("status", {}, f"bad{i}"))
@@ -139,7 +139,7 @@ def test_plaintext_process_cannot_reach_a_keyed_one(keys, ctx, caplog) -> None:
     plain_worker = Router(ctx, "127.0.0.1", 0)
     sec = Security(str(keys), ctx)
     try:
-        with caplog.at_level(logging.WARNING, logger="zpd.security"):
+        with caplog.at_level(logging.WARNING, logger="zpd.wire.security"):
             dealer = Dealer(ctx, plain_worker.endpoint, opts=sec.client_options())
             dealer.send(Hello("x", {}, "h", "s", 0, 0, "v"))
             assert _next(plain_worker, REFUSED) is None

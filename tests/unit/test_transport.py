@@ -19,7 +19,7 @@ import transport
 from transport.base import check_runs
 from transport.fake import FabricDriver
 from transport.mooncake import _unavailable_message, configure_timeouts
-from transport.worker import ThreadedBackend
+from transport.threaded import ThreadedBackend
 
 PAGE = 64
 

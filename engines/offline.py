@@ -9,9 +9,9 @@ from collections import deque
 
 from engines.kv_pool import KVLayout, KVPool
 from engines.loader import LoadedModel
-from zpd.compute import Compute
-from zpd.decode_batch import DecodeBatch
-from zpd.request import Phase, Request, response, validate
+from engines.compute import Compute
+from engines.batch import DecodeBatch
+from engines.request import Phase, Request, response, validate
 
 
 class OfflineEngine:

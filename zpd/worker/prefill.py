@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import transport
 from engines.sampler import SamplingParams
-from zpd.deadline import Deadline
-from zpd.loop import Timer
-from zpd.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
+from zpd.wire.deadline import Deadline
+from zpd.wire.loop import Timer
+from zpd.wire.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
                           Recompute, Token)
-from zpd.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError,
+from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError,
                          validate, validate_prefix)
-from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
+from zpd.worker.core import AdminError, Respond, WorkerCore, pause_mode
 
-log = logging.getLogger("zpd.prefill")
+log = logging.getLogger("zpd.worker.prefill")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Continuous batching of decode steps: requests join and leave between steps."""
 from __future__ import annotations
 
-from zpd.compute import Compute
-from zpd.request import Phase, Request
+from engines.compute import Compute
+from engines.request import Phase, Request
 
 
 class DecodeBatch:

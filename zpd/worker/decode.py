@@ -2,7 +2,7 @@
 
 Loop body: poll sockets and fire deadlines, admit requests waiting for pages, one
 decode step for the running batch, emit tokens. Pages a prefill write may still reach
-are fenced (zpd/fences.py says until when).
+are fenced (zpd/worker/fences.py says until when).
 """
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import zmq
 
 from engines.allocator import PoolFull
 from engines.sampler import SamplingParams
-from zpd.decode_batch import DecodeBatch
-from zpd.fences import Fences
-from zpd.links import LinkState, PrefillLink, PrefillLinks
-from zpd.deadline import Deadline
-from zpd.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
+from engines.batch import DecodeBatch
+from zpd.worker.fences import Fences
+from zpd.worker.links import LinkState, PrefillLink, PrefillLinks
+from zpd.wire.deadline import Deadline
+from zpd.wire.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                           Recompute, Token)
-from zpd.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE, Phase,
+from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE, Phase,
                          Request, RequestError, response, validate)
-from zpd.worker import AdminError, Respond, WorkerCore, pause_mode
+from zpd.worker.core import AdminError, Respond, WorkerCore, pause_mode
 
-log = logging.getLogger("zpd.decode")
+log = logging.getLogger("zpd.worker.decode")
 
 
 @dataclass(eq=False)

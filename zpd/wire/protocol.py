@@ -122,7 +122,7 @@ class KvDone(Message):
     epoch: int
     first_token: int
     weight_version: str
-    timings: dict = field(default_factory=dict)   # milliseconds, see zpd.request.Request.timings
+    timings: dict = field(default_factory=dict)   # milliseconds, see engines.request.Request.timings
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ import logging
 from typing import Callable, NamedTuple
 
 from engines.allocator import PageAllocator
-from zpd.loop import Loop, Timer
+from zpd.wire.loop import Loop, Timer
 
-log = logging.getLogger("zpd.fences")
+log = logging.getLogger("zpd.worker.fences")
 
 Key = tuple[int, int]          # (room, epoch)
 

@@ -22,13 +22,13 @@ from typing import Any, Callable, Optional, Protocol, Union
 
 import zmq
 
-log = logging.getLogger("zpd.loop")
+log = logging.getLogger("zpd.wire.loop")
 
 Clock = Callable[[], float]
 
 
 class HasSocket(Protocol):
-    """Anything wrapping a zmq socket (``zpd.net.Router``/``Dealer``)."""
+    """Anything wrapping a zmq socket (``zpd.wire.net.Router``/``Dealer``)."""
 
     socket: zmq.Socket
 

@@ -5,7 +5,7 @@ from engines.kv_pool import KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
-from zpd.request import Request, StopChecker
+from engines.request import Request, StopChecker
 
 
 class Compute:

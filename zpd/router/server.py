@@ -16,13 +16,13 @@ import orjson
 import zmq
 
 from zpd.config import RouterConfig
-from zpd.liveness import PeerClock
-from zpd.loop import Loop, Timer
-from zpd.net import Dealer, Router
-from zpd.security import ROUTER_POLICY, Security
-from zpd.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens
+from zpd.wire.liveness import PeerClock
+from zpd.wire.loop import Loop, Timer
+from zpd.wire.net import Dealer, Router
+from zpd.wire.security import ROUTER_POLICY, Security
+from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens
 
-log = logging.getLogger("zpd.router")
+log = logging.getLogger("zpd.router.server")
 
 
 @dataclass(eq=False)

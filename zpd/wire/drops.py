@@ -17,11 +17,11 @@ import logging
 import os
 from typing import Mapping
 
-from zpd.protocol import MESSAGE_TYPES, Message
+from zpd.wire.protocol import MESSAGE_TYPES, Message
 
 DROP_ENV = "ZPD_DROP_MESSAGES"
 
-log = logging.getLogger("zpd.drops")
+log = logging.getLogger("zpd.wire.drops")
 
 
 class DropPlan:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-log = logging.getLogger("zpd.launch")
+log = logging.getLogger("zpd.ops.launch")
 
 
 class Child:

@@ -18,17 +18,17 @@ import transport
 from engines.kv_pool import KVLayout, KVPool
 from engines.config import ModelError
 from engines.loader import load_model, update_weights as load_new_weights
-from zpd.busy import BusyResponder
-from zpd.compute import Compute
+from zpd.worker.busy import BusyResponder
+from engines.compute import Compute
 from zpd.config import WorkerConfig
-from zpd.drops import DropPlan
-from zpd.loop import Loop
-from zpd.net import Router
-from zpd.security import WORKER_POLICY, Security
-from zpd.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
-from zpd.request import BAD_REQUEST, RequestError
+from zpd.wire.drops import DropPlan
+from zpd.wire.loop import Loop
+from zpd.wire.net import Router
+from zpd.wire.security import WORKER_POLICY, Security
+from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
+from engines.request import BAD_REQUEST, RequestError
 
-log = logging.getLogger("zpd.worker")
+log = logging.getLogger("zpd.worker.core")
 
 Respond = Callable[[bool, dict], None]
 # For liveness tests: seconds added to every long call (forward, weight load) of a worker.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from zpd.loop import Loop, Timer
+from zpd.wire.loop import Loop, Timer
 
 
 class Deadline:

@@ -14,7 +14,7 @@ commands; `cluster` may send everything, including the control messages between
 workers (hello, kv_dest, ...). Every bound socket runs a ZAP handler that admits
 only keys found under authorized/ (re-read at each handshake, so adding or removing
 a key file takes effect for new connections without a restart) and tags each
-connection with its rights; the socket wrapper (zpd.net.Router) then checks each
+connection with its rights; the socket wrapper (zpd.wire.net.Router) then checks each
 inbound message's type against those rights. A plaintext peer or an unknown key
 never completes the handshake, so none of its messages is ever read; the refusal
 is logged by the side that has keys.
@@ -33,10 +33,10 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from zpd.net import Curve, SocketOptions
-from zpd.protocol import Admin, AdminReply, Generate, Message, Token
+from zpd.wire.net import Curve, SocketOptions
+from zpd.wire.protocol import Admin, AdminReply, Generate, Message, Token
 
-log = logging.getLogger("zpd.security")
+log = logging.getLogger("zpd.wire.security")
 
 RIGHTS = ("client", "admin", "cluster")          # each includes those before it
 KEY_NAMES = ("server", "cluster", "admin", "client")
@@ -143,7 +143,7 @@ class _Authenticator(ThreadAuthenticator):
     connection's User-Id after its rights."""
 
     def __init__(self, ctx: zmq.Context, root: Path) -> None:
-        super().__init__(ctx, log=logging.getLogger("zpd.security.zap"))
+        super().__init__(ctx, log=logging.getLogger("zpd.wire.security.zap"))
         self.root = root
         self.refused: dict[bytes, int] = {}
         self.configure_curve_callback(ZAP_DOMAIN, self)

@@ -9,13 +9,13 @@ from typing import Callable
 
 import zmq
 
-from zpd.drops import DropPlan
-from zpd.liveness import PeerClock
-from zpd.loop import Loop
-from zpd.net import Dealer, SocketOptions
-from zpd.protocol import Hello, HelloAck, Message, Ping, Pong
+from zpd.wire.drops import DropPlan
+from zpd.wire.liveness import PeerClock
+from zpd.wire.loop import Loop
+from zpd.wire.net import Dealer, SocketOptions
+from zpd.wire.protocol import Hello, HelloAck, Message, Ping, Pong
 
-log = logging.getLogger("zpd.links")
+log = logging.getLogger("zpd.worker.links")
 
 
 class LinkState(enum.Enum):

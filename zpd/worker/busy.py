@@ -25,10 +25,10 @@ from typing import Callable, Iterator
 
 import zmq
 
-from zpd.net import Router
-from zpd.protocol import Message
+from zpd.wire.net import Router
+from zpd.wire.protocol import Message
 
-log = logging.getLogger("zpd.busy")
+log = logging.getLogger("zpd.worker.busy")
 
 Answer = Callable[[bytes, Message], bool]   # True: handled on the helper thread
 

@@ -64,7 +64,7 @@ def add_admin_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentP
 
 def run_admin(args: argparse.Namespace) -> int:
     from zpd.client import Client
-    from zpd.security import client_curve
+    from zpd.wire.security import client_curve
 
     wire, _, build = COMMANDS[args.admin_command]
     if args.timeout <= 0:

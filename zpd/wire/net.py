@@ -1,4 +1,4 @@
-"""Thin ROUTER/DEALER wrappers that speak ``zpd.protocol`` messages.
+"""Thin ROUTER/DEALER wrappers that speak ``zpd.wire.protocol`` messages.
 
 Every process binds one ``Router``; a peer connects one ``Dealer`` and both
 directions use that pair. Neither wrapper blocks on send or raises for bad
@@ -17,9 +17,9 @@ from typing import Callable, Optional
 
 import zmq
 
-from zpd.protocol import Message, ProtocolError, decode, encode
+from zpd.wire.protocol import Message, ProtocolError, decode, encode
 
-log = logging.getLogger("zpd.net")
+log = logging.getLogger("zpd.wire.net")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SocketOptions:
     reconnect_ivl_ms: int = 100
     reconnect_ivl_max_ms: int = 2_000
     curve: Optional[Curve] = None
-    zap_domain: str = ""  # ZAP domain of a CURVE server (zpd.security)
+    zap_domain: str = ""  # ZAP domain of a CURVE server (zpd.wire.security)
     # Called with each inbound message's sender rights (its ZAP User-Id) and the
     # message; returns None to accept, or (reason, reply or None) to refuse.
     guard: Optional[Callable[[str, Message], Optional[tuple[str, Optional[Message]]]]] = None

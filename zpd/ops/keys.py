@@ -1,5 +1,5 @@
 """`zpd keys`: make a cluster's CURVE key directory, or add a user's key to it
-(layout and rights: zpd.security)."""
+(layout and rights: zpd.wire.security)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import zmq.auth
 
-from zpd.security import RIGHTS, SecurityError, add_authorized, create_keys
+from zpd.wire.security import RIGHTS, SecurityError, add_authorized, create_keys
 
 
 def add_keys_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -8,18 +8,18 @@ import sys
 import orjson
 
 from engines.config import ModelError
-from zpd.admin import add_admin_parser
-from zpd.keys import add_keys_parser
-from zpd.options import (CURVE_HELP, add_liveness_options, add_model_options, add_prompt_options,
+from zpd.ops.admin import add_admin_parser
+from zpd.ops.keys import add_keys_parser
+from zpd.ops.options import (CURVE_HELP, add_liveness_options, add_model_options, add_prompt_options,
                          add_sampling_options, add_worker_options, sampling_dict, worker_argv)
-from zpd.request import RequestError
+from engines.request import RequestError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from engines.loader import load_model
     from engines.sampler import SamplingParams
-    from zpd.offline import OfflineEngine
-    from zpd.request import Request
+    from engines.offline import OfflineEngine
+    from engines.request import Request
 
     params = SamplingParams.from_dict(sampling_dict(args))
     model = load_model(args.model, args.device, args.dtype, args.weight_version)
@@ -65,20 +65,20 @@ def _worker_config(args: argparse.Namespace, role: str):
 
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
-    from zpd.prefill import PrefillScheduler
-    from zpd.worker import serve
+    from zpd.worker.prefill import PrefillScheduler
+    from zpd.worker.core import serve
     return serve(lambda core, ctx: PrefillScheduler(core), _worker_config(args, "prefill"))
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from zpd.decode import DecodeScheduler
-    from zpd.worker import serve
+    from zpd.worker.decode import DecodeScheduler
+    from zpd.worker.core import serve
     return serve(DecodeScheduler, _worker_config(args, "decode"))
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
     from zpd.config import RouterConfig
-    from zpd.router import serve_router
+    from zpd.router.server import serve_router
     split = lambda text: tuple(e for e in text.split(",") if e)   # noqa: E731
     if not split(args.prefill) or not split(args.decode):
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
@@ -88,7 +88,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from zpd.launch import launch
+    from zpd.ops.launch import launch
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     for flag in ("prefill_threads", "decode_threads"):
@@ -103,7 +103,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not inputs:
         raise RequestError(400, "give at least one --prompt or --input-ids")
     sampling = sampling_dict(args)
-    from zpd.security import client_curve
+    from zpd.wire.security import client_curve
     curve = client_curve(args.curve_keys, "client") if args.curve_keys else None
     with Client(args.router, timeout=args.timeout, curve=curve) as client:
         if args.stream and len(inputs) == 1:
