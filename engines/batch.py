@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engines.compute import Compute
-from engines.request import Phase, Request
+from engines.request import Request
 
 
 class DecodeBatch:
@@ -20,7 +20,6 @@ class DecodeBatch:
         return len(self.running) < self.max_batch
 
     def add(self, req: Request) -> None:
-        req.phase = Phase.RUNNING
         self.running[req.rid] = req
 
     def remove(self, rid: str) -> Request | None:
@@ -35,5 +34,4 @@ class DecodeBatch:
         for r in reqs:
             if r.finished:
                 self.running.pop(r.rid)
-                r.phase = Phase.FINISHED
         return reqs

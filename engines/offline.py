@@ -11,7 +11,7 @@ from engines.kv_pool import KVLayout, KVPool
 from engines.loader import LoadedModel
 from engines.compute import Compute
 from engines.batch import DecodeBatch
-from engines.request import Phase, Request, response, validate
+from engines.request import Request, response, validate
 
 
 class OfflineEngine:
@@ -25,7 +25,7 @@ class OfflineEngine:
         self.waiting: deque[Request] = deque()
 
     def submit(self, req: Request) -> None:
-        """Raises RequestError (400) for a request that can never be served."""
+        """Raises StatusError (400) for a request that can never be served."""
         validate(req.prompt, req.params, self.compute.model.cfg, self.pool.layout.page_size,
                  self.pool.num_pages)
         self.waiting.append(req)
@@ -41,7 +41,6 @@ class OfflineEngine:
                 self.batch.add(r)
         done += [r for r in self.batch.step() if r.finished]
         for r in done:
-            r.phase = Phase.FINISHED
             self.pool.allocator.free_pages(r.pages)
             r.pages = []
         return done
@@ -56,7 +55,6 @@ class OfflineEngine:
                 break
             self.waiting.popleft()
             req.pages = self.pool.allocator.alloc(need)
-            req.phase = Phase.PREFILLING
             admitted.append(req)
             tokens += len(req.prompt)
         return admitted

@@ -1,7 +1,6 @@
 """A request's record: counts are the truth, everything else is derived."""
 from __future__ import annotations
 
-import enum
 import random
 import time
 from dataclasses import dataclass, field
@@ -15,21 +14,13 @@ BAD_REQUEST, NOT_FOUND, CONFLICT, ABORTED = 400, 404, 409, 499
 INTERNAL, UNAVAILABLE, DEADLINE = 500, 503, 504
 
 
-class RequestError(ValueError):
-    """A request that cannot be served as asked; carries the status code to report."""
+class StatusError(ValueError):
+    """A request or command that cannot be served as asked; carries the status code
+    to report (400, 404, 409, ... as above)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"          # queued, no pages yet
-    PREFILLING = "prefilling"
-    TRANSFERRING = "transferring"
-    RUNNING = "running"          # in the decode batch
-    HELD = "held"                # retracted: no KV, waiting for continue
-    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -41,7 +32,6 @@ class Request:
     output: list[int] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    phase: Phase = Phase.WAITING
     finish: dict | None = None
     retractions: int = 0
     arrived: float = field(default_factory=time.monotonic)
@@ -77,32 +67,31 @@ class Request:
     def abort(self, status: int, message: str) -> None:
         if self.finish is None:
             self.finish = {"type": "abort", "status_code": status, "message": message}
-        self.phase = Phase.FINISHED
 
 
 def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_size: int,
              total_pages: int) -> None:
     """Reject what can never be served, with the reason (status 400)."""
     if not prompt:
-        raise RequestError(BAD_REQUEST, "empty prompt")
+        raise StatusError(BAD_REQUEST, "empty prompt")
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
     if bad:
-        raise RequestError(BAD_REQUEST, f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
+        raise StatusError(BAD_REQUEST, f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
     if len(prompt) + params.max_new_tokens > cfg.max_position:
-        raise RequestError(BAD_REQUEST, f"prompt ({len(prompt)} tokens) + max_new_tokens "
+        raise StatusError(BAD_REQUEST, f"prompt ({len(prompt)} tokens) + max_new_tokens "
                            f"({params.max_new_tokens}) exceeds the context length {cfg.max_position}")
     pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
     if pages > total_pages:
-        raise RequestError(BAD_REQUEST, f"request needs {pages} KV pages; this worker has "
+        raise StatusError(BAD_REQUEST, f"request needs {pages} KV pages; this worker has "
                            f"{total_pages} in all")
 
 
 def validate_prefix(prefix: list[int], cfg: ModelConfig, capacity_tokens: int) -> None:
     """A recompute's prefix (prompt + output[:-1]) was valid once; check it still fits."""
     if not prefix or len(prefix) >= cfg.max_position or len(prefix) > capacity_tokens:
-        raise RequestError(BAD_REQUEST, f"recompute of {len(prefix)} tokens does not fit")
+        raise StatusError(BAD_REQUEST, f"recompute of {len(prefix)} tokens does not fit")
     if any(not 0 <= t < cfg.vocab_size for t in prefix):
-        raise RequestError(BAD_REQUEST, "recompute has out-of-range token ids")
+        raise StatusError(BAD_REQUEST, "recompute has out-of-range token ids")
 
 
 class StopChecker:

@@ -12,7 +12,7 @@ from zpd.ops.admin import add_admin_parser
 from zpd.ops.keys import add_keys_parser
 from zpd.ops.options import (CURVE_HELP, add_liveness_options, add_model_options, add_prompt_options,
                          add_sampling_options, add_worker_options, sampling_dict, worker_argv)
-from engines.request import RequestError
+from engines.request import StatusError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -25,7 +25,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.device, args.dtype, args.weight_version)
     inputs = [_encode(model, text) for text in args.prompt] + list(args.input_ids)
     if not inputs:
-        raise RequestError(400, "give at least one --prompt or --input-ids")
+        raise StatusError(400, "give at least one --prompt or --input-ids")
     engine = OfflineEngine(model, args.kv_cache_mb, args.page_size, args.max_batch)
     reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
     for out in engine.run(reqs):
@@ -101,7 +101,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from zpd.client import Client
     inputs = [{"prompt": t} for t in args.prompt] + [{"input_ids": i} for i in args.input_ids]
     if not inputs:
-        raise RequestError(400, "give at least one --prompt or --input-ids")
+        raise StatusError(400, "give at least one --prompt or --input-ids")
     sampling = sampling_dict(args)
     from zpd.wire.security import client_curve
     curve = client_curve(args.curve_keys, "client") if args.curve_keys else None
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return args.func(args)
-    except (ModelError, RequestError, ValueError, TimeoutError) as e:
+    except (ModelError, StatusError, ValueError, TimeoutError) as e:
         print(f"zpd {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,4 +1,6 @@
-"""What prefill and decode workers share: model, KV pool, transport, socket, loop."""
+"""What prefill and decode workers share: model, KV pool, transport, socket, loop,
+liveness, the pause state and the admin commands. The request state is the
+scheduler's (zpd/worker/scheduler.py says what the two give each other)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,82 +13,95 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-import orjson
 import zmq
 
 import transport
-from engines.kv_pool import KVLayout, KVPool
-from engines.config import ModelError
-from engines.loader import load_model, update_weights as load_new_weights
-from zpd.worker.busy import BusyResponder
 from engines.compute import Compute
+from engines.kv_pool import KVLayout, KVPool
+from engines.loader import load_model
+from engines.request import BAD_REQUEST, CONFLICT, StatusError
 from zpd.config import WorkerConfig
+from zpd.ops.ready import write_ready_file
 from zpd.wire.drops import DropPlan
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
-from zpd.wire.security import WORKER_POLICY, Security
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
-from engines.request import BAD_REQUEST, RequestError
+from zpd.wire.security import WORKER_POLICY, Security
+from zpd.worker.busy import BusyResponder
+from zpd.worker.memory import WeightsAndMemory
+from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
 
 log = logging.getLogger("zpd.worker.core")
 
-Respond = Callable[[bool, dict], None]
 # For liveness tests: seconds added to every long call (forward, weight load) of a worker.
 SLOW_ENV = "ZPD_SLOW_CALLS"
-PAUSE_MODES = ("abort", "in_place", "retract")
-
-
-class AdminError(Exception):
-    """An admin command refused, with the status code to report."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def pause_mode(args: dict) -> str:
-    mode = args.get("mode", "retract")
-    if mode not in PAUSE_MODES:
-        raise AdminError(400, f"unknown pause mode {mode!r}; use one of {', '.join(PAUSE_MODES)}")
-    return mode
 
 
 class WorkerCore:
-    """The parts of a worker that are not request state. The scheduler (prefill or
-    decode) owns the requests and registers its message handlers here."""
+    """The parts of a worker that are not request state. `backend` and `loop` may be
+    given (tests run several workers in one process on a fake transport)."""
 
-    def __init__(self, cfg: WorkerConfig, ctx: zmq.Context) -> None:
+    def __init__(self, cfg: WorkerConfig, ctx: zmq.Context, backend: transport.Backend | None = None,
+                 loop: Loop | None = None) -> None:
         self.cfg = cfg
         self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
                                        self.model.device)
         self.compute = Compute(self.model, self.pool)
-        self.backend = transport.create_backend(
+        self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
             transfer_timeout_s=cfg.deadlines.transfer * 0.75)
         self.backend.register(self.pool.data_ptr, self.pool.nbytes)
         self.security = Security(cfg.curve_keys, ctx)
-        self.router = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
-        self.endpoint = self.router.endpoint
-        self.loop = Loop()
+        # Our one ROUTER socket: the router process, decode peers and admins connect to it.
+        self.sock = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
+        self.endpoint = self.sock.endpoint
+        self.loop = loop or Loop()
         self.compat_hash = compat_hash(self.model, self.layout)
-        self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {Ping: self._on_ping}
-        self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
-            "update_weights": self.update_weights, "flush_cache": self.flush_cache,
-            "release_memory": self.release_memory, "resume_memory": self.resume_memory}
+        self.memory = WeightsAndMemory(self)
         self.paused: str | None = None            # None or the pause mode
-        self.memory_released = False              # KV pool dropped: schedule nothing
-        self.pinged_at: dict[bytes, float] = {}     # peer identity -> last message from it
-        self.busy: Callable[[], bool] = lambda: False   # set by the scheduler
-        self.on_memory_resumed: Callable[[], None] = lambda: None   # set by the scheduler
+        self.pause_waiters: list[Respond] = []
+        self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
         self.drops = DropPlan.from_env()
         self.slow_s = _seconds_from_env(SLOW_ENV)
         self.outbox: dict[bytes, dict[str, Token]] = {}   # peer -> rid -> tokens not sent yet
-        self.loop.add_socket(self.router, self._on_router)
+        self.scheduler: Scheduler | None = None
+        self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
+            Ping: self._on_ping, Admin: self._on_admin}
+        self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
+            "pause": self.pause, "continue": self.resume, "status": self.status,
+            **self.memory.commands()}
+        self.loop.add_socket(self.sock, self._on_socket)
+        self.loop.every(cfg.deadlines.heartbeat, self._check_peers)
         # Pings are answered during forwards longer than this, so a busy worker stays alive.
-        self.responder = BusyResponder(self.router, self._answer_while_busy,
+        self.responder = BusyResponder(self.sock, self._answer_while_busy,
                                        min(cfg.deadlines.heartbeat, cfg.deadlines.peer_timeout / 4))
+
+    def attach(self, scheduler: Scheduler) -> None:
+        """Hand the core its scheduler; its handlers join the core's own."""
+        overlap = set(scheduler.handlers) & set(self.handlers)
+        if overlap:
+            raise ValueError(f"the core already handles {sorted(c.TYPE for c in overlap)}")
+        self.scheduler = scheduler
+        self.handlers |= scheduler.handlers
+
+    # --- the loop ------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.run_once()
+
+    def run_once(self, block: bool = True) -> None:
+        """Poll sockets and fire due timers (waiting only when there is nothing to run),
+        one scheduling round unless paused, answer a pause that has settled, emit."""
+        runnable = self.paused is None and self.scheduler.has_work()
+        self.loop.run_once(max_wait=0 if runnable or not block else None)
+        self.flush_tokens()          # e.g. first tokens from kv_done: before the step
+        if self.paused is None:
+            self.scheduler.step()
+        self._answer_pause_waiters()
+        self.flush_tokens()
 
     @contextmanager
     def long_call(self) -> Iterator[None]:
@@ -114,13 +129,15 @@ class WorkerCore:
         while self.responder.backlog:
             self._dispatch(*self.responder.backlog.popleft())
 
+    # --- sending -------------------------------------------------------------------
+
     def send(self, identity: bytes, msg: Message) -> None:
         """Every message to a peer goes out here (ZPD_DROP_MESSAGES may lose it),
         after the tokens queued before it, so the peer sees them in order."""
         if self.outbox:
             self.flush_tokens()
         if not self.drops.drops(msg):
-            self.router.send(identity, msg)
+            self.sock.send(identity, msg)
 
     def queue_token(self, identity: bytes, part: Token) -> None:
         """Queue a request's new tokens for `flush_tokens`; a second part for the same
@@ -139,11 +156,13 @@ class WorkerCore:
         for identity, parts in outbox.items():
             msg = next(iter(parts.values())) if len(parts) == 1 else Tokens.pack(list(parts.values()))
             if not self.drops.drops(msg):
-                self.router.send(identity, msg)
+                self.sock.send(identity, msg)
 
-    def _on_router(self) -> None:
+    # --- receiving -----------------------------------------------------------------
+
+    def _on_socket(self) -> None:
         self._drain_backlog()               # what came during a long call goes first
-        got = self.router.recv()
+        got = self.sock.recv()
         if got is not None:
             self._dispatch(*got)
 
@@ -164,14 +183,19 @@ class WorkerCore:
         self.pinged_at[identity] = self.loop.time()
         pong = Pong(msg.seq, msg.sent_at, self.endpoint)
         if not self.drops.drops(pong):
-            self.router.send(identity, pong)
+            self.sock.send(identity, pong)
 
-    def silent_peers(self) -> list[bytes]:
-        """Peers that used to ping us and stopped (a dead router, for orphan cleanup)."""
+    def _check_peers(self) -> None:
+        """Peers that used to ping us and stopped (a dead router): the scheduler ends
+        their requests, and they are forgotten until they ping again."""
         limit = self.loop.time() - self.cfg.deadlines.peer_timeout
-        return [peer for peer, at in self.pinged_at.items() if at < limit]
+        for peer in [p for p, at in self.pinged_at.items() if at < limit]:
+            del self.pinged_at[peer]
+            self.scheduler.on_peer_silent(peer)
 
-    def on_admin(self, identity: bytes, msg: Admin) -> None:
+    # --- admin ---------------------------------------------------------------------
+
+    def _on_admin(self, identity: bytes, msg: Admin) -> None:
         def respond(ok: bool, result: dict) -> None:
             self.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
                                                             "role": self.cfg.role} | result))
@@ -183,99 +207,73 @@ class WorkerCore:
         log.info("admin %s %s", msg.command, dict(msg.args))
         try:
             command(dict(msg.args), respond)
-        except AdminError as e:
+        except StatusError as e:
             respond(False, {"error": str(e), "status": e.status})
         except Exception as e:  # an admin command must answer, whatever happened
             log.exception("admin %s failed", msg.command)
             respond(False, {"error": f"{type(e).__name__}: {e}", "status": 500})
 
-    def update_weights(self, args: dict, respond: Respond) -> None:
-        """Allowed while paused or idle; a bad checkpoint leaves the old weights."""
-        path, version = args.get("path"), args.get("version")
-        if not isinstance(path, str) or not path:
-            raise AdminError(400, "update_weights needs a checkpoint path")
-        if self.paused is None and self.busy():
-            raise AdminError(409, "update_weights while requests are running: pause first")
-        try:
-            with self.long_call():
-                new = load_new_weights(self.model, path, version if isinstance(version, str) else None)
-        except (ModelError, ValueError) as e:
-            raise AdminError(400, str(e)) from None
-        log.warning("weights updated from %s: version %s", path, new)
-        respond(True, {"weight_version": new})
+    def pause(self, args: dict, respond: Respond) -> None:
+        """Stop scheduling; answered once the scheduler is quiescent (no write of a
+        retracted or aborted request can still land anywhere)."""
+        mode = args.get("mode", "retract")
+        if mode not in PAUSE_MODES:
+            raise StatusError(BAD_REQUEST, f"unknown pause mode {mode!r}; use one of "
+                                           f"{', '.join(PAUSE_MODES)}")
+        if self.paused is not None and self.paused != mode:
+            raise StatusError(CONFLICT, f"already paused ({self.paused}); continue first")
+        self.paused = mode
+        self.scheduler.on_pause(mode)
+        self.pause_waiters.append(respond)
+        self._answer_pause_waiters()
 
-    def flush_cache(self, args: dict, respond: Respond) -> None:
-        # zpd keeps no prefix cache: KV lives only as long as its request.
-        respond(True, {"flushed_pages": 0, "note": "no prefix cache; nothing to flush"})
+    def _answer_pause_waiters(self) -> None:
+        if self.pause_waiters and self.scheduler.quiescent():
+            waiters, self.pause_waiters = self.pause_waiters, []
+            for respond in waiters:
+                respond(True, self.status_fields())
 
-    def release_memory(self, args: dict, respond: Respond) -> None:
-        """Drop the KV pool and its transport registration (e.g. to update weights in
-        the room it frees). Only with no page in use: pages are held or fenced exactly
-        while some request's KV, or a write into it, may still be there."""
-        if not self.memory_released:
-            in_use = self.pool.allocator.allocated
-            if in_use:
-                raise AdminError(409, f"{in_use} KV pages in use: pause (retract or abort) "
-                                      "and wait for them first")
-            self.backend.unregister(self.pool.data_ptr)
-            self.pool.release_memory()
-            self.memory_released = True
-            if self.pool.device.type == "cuda":
-                import torch
-                torch.cuda.empty_cache()
-            log.warning("KV pool memory released (%d bytes)", self.pool.nbytes)
-        respond(True, {"memory": self.memory_state()})
+    def resume(self, args: dict, respond: Respond) -> None:
+        was, self.paused = self.paused, None
+        extra = self.scheduler.on_resume(args)
+        respond(True, self.status_fields() | {"was_paused": was} | extra)
 
-    def resume_memory(self, args: dict, respond: Respond) -> None:
-        """Allocate and register the pool again; its address changes, so the
-        scheduler tells its peers (`on_memory_resumed`) before using it."""
-        if self.memory_released:
-            self.pool.allocate_memory()
-            try:
-                self.backend.register(self.pool.data_ptr, self.pool.nbytes)
-            except transport.TransportError as e:
-                self.pool.release_memory()
-                raise AdminError(500, f"could not register the KV pool again: {e}") from None
-            self.memory_released = False
-            self.on_memory_resumed()
-            log.warning("KV pool memory resumed at %#x", self.pool.data_ptr)
-        respond(True, {"memory": self.memory_state()})
+    def status(self, args: dict, respond: Respond) -> None:
+        respond(True, self.status_fields())
 
-    def memory_state(self) -> str:
-        return "released" if self.memory_released else "resident"
+    def status_fields(self) -> dict:
+        """This worker's part of `status` (shared/DESIGN.md, "Contract")."""
+        fields = self.scheduler.status()
+        pages = fields.pop("kv_pages")
+        a = self.pool.allocator
+        # Counted from the scheduler's own records, so free + held + fenced == total
+        # is a real check: a page allocated to no live request or fence breaks it.
+        return {"weight_version": self.model.version, "paused": self.paused,
+                "memory": self.memory.state,
+                "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
+                             "fenced": pages["fenced"]}} | fields
 
-    @property
-    def pool_addr(self) -> int:
-        """The pool's address, 0 while its memory is released."""
-        return 0 if self.memory_released else self.pool.data_ptr
+    # --- requests --------------------------------------------------------------------
 
     def prompt_ids(self, msg) -> list[int]:
         """The request's prompt: its token ids, or its text through our tokenizer."""
         if msg.input_ids or not msg.text:
             return list(msg.input_ids)
         if self.model.tokenizer is None:
-            raise RequestError(BAD_REQUEST, f"model {self.model.spec!r} has no tokenizer.json: "
-                                            "send input_ids")
+            raise StatusError(BAD_REQUEST, f"model {self.model.spec!r} has no tokenizer.json: "
+                                           "send input_ids")
         return self.model.tokenizer.encode(msg.text)
 
-    def kv_pages(self, held: int, fenced: int) -> dict:
-        """Counted from the scheduler's own records, so free + held + fenced == total
-        is a real check: a page allocated to no live request or fence breaks it."""
-        a = self.pool.allocator
-        return {"total": a.total, "free": a.free, "held": held, "fenced": fenced}
+    def schedulable(self) -> bool:
+        """The KV pool is there to schedule into (not released)."""
+        return not self.memory.released
 
-    def write_ready_file(self) -> None:
-        if self.cfg.ready_file:
-            tmp = self.cfg.ready_file + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(orjson.dumps({"role": self.cfg.role, "endpoint": self.endpoint,
-                                      "pid": os.getpid()}))
-            os.replace(tmp, self.cfg.ready_file)
+    # --- process ---------------------------------------------------------------------
 
     def close(self) -> None:
         self.responder.close()
         self.backend.close()
-        self.router.close()
+        self.sock.close()
         self.loop.close()
         self.security.close()
 
@@ -302,21 +300,22 @@ def compat_hash(model, layout: KVLayout) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def serve(scheduler_factory: Callable[[WorkerCore, zmq.Context], object], cfg: WorkerConfig) -> int:
+def serve(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler], cfg: WorkerConfig) -> int:
     """Run a worker until SIGINT/SIGTERM."""
     ctx = zmq.Context()
     core = WorkerCore(cfg, ctx)
-    scheduler = scheduler_factory(core, ctx)
+    core.attach(make_scheduler(core, ctx))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: (stop.set(), core.loop.stop()))
-    core.write_ready_file()
+    write_ready_file(cfg.ready_file, {"role": cfg.role, "endpoint": core.endpoint, "pid": os.getpid()})
     log.warning("%s worker ready on %s (model %s, %d KV pages of %d bytes, transport session %s)",
                 cfg.role, core.endpoint, cfg.model, core.pool.num_pages, core.layout.page_bytes,
                 core.backend.session_id)
     try:
-        scheduler.run(stop)
+        core.run(stop)
     finally:
+        core.scheduler.close()
         core.close()
         ctx.destroy(linger=0)     # also closes the scheduler's own sockets
     return 0

@@ -8,24 +8,36 @@ ours can still land in its pages: that message is what lets it reuse them.
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
-import threading
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import transport
+from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
+                             validate, validate_prefix)
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.loop import Timer
-from zpd.wire.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
-                          Recompute, Token)
-from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError,
-                         validate, validate_prefix)
-from zpd.worker.core import AdminError, Respond, WorkerCore, pause_mode
+from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
+                               Recompute, Token)
+from zpd.worker.core import WorkerCore
 
 log = logging.getLogger("zpd.worker.prefill")
+
+
+class JobPhase(enum.Enum):
+    """Where a prefill job is; `PrefillScheduler.move` is the one place it changes."""
+    NEW = "new"                # just made from its first message
+    STASHED = "stashed"        # kv_dest came before the request: waiting for it
+    REJECTED = "rejected"      # refused at admission: waiting for kv_dest to tell its decode
+    QUEUED = "queued"          # waiting for pages and a forward (in `pending`)
+    COMPUTING = "computing"    # in the forward being run
+    COMPUTED = "computed"      # KV computed: waiting for kv_dest
+    WRITING = "writing"        # KV write in flight
+    ENDED = "ended"            # forgotten; a write may still be in flight (`transfer_id`)
 
 
 @dataclass
@@ -35,19 +47,31 @@ class DecodePeer:
 
 
 @dataclass(eq=False)
-class Job:
+class PrefillJob:
+    """One (room, epoch) on this prefill."""
     room: int
     epoch: int
-    req: Request | None = None           # None: kv_dest came first
+    deadline: Deadline
+    phase: JobPhase = JobPhase.NEW
+    req: Request | None = None           # None until the request comes
     decode: bytes | None = None          # decode's identity on our socket
-    dest: list[int] | None = None
-    computed: bool = False
+    dest: list[int] | None = None        # the decode's page ids, from kv_dest
     transfer_id: int | None = None
-    deadline: Deadline | None = None   # set by the scheduler when it makes the job
-    failure: tuple[int, str] | None = None
-    notice: tuple[int, str] | None = None   # kv_failed to send once the write is over
+    failure: tuple[int, str] | None = None   # REJECTED: what to tell the decode
+    notice: tuple[int, str] | None = None    # kv_failed to send once the write is over
     marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
     early_to: bytes | None = None        # a streaming client's router: send it the first token
+
+
+# Each phase's deadline (a Deadlines field and what was awaited); a pause stops the
+# clock of every one but the KV write's.
+PHASE_DEADLINES = {
+    JobPhase.STASHED: ("stash", "waiting for generate"),
+    JobPhase.REJECTED: ("stash", "waiting for kv_dest"),
+    JobPhase.QUEUED: ("wait_pages", "waiting for KV pages"),
+    JobPhase.COMPUTED: ("wait_kv_dest", "waiting for kv_dest"),
+    JobPhase.WRITING: ("transfer", "KV transfer"),
+}
 
 
 def _timings(marks: dict, transfer_s: float) -> dict:
@@ -63,64 +87,86 @@ class PrefillScheduler:
     def __init__(self, core: WorkerCore, ctx=None) -> None:
         self.core, self.pool, self.loop = core, core.pool, core.loop
         self.deadlines = core.cfg.deadlines
-        self.jobs: dict[int, Job] = {}
-        self.pending: deque[Job] = deque()          # generate received, not computed yet
+        self.jobs: dict[int, PrefillJob] = {}                # room -> live job
+        self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
         self.tombstones: dict[int, tuple[int, Timer]] = {}   # room -> (epoch, expiry): ended here
-        self.by_transfer: dict[int, Job] = {}
+        self.by_transfer: dict[int, PrefillJob] = {}          # writes in flight, ended jobs too
         self.peers: dict[bytes, DecodePeer] = {}
         self.transfer_ids = itertools.count(1)
-        self.pause_waiters: list[Respond] = []
-        core.handlers |= {Generate: self.on_generate, Recompute: self.on_recompute,
-                          Hello: self.on_hello, KvDest: self.on_kv_dest, KvFailed: self.on_kv_failed,
-                          Abort: self.on_abort, Admin: core.on_admin}
-        core.admin_commands |= {"status": self.status, "pause": self.pause, "continue": self.resume}
-        core.busy = lambda: bool(self.jobs)
+        self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
+                         Hello: self.on_hello, KvDest: self.on_kv_dest, KvFailed: self.on_kv_failed,
+                         Abort: self.on_abort}
         self.loop.add_fd(core.backend.fileno(), self.on_completions)
 
-    # --- loop ------------------------------------------------------------------
+    # --- phases --------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self.loop.run_once(max_wait=0 if self._runnable() else None)
-            batch = self.schedule()
-            if batch:
-                started = time.monotonic()
-                with self.core.long_call():
-                    self.core.compute.prefill([j.req for j in batch])
-                for job in batch:
-                    job.marks |= {"forward": started, "computed": time.monotonic()}
-                self.after_compute(batch)
+    def move(self, job: PrefillJob, phase: JobPhase) -> None:
+        """The one place a job changes phase: its queue membership and deadline follow."""
+        if job.phase is JobPhase.QUEUED:
+            self.pending.remove(job)
+        job.phase = phase
+        if phase is JobPhase.QUEUED:
+            self.pending.append(job)
+        spec = PHASE_DEADLINES.get(phase)
+        if spec is None:
+            job.deadline.cancel()
+        else:
+            suspendable = phase is not JobPhase.WRITING      # the write goes on during a pause
+            job.deadline.start(getattr(self.deadlines, spec[0]), spec[1],
+                               paused=suspendable and self.core.paused is not None)
 
-    def _runnable(self) -> bool:
-        while self.pending and self.jobs.get(self.pending[0].room) is not self.pending[0]:
-            self.pending.popleft()                      # ended while queued
-        return self.core.paused is None and not self.core.memory_released and bool(self.pending) \
-            and self.pool.allocator.can_alloc(self.pool.pages_for(len(self.pending[0].req.prompt)))
+    def _new_job(self, room: int, epoch: int) -> PrefillJob:
+        job = PrefillJob(room, epoch, Deadline(self.loop, lambda what: self._expire(job, what)))
+        self.jobs[room] = job
+        return job
 
-    def schedule(self) -> list[Job]:
-        """FIFO: take queued jobs while pages and the token budget allow."""
+    def _expire(self, job: PrefillJob, what: str) -> None:
+        if self.jobs.get(job.room) is job:
+            self.end(job, DEADLINE, f"deadline expired {what}")
+
+    # --- the step ------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self._fits(self.pending[0]) if self.pending else False
+
+    def _fits(self, job: PrefillJob) -> bool:
+        return self.core.schedulable() and \
+            self.pool.allocator.can_alloc(self.pool.pages_for(len(job.req.prompt)))
+
+    def step(self) -> None:
+        batch = self.take_batch()
+        if not batch:
+            return
+        started = time.monotonic()
+        with self.core.long_call():
+            self.core.compute.prefill([j.req for j in batch])
+        for job in batch:
+            job.marks |= {"forward": started, "computed": time.monotonic()}
+        self.after_compute(batch)
+
+    def take_batch(self) -> list[PrefillJob]:
+        """FIFO: give queued jobs their pages while pages and the token budget allow."""
         batch, tokens = [], 0
-        while self._runnable():
+        while self.pending and self._fits(self.pending[0]):
             job = self.pending[0]
             n = len(job.req.prompt)
             if batch and tokens + n > self.core.cfg.max_prefill_tokens:
                 break
             job.req.pages = self.pool.allocator.alloc(self.pool.pages_for(n))
-            self.pending.popleft()
+            self.move(job, JobPhase.COMPUTING)
             batch.append(job)
             tokens += n
         return batch
 
-    def after_compute(self, batch: list[Job]) -> None:
+    def after_compute(self, batch: list[PrefillJob]) -> None:
         for job in batch:
-            job.computed = True
             self._send_first_token(job)
             if job.dest is not None:
                 self.start_write(job)
             else:
-                self._deadline(job, self.deadlines.wait_kv_dest, "waiting for kv_dest")
+                self.move(job, JobPhase.COMPUTED)
 
-    def _send_first_token(self, job: Job) -> None:
+    def _send_first_token(self, job: PrefillJob) -> None:
         """A streamed request's first token goes straight to its router, so the client
         does not wait for the KV write, kv_done and the decode's hop. The decode sends
         it again (the router passes each index once); if the request ends at that
@@ -130,7 +176,7 @@ class PrefillScheduler:
             return
         self.core.send(job.early_to, Token(req.rid, list(req.output), list(req.weight_versions)))
 
-    # --- requests ----------------------------------------------------------------
+    # --- requests ------------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
         prompt, params, failure = [], SamplingParams(), None
@@ -138,11 +184,10 @@ class PrefillScheduler:
             params = SamplingParams.from_dict(msg.sampling)
             prompt = self.core.prompt_ids(msg)
             validate(prompt, params, self.core.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
-        except (RequestError, ValueError) as e:
+        except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
-        self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
-        job = self.jobs.get(msg.room)
-        if msg.stream and job is not None and job.req is not None and job.epoch == msg.epoch:
+        job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
+        if msg.stream and job is not None:
             job.early_to = identity
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
@@ -151,7 +196,7 @@ class PrefillScheduler:
         try:
             params = SamplingParams.from_dict(msg.sampling)
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
-        except (RequestError, ValueError) as e:
+        except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
         old = self.jobs.get(msg.room)
         if old is not None and old.epoch < msg.epoch:
@@ -159,47 +204,54 @@ class PrefillScheduler:
         self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure, identity)
 
     def admit(self, rid: str, room: int, epoch: int, prompt: list[int], params: SamplingParams,
-              failure: tuple[int, str] | None, decode: bytes | None = None) -> None:
+              failure: tuple[int, str] | None, decode: bytes | None = None) -> PrefillJob | None:
+        """Queue the request (or keep its refusal for its decode); the job, or None if
+        it was dropped."""
         if self._tombstoned(room, epoch):
             log.info("rid=%s room=%d epoch=%d already ended here; not computing", rid, room, epoch)
-            return
+            return None
         if self.core.paused in ("retract", "abort"):
             # decode holds the request and will send a recompute after continue
             log.info("rid=%s room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
             self._tombstone(room, epoch)
-            return
-        job = self.jobs.get(room)
-        if job is None:
-            job = self.jobs[room] = self._job(room, epoch)
-        elif job.req is not None or job.epoch != epoch:
+            return None
+        job = self.jobs.get(room) or self._new_job(room, epoch)
+        if job.phase not in (JobPhase.NEW, JobPhase.STASHED) or job.epoch != epoch:
             log.warning("duplicate or stale request for room %d epoch %d dropped", room, epoch)
-            return
+            return None
         job.req, job.failure = Request(rid, prompt, params), failure
         job.marks["queued"] = time.monotonic()
         job.decode = job.decode or decode
         log.info("rid=%s room=%d epoch=%d queued (%d prompt tokens)", rid, room, epoch, len(prompt))
         if failure is None:
-            self.pending.append(job)
-            self._deadline(job, self.deadlines.wait_pages, "waiting for KV pages")
+            self.move(job, JobPhase.QUEUED)
         elif job.decode is not None:
             self.end(job, *failure)
         else:
-            self._deadline(job, self.deadlines.stash, "waiting for kv_dest")
+            self.move(job, JobPhase.REJECTED)
+        return job if self.jobs.get(room) is job else None
+
+    def on_abort(self, identity: bytes, msg: Abort) -> None:
+        for job in [j for j in self.jobs.values() if j.req is not None and j.req.rid == msg.rid]:
+            self.end(job, msg.status or ABORTED, msg.reason or "aborted")
+
+    # --- decode peers ----------------------------------------------------------------
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
-        ok = msg.compat_hash == self.core.compat_hash
-        reason = "" if ok else (f"incompatible peers: prefill {self.core.endpoint} serves "
-                                f"{self.core.model.spec} ({self.core.layout.to_dict()}), decode "
+        core = self.core
+        ok = msg.compat_hash == core.compat_hash
+        reason = "" if ok else (f"incompatible peers: prefill {core.endpoint} serves "
+                                f"{core.model.spec} ({core.layout.to_dict()}), decode "
                                 f"{msg.decode} has layout {msg.layout} (hash {msg.compat_hash} != "
-                                f"{self.core.compat_hash})")
+                                f"{core.compat_hash})")
         if ok:
             self.peers[identity] = DecodePeer(msg.session_id, msg.base_addr)
-            self.core.backend.connect(msg.session_id)     # handshake now, not at its first write
+            core.backend.connect(msg.session_id)     # handshake now, not at its first write
         else:
             log.error("hello from %s refused: %s", msg.decode, reason)
-        self.core.send(identity, HelloAck(
-            ok, self.core.layout.to_dict(), self.core.compat_hash, self.core.backend.session_id,
-            self.core.pool_addr, self.pool.num_pages, self.core.model.version, reason))
+        core.send(identity, HelloAck(
+            ok, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
+            core.memory.pool_addr, self.pool.num_pages, core.model.version, reason))
 
     def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
         if identity not in self.peers:
@@ -211,15 +263,15 @@ class PrefillScheduler:
             self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
             return
         if job is None:
-            job = self.jobs[msg.room] = self._job(msg.room, msg.epoch)
-            self._deadline(job, self.deadlines.stash, "waiting for generate")
+            job = self._new_job(msg.room, msg.epoch)
+            self.move(job, JobPhase.STASHED)
         if job.epoch != msg.epoch or job.dest is not None:
             log.warning("stale or duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
             return
         job.decode, job.dest = identity, list(msg.page_ids)
-        if job.failure is not None:
+        if job.phase is JobPhase.REJECTED:
             self.end(job, *job.failure)
-        elif job.computed:
+        elif job.phase is JobPhase.COMPUTED:
             self.start_write(job)
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
@@ -239,17 +291,13 @@ class PrefillScheduler:
         else:                                     # finished, or never started here
             self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "nothing in flight"))
 
-    def _writing(self, room: int, epoch: int) -> Job | None:
+    def _writing(self, room: int, epoch: int) -> PrefillJob | None:
         return next((j for j in self.by_transfer.values() if j.room == room and j.epoch <= epoch),
                     None)
 
-    def on_abort(self, identity: bytes, msg: Abort) -> None:
-        for job in [j for j in self.jobs.values() if j.req is not None and j.req.rid == msg.rid]:
-            self.end(job, msg.status or ABORTED, msg.reason or "aborted")
+    # --- transfer --------------------------------------------------------------------
 
-    # --- transfer ----------------------------------------------------------------
-
-    def start_write(self, job: Job) -> None:
+    def start_write(self, job: PrefillJob) -> None:
         peer = self.peers[job.decode]
         n = len(job.req.pages)
         if len(job.dest) < n:
@@ -260,7 +308,7 @@ class PrefillScheduler:
         job.transfer_id = next(self.transfer_ids)
         job.marks["write"] = time.monotonic()
         self.by_transfer[job.transfer_id] = job
-        self._deadline(job, self.deadlines.transfer, "KV transfer", suspendable=False)
+        self.move(job, JobPhase.WRITING)
         self.core.backend.write(job.transfer_id, peer.session, runs)
 
     def on_completions(self) -> None:
@@ -269,7 +317,7 @@ class PrefillScheduler:
             if job is None:
                 continue
             job.transfer_id = None
-            if self.jobs.get(job.room) is not job:
+            if job.phase is JobPhase.ENDED:
                 self._finish_ended(job)              # ended while writing
             elif not c.ok:
                 self.end(job, INTERNAL, f"KV transfer failed: {c.reason}")
@@ -280,24 +328,23 @@ class PrefillScheduler:
                 self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version,
                                                   _timings(job.marks, c.seconds)))
                 self.end(job, None, "")
-        self._answer_pause_waiters()
 
-    # --- endings -------------------------------------------------------------------
+    # --- endings ---------------------------------------------------------------------
 
-    def end(self, job: Job, status: int | None, reason: str) -> None:
+    def end(self, job: PrefillJob, status: int | None, reason: str) -> None:
         """Forget the job. With a status, tell its decode (once no write can land)."""
         if self.jobs.get(job.room) is job:
             del self.jobs[job.room]
         if status is not None and status != ABORTED:
             log.warning("room=%d epoch=%d failed: %d %s", job.room, job.epoch, status, reason)
-        job.deadline.cancel()
+        self.move(job, JobPhase.ENDED)
         job.notice = None if status is None else (status, reason)
         if job.transfer_id is not None:
             self.core.backend.cancel(job.transfer_id)   # its completion finishes the job
         else:
             self._finish_ended(job)
 
-    def _finish_ended(self, job: Job) -> None:
+    def _finish_ended(self, job: PrefillJob) -> None:
         if job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req is not None and job.req.pages:
@@ -315,61 +362,46 @@ class PrefillScheduler:
         tomb = self.tombstones.get(room)
         return tomb is not None and epoch <= tomb[0]
 
-    def _job(self, room: int, epoch: int) -> Job:
-        job = Job(room, epoch)
-        job.deadline = Deadline(self.loop, lambda what: self._expire(job, what))
-        return job
+    # --- pause, continue, status (the core's admin commands call these) ---------------
 
-    def _deadline(self, job: Job, seconds: float, what: str, suspendable: bool = True) -> None:
-        """A phase's deadline; a pause stops its clock unless it is a KV write's."""
-        job.deadline.start(seconds, what, paused=suspendable and self.core.paused is not None)
+    def busy(self) -> bool:
+        return bool(self.jobs)
 
-    def _expire(self, job: Job, what: str) -> None:
-        if self.jobs.get(job.room) is job:
-            self.end(job, DEADLINE, f"deadline expired {what}")
-
-    # --- admin -------------------------------------------------------------------
-
-    def pause(self, args: dict, respond: Respond) -> None:
-        mode = pause_mode(args)
-        if self.core.paused is not None and self.core.paused != mode:
-            raise AdminError(409, f"already paused ({self.core.paused}); continue first")
-        self.core.paused = mode
+    def on_pause(self, mode: str) -> None:
         for job in self.jobs.values():
-            if job.transfer_id is None:
+            if job.phase is not JobPhase.WRITING:
                 job.deadline.suspend()           # a held job waits as long as the pause
         if mode in ("retract", "abort"):
             # Everything in flight is dropped: decode holds (retract) or ends (abort) it.
             for job in list(self.jobs.values()):
                 self._tombstone(job.room, job.epoch)
                 self.end(job, ABORTED, f"pause({mode})")
-        self.pause_waiters.append(respond)
-        self._answer_pause_waiters()
 
-    def _answer_pause_waiters(self) -> None:
+    def quiescent(self) -> bool:
         """A pause is answered once no write of ours is in flight."""
-        if self.pause_waiters and not self.by_transfer:
-            waiters, self.pause_waiters = self.pause_waiters, []
-            for respond in waiters:
-                respond(True, self._status())
+        return not self.by_transfer
 
-    def resume(self, args: dict, respond: Respond) -> None:
-        was, self.core.paused = self.core.paused, None
+    def on_resume(self, args: dict) -> dict:
         for job in self.jobs.values():
             job.deadline.resume()
-        respond(True, self._status() | {"was_paused": was})
+        return {}
 
-    def status(self, args: dict, respond: Respond) -> None:
-        respond(True, self._status())
+    def on_memory_resumed(self) -> None:
+        pass                                     # decodes learn our address at their next hello
 
-    def _status(self) -> dict:
+    def on_peer_silent(self, identity: bytes) -> None:
+        pass                                     # a job ends by its deadline or its decode
+
+    def status(self) -> dict:
         jobs = list(self.jobs.values())
         owners = {j for j in jobs + list(self.by_transfer.values()) if j.req is not None}
-        return {"weight_version": self.core.model.version, "paused": self.core.paused,
-                "memory": self.core.memory_state(),
-                "kv_pages": self.core.kv_pages(sum(len(j.req.pages) for j in owners), 0),
-                "queues": {"waiting": sum(1 for j in jobs if j.req is not None and not j.computed),
-                           "waiting_kv_dest": sum(1 for j in jobs if j.computed and j.dest is None),
+        phases = [j.phase for j in jobs]
+        return {"kv_pages": {"held": sum(len(j.req.pages) for j in owners), "fenced": 0},
+                "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
+                           "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
-                           "stashed": sum(1 for j in jobs if j.req is None)},
+                           "stashed": phases.count(JobPhase.STASHED)},
                 "peers": len(self.peers)}
+
+    def close(self) -> None:
+        self.loop.remove_fd(self.core.backend.fileno())

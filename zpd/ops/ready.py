@@ -1,0 +1,17 @@
+"""Ready files: how a started process tells its launcher where it listens."""
+from __future__ import annotations
+
+import os
+
+import orjson
+
+
+def write_ready_file(path: str | os.PathLike | None, record: dict) -> None:
+    """Write `record` as JSON to `path` atomically (a reader never sees half a file);
+    nothing when `path` is None."""
+    if not path:
+        return
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(record))
+    os.replace(tmp, path)

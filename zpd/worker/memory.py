@@ -1,0 +1,93 @@
+"""A worker's weights and KV memory as admin commands: update_weights, release_memory,
+resume_memory, flush_cache."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import transport
+from engines.config import ModelError
+from engines.loader import update_weights as load_new_weights
+from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from zpd.worker.scheduler import Respond
+
+if TYPE_CHECKING:
+    from zpd.worker.core import WorkerCore
+
+log = logging.getLogger("zpd.worker.memory")
+
+
+class WeightsAndMemory:
+    """The commands that change what the worker holds, not its requests."""
+
+    def __init__(self, core: "WorkerCore") -> None:
+        self.core = core
+        self.released = False               # KV pool dropped: schedule nothing
+
+    def commands(self) -> dict[str, Callable[[dict, Respond], None]]:
+        return {"update_weights": self.update_weights, "flush_cache": self.flush_cache,
+                "release_memory": self.release_memory, "resume_memory": self.resume_memory}
+
+    @property
+    def state(self) -> str:
+        return "released" if self.released else "resident"
+
+    @property
+    def pool_addr(self) -> int:
+        """The pool's address, 0 while its memory is released."""
+        return 0 if self.released else self.core.pool.data_ptr
+
+    def update_weights(self, args: dict, respond: Respond) -> None:
+        """Allowed while paused or idle; a bad checkpoint leaves the old weights."""
+        core = self.core
+        path, version = args.get("path"), args.get("version")
+        if not isinstance(path, str) or not path:
+            raise StatusError(BAD_REQUEST, "update_weights needs a checkpoint path")
+        if core.paused is None and core.scheduler.busy():
+            raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
+        try:
+            with core.long_call():
+                new = load_new_weights(core.model, path, version if isinstance(version, str) else None)
+        except (ModelError, ValueError) as e:
+            raise StatusError(BAD_REQUEST, str(e)) from None
+        log.warning("weights updated from %s: version %s", path, new)
+        respond(True, {"weight_version": new})
+
+    def flush_cache(self, args: dict, respond: Respond) -> None:
+        # zpd keeps no prefix cache: KV lives only as long as its request.
+        respond(True, {"flushed_pages": 0, "note": "no prefix cache; nothing to flush"})
+
+    def release_memory(self, args: dict, respond: Respond) -> None:
+        """Drop the KV pool and its transport registration (e.g. to update weights in
+        the room it frees). Only with no page in use: pages are held or fenced exactly
+        while some request's KV, or a write into it, may still be there."""
+        pool = self.core.pool
+        if not self.released:
+            in_use = pool.allocator.allocated
+            if in_use:
+                raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "
+                                            "and wait for them first")
+            self.core.backend.unregister(pool.data_ptr)
+            pool.release_memory()
+            self.released = True
+            if pool.device.type == "cuda":
+                import torch
+                torch.cuda.empty_cache()
+            log.warning("KV pool memory released (%d bytes)", pool.nbytes)
+        respond(True, {"memory": self.state})
+
+    def resume_memory(self, args: dict, respond: Respond) -> None:
+        """Allocate and register the pool again; its address changes, so the
+        scheduler tells its peers before using it."""
+        pool = self.core.pool
+        if self.released:
+            pool.allocate_memory()
+            try:
+                self.core.backend.register(pool.data_ptr, pool.nbytes)
+            except transport.TransportError as e:
+                pool.release_memory()
+                raise StatusError(INTERNAL, f"could not register the KV pool again: {e}") from None
+            self.released = False
+            self.core.scheduler.on_memory_resumed()
+            log.warning("KV pool memory resumed at %#x", pool.data_ptr)
+        respond(True, {"memory": self.state})

@@ -1,0 +1,53 @@
+"""What a scheduler (prefill or decode) gives the worker core, and what it may ask of it.
+
+The core owns the socket, the loop, liveness, the pause state and the admin commands;
+a scheduler owns its requests. The core calls the scheduler through this protocol
+only; the scheduler reads the core (`core.paused`, `core.send`, ...) but never
+rewires it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Protocol
+
+from zpd.wire.protocol import Message
+
+Handler = Callable[[bytes, Message], None]      # (sender identity, message)
+Respond = Callable[[bool, dict], None]          # an admin command's answer: ok, result
+PAUSE_MODES = ("abort", "in_place", "retract")
+
+
+class Scheduler(Protocol):
+    """A worker role's request state machine, driven by the core's loop."""
+
+    handlers: Mapping[type[Message], Handler]   # the request and peer messages it takes
+
+    def has_work(self) -> bool:
+        """Something to run now: the loop must not block waiting for messages."""
+
+    def step(self) -> None:
+        """One scheduling round (admit, run the model, hand off); only while not paused."""
+
+    def busy(self) -> bool:
+        """Requests are in flight (update_weights without a pause is refused)."""
+
+    def on_pause(self, mode: str) -> None:
+        """Stop scheduling; `abort` ends, `retract` drops the KV of, every request."""
+
+    def quiescent(self) -> bool:
+        """A pause may be answered: nothing the pause waits for is still in flight."""
+
+    def on_resume(self, args: dict) -> dict:
+        """Re-admit what the pause held; returns fields for the continue answer."""
+
+    def on_memory_resumed(self) -> None:
+        """The KV pool was allocated again at a new address."""
+
+    def on_peer_silent(self, identity: bytes) -> None:
+        """A peer that used to ping us (a router) stopped."""
+
+    def status(self) -> dict:
+        """Queues and peers for `status`, with kv_pages {"held", "fenced"} counted
+        from the scheduler's own records."""
+
+    def close(self) -> None:
+        """Close what the scheduler opened itself (sockets to peers)."""
