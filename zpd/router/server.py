@@ -56,8 +56,8 @@ class Fanout:
 
 
 class RouterServer:
-    def __init__(self, cfg: RouterConfig, ctx: zmq.Context) -> None:
-        self.cfg, self.loop = cfg, Loop()
+    def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
+        self.cfg, self.loop = cfg, loop or Loop()
         self.security = Security(cfg.curve_keys, ctx)
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
         self.endpoint = self.front.endpoint

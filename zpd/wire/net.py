@@ -53,6 +53,9 @@ class SocketOptions:
     monitor: Optional[Callable[[zmq.Socket], None]] = None
 
 
+INPROC = "inproc://"   # an in-process endpoint (tests): bound and connected as it is
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6addr]:port"`` (optionally ``tcp://``) → (host, port)."""
     hostport = endpoint.removeprefix("tcp://")
@@ -79,7 +82,8 @@ def configure_socket(sock: zmq.Socket, *, host: str, server: bool, opts: SocketO
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, opts.keepalive_cnt)
     sock.setsockopt(zmq.RECONNECT_IVL, opts.reconnect_ivl_ms)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, opts.reconnect_ivl_max_ms)
-    sock.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
+    if not host.startswith(INPROC):
+        sock.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
     if server:
         # Unroutable sends raise EHOSTUNREACH (caught in Router.send) instead
         # of vanishing, so the caller learns the peer is gone.
@@ -167,7 +171,8 @@ class _Endpoint:
 
 class Router(_Endpoint):
     """The process's bound ROUTER socket. ``endpoint`` is the "host:port"
-    actually bound (port 0 picks a free one); only ``host`` is bound."""
+    actually bound (port 0 picks a free one); only ``host`` is bound. A host
+    ``inproc://NAME`` binds that in-process endpoint (``port`` unused)."""
 
     def __init__(self, ctx: zmq.Context, host: str, port: int,
                  opts: SocketOptions = SocketOptions()) -> None:
@@ -175,13 +180,16 @@ class Router(_Endpoint):
         configure_socket(sock, host=host, server=True, opts=opts)
         bracketed = f"[{host}]" if ":" in host else host
         try:
-            sock.bind(f"tcp://{bracketed}:{port or '*'}")
+            sock.bind(host if host.startswith(INPROC) else f"tcp://{bracketed}:{port or '*'}")
         except zmq.ZMQError:
             sock.close(linger=0)
             raise
         super().__init__(sock)
-        _, bound_port = parse_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        self.endpoint = format_endpoint(host, bound_port)
+        if host.startswith(INPROC):
+            self.endpoint = host
+        else:
+            _, bound_port = parse_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.endpoint = format_endpoint(host, bound_port)
         self.guard = opts.guard
         self.refused = 0  # counts inbound messages the guard refused
 
@@ -236,14 +244,15 @@ class Dealer(_Endpoint):
 
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: Optional[bytes] = None,
                  opts: SocketOptions = SocketOptions()) -> None:
-        host, port = parse_endpoint(endpoint)
+        inproc = endpoint.startswith(INPROC)
+        host, port = (endpoint, 0) if inproc else parse_endpoint(endpoint)
         sock = ctx.socket(zmq.DEALER)
         if identity is not None:
             sock.setsockopt(zmq.IDENTITY, identity)
         configure_socket(sock, host=host, server=False, opts=opts)
-        sock.connect(f"tcp://{format_endpoint(host, port)}")
+        self.endpoint = endpoint if inproc else format_endpoint(host, port)
+        sock.connect(endpoint if inproc else f"tcp://{self.endpoint}")
         super().__init__(sock)
-        self.endpoint = format_endpoint(host, port)
 
     def send(self, msg: Message) -> bool:
         """Queue ``msg`` for the peer; False if it had to be dropped."""

@@ -1,0 +1,181 @@
+"""A whole cluster in one process, for fast deterministic tests of the handoff.
+
+The real router, prefill and decode schedulers and worker cores, talking over
+inproc ZeroMQ sockets of one context; KV moves through the fake transport (one
+FakeFabric: real bytes copied between the two KV pools); every loop runs on one
+manual clock, so deadlines and heartbeats fire when a test moves time, not when
+the machine is slow. `pump` turns every loop once, without blocking.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import zmq
+
+import transport
+from engines.offline import OfflineEngine
+from engines.request import Request
+from engines.sampler import SamplingParams
+from zpd.config import Deadlines, RouterConfig, WorkerConfig
+from zpd.router.server import RouterServer
+from zpd.wire.loop import Loop
+from zpd.wire.net import Dealer
+from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Token, Tokens
+from zpd.worker.core import WorkerCore
+from zpd.worker.decode import DecodeScheduler
+from zpd.worker.prefill import PrefillScheduler
+
+DEADLINES = Deadlines(transfer=20.0, heartbeat=0.5, peer_timeout=2.0)
+_names = itertools.count()
+
+
+class Clock:
+    """The manual clock of every loop in the cluster."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Answer:
+    """What the client got for one request."""
+    token_ids: list[int] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    finish: dict | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> int | None:
+        return None if self.finish is None else self.finish.get("status_code")
+
+
+class InprocCluster:
+    """Router + one prefill + one decode (tiny model, float64) in this process."""
+
+    def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
+                 max_batch: int = 8) -> None:
+        self.ctx = zmq.Context()
+        self.clock = Clock()
+        self.fabric = transport.FakeFabric()
+        tag = next(_names)
+        self.prefill = self._worker("prefill", f"inproc://p{tag}", complete_after_polls, fault_plan,
+                                    kv_cache_mb, max_batch)
+        self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
+        self.router = RouterServer(RouterConfig((self.prefill.endpoint,), (self.decode.endpoint,),
+                                                host=f"inproc://r{tag}", heartbeat=0.5,
+                                                peer_timeout=2.0), self.ctx, Loop(clock=self.clock))
+        self.client = Dealer(self.ctx, self.router.endpoint, identity=b"client")
+        self.answers: dict[str, Answer] = {}
+        self.replies: dict[str, dict] = {}
+        self.silent: set[str] = set()          # roles whose loops are not turned
+        self.rids = itertools.count()
+
+    def _worker(self, role: str, host: str, polls: int, plan, kv_mb: float, max_batch: int) -> WorkerCore:
+        cfg = WorkerConfig(role=role, model="tiny", host=host, dtype="float64", kv_cache_mb=kv_mb,
+                           max_batch=max_batch, transport="fake", deadlines=DEADLINES)
+        backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
+        if plan is not None:
+            backend = transport.FaultyBackend(backend, plan)
+        core = WorkerCore(cfg, self.ctx, backend=backend, loop=Loop(clock=self.clock))
+        make = PrefillScheduler if role == "prefill" else DecodeScheduler
+        core.attach(make(core, self.ctx))
+        return core
+
+    # --- driving ---------------------------------------------------------------------
+
+    def pump(self, rounds: int = 30) -> None:
+        """Turn every loop `rounds` times (messages, timers, a scheduling round each)."""
+        for _ in range(rounds):
+            if "router" not in self.silent:
+                self.router.loop.run_once(max_wait=0)
+            for core in (self.prefill, self.decode):
+                if core.cfg.role not in self.silent:
+                    core.run_once(block=False)
+            self._read_client()
+
+    def advance(self, seconds: float, step: float = 0.25) -> None:
+        """Move the clock by `seconds`, pumping at every `step` so heartbeats flow."""
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.clock.now = min(end, self.clock.now + step)
+            self.pump(3)
+
+    def until(self, done, rounds: int = 400) -> None:
+        for _ in range(rounds):
+            if done():
+                return
+            self.pump(1)
+        raise AssertionError("the cluster did not get there")
+
+    def _read_client(self) -> None:
+        while True:
+            msg = self.client.recv()
+            if msg is None:
+                return
+            if isinstance(msg, AdminReply):
+                self.replies[msg.req_id] = {"ok": msg.ok} | msg.result
+                continue
+            for part in msg.unpack() if isinstance(msg, Tokens) else [msg] if isinstance(msg, Token) else []:
+                got = self.answers.setdefault(part.rid, Answer())
+                got.token_ids += part.token_ids
+                got.weight_versions += part.weight_versions
+                if part.finished:
+                    got.finish, got.meta = part.finish, part.meta
+
+    # --- client side -------------------------------------------------------------------
+
+    def submit(self, prompt: list[int], max_new: int = 8, stream: bool = True, rid: str | None = None) -> str:
+        rid = rid or f"r{next(self.rids)}"
+        self.client.send(Generate(rid, prompt, {"temperature": 0, "max_new_tokens": max_new,
+                                                "ignore_eos": True}, stream))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self.client.send(Abort(rid, 499, "test abort"))
+
+    def admin(self, command: str, wait: bool = True, **args) -> str | dict:
+        req_id = f"a{next(self.rids)}"
+        self.client.send(Admin(command, args, req_id))
+        if not wait:
+            return req_id
+        self.until(lambda: req_id in self.replies)
+        return self.replies[req_id]
+
+    def finished(self, rid: str) -> bool:
+        return rid in self.answers and self.answers[rid].finish is not None
+
+    def run(self, rid: str, rounds: int = 400) -> Answer:
+        self.until(lambda: self.finished(rid), rounds)
+        return self.answers[rid]
+
+    # --- checks ------------------------------------------------------------------------
+
+    def pages(self, core: WorkerCore) -> dict:
+        return core.status_fields()["kv_pages"]
+
+    def check_pages(self, idle: bool = True) -> None:
+        """free + held + fenced == total on both workers; with `idle`, all free."""
+        for core in (self.prefill, self.decode):
+            p = self.pages(core)
+            assert p["free"] + p["held"] + p["fenced"] == p["total"], (core.cfg.role, p)
+            if idle:
+                assert p["free"] == p["total"], (core.cfg.role, p)
+
+    def close(self) -> None:
+        self.client.close()
+        self.router.close()
+        for core in (self.prefill, self.decode):
+            core.scheduler.close()
+            core.close()
+        self.ctx.destroy(linger=0)
+
+
+def reference(cluster: InprocCluster, prompt: list[int], max_new: int) -> list[int]:
+    """`zpd run`'s greedy tokens for the same model (the prefill's weights)."""
+    engine = OfflineEngine(cluster.prefill.model, kv_cache_mb=1)
+    params = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
+    return engine.run([Request("ref", prompt, params)])[0]["output_ids"]
