@@ -272,6 +272,35 @@ def test_retract_reaching_the_prefill_first_holds_the_request(cluster):
     cluster.check_pages()
 
 
+def test_pause_never_fails_a_request_its_prefill_drops_first():
+    """Were the pause to reach a prefill before the decode, the prefill would drop a
+    request mid-write and tell the decode (kv_failed) before the decode knew of any
+    pause: the request would end with 499 instead of being held. The router pauses
+    the decodes first, so the prefill has nothing to drop behind their back."""
+    c = InprocCluster(fault_plan=FaultRule("hang", skip=1, count=1))   # the 2nd write hangs
+    try:
+        serves_again(c)
+        rid = c.submit(PROMPT, 10)
+        c.until(lambda: prefill_phases(c) == [JobPhase.WRITING])
+        c.silent.add("decode")
+        req_id = c.admin("pause", wait=False, mode="retract")
+        c.pump(20)
+        links = c.decode.scheduler.links
+        for link in links.links.values():                # what the prefill sent goes first
+            while link.dealer.socket.poll(0):
+                links._on_readable(link)
+        c.silent.clear()
+        c.until(lambda: req_id in c.replies)
+        assert c.replies[req_id]["ok"] and not c.finished(rid), c.answers.get(rid)
+        assert c.admin("continue")["ok"]
+        got = c.run(rid)
+        assert got.finish["type"] == "length" and got.token_ids == reference(c, PROMPT, 10)
+        assert got.meta["retractions"] == 1
+        c.check_pages()
+    finally:
+        c.close()
+
+
 # --- silent peers ---------------------------------------------------------------------------
 
 

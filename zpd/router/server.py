@@ -311,8 +311,20 @@ class RouterServer:
         if mode == "abort":
             for rid in list(self.queued):
                 self._end_queued(rid, 499, "aborted by pause(abort)")
-        self.fan_out("pause", args, self.workers, timeout,
-                     lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
+        # Decodes first: a prefill that paused first would drop requests mid-write and
+        # tell their decodes (kv_failed) before those knew of a pause, failing (499)
+        # what a retract must hold. Once the decodes have paused, the prefills have
+        # nothing in flight that a decode still waits for.
+        prefills = [w for w in self.workers if w.role == "prefill"]
+        decodes = [w for w in self.workers if w.role == "decode"]
+        until = self.loop.time() + timeout
+
+        def then_prefills(d_replies: list[dict]) -> None:
+            left = max(0.1, until - self.loop.time())
+            self.fan_out("pause", args, prefills, left, lambda p_replies: reply(
+                all(r["ok"] for r in p_replies + d_replies), {"workers": p_replies + d_replies}))
+
+        self.fan_out("pause", args, decodes, timeout, then_prefills)
 
     def admin_continue(self, args: dict, timeout: float, reply) -> None:
         """Prefills first: the ones that answer are live, and decodes send their
