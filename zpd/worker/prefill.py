@@ -20,10 +20,10 @@ from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, 
                              validate, validate_prefix)
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
-from zpd.wire.loop import Timer
 from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
                                Recompute, Token)
 from zpd.worker.core import WorkerCore
+from zpd.worker.tombstones import Tombstones
 
 log = logging.getLogger("zpd.worker.prefill")
 
@@ -89,7 +89,7 @@ class PrefillScheduler:
         self.deadlines = core.cfg.deadlines
         self.jobs: dict[int, PrefillJob] = {}                # room -> live job
         self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
-        self.tombstones: dict[int, tuple[int, Timer]] = {}   # room -> (epoch, expiry): ended here
+        self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
         self.by_transfer: dict[int, PrefillJob] = {}          # writes in flight, ended jobs too
         self.peers: dict[bytes, DecodePeer] = {}
         self.transfer_ids = itertools.count(1)
@@ -207,13 +207,13 @@ class PrefillScheduler:
               failure: tuple[int, str] | None, decode: bytes | None = None) -> PrefillJob | None:
         """Queue the request (or keep its refusal for its decode); the job, or None if
         it was dropped."""
-        if self._tombstoned(room, epoch):
+        if (room, epoch) in self.tombstones:
             log.info("rid=%s room=%d epoch=%d already ended here; not computing", rid, room, epoch)
             return None
         if self.core.paused in ("retract", "abort"):
             # decode holds the request and will send a recompute after continue
             log.info("rid=%s room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
-            self._tombstone(room, epoch)
+            self.tombstones.add(room, epoch)
             return None
         job = self.jobs.get(room) or self._new_job(room, epoch)
         if job.phase not in (JobPhase.NEW, JobPhase.STASHED) or job.epoch != epoch:
@@ -258,7 +258,7 @@ class PrefillScheduler:
             self.core.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
             return
         job = self.jobs.get(msg.room)
-        if job is None and (self._tombstoned(msg.room, msg.epoch) or self.core.paused in ("retract", "abort")):
+        if job is None and ((msg.room, msg.epoch) in self.tombstones or self.core.paused in ("retract", "abort")):
             # nothing of ours will ever write there: the decode may reuse the pages
             self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
             return
@@ -284,7 +284,7 @@ class PrefillScheduler:
             job.decode = job.decode or identity
             self.end(job, ABORTED, "acknowledged")
             return
-        self._tombstone(msg.room, msg.epoch)     # its generate may still be on the way
+        self.tombstones.add(msg.room, msg.epoch)     # its generate may still be on the way
         writing = self._writing(msg.room, msg.epoch)
         if writing is not None:                   # ended, but its write is still in flight
             writing.notice = writing.notice or (ABORTED, "acknowledged")
@@ -351,17 +351,6 @@ class PrefillScheduler:
             self.pool.allocator.free_pages(job.req.pages)
             job.req.pages = []
 
-    def _tombstone(self, room: int, epoch: int) -> None:
-        old = self.tombstones.get(room)
-        if old is not None:
-            old[1].cancel()
-        self.tombstones[room] = (epoch, self.loop.call_later(self.deadlines.stash,
-                                                             self.tombstones.pop, room, None))
-
-    def _tombstoned(self, room: int, epoch: int) -> bool:
-        tomb = self.tombstones.get(room)
-        return tomb is not None and epoch <= tomb[0]
-
     # --- pause, continue, status (the core's admin commands call these) ---------------
 
     def busy(self) -> bool:
@@ -374,7 +363,7 @@ class PrefillScheduler:
         if mode in ("retract", "abort"):
             # Everything in flight is dropped: decode holds (retract) or ends (abort) it.
             for job in list(self.jobs.values()):
-                self._tombstone(job.room, job.epoch)
+                self.tombstones.add(job.room, job.epoch)
                 self.end(job, ABORTED, f"pause({mode})")
 
     def quiescent(self) -> bool:
