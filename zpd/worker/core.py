@@ -21,7 +21,7 @@ from engines.loader import load_model, update_weights as load_new_weights
 from zpd.worker.busy import BusyResponder
 from engines.compute import Compute
 from zpd.config import WorkerConfig
-from zpd.wire.drops import DropPlan
+from zpd.env import Knobs
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.security import WORKER_POLICY, Security
@@ -31,8 +31,6 @@ from engines.request import BAD_REQUEST, RequestError
 log = logging.getLogger("zpd.worker.core")
 
 Respond = Callable[[bool, dict], None]
-# For liveness tests: seconds added to every long call (forward, weight load) of a worker.
-SLOW_ENV = "ZPD_SLOW_CALLS"
 PAUSE_MODES = ("abort", "in_place", "retract")
 
 
@@ -57,6 +55,7 @@ class WorkerCore:
 
     def __init__(self, cfg: WorkerConfig, ctx: zmq.Context) -> None:
         self.cfg = cfg
+        knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
         self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
@@ -64,7 +63,7 @@ class WorkerCore:
         self.compute = Compute(self.model, self.pool)
         self.backend = transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
-            transfer_timeout_s=cfg.deadlines.transfer * 0.75)
+            transfer_timeout_s=cfg.deadlines.transfer * 0.75, fault_plan=knobs.fault_plan)
         self.backend.register(self.pool.data_ptr, self.pool.nbytes)
         self.security = Security(cfg.curve_keys, ctx)
         self.router = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
@@ -80,8 +79,8 @@ class WorkerCore:
         self.pinged_at: dict[bytes, float] = {}     # peer identity -> last message from it
         self.busy: Callable[[], bool] = lambda: False   # set by the scheduler
         self.on_memory_resumed: Callable[[], None] = lambda: None   # set by the scheduler
-        self.drops = DropPlan.from_env()
-        self.slow_s = _seconds_from_env(SLOW_ENV)
+        self.drops = knobs.drops
+        self.slow_s = knobs.slow_s
         self.outbox: dict[bytes, dict[str, Token]] = {}   # peer -> rid -> tokens not sent yet
         self.loop.add_socket(self.router, self._on_router)
         # Pings are answered during forwards longer than this, so a busy worker stays alive.
@@ -278,19 +277,6 @@ class WorkerCore:
         self.router.close()
         self.loop.close()
         self.security.close()
-
-
-def _seconds_from_env(name: str) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else 0.0
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 3600:
-        raise ValueError(f"{name}={raw!r}: want seconds, 0 <= s < 3600")
-    if value:
-        log.warning("%s=%g: every forward of this worker takes %g s more", name, value, value)
-    return value
 
 
 def compat_hash(model, layout: KVLayout) -> str:
