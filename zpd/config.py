@@ -14,7 +14,7 @@ class Deadlines:
     """Seconds each phase of a request may take before it fails with 504, and the
     liveness timers. Each field is one `zpd prefill`/`zpd decode` flag."""
     kv_wait: float = 60.0            # --kv-wait-timeout: every wait on the peer or on pages
-    transfer: float = 20.0           # --transfer-timeout: one KV write (Mooncake's own is set below)
+    transfer: float = 20.0           # --transfer-timeout: one KV write (Mooncake's own timeout is lower)
     heartbeat: float = 0.5           # every peer pair pings this often, both ways
     peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
     dead_fence: float = 300.0        # decode: longest pages stay fenced for a silent prefill

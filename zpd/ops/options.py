@@ -1,8 +1,8 @@
 """Command-line options shared by the subcommands, and the configs they describe.
 
-Every default comes from the config dataclasses (zpd/config.py) through
-`add_default`, which also prints it in --help; `worker_config` and
-`router_config` are the only places flags become a config."""
+A flag that sets a config field takes its default from that field of the
+dataclass (zpd/config.py) through `add_default`, which also shows it in --help;
+`worker_config` and `router_config` are the only places flags become a config."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,10 @@ from typing import Any
 from engines.sampler import SamplingParams
 from zpd.config import Deadlines, RouterConfig, WorkerConfig, default_of
 
-SAMPLING_FLAGS = {  # flag -> (type, help)
-    "max_new_tokens": (int, "tokens to generate at most (default 128)"),
-    "temperature": (float, "0 = greedy; default 1.0"),
+SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
+    "max_new_tokens": (int, "tokens to generate at most "
+                            f"(default {default_of(SamplingParams, 'max_new_tokens')})"),
+    "temperature": (float, f"0 = greedy; default {default_of(SamplingParams, 'temperature')}"),
     "top_p": (float, "nucleus sampling mass in (0, 1]"),
     "top_k": (int, "sample among the k best tokens (-1: all)"),
     "min_p": (float, "drop tokens below min_p x the best token's probability"),
@@ -119,7 +120,7 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", required=True, help="decode endpoints H:P[,H:P...]")
     add_default(p, "--host", RouterConfig, "interface to bind (default {default})")
     add_default(p, "--port", RouterConfig, "port to bind (default {default})", type=int)
-    add_default(p, "--ready-file", RouterConfig, "")
+    add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
     add_liveness_options(p, RouterConfig)
 
@@ -139,7 +140,7 @@ def add_default(g: argparse._ActionsContainer, flag: str, config: type, text: st
     so the dataclass stays the one source of defaults; "{default}" in `text` shows it."""
     value = default_of(config, field or flag.lstrip("-").replace("-", "_"))
     shown = f"{value:g}" if isinstance(value, float) else str(value)
-    g.add_argument(flag, default=value, help=text.replace("{default}", shown) or None, **kw)
+    g.add_argument(flag, default=value, help=text.replace("{default}", shown), **kw)
 
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
