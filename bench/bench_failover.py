@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run without install
 
 from tests.e2e.fault_cluster import FaultCluster, Proc, Requests, wait_for  # noqa: E402
-from transport import FAULT_ENV  # noqa: E402
+from zpd.env import FAULT_ENV  # noqa: E402
 
 PER_VICTIM = 4      # affected requests per sample
 

@@ -52,8 +52,8 @@ class Rig:
         self.page_bytes = page_bytes
         self.src = np.random.default_rng(0).integers(0, 256, pages * page_bytes, dtype=np.uint8)
         self.dst = np.zeros(2 * pages * page_bytes, dtype=np.uint8)
-        self.a = transport.create_backend("mooncake", host="127.0.0.1", environ={})
-        self.b = transport.create_backend("mooncake", host="127.0.0.1", environ={})
+        self.a = transport.create_backend("mooncake", host="127.0.0.1")
+        self.b = transport.create_backend("mooncake", host="127.0.0.1")
         self.a.register(self.src.ctypes.data, self.src.nbytes)
         self.b.register(self.dst.ctypes.data, self.dst.nbytes)
         self.raw = import_transfer_engine()()

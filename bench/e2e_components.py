@@ -67,8 +67,8 @@ def transfer_time(model: LoadedModel, tokens: int, repeats: int) -> float:
     pages = -(-tokens // PAGE_SIZE)
     src = np.ones(pages * page_bytes, dtype=np.uint8)
     dst = np.zeros(2 * pages * page_bytes, dtype=np.uint8)
-    a = transport.create_backend("mooncake", host="127.0.0.1", environ={})
-    b = transport.create_backend("mooncake", host="127.0.0.1", environ={})
+    a = transport.create_backend("mooncake", host="127.0.0.1")
+    b = transport.create_backend("mooncake", host="127.0.0.1")
     try:
         a.register(src.ctypes.data, src.nbytes)
         b.register(dst.ctypes.data, dst.nbytes)

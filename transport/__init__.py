@@ -8,43 +8,42 @@
 
 Backends are chosen by name and imported lazily, so `import transport` works
 without Mooncake; asking for "mooncake" without it raises
-BackendUnavailableError with the command that installs it. If the
-environment variable ZPD_TRANSPORT_FAULT holds a fault plan
-(transport/fault_plan.py), the backend comes wrapped in a FaultyBackend.
-This package imports neither zpd nor engines, and not torch.
+BackendUnavailableError with the command that installs it. Given a fault
+plan (transport/fault_plan.py), the backend comes wrapped in a FaultyBackend;
+zpd reads its plan from $ZPD_TRANSPORT_FAULT (zpd/env.py) and passes it in.
+This package reads no environment variable of its own and imports neither
+zpd nor engines, and not torch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from .base import (MAX_BATCH_ENTRIES, Backend, BackendUnavailableError, Completion, Run,
                    TransportError, coalesce_runs, split_batches)
 from .fake import FakeBackend, FakeFabric
-from .fault_plan import FAULT_ENV, FaultPlan, FaultPlanError, FaultRule, PlanLike
+from .fault_plan import FaultPlan, FaultPlanError, FaultRule, PlanLike
 from .faults import FaultyBackend
 
 BACKENDS = ("mooncake", "fake")
 
 __all__ = [
-    "BACKENDS", "FAULT_ENV", "MAX_BATCH_ENTRIES", "Backend", "BackendUnavailableError",
+    "BACKENDS", "MAX_BATCH_ENTRIES", "Backend", "BackendUnavailableError",
     "Completion", "FakeBackend", "FakeFabric", "FaultPlan", "FaultPlanError", "FaultRule",
     "FaultyBackend", "Run", "TransportError", "coalesce_runs", "create_backend", "split_batches",
 ]
 
 
-def create_backend(name: str, *, fault_plan: PlanLike = None,
-                   environ: Mapping[str, str] | None = None, **options: Any) -> Backend:
+def create_backend(name: str, *, fault_plan: PlanLike = None, **options: Any) -> Backend:
     """Build the backend called `name` ("mooncake" or "fake").
 
     options go to the backend: for "mooncake" host, device_name, protocol,
     transfer_timeout_s; for "fake" fabric (required) and complete_after_polls.
-    `fault_plan` (or else $ZPD_TRANSPORT_FAULT in `environ`, default
-    os.environ) wraps the backend in a FaultyBackend.
+    A `fault_plan` other than None (even an empty one, so that `set_fault` can
+    break writes later) wraps the backend in a FaultyBackend.
     """
-    plan = fault_plan if fault_plan is not None else FaultPlan.from_env(environ)
     backend = _build(name, options)
-    return FaultyBackend(backend, plan) if plan is not None else backend
+    return FaultyBackend(backend, fault_plan) if fault_plan is not None else backend
 
 
 def _build(name: str, options: dict[str, Any]) -> Backend:

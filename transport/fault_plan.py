@@ -14,28 +14,26 @@ Selectors (all optional, combined with AND):
     skip=K      let the first K selected writes through first
     count=N     fault only the next N selected writes (default: all of them)
 
-From another process, set ZPD_TRANSPORT_FAULT (read by
-transport.create_backend). Compact form: rules separated by ";", each
-`mode[:key=value,key=value...]`:
+As text (FaultPlan.parse; how a zpd worker in another process gets one, from
+$ZPD_TRANSPORT_FAULT, see zpd/env.py), the compact form is rules separated by
+";", each `mode[:key=value,key=value...]`:
 
-    ZPD_TRANSPORT_FAULT="fail:count=1"
-    ZPD_TRANSPORT_FAULT="delay:seconds=2.5,count=3;drop:skip=1,count=1"
-    ZPD_TRANSPORT_FAULT="hang:ids=7|9"
+    "fail:count=1"
+    "delay:seconds=2.5,count=3;drop:skip=1,count=1"
+    "hang:ids=7|9"
 
 or JSON, one object or a list: '[{"mode": "fail", "count": 1, "reason": "nic down"}]'.
-A malformed plan raises FaultPlanError naming the variable and the problem.
+A malformed plan raises FaultPlanError naming its source and the problem.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Union
 
 from .base import TransportError
 
-FAULT_ENV = "ZPD_TRANSPORT_FAULT"
 MODES = ("fail", "delay", "hang", "drop")
 _KEYS = ("mode", "count", "skip", "ids", "seconds", "reason")
 _FORMAT = ('expected rules like "fail:count=1" or "delay:seconds=0.5,skip=2;drop:ids=3|4" '
@@ -114,12 +112,6 @@ class FaultPlan:
             raise FaultPlanError(f"bad {source} {text!r}: {exc}") from None
         except (ValueError, TypeError) as exc:
             raise FaultPlanError(f"bad {source} {text!r}: {exc}; {_FORMAT}") from None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "FaultPlan | None":
-        """The plan in ZPD_TRANSPORT_FAULT, or None when it is unset or empty."""
-        text = (os.environ if environ is None else environ).get(FAULT_ENV, "")
-        return cls.parse(text, source=f"${FAULT_ENV}") if text.strip() else None
 
 
 PlanLike = Union[FaultPlan, FaultRule, Iterable[FaultRule], str, None]

@@ -2,8 +2,7 @@
 
 It is how end-to-end tests make a transfer fail, stall, hang or vanish
 without touching the network. Which writes and how is a FaultPlan
-(fault_plan.py documents the modes, selectors and the ZPD_TRANSPORT_FAULT
-format); `set_fault` swaps the plan while the backend runs.
+(fault_plan.py documents the modes, selectors and the text form); `set_fault` swaps the plan while the backend runs.
 
 Injected outcomes come from the wrapper's own completion queue, real ones
 from the inner backend; `fileno()` is an epoll fd over both, so one fd still

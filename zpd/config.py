@@ -1,21 +1,44 @@
 """Frozen configuration records of each process. Addresses and ports are fields,
-never constants, so any number of workers share a host without colliding."""
+never constants, so any number of workers share a host without colliding.
+
+These defaults are the only ones: the `zpd` flags take theirs from here
+(`default_of`), so a default changed here changes the CLI and its --help too."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Seconds each phase of a request may take before it fails with 504."""
-    wait_kv_dest: float = 30.0       # prefill: computed, waiting for decode's page ids
-    transfer: float = 20.0           # prefill: one KV write (Mooncake's own timeout is set below)
-    wait_pages: float = 60.0         # either side: waiting for free KV pages
-    wait_kv_done: float = 60.0       # decode: from kv_dest sent to kv_done received
-    stash: float = 30.0              # a message that arrived before its generate
+    """Seconds each phase of a request may take before it fails with 504, and the
+    liveness timers. Each field is one `zpd prefill`/`zpd decode` flag."""
+    kv_wait: float = 60.0            # --kv-wait-timeout: every wait on the peer or on pages
+    transfer: float = 20.0           # --transfer-timeout: one KV write (Mooncake's own timeout is lower)
     heartbeat: float = 0.5           # every peer pair pings this often, both ways
     peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
     dead_fence: float = 300.0        # decode: longest pages stay fenced for a silent prefill
+
+    # The schedulers name each wait by its phase; a user sets them all at once (kv_wait).
+    @property
+    def wait_kv_dest(self) -> float:
+        """prefill: computed, waiting for decode's page ids."""
+        return self.kv_wait
+
+    @property
+    def wait_pages(self) -> float:
+        """Either side: waiting for free KV pages."""
+        return self.kv_wait
+
+    @property
+    def wait_kv_done(self) -> float:
+        """decode: from kv_dest sent to kv_done received."""
+        return self.kv_wait
+
+    @property
+    def stash(self) -> float:
+        """A message that arrived before its generate (or the reverse) waits this long."""
+        return self.kv_wait
 
 
 @dataclass(frozen=True)
@@ -44,9 +67,21 @@ class RouterConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = 5757                 # the well-known port clients dial; 0: any free port
     admin_timeout_s: float = 30.0
     heartbeat: float = 0.5           # ping every worker this often
     peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field `name` of the dataclass `cls`."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")

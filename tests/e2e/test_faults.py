@@ -30,8 +30,8 @@ from tests.e2e.fault_checks import (DETECT, SLACK, check_correct, ended_within, 
                                     queue_total, reference, router_sees, serves_correctly,
                                     status, submit, warm_up)
 from tests.e2e.fault_cluster import TRANSFER, FaultCluster, Proc, Requests, wait_for
-from transport import FAULT_ENV
 from zpd.client import Client
+from zpd.env import FAULT_ENV
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Token
 

@@ -15,9 +15,8 @@ import zmq
 from tests.e2e.cluster import zpd_cmd
 from tests.e2e.fault_checks import SLACK, check_correct, serves_correctly, status
 from tests.e2e.fault_cluster import FAST, KV_WAIT, TRANSFER, FaultCluster, Proc
-from transport import FAULT_ENV
 from zpd.client import Client, assemble
-from zpd.wire.drops import DROP_ENV
+from zpd.env import DROP_ENV, FAULT_ENV
 from zpd.wire.protocol import Ping, Pong, decode, encode
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
@@ -234,7 +233,7 @@ def test_forwards_longer_than_the_peer_timeout_do_not_kill_workers(tmp_path) -> 
     decode declares a worker dead, and the outputs are exact."""
     from tests.e2e.cluster import Cluster
     from tests.e2e.fault_checks import reference
-    from zpd.worker.core import SLOW_ENV
+    from zpd.env import SLOW_ENV
     work = [([5, 6, 7, 8], 2), ([9, 10, 11], 3)]
     with Cluster(tmp_path, extra=("--peer-timeout", "0.8", "--heartbeat", "0.2"),
                  env={SLOW_ENV: "1.2"}) as cluster, cluster.client(timeout=60) as client:

@@ -25,8 +25,8 @@ TIMEOUT_S = 4.0       # Mooncake's own timeouts become 2 s
 
 @pytest.fixture(scope="module")
 def pair():
-    a = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, environ={})
-    b = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, environ={})
+    a = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S)
+    b = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S)
     src = np.random.default_rng(0).integers(0, 256, PAGES * PAGE, dtype=np.uint8)
     dst = np.zeros(PAGES * PAGE, dtype=np.uint8)
     a.register(src.ctypes.data, src.nbytes)
@@ -108,7 +108,7 @@ def test_many_small_transfers_in_flight_at_once(pair) -> None:
 
 PEER = """
 import sys, time, numpy as np, transport
-b = transport.create_backend("mooncake", host="127.0.0.1", environ={})
+b = transport.create_backend("mooncake", host="127.0.0.1")
 buf = np.zeros(1 << 20, np.uint8)
 b.register(buf.ctypes.data, buf.nbytes)
 print(b.session_id, buf.ctypes.data, flush=True)
@@ -166,7 +166,7 @@ def test_session_opened_ahead_keeps_a_frozen_peer_from_stalling_others(pair, pee
     (measured: > 60 s, writes to other, already open peers included)."""
     _, b, src, dst = pair
     proc, session, addr = peer_process
-    a = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S, environ={})
+    a = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=TIMEOUT_S)
     try:
         a.register(src.ctypes.data, src.nbytes)
         a.connect(session)

@@ -112,7 +112,7 @@ def pair() -> tuple[transport.FakeFabric, Buf, Buf]:
 
 
 def fake(fabric: transport.FakeFabric, buf: Buf, **kw: int) -> transport.Backend:
-    backend = transport.create_backend("fake", fabric=fabric, environ={}, **kw)
+    backend = transport.create_backend("fake", fabric=fabric, **kw)
     backend.register(buf.addr, len(buf.raw))
     return backend
 
@@ -178,9 +178,9 @@ def test_fake_rejects_duplicate_ids_and_missing_fabric(pair) -> None:
     with pytest.raises(transport.TransportError):
         a.write(1, b.session_id, [(src.addr, dst.addr, PAGE)])
     with pytest.raises(transport.TransportError, match="fabric"):
-        transport.create_backend("fake", environ={})
+        transport.create_backend("fake")
     with pytest.raises(transport.TransportError, match="unknown transport backend"):
-        transport.create_backend("carrier-pigeon", environ={})
+        transport.create_backend("carrier-pigeon")
 
 
 # ---- helper thread (ThreadedBackend over FabricDriver) ------------------------
@@ -312,7 +312,7 @@ def test_threaded_refused_submit_and_empty_write() -> None:
 
 def faulty(plan: transport.fault_plan.PlanLike) -> tuple[transport.FaultyBackend, transport.Backend, Buf, Buf]:
     fabric, src, dst = transport.FakeFabric(), Buf(16 * PAGE, seed=6), Buf(16 * PAGE)
-    a = transport.FaultyBackend(transport.create_backend("fake", fabric=fabric, environ={}), plan)
+    a = transport.FaultyBackend(transport.create_backend("fake", fabric=fabric), plan)
     a.register(src.addr, len(src.raw))
     return a, fake(fabric, dst), src, dst
 
@@ -378,10 +378,9 @@ def test_fault_plan_parsing() -> None:
         ("delay", 3, 0, None, 2.5), ("drop", 1, 1, None, 0.0), ("hang", None, 0, frozenset({7, 9}), 0.0)]
     [rule] = transport.FaultPlan.parse('{"mode": "fail", "count": 1, "reason": "nic down"}').rules
     assert (rule.mode, rule.count, rule.reason) == ("fail", 1, "nic down")
-    assert transport.FaultPlan.from_env({}) is None
-    assert transport.FaultPlan.from_env({transport.FAULT_ENV: "  "}) is None
-    env_plan = transport.FaultPlan.from_env({transport.FAULT_ENV: '[{"mode": "hang", "ids": [4]}]'})
-    assert env_plan is not None and env_plan.rules[0].ids == frozenset({4})
+    assert transport.FaultPlan.parse("  ").rules == []
+    [rule] = transport.FaultPlan.parse('[{"mode": "hang", "ids": [4]}]').rules
+    assert rule.ids == frozenset({4})
 
 
 @pytest.mark.parametrize("text", [
@@ -390,16 +389,16 @@ def test_fault_plan_parsing() -> None:
 ])
 def test_bad_fault_plans_raise_a_clear_error(text: str) -> None:
     with pytest.raises(transport.FaultPlanError) as err:
-        transport.create_backend("fake", fabric=transport.FakeFabric(),
-                                 environ={transport.FAULT_ENV: text})
-    assert transport.FAULT_ENV in str(err.value) and repr(text.strip()) in str(err.value)
+        transport.create_backend("fake", fabric=transport.FakeFabric(), fault_plan=text)
+    assert "bad fault plan" in str(err.value) and repr(text.strip()) in str(err.value)
     assert isinstance(err.value, ValueError)
 
 
-def test_create_backend_reads_the_fault_plan_from_the_environment() -> None:
+def test_create_backend_wraps_only_for_a_given_plan(monkeypatch) -> None:
+    monkeypatch.setenv("ZPD_TRANSPORT_FAULT", "fail")     # zpd's business (zpd/env.py), not transport's
     fabric = transport.FakeFabric()
-    wrapped = transport.create_backend("fake", fabric=fabric, environ={transport.FAULT_ENV: "fail:count=1"})
-    plain = transport.create_backend("fake", fabric=fabric, environ={})
+    wrapped = transport.create_backend("fake", fabric=fabric, fault_plan="fail:count=1")
+    plain = transport.create_backend("fake", fabric=fabric)
     assert isinstance(wrapped, transport.FaultyBackend) and not isinstance(plain, transport.FaultyBackend)
     wrapped.write(1, plain.session_id, [])
     assert [(c.transfer_id, c.ok) for c in wait_for(wrapped)] == [(1, False)]
@@ -415,7 +414,7 @@ def test_import_transport_without_mooncake(monkeypatch) -> None:
     fresh = importlib.import_module("transport")
     assert fresh is not transport and fresh.FakeFabric is not None
     with pytest.raises(fresh.BackendUnavailableError) as err:
-        fresh.create_backend("mooncake", environ={})
+        fresh.create_backend("mooncake")
     assert "pip install mooncake-transfer-engine-non-cuda" in str(err.value)
     assert "mooncake-transfer-engine (CUDA)" in str(err.value)
     assert isinstance(err.value, ImportError) and isinstance(err.value, fresh.TransportError)

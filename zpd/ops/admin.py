@@ -14,6 +14,8 @@ from typing import Callable
 
 import orjson
 
+from zpd.ops.options import ROUTER_ENDPOINT
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
 
 # CLI subcommand -> (wire command, help, builds the wire args from the parsed flags)
@@ -43,8 +45,8 @@ def add_admin_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentP
                     '{"ok", "command", "workers": [one result per worker], ...}; to a worker, '
                     "that worker's result. Exit 0 when every worker succeeded, 1 when any "
                     "failed, 3 when no answer came within --timeout.")
-    p.add_argument("--endpoint", default="127.0.0.1:5757",
-                   help="router or worker endpoint H:P (default 127.0.0.1:5757)")
+    p.add_argument("--endpoint", default=ROUTER_ENDPOINT,
+                   help=f"router or worker endpoint H:P (default {ROUTER_ENDPOINT})")
     p.add_argument("--timeout", type=float, default=10.0,
                    help="seconds to wait for every answer (default 10)")
     p.add_argument("--curve-keys", default=None,

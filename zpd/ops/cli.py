@@ -10,8 +10,11 @@ import orjson
 from engines.config import ModelError
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.keys import add_keys_parser
-from zpd.ops.options import (CURVE_HELP, add_liveness_options, add_model_options, add_prompt_options,
-                         add_sampling_options, add_worker_options, sampling_dict, worker_argv)
+from zpd.config import RouterConfig
+from zpd.ops.options import (ROUTER_ENDPOINT, add_default, add_model_options, add_prompt_options,
+                             add_router_options, add_sampling_options, add_worker_options,
+                             add_worker_server_options, router_config, sampling_dict,
+                             worker_argv, worker_config)
 from engines.request import StatusError
 
 
@@ -49,42 +52,21 @@ def _print_response(out: dict, as_json: bool) -> None:
         print(out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])))
 
 
-def _worker_config(args: argparse.Namespace, role: str):
-    from zpd.config import Deadlines, WorkerConfig
-    wait = args.kv_wait_timeout
-    return WorkerConfig(
-        role=role, model=args.model, host=args.host, port=args.port, device=args.device,
-        dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
-        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
-        max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
-        ib_device=args.ib_device, protocol=args.protocol, ready_file=args.ready_file,
-        curve_keys=args.curve_keys,
-        deadlines=Deadlines(wait_kv_dest=wait, transfer=args.transfer_timeout, wait_pages=wait,
-                            wait_kv_done=wait, stash=wait, heartbeat=args.heartbeat,
-                            peer_timeout=args.peer_timeout, dead_fence=args.dead_fence))
-
-
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from zpd.worker.prefill import PrefillScheduler
     from zpd.worker.core import serve
-    return serve(lambda core, ctx: PrefillScheduler(core), _worker_config(args, "prefill"))
+    return serve(lambda core, ctx: PrefillScheduler(core), worker_config(args, "prefill"))
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
     from zpd.worker.decode import DecodeScheduler
     from zpd.worker.core import serve
-    return serve(DecodeScheduler, _worker_config(args, "decode"))
+    return serve(DecodeScheduler, worker_config(args, "decode"))
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from zpd.config import RouterConfig
     from zpd.router.server import serve_router
-    split = lambda text: tuple(e for e in text.split(",") if e)   # noqa: E731
-    if not split(args.prefill) or not split(args.decode):
-        raise ValueError("the router needs at least one --prefill and one --decode endpoint")
-    return serve_router(RouterConfig(split(args.prefill), split(args.decode), args.host, args.port,
-                                     heartbeat=args.heartbeat, peer_timeout=args.peer_timeout,
-                                     ready_file=args.ready_file, curve_keys=args.curve_keys))
+    return serve_router(router_config(args))
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -142,21 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                            description=f"Start a {role} worker: it {text}.")
         add_model_options(p)
         add_worker_options(p)
-        p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-        p.add_argument("--port", type=int, default=0, help="port to bind (default 0: any free port)")
-        p.add_argument("--ready-file", default=None, help="write {role, endpoint, pid} here once ready")
+        add_worker_server_options(p)
         p.set_defaults(func=func)
 
     r = sub.add_parser("router", parents=[common], help="start the router",
                        description="Start the router: clients connect here; it picks the least "
                                    "loaded prefill and decode for each request.")
-    r.add_argument("--prefill", required=True, help="prefill endpoints H:P[,H:P...]")
-    r.add_argument("--decode", required=True, help="decode endpoints H:P[,H:P...]")
-    r.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    r.add_argument("--port", type=int, default=5757, help="port to bind (default 5757)")
-    r.add_argument("--ready-file", default=None)
-    r.add_argument("--curve-keys", default=None, help=CURVE_HELP)
-    add_liveness_options(r)
+    add_router_options(r)
     r.set_defaults(func=_cmd_router)
 
     la = sub.add_parser("launch", parents=[common], help="a whole cluster on this host",
@@ -170,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch threads of each prefill worker (default: --threads)")
     la.add_argument("--decode-threads", type=int, default=None,
                     help="torch threads of each decode worker (default: --threads)")
-    la.add_argument("--host", default="127.0.0.1", help="interface for every process (default 127.0.0.1)")
-    la.add_argument("--port", type=int, default=5757, help="router port (default 5757; 0 = any)")
+    add_default(la, "--host", RouterConfig, "interface for every process (default {default})")
+    add_default(la, "--port", RouterConfig, "router port (default {default}; 0 = any)", type=int)
     la.add_argument("--ready-file", default=None,
                     help='write {"router": "H:P", "workers": [...]} here once all are ready')
     la.add_argument("--log-dir", default=None, help="one log file per process here (default: inherit stderr)")
@@ -180,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", parents=[common], help="send requests to a router",
                        description="Send requests to a running cluster and print the responses.")
-    g.add_argument("--router", default="127.0.0.1:5757", help="router endpoint (default 127.0.0.1:5757)")
+    g.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default {ROUTER_ENDPOINT})")
     add_prompt_options(g)
     add_sampling_options(g)
     g.add_argument("--stream", action="store_true", help="print chunks as they arrive (one request)")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import orjson
 
+from zpd.ops.ready import write_ready_file
+
 log = logging.getLogger("zpd.ops.launch")
 
 
@@ -89,9 +91,7 @@ def launch(args, worker_flags: list[str]) -> int:
         cluster = {"router": router.info["endpoint"],
                    "workers": [{"role": c.role, "endpoint": c.info["endpoint"], "pid": c.proc.pid}
                                for c in children if c is not router]}
-        if args.ready_file:
-            Path(args.ready_file + ".tmp").write_bytes(orjson.dumps(cluster))
-            os.replace(args.ready_file + ".tmp", args.ready_file)
+        write_ready_file(args.ready_file, cluster)
         print(f"zpd cluster ready: router {cluster['router']} "
               f"({args.prefill} prefill, {args.decode} decode); Ctrl-C stops it", flush=True)
         while not stopping:

@@ -1,13 +1,20 @@
-"""Command-line options shared by the subcommands that load a model or sample."""
+"""Command-line options shared by the subcommands, and the configs they describe.
+
+A flag that sets a config field takes its default from that field of the
+dataclass (zpd/config.py) through `add_default`, which also shows it in --help;
+`worker_config` and `router_config` are the only places flags become a config."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from engines.sampler import SamplingParams
+from zpd.config import Deadlines, RouterConfig, WorkerConfig, default_of
 
-SAMPLING_FLAGS = {  # flag -> (type, help)
-    "max_new_tokens": (int, "tokens to generate at most (default 128)"),
-    "temperature": (float, "0 = greedy; default 1.0"),
+SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
+    "max_new_tokens": (int, "tokens to generate at most "
+                            f"(default {default_of(SamplingParams, 'max_new_tokens')})"),
+    "temperature": (float, f"0 = greedy; default {default_of(SamplingParams, 'temperature')}"),
     "top_p": (float, "nucleus sampling mass in (0, 1]"),
     "top_k": (int, "sample among the k best tokens (-1: all)"),
     "min_p": (float, "drop tokens below min_p x the best token's probability"),
@@ -18,6 +25,8 @@ SAMPLING_FLAGS = {  # flag -> (type, help)
 }
 
 
+# What `zpd generate` and `zpd admin` dial unless told otherwise: the router's defaults.
+ROUTER_ENDPOINT = f"{default_of(RouterConfig, 'host')}:{default_of(RouterConfig, 'port')}"
 CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection and admit "
               "only authorised keys (default: plaintext)")
 
@@ -27,17 +36,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", required=True,
                    help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3) or 'tiny' "
                         "(embedded default; 'tiny:SEED' for other weights)")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    g.add_argument("--dtype", default="float32",
-                   choices=["float32", "bfloat16", "float16", "float64"],
-                   help="weights and KV dtype; float64 keeps near-ties out of exactness tests")
-    g.add_argument("--weight-version", default=None,
-                   help="version string reported with every token (default: model name)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    g.add_argument("--kv-cache-mb", type=float, default=256,
-                   help="KV pool size in MiB (default 256)")
-    g.add_argument("--max-batch", type=int, default=64,
-                   help="most requests decoding at once (default 64)")
+    add_default(g, "--device", WorkerConfig, "cpu or cuda[:N] (default {default})")
+    add_default(g, "--dtype", WorkerConfig, "weights and KV dtype; float64 keeps near-ties out of "
+                "exactness tests", choices=["float32", "bfloat16", "float16", "float64"])
+    add_default(g, "--weight-version", WorkerConfig,
+                "version string reported with every token (default: model name)")
+    add_default(g, "--page-size", WorkerConfig, "tokens per KV page (default {default})", type=int)
+    add_default(g, "--kv-cache-mb", WorkerConfig, "KV pool size in MiB (default {default})",
+                type=float)
+    add_default(g, "--max-batch", WorkerConfig, "most requests decoding at once (default {default})",
+                type=int)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
@@ -80,32 +88,90 @@ def sampling_dict(args: argparse.Namespace) -> dict:
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
-    g.add_argument("--transport", default="mooncake", choices=["mooncake"],
-                   help="KV transfer backend (default mooncake)")
-    g.add_argument("--ib-device", default="",
-                   help="RDMA device name(s) for Mooncake, e.g. mlx5_0 ('' = auto; TCP without RDMA NICs)")
-    g.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"],
-                   help="Mooncake protocol hint (Mooncake picks RDMA when NICs exist; "
-                        "MC_FORCE_TCP=1 forces TCP)")
-    g.add_argument("--max-prefill-tokens", type=int, default=8192,
-                   help="most prompt tokens in one prefill forward (default 8192)")
-    g.add_argument("--transfer-timeout", type=float, default=20.0,
-                   help="seconds one KV write may take before the request fails with 504")
-    g.add_argument("--kv-wait-timeout", type=float, default=60.0,
-                   help="seconds to wait for KV pages, kv_dest or kv_done before 504")
-    g.add_argument("--dead-fence", type=float, default=300.0,
-                   help="decode: longest pages stay fenced for a prefill that stopped answering "
-                        "in the middle of writing them (default 300)")
-    add_liveness_options(g)
-    g.add_argument("--curve-keys", default=None, help=CURVE_HELP)
+    add_default(g, "--transport", WorkerConfig, "KV transfer backend (default {default})",
+                choices=["mooncake"])
+    add_default(g, "--ib-device", WorkerConfig, "RDMA device name(s) for Mooncake, e.g. mlx5_0 "
+                "('' = auto; TCP without RDMA NICs)")
+    add_default(g, "--protocol", WorkerConfig, "Mooncake protocol hint (Mooncake picks RDMA when "
+                "NICs exist; MC_FORCE_TCP=1 forces TCP)", choices=["tcp", "rdma"])
+    add_default(g, "--max-prefill-tokens", WorkerConfig,
+                "most prompt tokens in one prefill forward (default {default})", type=int)
+    add_default(g, "--transfer-timeout", Deadlines, "seconds one KV write may take before the "
+                "request fails with 504 (default {default})", field="transfer", type=float)
+    add_default(g, "--kv-wait-timeout", Deadlines, "seconds to wait for KV pages, kv_dest or "
+                "kv_done before 504 (default {default})", field="kv_wait", type=float)
+    add_default(g, "--dead-fence", Deadlines, "decode: longest pages stay fenced for a prefill "
+                "that stopped answering in the middle of writing them (default {default})",
+                type=float)
+    add_liveness_options(g, Deadlines)
+    add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
 
 
-def add_liveness_options(g: argparse._ActionsContainer) -> None:
-    g.add_argument("--heartbeat", type=float, default=0.5,
-                   help="seconds between pings to every peer (default 0.5)")
-    g.add_argument("--peer-timeout", type=float, default=2.0,
-                   help="a peer silent this long is dead: its requests fail with 503 and no "
-                        "new ones go to it until it answers again (default 2)")
+def add_worker_server_options(p: argparse.ArgumentParser) -> None:
+    """Where one worker listens (`zpd launch` picks these for its workers)."""
+    add_default(p, "--host", WorkerConfig, "interface to bind (default {default})")
+    add_default(p, "--port", WorkerConfig, "port to bind (default {default}: any free port)",
+                type=int)
+    add_default(p, "--ready-file", WorkerConfig, "write {role, endpoint, pid} here once ready")
+
+
+def add_router_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", required=True, help="prefill endpoints H:P[,H:P...]")
+    p.add_argument("--decode", required=True, help="decode endpoints H:P[,H:P...]")
+    add_default(p, "--host", RouterConfig, "interface to bind (default {default})")
+    add_default(p, "--port", RouterConfig, "port to bind (default {default})", type=int)
+    add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
+    add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
+    add_liveness_options(p, RouterConfig)
+
+
+def add_liveness_options(g: argparse._ActionsContainer, config: type) -> None:
+    """--heartbeat and --peer-timeout with the defaults of `config` (Deadlines or RouterConfig)."""
+    add_default(g, "--heartbeat", config, "seconds between pings to every peer (default {default})",
+                type=float)
+    add_default(g, "--peer-timeout", config, "a peer silent this long is dead: its requests fail "
+                "with 503 and no new ones go to it until it answers again (default {default})",
+                type=float)
+
+
+def add_default(g: argparse._ActionsContainer, flag: str, config: type, text: str,
+                field: str | None = None, **kw: Any) -> None:
+    """Add `flag` with the default of `config`'s field `field` (default: the flag's name),
+    so the dataclass stays the one source of defaults; "{default}" in `text` shows it."""
+    value = default_of(config, field or flag.lstrip("-").replace("-", "_"))
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    g.add_argument(flag, default=value, help=text.replace("{default}", shown), **kw)
+
+
+def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
+    """The WorkerConfig that the flags of `zpd prefill`/`zpd decode` describe."""
+    return WorkerConfig(
+        role=role, model=args.model, host=args.host, port=args.port, device=args.device,
+        dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
+        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
+        max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
+        ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
+        ready_file=args.ready_file, curve_keys=args.curve_keys)
+
+
+def deadlines(args: argparse.Namespace) -> Deadlines:
+    return Deadlines(kv_wait=args.kv_wait_timeout, transfer=args.transfer_timeout,
+                     heartbeat=args.heartbeat, peer_timeout=args.peer_timeout,
+                     dead_fence=args.dead_fence)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The RouterConfig that the flags of `zpd router` describe."""
+    prefill, decode = _endpoints(args.prefill), _endpoints(args.decode)
+    if not prefill or not decode:
+        raise ValueError("the router needs at least one --prefill and one --decode endpoint")
+    return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
+                        peer_timeout=args.peer_timeout, ready_file=args.ready_file,
+                        curve_keys=args.curve_keys)
+
+
+def _endpoints(text: str) -> tuple[str, ...]:
+    return tuple(e for e in text.split(",") if e)
 
 
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",

@@ -21,8 +21,8 @@ from engines.kv_pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.request import BAD_REQUEST, CONFLICT, StatusError
 from zpd.config import WorkerConfig
+from zpd.env import Knobs
 from zpd.ops.ready import write_ready_file
-from zpd.wire.drops import DropPlan
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
@@ -33,8 +33,6 @@ from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
 
 log = logging.getLogger("zpd.worker.core")
 
-# For liveness tests: seconds added to every long call (forward, weight load) of a worker.
-SLOW_ENV = "ZPD_SLOW_CALLS"
 
 
 class WorkerCore:
@@ -44,6 +42,7 @@ class WorkerCore:
     def __init__(self, cfg: WorkerConfig, ctx: zmq.Context, backend: transport.Backend | None = None,
                  loop: Loop | None = None) -> None:
         self.cfg = cfg
+        knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
         self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
@@ -51,7 +50,7 @@ class WorkerCore:
         self.compute = Compute(self.model, self.pool)
         self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
-            transfer_timeout_s=cfg.deadlines.transfer * 0.75)
+            transfer_timeout_s=cfg.deadlines.transfer * 0.75, fault_plan=knobs.fault_plan)
         self.backend.register(self.pool.data_ptr, self.pool.nbytes)
         self.security = Security(cfg.curve_keys, ctx)
         # Our one ROUTER socket: the router process, decode peers and admins connect to it.
@@ -63,8 +62,8 @@ class WorkerCore:
         self.paused: str | None = None            # None or the pause mode
         self.pause_waiters: list[Respond] = []
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
-        self.drops = DropPlan.from_env()
-        self.slow_s = _seconds_from_env(SLOW_ENV)
+        self.drops = knobs.drops
+        self.slow_s = knobs.slow_s
         self.outbox: dict[bytes, dict[str, Token]] = {}   # peer -> rid -> tokens not sent yet
         self.scheduler: Scheduler | None = None
         self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
@@ -276,19 +275,6 @@ class WorkerCore:
         self.sock.close()
         self.loop.close()
         self.security.close()
-
-
-def _seconds_from_env(name: str) -> float:
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw else 0.0
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 3600:
-        raise ValueError(f"{name}={raw!r}: want seconds, 0 <= s < 3600")
-    if value:
-        log.warning("%s=%g: every forward of this worker takes %g s more", name, value, value)
-    return value
 
 
 def compat_hash(model, layout: KVLayout) -> str:

@@ -1,0 +1,84 @@
+"""The config dataclasses are the one source of defaults: the CLI's flags, their
+--help and `zpd launch`'s forwarded worker flags all come from them."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from zpd.config import Deadlines, RouterConfig, WorkerConfig, default_of
+from zpd.ops.cli import build_parser
+from zpd.ops.options import ROUTER_ENDPOINT, router_config, worker_argv, worker_config
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_flags_default_to_the_dataclass(role: str) -> None:
+    assert worker_config(parse(role, "--model", "tiny"), role) == WorkerConfig(role, "tiny")
+
+
+def test_router_flags_default_to_the_dataclass() -> None:
+    args = parse("router", "--prefill", "a:1,", "--decode", "b:2,c:3")
+    assert router_config(args) == RouterConfig(("a:1",), ("b:2", "c:3"))
+    assert (RouterConfig((), ()).port, ROUTER_ENDPOINT) == (5757, "127.0.0.1:5757")
+
+
+def test_router_needs_an_endpoint_of_each_role() -> None:
+    with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
+        router_config(parse("router", "--prefill", ",", "--decode", "b:2"))
+
+
+def test_each_flag_reaches_its_field() -> None:
+    args = parse("decode", "--model", "m", "--host", "0.0.0.0", "--port", "7", "--page-size", "32",
+                 "--kv-cache-mb", "8", "--max-batch", "3", "--max-prefill-tokens", "99",
+                 "--transfer-timeout", "4", "--kv-wait-timeout", "5", "--dead-fence", "6",
+                 "--heartbeat", "0.25", "--peer-timeout", "1.5", "--dtype", "float64")
+    cfg = worker_config(args, "decode")
+    assert (cfg.host, cfg.port, cfg.page_size, cfg.kv_cache_mb, cfg.max_batch,
+            cfg.max_prefill_tokens, cfg.dtype) == ("0.0.0.0", 7, 32, 8.0, 3, 99, "float64")
+    assert cfg.deadlines == Deadlines(kv_wait=5.0, transfer=4.0, heartbeat=0.25,
+                                      peer_timeout=1.5, dead_fence=6.0)
+
+
+def test_one_kv_wait_covers_every_phase_wait() -> None:
+    d = Deadlines(kv_wait=7.0)
+    assert (d.wait_kv_dest, d.wait_pages, d.wait_kv_done, d.stash) == (7.0,) * 4
+    assert Deadlines().wait_kv_dest == 60.0
+
+
+def test_launch_forwards_its_worker_flags_unchanged() -> None:
+    defaults = worker_argv(parse("launch", "--model", "tiny"))
+    assert worker_config(parse("prefill", *defaults), "prefill") == WorkerConfig("prefill", "tiny")
+    tuned = worker_argv(parse("launch", "--model", "tiny", "--kv-wait-timeout", "9",
+                              "--ib-device", "mlx5_0", "--curve-keys", "/k"))
+    cfg = worker_config(parse("decode", *tuned), "decode")
+    assert (cfg.deadlines.kv_wait, cfg.ib_device, cfg.curve_keys) == (9.0, "mlx5_0", "/k")
+
+
+def help_text(capsys: pytest.CaptureFixture, command: str) -> str:
+    with pytest.raises(SystemExit):
+        parse(command, "--help")
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_shows_the_dataclass_defaults(capsys: pytest.CaptureFixture) -> None:
+    worker_help = help_text(capsys, "prefill")
+    for text in (f"tokens per KV page (default {default_of(WorkerConfig, 'page_size')})",
+                 f"504 (default {default_of(Deadlines, 'kv_wait'):g})",
+                 f"every peer (default {default_of(Deadlines, 'heartbeat'):g})",
+                 f"(default {default_of(WorkerConfig, 'port')}: any free port)"):
+        assert text in worker_help
+    router_port = default_of(RouterConfig, "port")
+    assert f"port to bind (default {router_port})" in help_text(capsys, "router")
+    assert f"router port (default {router_port}; 0 = any)" in help_text(capsys, "launch")
+
+
+def test_default_of() -> None:
+    assert default_of(WorkerConfig, "deadlines") == Deadlines()
+    with pytest.raises(ValueError, match="no default"):
+        default_of(WorkerConfig, "model")
+    with pytest.raises(AttributeError, match="no field"):
+        default_of(WorkerConfig, "colour")

@@ -1,0 +1,70 @@
+"""Every environment variable zpd reads, declared, parsed and validated here once.
+
+All three exist for fault and liveness tests, which reach a worker started as
+another process through its environment; unset or empty, each changes nothing.
+
+    ZPD_SLOW_CALLS       seconds (0 <= s < 3600) added to every long call of a
+                         worker (a forward, a weight load), so a test can keep a
+                         worker busy for longer than its peers' --peer-timeout.
+    ZPD_DROP_MESSAGES    a drop plan (zpd/wire/drops.py): outgoing control
+                         messages the worker loses on purpose, e.g. "kv_done:1"
+                         or "kv_dest:2,kv_failed:1".
+    ZPD_TRANSPORT_FAULT  a transport fault plan (transport/fault_plan.py): KV
+                         writes that fail, are delayed, hang or vanish, e.g.
+                         "fail:count=1" or "delay:seconds=2.5;drop:skip=1,count=1"
+                         or JSON '[{"mode": "hang", "count": 1}]'. zpd hands it
+                         to transport.create_backend, which reads no environment.
+
+A malformed value raises ValueError naming the variable, its value and what is
+expected, so the worker stops at start-up. The ZPD_* variables of scripts/*.sh
+are the launch scripts' own (they become flags) and are not read here.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from transport import FaultPlan
+from zpd.wire.drops import DropPlan
+
+SLOW_ENV = "ZPD_SLOW_CALLS"
+DROP_ENV = "ZPD_DROP_MESSAGES"
+FAULT_ENV = "ZPD_TRANSPORT_FAULT"
+MAX_SLOW_S = 3600.0
+
+log = logging.getLogger("zpd.env")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the environment asks of one worker. `drops` counts down as messages
+    are lost, so each worker process builds its own Knobs when it starts."""
+    slow_s: float = 0.0                                     # ZPD_SLOW_CALLS
+    drops: DropPlan = field(default_factory=DropPlan)       # ZPD_DROP_MESSAGES
+    fault_plan: FaultPlan | None = None                     # ZPD_TRANSPORT_FAULT; None: no faults
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Knobs":
+        return cls(slow_s=_seconds(environ, SLOW_ENV),
+                   drops=DropPlan.parse(environ.get(DROP_ENV, ""), source=f"${DROP_ENV}"),
+                   fault_plan=_fault_plan(environ))
+
+
+def _seconds(environ: Mapping[str, str], name: str) -> float:
+    raw = environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < MAX_SLOW_S:      # also refuses nan and inf
+        raise ValueError(f"${name}={raw!r}: want seconds, 0 <= s < {MAX_SLOW_S:g}")
+    if value:
+        log.warning("$%s=%g: every forward of this worker takes %g s more", name, value, value)
+    return value
+
+
+def _fault_plan(environ: Mapping[str, str]) -> FaultPlan | None:
+    text = environ.get(FAULT_ENV, "")
+    return FaultPlan.parse(text, source=f"${FAULT_ENV}") if text.strip() else None
