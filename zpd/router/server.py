@@ -20,7 +20,7 @@ from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop, Timer
 from zpd.wire.net import Dealer, Router
 from zpd.wire.security import ROUTER_POLICY, Security
-from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens
+from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens, new_room
 
 log = logging.getLogger("zpd.router.server")
 
@@ -173,7 +173,7 @@ class RouterServer:
             self.front.send(client, Token(rid, [], [], True, {
                 "type": "abort", "status_code": 503, "message": "no live prefill and decode worker"}))
             return
-        room = random.getrandbits(63)
+        room = new_room()
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
         prefill.load += 1
         decode.load += 1
