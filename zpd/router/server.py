@@ -1,5 +1,5 @@
-"""The router: picks a prefill and a decode for each request, relays tokens back,
-fans admin commands out to every worker."""
+"""The router: picks a prefill and a decode for each request, relays tokens back;
+its admin commands (fanned out to every worker) are in zpd.router.admin."""
 from __future__ import annotations
 
 import itertools
@@ -9,15 +9,15 @@ import random
 import signal
 import threading
 import uuid
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import orjson
 import zmq
 
 from zpd.config import RouterConfig
+from zpd.router.admin import RouterAdmin
 from zpd.wire.liveness import PeerClock
-from zpd.wire.loop import Loop, Timer
+from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens, new_room
@@ -27,6 +27,7 @@ log = logging.getLogger("zpd.router.server")
 
 @dataclass(eq=False)
 class Worker:
+    """One prefill or decode worker as the router sees it: its link, load and liveness."""
     role: str
     endpoint: str
     dealer: Dealer
@@ -37,6 +38,7 @@ class Worker:
 
 @dataclass(eq=False)
 class InFlight:
+    """A routed request, until its final answer passes through."""
     rid: str
     client: bytes
     prefill: Worker
@@ -46,16 +48,10 @@ class InFlight:
     early: tuple[int, str] | None = None  # the first token, straight from the prefill
 
 
-@dataclass(eq=False)
-class Fanout:
-    """One admin command sent to many workers, done once all reply or time runs out."""
-    on_done: Callable[[list[dict]], None]
-    waiting: set[str]
-    replies: list[dict] = field(default_factory=list)
-    timer: Timer | None = None
-
-
 class RouterServer:
+    """One router process's state and its loop: routes each request to a prefill and
+    a decode, relays their tokens to the client, fails requests of dead workers."""
+
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context) -> None:
         self.cfg, self.loop = cfg, Loop()
         self.security = Security(cfg.curve_keys, ctx)
@@ -70,10 +66,9 @@ class RouterServer:
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
-        self.fanouts: dict[str, Fanout] = {}
         self.paused: str | None = None
         self.queued: dict[str, tuple[bytes, Generate]] = {}     # arrived while paused
-        self.req_ids = itertools.count(1)
+        self.admin = RouterAdmin(self)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
@@ -151,7 +146,7 @@ class RouterServer:
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Admin):
-            self.on_admin(identity, msg)
+            self.admin.on_admin(identity, msg)
         else:
             log.warning("dropping unexpected %s from client %r", msg.TYPE, identity[:32])
 
@@ -166,8 +161,7 @@ class RouterServer:
             return
         self.route(client, msg, rid)
 
-    def route(self, client: bytes, msg: Generate, rid: str | None = None) -> None:
-        rid = rid or msg.rid
+    def route(self, client: bytes, msg: Generate, rid: str) -> None:
         prefill, decode = self.pick("prefill"), self.pick("decode")
         if prefill is None or decode is None:
             self.front.send(client, Token(rid, [], [], True, {
@@ -185,19 +179,26 @@ class RouterServer:
 
     def on_abort(self, msg: Abort) -> None:
         if msg.rid in self.queued:
-            self._end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
+            self.end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
         flight = self.inflight.get(msg.rid)
         if flight is None:
             return
         flight.decode.dealer.send(msg)
         flight.prefill.dealer.send(msg)
 
-    def _end_queued(self, rid: str, status: int, reason: str) -> None:
+    def end_queued(self, rid: str, status: int, reason: str) -> None:
         client, msg = self.queued.pop(rid)
         self.front.send(client, Token(rid, [], [], True, {"type": "abort", "status_code": status,
                                                           "message": reason},
                                       {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0,
                                        "retractions": 0}))
+
+    def unpause(self) -> None:
+        """After a successful continue: route what queued while paused."""
+        self.paused = None
+        for rid in list(self.queued):
+            client, msg = self.queued.pop(rid)
+            self.route(client, msg, rid)
 
     # --- workers ----------------------------------------------------------------
 
@@ -216,7 +217,7 @@ class RouterServer:
         elif isinstance(msg, Tokens):
             self.on_tokens(msg)
         elif isinstance(msg, AdminReply):
-            self.on_admin_reply(worker, msg)
+            self.admin.on_reply(worker, msg)
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
@@ -261,119 +262,6 @@ class RouterServer:
             flight.prefill.load -= 1
             flight.decode.load -= 1
         return flight, (part if part.token_ids or part.finished else None)
-
-    # --- admin ------------------------------------------------------------------
-
-    def on_admin(self, client: bytes, msg: Admin) -> None:
-        args = dict(msg.args)
-        try:
-            timeout = float(args.pop("timeout", self.cfg.admin_timeout_s))
-        except (TypeError, ValueError):
-            timeout = self.cfg.admin_timeout_s
-
-        def reply(ok: bool, result: dict) -> None:
-            self.front.send(client, AdminReply(msg.req_id, ok, {
-                "router": self.endpoint, "command": msg.command, "paused": self.paused,
-                "queued": len(self.queued), "inflight": len(self.inflight)} | result))
-
-        log.info("admin %s %s", msg.command, args)
-        if msg.command == "abort":
-            self.admin_abort(args, reply)
-        elif msg.command == "pause":
-            self.admin_pause(args, timeout, reply)
-        elif msg.command == "continue":
-            self.admin_continue(args, timeout, reply)
-        elif msg.command == "update_weights" and self.paused is None and self.inflight:
-            # an idle prefill would take the new weights while its decode keeps the old ones
-            reply(False, {"status": 409, "error": "update_weights while requests are in flight: "
-                                                  "pause first", "workers": []})
-        else:
-            self.fan_out(msg.command, args, self.workers, timeout,
-                         lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
-
-    def admin_abort(self, args: dict, reply) -> None:
-        rid = args.get("rid")
-        if rid in self.queued:
-            self._end_queued(rid, 499, "aborted by admin")
-            reply(True, {"rid": rid, "state": "queued"})
-        elif rid in self.inflight:
-            self.on_abort(Abort(rid, 499, "aborted by admin"))
-            reply(True, {"rid": rid, "state": "inflight"})
-        else:
-            reply(False, {"rid": rid, "status": 404, "error": f"unknown rid {rid!r}"})
-
-    def admin_pause(self, args: dict, timeout: float, reply) -> None:
-        mode = args.get("mode", "retract")
-        if self.paused is not None and self.paused != mode:
-            reply(False, {"status": 409, "error": f"already paused ({self.paused}); continue first"})
-            return
-        self.paused = mode                      # new requests queue here from now on
-        if mode == "abort":
-            for rid in list(self.queued):
-                self._end_queued(rid, 499, "aborted by pause(abort)")
-        self.fan_out("pause", args, self.workers, timeout,
-                     lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
-
-    def admin_continue(self, args: dict, timeout: float, reply) -> None:
-        """Prefills first: the ones that answer are live, and decodes send their
-        recomputes only to those."""
-        prefills = [w for w in self.workers if w.role == "prefill"]
-        decodes = [w for w in self.workers if w.role == "decode"]
-
-        def then_decodes(p_replies: list[dict]) -> None:
-            live = [r["endpoint"] for r in p_replies if r["ok"]]
-            # First tokens the client has from a prefill but no decode confirmed: a
-            # decode holding such a request resumes after that token, not before it.
-            early = {f.rid: list(f.early) for f in self.inflight.values()
-                     if f.early is not None and f.from_decode == 0}
-            self.fan_out("continue", args | {"prefills": live, "early": early}, decodes, timeout,
-                         lambda d_replies: done(p_replies + d_replies))
-
-        def done(replies: list[dict]) -> None:
-            ok = all(r["ok"] for r in replies if r["role"] == "decode") and \
-                any(r["ok"] for r in replies if r["role"] == "prefill")
-            if ok:
-                self.paused = None
-                for rid in list(self.queued):
-                    client, msg = self.queued.pop(rid)
-                    self.route(client, msg)
-            reply(ok, {"workers": replies})
-
-        self.fan_out("continue", args, prefills, timeout, then_decodes)
-
-    def fan_out(self, command: str, args: dict, targets: list[Worker], timeout: float,
-                on_done: Callable[[list[dict]], None]) -> None:
-        key = f"{next(self.req_ids)}"
-        live = [w for w in targets if w.alive]
-        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
-        fan.replies = [{"ok": False, "endpoint": w.endpoint, "role": w.role, "status": 503,
-                        "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
-        fan.timer = self.loop.call_later(timeout, self._fan_done, key)
-        for w in live:
-            w.dealer.send(Admin(command, args, key))
-        if not live:
-            self._fan_done(key)
-
-    def on_admin_reply(self, worker: Worker, msg: AdminReply) -> None:
-        fan = self.fanouts.get(msg.req_id)
-        if fan is None or worker.endpoint not in fan.waiting:
-            return
-        fan.waiting.discard(worker.endpoint)
-        fan.replies.append({"ok": msg.ok} | msg.result | {"endpoint": worker.endpoint,
-                                                           "role": worker.role})
-        if not fan.waiting:
-            self._fan_done(msg.req_id)
-
-    def _fan_done(self, key: str) -> None:
-        fan = self.fanouts.pop(key, None)
-        if fan is None:
-            return
-        if fan.timer is not None:
-            fan.timer.cancel()
-        roles = {w.endpoint: w.role for w in self.workers}
-        fan.on_done(fan.replies + [{"ok": False, "endpoint": ep, "role": roles[ep], "status": 504,
-                                    "error": "no answer before the timeout"}
-                                   for ep in sorted(fan.waiting)])
 
     # --- process ----------------------------------------------------------------
 
