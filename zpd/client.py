@@ -10,7 +10,7 @@ from typing import Iterator
 import zmq
 
 from zpd.wire.net import Curve, Dealer, SocketOptions
-from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Message, Token, Tokens
+from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Message, TokenPart, Tokens
 
 
 class Client:
@@ -22,7 +22,7 @@ class Client:
         self.endpoint, self.timeout = endpoint, timeout
         self._ctx = zmq.Context()
         self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
-        self._parts: deque[Token] = deque()     # the rest of a batched `Tokens` message
+        self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
 
     def close(self) -> None:
         self._dealer.close()
@@ -63,7 +63,7 @@ class Client:
 
     def receive(self, timeout: float | None = None) -> dict:
         """The next chunk for any submitted request (see `stream` for its fields)."""
-        msg = self._next(Token, "a token", timeout)
+        msg = self._next(TokenPart, "a token", timeout)
         chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
                  "weight_versions": list(msg.weight_versions), "finished": msg.finished}
         return chunk | (_final_fields(msg) if msg.finished else {})
@@ -77,7 +77,7 @@ class Client:
         finished = False
         try:
             while not finished:
-                msg = self._next(Token, "a token")
+                msg = self._next(TokenPart, "a token")
                 if msg.rid != rid:
                     continue
                 finished = msg.finished
@@ -120,8 +120,9 @@ class Client:
             if msg.req_id == req_id:
                 return {"ok": msg.ok} | msg.result
 
-    def _next(self, kind: type[Message], what: str, timeout: float | None = None) -> Message:
-        if kind is Token and self._parts:
+    def _next(self, kind: type, what: str, timeout: float | None = None) -> Message | TokenPart:
+        """The next `kind`: a message type, or TokenPart for one request's tokens."""
+        if kind is TokenPart and self._parts:
             return self._parts.popleft()
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
@@ -132,13 +133,13 @@ class Client:
             msg = self._dealer.recv(timeout=left)
             if isinstance(msg, Tokens):            # several requests' tokens at once
                 self._parts.extend(msg.unpack())
-                if kind is Token and self._parts:
+                if kind is TokenPart and self._parts:
                     return self._parts.popleft()
             elif isinstance(msg, kind):
                 return msg
 
 
-def _final_fields(msg: Token) -> dict:
+def _final_fields(msg: TokenPart) -> dict:
     meta = dict(msg.meta)
     text = meta.pop("text", None)
     return {"finish_reason": msg.finish, "meta": meta, "text": text}

@@ -20,7 +20,8 @@ from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
 from zpd.wire.security import ROUTER_POLICY, Security
-from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens, new_room
+from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Ping, Pong, TokenPart, Tokens,
+                               new_room)
 
 log = logging.getLogger("zpd.router.server")
 
@@ -131,8 +132,7 @@ class RouterServer:
             # A frozen decode reads this when it wakes and frees the request's pages
             # instead of generating for a client that already has its 503.
             worker.dealer.send(Abort(flight.rid, 503, reason))
-            self.on_token(Token(flight.rid, [], [], True, {"type": "abort", "status_code": 503,
-                                                          "message": reason}))
+            self.relay([TokenPart.abort(flight.rid, 503, reason)])
 
     # --- clients ---------------------------------------------------------------
 
@@ -153,8 +153,7 @@ class RouterServer:
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
         if rid in self.inflight or rid in self.queued:
-            self.front.send(client, Token(rid, [], [], True, {
-                "type": "abort", "status_code": 409, "message": f"rid {rid!r} is already in flight"}))
+            self.front.send(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
         if self.paused is not None:
             self.queued[rid] = (client, msg)     # runs after continue
@@ -164,8 +163,7 @@ class RouterServer:
     def route(self, client: bytes, msg: Generate, rid: str) -> None:
         prefill, decode = self.pick("prefill"), self.pick("decode")
         if prefill is None or decode is None:
-            self.front.send(client, Token(rid, [], [], True, {
-                "type": "abort", "status_code": 503, "message": "no live prefill and decode worker"}))
+            self.front.send(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
             return
         room = new_room()
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
@@ -188,10 +186,8 @@ class RouterServer:
 
     def end_queued(self, rid: str, status: int, reason: str) -> None:
         client, msg = self.queued.pop(rid)
-        self.front.send(client, Token(rid, [], [], True, {"type": "abort", "status_code": status,
-                                                          "message": reason},
-                                      {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0,
-                                       "retractions": 0}))
+        self.front.send(client, Tokens.abort(rid, status, reason, {
+            "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0}))
 
     def unpause(self) -> None:
         """After a successful continue: route what queued while paused."""
@@ -210,41 +206,39 @@ class RouterServer:
         if not worker.alive:
             worker.alive = True
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
-        if isinstance(msg, Token) and worker.role == "prefill":
-            self.on_first_token(msg)
-        elif isinstance(msg, Token):
-            self.on_token(msg)
+        if isinstance(msg, Tokens) and msg.first:
+            self.on_first_tokens(worker, msg)
         elif isinstance(msg, Tokens):
-            self.on_tokens(msg)
+            self.relay(msg.unpack())
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
-    def on_first_token(self, msg: Token) -> None:
-        """A streamed request's first token from its prefill, ahead of the KV write."""
-        flight = self.inflight.get(msg.rid)
-        if flight is None or flight.sent or len(msg.token_ids) != 1 or msg.finished:
-            return                                # the decode's copy came first
-        flight.early, flight.sent = (msg.token_ids[0], msg.weight_versions[0]), 1
-        self.to_client(flight.client, msg)
+    def on_first_tokens(self, worker: Worker, msg: Tokens) -> None:
+        """Streamed requests' first tokens from their prefill, ahead of the KV write."""
+        if worker.role != "prefill":
+            log.warning("dropping first tokens from %s %s: only a prefill sends those",
+                        worker.role, worker.endpoint)
+            return
+        for part in msg.unpack():
+            flight = self.inflight.get(part.rid)
+            if flight is None or flight.sent or len(part.token_ids) != 1 or part.finished:
+                continue                          # the decode's copy came first
+            flight.early, flight.sent = (part.token_ids[0], part.weight_versions[0]), 1
+            self.to_client(flight.client, Tokens.pack([part]))
 
-    def on_token(self, msg: Token) -> None:
-        flight, part = self._settle(msg)
-        if part is not None:
-            self.to_client(flight.client, part)
-
-    def on_tokens(self, msg: Tokens) -> None:
-        """A decode step's tokens: one message on to each client concerned."""
-        by_client: dict[bytes, list[Token]] = {}
-        for got in msg.unpack():
+    def relay(self, parts: list[TokenPart]) -> None:
+        """Decode tokens (a step's worth): one message on to each client concerned."""
+        by_client: dict[bytes, list[TokenPart]] = {}
+        for got in parts:
             flight, part = self._settle(got)
             if part is not None:
                 by_client.setdefault(flight.client, []).append(part)
-        for client, parts in by_client.items():
-            self.to_client(client, parts[0] if len(parts) == 1 else Tokens.pack(parts))
+        for client, mine in by_client.items():
+            self.to_client(client, Tokens.pack(mine))
 
-    def _settle(self, part: Token) -> tuple[InFlight | None, Token | None]:
+    def _settle(self, part: TokenPart) -> tuple[InFlight | None, TokenPart | None]:
         """The request's flight and what of the decode's `part` the client has not had
         (None: nothing); the flight is forgotten once it finishes."""
         flight = self.inflight.get(part.rid)
@@ -255,8 +249,8 @@ class RouterServer:
         skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
         flight.sent = max(flight.sent, start + n)
         if skip:
-            part = Token(part.rid, part.token_ids[skip:], part.weight_versions[skip:],
-                         part.finished, part.finish, part.meta)
+            part = TokenPart(part.rid, part.token_ids[skip:], part.weight_versions[skip:],
+                             part.finish, part.meta)
         if part.finished:
             del self.inflight[part.rid]
             flight.prefill.load -= 1

@@ -147,26 +147,37 @@ class Recompute(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Token(Message):
-    """Decode → router → client: new tokens, one weight version per token;
-    ``finish`` is the finish_reason object once ``finished``."""
+class TokenPart:
+    """One request's share of a ``Tokens`` message, in memory only (never sent alone):
+    its new tokens, one weight version each. ``finish`` is the finish_reason once the
+    request has ended, ``meta`` its final meta."""
 
-    TYPE: ClassVar[str] = "token"
     rid: str
     token_ids: list[int]
     weight_versions: list[str]
-    finished: bool = False
     finish: Optional[dict] = None
     meta: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @classmethod
+    def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "TokenPart":
+        """A request's final answer when it ends in an abort or failure (``status``: a
+        DESIGN status code); the one place that builds that finish_reason."""
+        return cls(rid, [], [], {"type": "abort", "status_code": status, "message": message},
+                   dict(meta or {}))
 
 
 @dataclass(frozen=True, slots=True)
 class Tokens(Message):
-    """Decode → router → client: many requests' new tokens in one message (a decode
-    step's worth), so a step costs one send per peer instead of one per request.
-    Parallel arrays: request ``rids[i]`` gets the next ``counts[i]`` entries of
-    ``token_ids`` and ``weight_versions``; ``ends`` maps each finished rid to
-    ``{"finish": finish_reason, "meta": meta}``."""
+    """Worker → router → client: new tokens of one or more requests, so a decode step
+    costs one send per peer instead of one per request. Parallel arrays: request
+    ``rids[i]`` gets the next ``counts[i]`` entries of ``token_ids`` and
+    ``weight_versions``; ``ends`` maps each finished rid to ``{"finish": finish_reason,
+    "meta": meta}``. ``first``: a streamed request's first token, sent by its prefill
+    straight to the router ahead of the KV write (the decode sends it again later)."""
 
     TYPE: ClassVar[str] = "tokens"
     rids: list[str]
@@ -174,6 +185,7 @@ class Tokens(Message):
     token_ids: list[int]
     weight_versions: list[str]
     ends: dict = field(default_factory=dict)
+    first: bool = False
 
     def __post_init__(self) -> None:
         if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
@@ -185,24 +197,31 @@ class Tokens(Message):
         if len(rids) != len(self.rids):
             raise ProtocolError("tokens: a rid appears twice")
         for rid, end in self.ends.items():
-            if rid not in rids or type(end) is not dict or type(end.get("meta", {})) is not dict:
+            # An end without a finish_reason would make the part look unfinished.
+            if rid not in rids or type(end) is not dict or type(end.get("finish")) is not dict \
+                    or type(end.get("meta", {})) is not dict:
                 raise ProtocolError(f"tokens: bad end for rid {rid!r}")
 
     @classmethod
-    def pack(cls, parts: Sequence[Token]) -> "Tokens":
-        """One message for many Token parts (distinct rids)."""
+    def pack(cls, parts: Sequence[TokenPart], first: bool = False) -> "Tokens":
+        """One message for many parts (distinct rids)."""
         return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
                    [i for t in parts for i in t.token_ids],
                    [v for t in parts for v in t.weight_versions],
-                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished})
+                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first)
 
-    def unpack(self) -> list[Token]:
+    @classmethod
+    def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "Tokens":
+        """The whole message that ends one request with ``status`` (see TokenPart.abort)."""
+        return cls.pack([TokenPart.abort(rid, status, message, meta)])
+
+    def unpack(self) -> list[TokenPart]:
         """The parts, in order."""
         out, at = [], 0
         for rid, n in zip(self.rids, self.counts):
-            end = self.ends.get(rid)
-            out.append(Token(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
-                             end is not None, end and end.get("finish"), (end or {}).get("meta", {})))
+            end = self.ends.get(rid) or {}
+            out.append(TokenPart(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
+                                 end.get("finish"), end.get("meta", {})))
             at += n
         return out
 
@@ -273,6 +292,6 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {
         cls.TYPE: cls
         for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                    Token, Tokens, Abort, Admin, AdminReply, Ping, Pong, Error)
+                    Tokens, Abort, Admin, AdminReply, Ping, Pong, Error)
     }
 )

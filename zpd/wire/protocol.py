@@ -27,7 +27,7 @@ import orjson
 # The usual import path for every message name (``from zpd.wire.protocol import ...``).
 from zpd.wire.messages import (  # noqa: F401
     MESSAGE_TYPES, Abort, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest, KvDone,
-    KvFailed, Message, Ping, Pong, ProtocolError, Recompute, Token, Tokens, new_room)
+    KvFailed, Message, Ping, Pong, ProtocolError, Recompute, TokenPart, Tokens, new_room)
 
 PROTOCOL_VERSION = 1
 

@@ -25,7 +25,7 @@ from zpd.wire.drops import DropPlan
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.security import WORKER_POLICY, Security
-from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
+from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
 from engines.request import BAD_REQUEST, RequestError
 
 log = logging.getLogger("zpd.worker.core")
@@ -82,7 +82,7 @@ class WorkerCore:
         self.on_memory_resumed: Callable[[], None] = lambda: None   # set by the scheduler
         self.drops = DropPlan.from_env()
         self.slow_s = _seconds_from_env(SLOW_ENV)
-        self.outbox: dict[bytes, dict[str, Token]] = {}   # peer -> rid -> tokens not sent yet
+        self.outbox: dict[bytes, dict[str, TokenPart]] = {}   # peer -> rid -> tokens not sent yet
         self.loop.add_socket(self.router, self._on_router)
         # Pings are answered during forwards longer than this, so a busy worker stays alive.
         self.responder = BusyResponder(self.router, self._answer_while_busy,
@@ -122,22 +122,21 @@ class WorkerCore:
         if not self.drops.drops(msg):
             self.router.send(identity, msg)
 
-    def queue_token(self, identity: bytes, part: Token) -> None:
+    def queue_token(self, identity: bytes, part: TokenPart) -> None:
         """Queue a request's new tokens for `flush_tokens`; a second part for the same
         rid before the flush is appended to the first."""
         parts = self.outbox.setdefault(identity, {})
         old = parts.get(part.rid)
         if old is not None:
-            part = Token(part.rid, old.token_ids + part.token_ids,
-                         old.weight_versions + part.weight_versions, part.finished, part.finish,
-                         part.meta)
+            part = TokenPart(part.rid, old.token_ids + part.token_ids,
+                             old.weight_versions + part.weight_versions, part.finish, part.meta)
         parts[part.rid] = part
 
     def flush_tokens(self) -> None:
         """Send the queued tokens: one message per peer (a decode step's worth)."""
         outbox, self.outbox = self.outbox, {}
         for identity, parts in outbox.items():
-            msg = next(iter(parts.values())) if len(parts) == 1 else Tokens.pack(list(parts.values()))
+            msg = Tokens.pack(list(parts.values()))
             if not self.drops.drops(msg):
                 self.router.send(identity, msg)
 

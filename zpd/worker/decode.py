@@ -20,7 +20,7 @@ from zpd.worker.fences import Fences
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Admin, Generate, Hello, KvDest, KvDone, KvFailed, Message,
-                          Recompute, Token)
+                          Recompute, TokenPart, Tokens)
 from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE, Phase,
                          Request, RequestError, response, validate)
 from zpd.worker.core import AdminError, Respond, WorkerCore, pause_mode
@@ -120,8 +120,7 @@ class DecodeScheduler:
         log.warning("rid=%s room=%d refused: %s", msg.rid, msg.room, reason)
         if msg.prefill:
             self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, CONFLICT, reason))
-        self.core.send(identity, Token(msg.rid, [], [], True, {"type": "abort", "status_code": CONFLICT,
-                                                               "message": reason}))
+        self.core.send(identity, Tokens.abort(msg.rid, CONFLICT, reason))
 
     def _enqueue(self, entry: Entry) -> None:
         entry.req.phase = Phase.WAITING
@@ -258,7 +257,7 @@ class DecodeScheduler:
             meta = final["meta"] | {"text": final["text"]}
             log.info("rid=%s room=%d epoch=%d finished: %s after %d tokens", req.rid, entry.room,
                      entry.epoch, req.finish.get("type"), len(req.output))
-        self.core.queue_token(entry.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
+        self.core.queue_token(entry.client, TokenPart(req.rid, new, versions, req.finish, meta))
         if req.finished:
             self._forget(entry)
 

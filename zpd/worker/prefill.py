@@ -20,7 +20,7 @@ from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import (Abort, Admin, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
-                          Recompute, Token)
+                          Recompute, TokenPart, Tokens)
 from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, RequestError,
                          validate, validate_prefix)
 from zpd.worker.core import AdminError, Respond, WorkerCore, pause_mode
@@ -128,7 +128,8 @@ class PrefillScheduler:
         req = job.req
         if job.early_to is None or len(req.output) != 1 or self.core.compute.stop(req) is not None:
             return
-        self.core.send(job.early_to, Token(req.rid, list(req.output), list(req.weight_versions)))
+        part = TokenPart(req.rid, list(req.output), list(req.weight_versions))
+        self.core.send(job.early_to, Tokens.pack([part], first=True))
 
     # --- requests ----------------------------------------------------------------
 
