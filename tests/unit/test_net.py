@@ -195,6 +195,7 @@ def test_client_reads_batched_tokens_in_order(ctx: zmq.Context) -> None:
         rid = client.submit(input_ids=[1, 2], rid="a", stream=True)
         identity, msg = router.recv(timeout=WAIT)
         assert isinstance(msg, p.Generate) and msg.rid == rid
+        router.send(identity, p.Accepted(rid))
         router.send(identity, p.Tokens.pack([p.TokenPart("a", [7], ["v1"]),
                                              p.TokenPart("b", [8, 9], ["v1", "v1"])]))
         router.send(identity, p.Tokens.pack([p.TokenPart("b", [], [], {"type": "length"}, {"n": 2}),

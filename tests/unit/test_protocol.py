@@ -33,6 +33,7 @@ SAMPLES: list[p.Message] = [
     p.Tokens(rids=["r1"], counts=[1], token_ids=[4], weight_versions=["v1"], first=True),
     p.Tokens(rids=["r1", "r2"], counts=[2, 0], token_ids=[4, 5], weight_versions=["v1", "v2"],
              ends={"r2": {"finish": {"type": "abort", "status_code": 499}, "meta": {}}}),
+    p.Accepted(rid="r1"),
     p.Abort(rid="r1"),
     p.Admin(command="pause", args={"mode": "retract"}, req_id="q1"),
     p.AdminReply(req_id="q1", ok=True, result={"paused": "retract"}),

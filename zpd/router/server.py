@@ -20,8 +20,8 @@ from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
 from zpd.wire.security import ROUTER_POLICY, Security
-from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Ping, Pong, TokenPart, Tokens,
-                               new_room)
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, Pong, TokenPart,
+                               Tokens, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
@@ -152,6 +152,8 @@ class RouterServer:
 
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
+        # Before anything else, so a client learns at once that a router listens here.
+        self.front.send(client, Accepted(rid))
         if rid in self.inflight or rid in self.queued:
             self.front.send(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return

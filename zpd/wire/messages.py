@@ -227,6 +227,16 @@ class Tokens(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Accepted(Message):
+    """Router → client, at once for every Generate it receives, whatever it then does
+    with it (routes it, queues it while paused, or answers an error): the client
+    learns within seconds that a router listens at the address it was given."""
+
+    TYPE: ClassVar[str] = "accepted"
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
 class Abort(Message):
     """Client/admin → router → workers: end ``rid`` with ``status``."""
 
@@ -292,6 +302,6 @@ MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {
         cls.TYPE: cls
         for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                    Tokens, Abort, Admin, AdminReply, Ping, Pong, Error)
+                    Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error)
     }
 )

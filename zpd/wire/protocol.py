@@ -26,8 +26,8 @@ import orjson
 
 # The usual import path for every message name (``from zpd.wire.protocol import ...``).
 from zpd.wire.messages import (  # noqa: F401
-    MESSAGE_TYPES, Abort, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest, KvDone,
-    KvFailed, Message, Ping, Pong, ProtocolError, Recompute, TokenPart, Tokens, new_room)
+    MESSAGE_TYPES, Abort, Accepted, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest,
+    KvDone, KvFailed, Message, Ping, Pong, ProtocolError, Recompute, TokenPart, Tokens, new_room)
 
 PROTOCOL_VERSION = 1
 
