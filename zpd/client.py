@@ -10,19 +10,30 @@ from typing import Iterator
 import zmq
 
 from zpd.wire.net import Curve, Dealer, SocketOptions
-from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Message, Token, Tokens
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, TokenPart,
+                               Tokens)
+
+
+class NoAnswerError(TimeoutError):
+    """A request was not acknowledged within the client's `connect_timeout`: nothing
+    listens at the address, or what listens there is not a zpd router."""
 
 
 class Client:
     """One DEALER connection; not thread-safe (use one Client per thread)."""
 
-    def __init__(self, endpoint: str, timeout: float = 300.0, curve: Curve | None = None) -> None:
-        """`curve`: this client's CURVE keys (`zpd.wire.security.client_curve`) for a cluster
-        started with --curve-keys; None speaks plaintext."""
-        self.endpoint, self.timeout = endpoint, timeout
+    def __init__(self, endpoint: str, timeout: float = 300.0, curve: Curve | None = None,
+                 connect_timeout: float = 5.0) -> None:
+        """`timeout`: seconds to wait for each answer. `connect_timeout`: seconds within
+        which the router must acknowledge each request submitted, else NoAnswerError (a
+        TimeoutError), so a wrong address fails fast. `curve`: this client's CURVE keys
+        (`zpd.wire.security.client_curve`) for a cluster started with --curve-keys;
+        None speaks plaintext."""
+        self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
         self._ctx = zmq.Context()
         self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
-        self._parts: deque[Token] = deque()     # the rest of a batched `Tokens` message
+        self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
+        self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
 
     def close(self) -> None:
         self._dealer.close()
@@ -63,7 +74,7 @@ class Client:
 
     def receive(self, timeout: float | None = None) -> dict:
         """The next chunk for any submitted request (see `stream` for its fields)."""
-        msg = self._next(Token, "a token", timeout)
+        msg = self._next(TokenPart, "a token", timeout)
         chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
                  "weight_versions": list(msg.weight_versions), "finished": msg.finished}
         return chunk | (_final_fields(msg) if msg.finished else {})
@@ -77,7 +88,7 @@ class Client:
         finished = False
         try:
             while not finished:
-                msg = self._next(Token, "a token")
+                msg = self._next(TokenPart, "a token")
                 if msg.rid != rid:
                     continue
                 finished = msg.finished
@@ -101,6 +112,7 @@ class Client:
         rid = rid or uuid.uuid4().hex
         self._dealer.send(Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
                                    text=prompt or ""))
+        self._unacked[rid] = time.monotonic() + self.connect_timeout
         return rid
 
     # --- admin ----------------------------------------------------------------------
@@ -120,25 +132,57 @@ class Client:
             if msg.req_id == req_id:
                 return {"ok": msg.ok} | msg.result
 
-    def _next(self, kind: type[Message], what: str, timeout: float | None = None) -> Message:
-        if kind is Token and self._parts:
+    def _next(self, kind: type, what: str, timeout: float | None = None) -> Message | TokenPart:
+        """The next `kind` (a message type, or TokenPart for one request's tokens);
+        acknowledgements are taken on the way and never returned."""
+        if kind is TokenPart and self._parts:
             return self._parts.popleft()
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no answer from {self.endpoint} within "
-                                   f"{timeout or self.timeout:.0f} s while waiting for {what}")
-            msg = self._dealer.recv(timeout=left)
-            if isinstance(msg, Tokens):            # several requests' tokens at once
-                self._parts.extend(msg.unpack())
-                if kind is Token and self._parts:
-                    return self._parts.popleft()
-            elif isinstance(msg, kind):
-                return msg
+            now = time.monotonic()
+            msg = self._dealer.recv(timeout=max(0.0, min(deadline - now, self._ack_wait(now))))
+            got = self._take(msg, kind) if msg is not None else None
+            if got is not None:
+                return got
+            if msg is None:                 # nothing pending: is anything overdue?
+                now = time.monotonic()
+                self._check_acked(now)
+                if now >= deadline:
+                    raise TimeoutError(f"no answer from {self.endpoint} within "
+                                       f"{timeout or self.timeout:.0f} s while waiting for {what}")
+
+    def _take(self, msg: Message, kind: type) -> Message | TokenPart | None:
+        """Note what `msg` tells; return it (or its first part) if it is a `kind`."""
+        if isinstance(msg, Accepted):
+            self._unacked.pop(msg.rid, None)
+        elif isinstance(msg, Tokens):            # several requests' tokens at once
+            parts = msg.unpack()
+            for part in parts:                   # an answer implies the request arrived
+                self._unacked.pop(part.rid, None)
+            self._parts.extend(parts)
+            if kind is TokenPart and self._parts:
+                return self._parts.popleft()
+        elif isinstance(msg, kind):
+            return msg
+        return None
+
+    def _ack_wait(self, now: float) -> float:
+        """Seconds until the next acknowledgement is due (a long time if none is)."""
+        return min(self._unacked.values(), default=now + self.timeout) - now
+
+    def _check_acked(self, now: float) -> None:
+        """Raise NoAnswerError for requests whose acknowledgement is overdue (forgotten
+        then, so a later call waits as usual)."""
+        late = [rid for rid, due in self._unacked.items() if due <= now]
+        if not late:
+            return
+        for rid in late:
+            del self._unacked[rid]
+        raise NoAnswerError(f"no answer from router {self.endpoint} within "
+                            f"{self.connect_timeout:g} s: is a router running there?")
 
 
-def _final_fields(msg: Token) -> dict:
+def _final_fields(msg: TokenPart) -> dict:
     meta = dict(msg.meta)
     text = meta.pop("text", None)
     return {"finish_reason": msg.finish, "meta": meta, "text": text}

@@ -33,7 +33,7 @@ from tests.e2e.fault_cluster import TRANSFER, FaultCluster, Proc, Requests, wait
 from zpd.client import Client
 from zpd.env import FAULT_ENV
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Generate, Token
+from zpd.wire.protocol import Generate, Tokens
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -362,7 +362,9 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
             ctx.term()
         admin.abort("dup")
         assert status(runs.wait()["dup"]) == 499
-    assert isinstance(reply, Token) and reply.finished and reply.finish["status_code"] == 409, reply
+    assert isinstance(reply, Tokens), reply
+    (part,) = reply.unpack()
+    assert part.rid == "dup" and part.finished and part.finish["status_code"] == 409, reply
     delayed.wait_all_free(timeout=3)
 
 

@@ -21,7 +21,7 @@ from zpd.config import Deadlines, RouterConfig, WorkerConfig
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Token, Tokens
+from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Tokens
 from zpd.worker.core import WorkerCore
 from zpd.worker.decode import DecodeScheduler
 from zpd.worker.prefill import PrefillScheduler
@@ -71,6 +71,7 @@ class InprocCluster:
         self.client = Dealer(self.ctx, self.router.endpoint, identity=b"client")
         self.answers: dict[str, Answer] = {}
         self.replies: dict[str, dict] = {}
+        self.accepted: set[str] = set()        # rids the router acknowledged
         self.silent: set[str] = set()          # roles whose loops are not turned
         self.rids = itertools.count()
 
@@ -119,7 +120,10 @@ class InprocCluster:
             if isinstance(msg, AdminReply):
                 self.replies[msg.req_id] = {"ok": msg.ok} | msg.result
                 continue
-            for part in msg.unpack() if isinstance(msg, Tokens) else [msg] if isinstance(msg, Token) else []:
+            if isinstance(msg, Accepted):
+                self.accepted.add(msg.rid)
+                continue
+            for part in msg.unpack() if isinstance(msg, Tokens) else []:
                 got = self.answers.setdefault(part.rid, Answer())
                 got.token_ids += part.token_ids
                 got.weight_versions += part.weight_versions

@@ -63,7 +63,7 @@ def test_round_trip_both_directions(pair: tuple[Router, Dealer]) -> None:
     assert dealer.send(sent)
     got = router.recv(timeout=WAIT)
     assert got == (b"decode-0", sent)
-    reply = p.Token(rid="r1", token_ids=[7], weight_versions=["v0"])
+    reply = p.Tokens.pack([p.TokenPart(rid="r1", token_ids=[7], weight_versions=["v0"])])
     assert router.send(got[0], reply)
     assert dealer.recv(timeout=WAIT) == reply
 
@@ -195,9 +195,11 @@ def test_client_reads_batched_tokens_in_order(ctx: zmq.Context) -> None:
         rid = client.submit(input_ids=[1, 2], rid="a", stream=True)
         identity, msg = router.recv(timeout=WAIT)
         assert isinstance(msg, p.Generate) and msg.rid == rid
-        router.send(identity, p.Tokens.pack([p.Token("a", [7], ["v1"]), p.Token("b", [8, 9], ["v1", "v1"])]))
-        router.send(identity, p.Tokens.pack([p.Token("b", [], [], True, {"type": "length"}, {"n": 2}),
-                                             p.Token("a", [6], ["v2"], True, {"type": "stop"})]))
+        router.send(identity, p.Accepted(rid))
+        router.send(identity, p.Tokens.pack([p.TokenPart("a", [7], ["v1"]),
+                                             p.TokenPart("b", [8, 9], ["v1", "v1"])]))
+        router.send(identity, p.Tokens.pack([p.TokenPart("b", [], [], {"type": "length"}, {"n": 2}),
+                                             p.TokenPart("a", [6], ["v2"], {"type": "stop"})]))
         got = [client.receive() for _ in range(4)]
         assert [(c["rid"], c["token_ids"], c["finished"]) for c in got] == [
             ("a", [7], False), ("b", [8, 9], False), ("b", [], True), ("a", [6], True)]

@@ -28,11 +28,12 @@ SAMPLES: list[p.Message] = [
     p.KvDone(room=7, epoch=1, first_token=42, weight_version="v2"),
     p.KvFailed(room=7, epoch=1, status=504, reason="deadline"),
     p.Recompute(rid="r1", room=7, epoch=2, input_ids=[-(2**31), 0, 9], sampling={"seed": 1}),
-    p.Token(rid="r1", token_ids=[4, 5], weight_versions=["v1", "v2"], finished=True,
-            finish={"type": "length"}, meta={"prompt_tokens": 3}),
-    p.Token(rid="r1", token_ids=[4], weight_versions=["v1"]),
+    p.Tokens(rids=["r1"], counts=[2], token_ids=[4, 5], weight_versions=["v1", "v2"],
+             ends={"r1": {"finish": {"type": "length"}, "meta": {"prompt_tokens": 3}}}),
+    p.Tokens(rids=["r1"], counts=[1], token_ids=[4], weight_versions=["v1"], first=True),
     p.Tokens(rids=["r1", "r2"], counts=[2, 0], token_ids=[4, 5], weight_versions=["v1", "v2"],
              ends={"r2": {"finish": {"type": "abort", "status_code": 499}, "meta": {}}}),
+    p.Accepted(rid="r1"),
     p.Abort(rid="r1"),
     p.Admin(command="pause", args={"mode": "retract"}, req_id="q1"),
     p.AdminReply(req_id="q1", ok=True, result={"paused": "retract"}),
@@ -122,7 +123,8 @@ MALFORMED = {
     "float field str": with_header(encode(SAMPLES[-3]), sent_at="now"),
     "str list has int": with_header(encode(SAMPLES[8]), weight_versions=["v1", 2]),
     "str list is str": with_header(encode(SAMPLES[8]), weight_versions="v1"),
-    "optional dict wrong": with_header(encode(SAMPLES[8]), finish="stop"),
+    "dict field str": with_header(encode(SAMPLES[8]), ends="stop"),
+    "bool field null": with_header(encode(SAMPLES[9]), first=None),
 }
 
 
@@ -131,10 +133,6 @@ def test_malformed_is_protocol_error(frames: list[bytes]) -> None:
     with pytest.raises(ProtocolError) as exc:
         decode(frames)
     assert exc.value.reason
-
-
-def test_optional_dict_accepts_null() -> None:
-    assert decode(with_header(encode(SAMPLES[8]), finish=None)).finish is None
 
 
 def test_unknown_header_keys_are_ignored() -> None:
@@ -148,7 +146,7 @@ def test_unknown_header_keys_are_ignored() -> None:
     p.Abort(rid="r", status=True),
     p.Ping(seq=1, sent_at=float("nan")),
     p.Admin(command="c", args={"x": object()}),
-    p.Token(rid="r", token_ids=[], weight_versions=[1]),  # type: ignore[list-item]
+    p.Tokens(rids=["r"], counts=[1], token_ids=[5], weight_versions=[1]),  # type: ignore[list-item]
 ])
 def test_encode_rejects_bad_fields(bad: p.Message) -> None:
     with pytest.raises(ProtocolError):
@@ -216,11 +214,25 @@ def test_fuzz_round_trip_ids(ids: list[int], rid: str) -> None:
 
 
 def test_tokens_pack_unpack_keeps_every_part() -> None:
-    parts = [p.Token("a", [1, 2], ["v1", "v1"]),
-             p.Token("b", [], [], True, {"type": "abort", "status_code": 503}, {"x": 1}),
-             p.Token("c", [3], ["v2"], True, {"type": "length"}, {"prompt_tokens": 4})]
+    parts = [p.TokenPart("a", [1, 2], ["v1", "v1"]),
+             p.TokenPart("b", [], [], {"type": "abort", "status_code": 503}, {"x": 1}),
+             p.TokenPart("c", [3], ["v2"], {"type": "length"}, {"prompt_tokens": 4})]
     got = decode(encode(p.Tokens.pack(parts)))
-    assert got.unpack() == parts
+    assert got.unpack() == parts and not got.first
+    assert [t.finished for t in got.unpack()] == [False, True, True]
+    assert decode(encode(p.Tokens.pack(parts[:1], first=True))).first
+
+
+def test_abort_answer_is_one_finished_part() -> None:
+    got = decode(encode(p.Tokens.abort("r", 503, "gone", {"prompt_tokens": 2})))
+    assert got.unpack() == [p.TokenPart("r", [], [], {"type": "abort", "status_code": 503,
+                                                      "message": "gone"}, {"prompt_tokens": 2})]
+    assert p.TokenPart.abort("r", 499, "x").finished
+
+
+def test_new_room_is_a_positive_63_bit_int() -> None:
+    rooms = {p.new_room() for _ in range(100)}
+    assert len(rooms) == 100 and all(0 <= r < 2**63 for r in rooms)
 
 
 @pytest.mark.parametrize("fields", [
@@ -231,6 +243,7 @@ def test_tokens_pack_unpack_keeps_every_part() -> None:
     dict(rids=["a"], counts=[-1], token_ids=[], weight_versions=[]),
     dict(rids=["a"], counts=[1], token_ids=[1], weight_versions=["v"], ends={"b": {}}),
     dict(rids=["a"], counts=[1], token_ids=[1], weight_versions=["v"], ends={"a": 3}),
+    dict(rids=["a"], counts=[1], token_ids=[1], weight_versions=["v"], ends={"a": {"meta": {}}}),
 ])
 def test_inconsistent_tokens_is_protocol_error(fields: dict) -> None:
     header = {"v": p.PROTOCOL_VERSION, "type": "tokens", "rids": fields["rids"], "counts": 0,

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from zpd.wire.net import Curve, Dealer, Router, SocketOptions
-from zpd.wire.protocol import Admin, AdminReply, Generate, Hello, Token
+from zpd.wire.protocol import Admin, AdminReply, Generate, Hello, TokenPart, Tokens
 from zpd.wire.security import (ROUTER_POLICY, WORKER_POLICY, Security, SecurityError, client_curve,
                           create_keys, rights_of)
 
@@ -80,7 +80,7 @@ def test_authorised_client_submits_but_cannot_administer(server, ctx, keys) -> N
     client.send(Generate("r1", [1, 2, 3], {}, False))
     identity, msg = _next(router, WAIT)
     assert isinstance(msg, Generate) and msg.rid == "r1"
-    router.send(identity, Token("r1", [7], ["v"], True))
+    router.send(identity, Tokens.pack([TokenPart("r1", [7], ["v"], {"type": "stop"})]))
     assert client.recv(timeout=WAIT).token_ids == [7]      # and the reply comes back
     client.send(Admin("pause", {"mode": "abort"}, "q1"))
     assert _next(router, REFUSED) is None
@@ -124,7 +124,9 @@ def test_worker_takes_requests_and_control_only_from_the_cluster_key(keys, ctx) 
         client.send(Hello("x", {}, "h", "s", 0, 0, "v"))
         assert _next(worker, REFUSED) is None
         token = client.recv(timeout=WAIT)
-        assert isinstance(token, Token) and token.finish["status_code"] == 403
+        assert isinstance(token, Tokens)
+        (part,) = token.unpack()
+        assert part.rid == "direct" and part.finished and part.finish["status_code"] == 403
         cluster = _dealer(ctx, worker.endpoint, sec.client_options().curve)
         cluster.send(Hello("x", {}, "h", "s", 0, 0, "v"))
         assert isinstance(_next(worker, WAIT)[1], Hello)

@@ -87,7 +87,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_dict(args)
     from zpd.wire.security import client_curve
     curve = client_curve(args.curve_keys, "client") if args.curve_keys else None
-    with Client(args.router, timeout=args.timeout, curve=curve) as client:
+    with Client(args.router, timeout=args.timeout, curve=curve,
+                connect_timeout=args.connect_timeout) as client:
         if args.stream and len(inputs) == 1:
             for chunk in client.stream(sampling_params=sampling, **inputs[0]):
                 if args.json:
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print chunks as they arrive (one request)")
     g.add_argument("--json", action="store_true", help="JSON output, one object per line")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for an answer")
+    g.add_argument("--connect-timeout", type=float, default=5.0,
+                   help="seconds within which the router must acknowledge each request; "
+                        "fails fast when none listens at --router (default 5)")
     g.add_argument("--curve-keys", default=None,
                    help="CURVE key directory (see `zpd keys`); connects with its client key")
     g.set_defaults(func=_cmd_generate)

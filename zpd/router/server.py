@@ -1,5 +1,5 @@
-"""The router: picks a prefill and a decode for each request, relays tokens back,
-fans admin commands out to every worker."""
+"""The router: picks a prefill and a decode for each request, relays tokens back;
+its admin commands (fanned out to every worker) are in zpd.router.admin."""
 from __future__ import annotations
 
 import itertools
@@ -9,24 +9,26 @@ import random
 import signal
 import threading
 import uuid
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
-import orjson
 import zmq
 
 from zpd.config import RouterConfig
+from zpd.ops.ready import write_ready_file
+from zpd.router.admin import RouterAdmin
 from zpd.wire.liveness import PeerClock
-from zpd.wire.loop import Loop, Timer
+from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
 from zpd.wire.security import ROUTER_POLICY, Security
-from zpd.wire.protocol import Abort, Admin, AdminReply, Generate, Ping, Pong, Token, Tokens
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, Pong, TokenPart,
+                               Tokens, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
 
 @dataclass(eq=False)
 class Worker:
+    """One prefill or decode worker as the router sees it: its link, load and liveness."""
     role: str
     endpoint: str
     dealer: Dealer
@@ -37,6 +39,7 @@ class Worker:
 
 @dataclass(eq=False)
 class InFlight:
+    """A routed request, until its final answer passes through."""
     rid: str
     client: bytes
     prefill: Worker
@@ -46,16 +49,10 @@ class InFlight:
     early: tuple[int, str] | None = None  # the first token, straight from the prefill
 
 
-@dataclass(eq=False)
-class Fanout:
-    """One admin command sent to many workers, done once all reply or time runs out."""
-    on_done: Callable[[list[dict]], None]
-    waiting: set[str]
-    replies: list[dict] = field(default_factory=list)
-    timer: Timer | None = None
-
-
 class RouterServer:
+    """One router process's state and its loop: routes each request to a prefill and
+    a decode, relays their tokens to the client, fails requests of dead workers."""
+
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
         self.cfg, self.loop = cfg, loop or Loop()
         self.security = Security(cfg.curve_keys, ctx)
@@ -70,10 +67,9 @@ class RouterServer:
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
-        self.fanouts: dict[str, Fanout] = {}
         self.paused: str | None = None
         self.queued: dict[str, tuple[bytes, Generate]] = {}     # arrived while paused
-        self.req_ids = itertools.count(1)
+        self.admin = RouterAdmin(self)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
@@ -136,8 +132,7 @@ class RouterServer:
             # A frozen decode reads this when it wakes and frees the request's pages
             # instead of generating for a client that already has its 503.
             worker.dealer.send(Abort(flight.rid, 503, reason))
-            self.on_token(Token(flight.rid, [], [], True, {"type": "abort", "status_code": 503,
-                                                          "message": reason}))
+            self.relay([TokenPart.abort(flight.rid, 503, reason)])
 
     # --- clients ---------------------------------------------------------------
 
@@ -151,29 +146,28 @@ class RouterServer:
         elif isinstance(msg, Abort):
             self.on_abort(msg)
         elif isinstance(msg, Admin):
-            self.on_admin(identity, msg)
+            self.admin.on_admin(identity, msg)
         else:
             log.warning("dropping unexpected %s from client %r", msg.TYPE, identity[:32])
 
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
+        # Before anything else, so a client learns at once that a router listens here.
+        self.front.send(client, Accepted(rid))
         if rid in self.inflight or rid in self.queued:
-            self.front.send(client, Token(rid, [], [], True, {
-                "type": "abort", "status_code": 409, "message": f"rid {rid!r} is already in flight"}))
+            self.front.send(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
         if self.paused is not None:
             self.queued[rid] = (client, msg)     # runs after continue
             return
         self.route(client, msg, rid)
 
-    def route(self, client: bytes, msg: Generate, rid: str | None = None) -> None:
-        rid = rid or msg.rid
+    def route(self, client: bytes, msg: Generate, rid: str) -> None:
         prefill, decode = self.pick("prefill"), self.pick("decode")
         if prefill is None or decode is None:
-            self.front.send(client, Token(rid, [], [], True, {
-                "type": "abort", "status_code": 503, "message": "no live prefill and decode worker"}))
+            self.front.send(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
             return
-        room = random.getrandbits(63)
+        room = new_room()
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
         prefill.load += 1
         decode.load += 1
@@ -185,19 +179,24 @@ class RouterServer:
 
     def on_abort(self, msg: Abort) -> None:
         if msg.rid in self.queued:
-            self._end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
+            self.end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
         flight = self.inflight.get(msg.rid)
         if flight is None:
             return
         flight.decode.dealer.send(msg)
         flight.prefill.dealer.send(msg)
 
-    def _end_queued(self, rid: str, status: int, reason: str) -> None:
+    def end_queued(self, rid: str, status: int, reason: str) -> None:
         client, msg = self.queued.pop(rid)
-        self.front.send(client, Token(rid, [], [], True, {"type": "abort", "status_code": status,
-                                                          "message": reason},
-                                      {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0,
-                                       "retractions": 0}))
+        self.front.send(client, Tokens.abort(rid, status, reason, {
+            "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0}))
+
+    def unpause(self) -> None:
+        """After a successful continue: route what queued while paused."""
+        self.paused = None
+        for rid in list(self.queued):
+            client, msg = self.queued.pop(rid)
+            self.route(client, msg, rid)
 
     # --- workers ----------------------------------------------------------------
 
@@ -209,41 +208,39 @@ class RouterServer:
         if not worker.alive:
             worker.alive = True
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
-        if isinstance(msg, Token) and worker.role == "prefill":
-            self.on_first_token(msg)
-        elif isinstance(msg, Token):
-            self.on_token(msg)
+        if isinstance(msg, Tokens) and msg.first:
+            self.on_first_tokens(worker, msg)
         elif isinstance(msg, Tokens):
-            self.on_tokens(msg)
+            self.relay(msg.unpack())
         elif isinstance(msg, AdminReply):
-            self.on_admin_reply(worker, msg)
+            self.admin.on_reply(worker, msg)
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
-    def on_first_token(self, msg: Token) -> None:
-        """A streamed request's first token from its prefill, ahead of the KV write."""
-        flight = self.inflight.get(msg.rid)
-        if flight is None or flight.sent or len(msg.token_ids) != 1 or msg.finished:
-            return                                # the decode's copy came first
-        flight.early, flight.sent = (msg.token_ids[0], msg.weight_versions[0]), 1
-        self.to_client(flight.client, msg)
+    def on_first_tokens(self, worker: Worker, msg: Tokens) -> None:
+        """Streamed requests' first tokens from their prefill, ahead of the KV write."""
+        if worker.role != "prefill":
+            log.warning("dropping first tokens from %s %s: only a prefill sends those",
+                        worker.role, worker.endpoint)
+            return
+        for part in msg.unpack():
+            flight = self.inflight.get(part.rid)
+            if flight is None or flight.sent or len(part.token_ids) != 1 or part.finished:
+                continue                          # the decode's copy came first
+            flight.early, flight.sent = (part.token_ids[0], part.weight_versions[0]), 1
+            self.to_client(flight.client, Tokens.pack([part]))
 
-    def on_token(self, msg: Token) -> None:
-        flight, part = self._settle(msg)
-        if part is not None:
-            self.to_client(flight.client, part)
-
-    def on_tokens(self, msg: Tokens) -> None:
-        """A decode step's tokens: one message on to each client concerned."""
-        by_client: dict[bytes, list[Token]] = {}
-        for got in msg.unpack():
+    def relay(self, parts: list[TokenPart]) -> None:
+        """Decode tokens (a step's worth): one message on to each client concerned."""
+        by_client: dict[bytes, list[TokenPart]] = {}
+        for got in parts:
             flight, part = self._settle(got)
             if part is not None:
                 by_client.setdefault(flight.client, []).append(part)
-        for client, parts in by_client.items():
-            self.to_client(client, parts[0] if len(parts) == 1 else Tokens.pack(parts))
+        for client, mine in by_client.items():
+            self.to_client(client, Tokens.pack(mine))
 
-    def _settle(self, part: Token) -> tuple[InFlight | None, Token | None]:
+    def _settle(self, part: TokenPart) -> tuple[InFlight | None, TokenPart | None]:
         """The request's flight and what of the decode's `part` the client has not had
         (None: nothing); the flight is forgotten once it finishes."""
         flight = self.inflight.get(part.rid)
@@ -254,138 +251,13 @@ class RouterServer:
         skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
         flight.sent = max(flight.sent, start + n)
         if skip:
-            part = Token(part.rid, part.token_ids[skip:], part.weight_versions[skip:],
-                         part.finished, part.finish, part.meta)
+            part = TokenPart(part.rid, part.token_ids[skip:], part.weight_versions[skip:],
+                             part.finish, part.meta)
         if part.finished:
             del self.inflight[part.rid]
             flight.prefill.load -= 1
             flight.decode.load -= 1
         return flight, (part if part.token_ids or part.finished else None)
-
-    # --- admin ------------------------------------------------------------------
-
-    def on_admin(self, client: bytes, msg: Admin) -> None:
-        args = dict(msg.args)
-        try:
-            timeout = float(args.pop("timeout", self.cfg.admin_timeout_s))
-        except (TypeError, ValueError):
-            timeout = self.cfg.admin_timeout_s
-
-        def reply(ok: bool, result: dict) -> None:
-            self.front.send(client, AdminReply(msg.req_id, ok, {
-                "router": self.endpoint, "command": msg.command, "paused": self.paused,
-                "queued": len(self.queued), "inflight": len(self.inflight)} | result))
-
-        log.info("admin %s %s", msg.command, args)
-        if msg.command == "abort":
-            self.admin_abort(args, reply)
-        elif msg.command == "pause":
-            self.admin_pause(args, timeout, reply)
-        elif msg.command == "continue":
-            self.admin_continue(args, timeout, reply)
-        elif msg.command == "update_weights" and self.paused is None and self.inflight:
-            # an idle prefill would take the new weights while its decode keeps the old ones
-            reply(False, {"status": 409, "error": "update_weights while requests are in flight: "
-                                                  "pause first", "workers": []})
-        else:
-            self.fan_out(msg.command, args, self.workers, timeout,
-                         lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
-
-    def admin_abort(self, args: dict, reply) -> None:
-        rid = args.get("rid")
-        if rid in self.queued:
-            self._end_queued(rid, 499, "aborted by admin")
-            reply(True, {"rid": rid, "state": "queued"})
-        elif rid in self.inflight:
-            self.on_abort(Abort(rid, 499, "aborted by admin"))
-            reply(True, {"rid": rid, "state": "inflight"})
-        else:
-            reply(False, {"rid": rid, "status": 404, "error": f"unknown rid {rid!r}"})
-
-    def admin_pause(self, args: dict, timeout: float, reply) -> None:
-        mode = args.get("mode", "retract")
-        if self.paused is not None and self.paused != mode:
-            reply(False, {"status": 409, "error": f"already paused ({self.paused}); continue first"})
-            return
-        self.paused = mode                      # new requests queue here from now on
-        if mode == "abort":
-            for rid in list(self.queued):
-                self._end_queued(rid, 499, "aborted by pause(abort)")
-        # Decodes first: a prefill that paused first would drop requests mid-write and
-        # tell their decodes (kv_failed) before those knew of a pause, failing (499)
-        # what a retract must hold. Once the decodes have paused, the prefills have
-        # nothing in flight that a decode still waits for.
-        prefills = [w for w in self.workers if w.role == "prefill"]
-        decodes = [w for w in self.workers if w.role == "decode"]
-        until = self.loop.time() + timeout
-
-        def then_prefills(d_replies: list[dict]) -> None:
-            left = max(0.1, until - self.loop.time())
-            self.fan_out("pause", args, prefills, left, lambda p_replies: reply(
-                all(r["ok"] for r in p_replies + d_replies), {"workers": p_replies + d_replies}))
-
-        self.fan_out("pause", args, decodes, timeout, then_prefills)
-
-    def admin_continue(self, args: dict, timeout: float, reply) -> None:
-        """Prefills first: the ones that answer are live, and decodes send their
-        recomputes only to those."""
-        prefills = [w for w in self.workers if w.role == "prefill"]
-        decodes = [w for w in self.workers if w.role == "decode"]
-
-        def then_decodes(p_replies: list[dict]) -> None:
-            live = [r["endpoint"] for r in p_replies if r["ok"]]
-            # First tokens the client has from a prefill but no decode confirmed: a
-            # decode holding such a request resumes after that token, not before it.
-            early = {f.rid: list(f.early) for f in self.inflight.values()
-                     if f.early is not None and f.from_decode == 0}
-            self.fan_out("continue", args | {"prefills": live, "early": early}, decodes, timeout,
-                         lambda d_replies: done(p_replies + d_replies))
-
-        def done(replies: list[dict]) -> None:
-            ok = all(r["ok"] for r in replies if r["role"] == "decode") and \
-                any(r["ok"] for r in replies if r["role"] == "prefill")
-            if ok:
-                self.paused = None
-                for rid in list(self.queued):
-                    client, msg = self.queued.pop(rid)
-                    self.route(client, msg)
-            reply(ok, {"workers": replies})
-
-        self.fan_out("continue", args, prefills, timeout, then_decodes)
-
-    def fan_out(self, command: str, args: dict, targets: list[Worker], timeout: float,
-                on_done: Callable[[list[dict]], None]) -> None:
-        key = f"{next(self.req_ids)}"
-        live = [w for w in targets if w.alive]
-        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
-        fan.replies = [{"ok": False, "endpoint": w.endpoint, "role": w.role, "status": 503,
-                        "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
-        fan.timer = self.loop.call_later(timeout, self._fan_done, key)
-        for w in live:
-            w.dealer.send(Admin(command, args, key))
-        if not live:
-            self._fan_done(key)
-
-    def on_admin_reply(self, worker: Worker, msg: AdminReply) -> None:
-        fan = self.fanouts.get(msg.req_id)
-        if fan is None or worker.endpoint not in fan.waiting:
-            return
-        fan.waiting.discard(worker.endpoint)
-        fan.replies.append({"ok": msg.ok} | msg.result | {"endpoint": worker.endpoint,
-                                                           "role": worker.role})
-        if not fan.waiting:
-            self._fan_done(msg.req_id)
-
-    def _fan_done(self, key: str) -> None:
-        fan = self.fanouts.pop(key, None)
-        if fan is None:
-            return
-        if fan.timer is not None:
-            fan.timer.cancel()
-        roles = {w.endpoint: w.role for w in self.workers}
-        fan.on_done(fan.replies + [{"ok": False, "endpoint": ep, "role": roles[ep], "status": 504,
-                                    "error": "no answer before the timeout"}
-                                   for ep in sorted(fan.waiting)])
 
     # --- process ----------------------------------------------------------------
 
@@ -406,10 +278,7 @@ def serve_router(cfg: RouterConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: (stop.set(), server.loop.stop()))
-    if cfg.ready_file:
-        with open(cfg.ready_file + ".tmp", "wb") as f:
-            f.write(orjson.dumps({"role": "router", "endpoint": server.endpoint, "pid": os.getpid()}))
-        os.replace(cfg.ready_file + ".tmp", cfg.ready_file)
+    write_ready_file(cfg.ready_file, {"role": "router", "endpoint": server.endpoint, "pid": os.getpid()})
     log.warning("router ready on %s: prefill %s, decode %s", server.endpoint,
                 ",".join(cfg.prefill), ",".join(cfg.decode))
     try:

@@ -1,4 +1,5 @@
-"""Typed, versioned control-plane messages and their single codec.
+"""The control plane's wire format and its single codec; the typed messages it
+carries are defined in ``zpd.wire.messages`` and re-exported here.
 
 Wire: a multipart message ``[header, *blobs]``. ``header`` is an orjson object
 ``{"v": PROTOCOL_VERSION, "type": <TYPE>, ...fields}``. Fields typed
@@ -19,10 +20,14 @@ import types
 import typing
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import orjson
+
+# The usual import path for every message name (``from zpd.wire.protocol import ...``).
+from zpd.wire.messages import (  # noqa: F401
+    MESSAGE_TYPES, Abort, Accepted, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest,
+    KvDone, KvFailed, Message, Ping, Pong, ProtocolError, Recompute, TokenPart, Tokens, new_room)
 
 PROTOCOL_VERSION = 1
 
@@ -31,255 +36,6 @@ PROTOCOL_VERSION = 1
 _INT32_CODE = next(code for code in "ihl" if array(code).itemsize == 4)
 _BIG_ENDIAN = sys.byteorder == "big"
 
-
-class ProtocolError(ValueError):
-    """A message could not be encoded or decoded; ``reason`` says why."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Message:
-    """Base of every wire message; subclasses are frozen slotted dataclasses."""
-
-    __slots__ = ()
-    TYPE: ClassVar[str] = ""
-
-
-# --- message types -----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Generate(Message):
-    """Start a request. A client sends room=0; the router assigns room/epoch
-    and names the prefill and decode endpoints chosen for it."""
-
-    TYPE: ClassVar[str] = "generate"
-    rid: str
-    input_ids: list[int]
-    sampling: dict = field(default_factory=dict)
-    stream: bool = False
-    room: int = 0
-    epoch: int = 0
-    prefill: str = ""
-    decode: str = ""
-    text: str = ""  # a text prompt, tokenized by the workers, when input_ids is empty
-
-
-@dataclass(frozen=True, slots=True)
-class Hello(Message):
-    """Decode → prefill handshake. ``layout`` holds num_layers, page_size,
-    page_bytes, dtype, num_kv_heads, head_dim; ``base_addr``/``num_pages``
-    describe the decode's registered KV pool that prefill will write into."""
-
-    TYPE: ClassVar[str] = "hello"
-    decode: str
-    layout: dict
-    compat_hash: str
-    session_id: str
-    base_addr: int
-    num_pages: int
-    weight_version: str
-
-
-@dataclass(frozen=True, slots=True)
-class HelloAck(Message):
-    """Prefill → decode answer to Hello, with the prefill's own layout, hash,
-    Mooncake session and pool; ok=False carries the mismatch in ``reason``."""
-
-    TYPE: ClassVar[str] = "hello_ack"
-    ok: bool
-    layout: dict
-    compat_hash: str
-    session_id: str
-    base_addr: int
-    num_pages: int
-    weight_version: str
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class KvDest(Message):
-    """Decode → prefill: where to write this request's KV pages. ``aux_slot``
-    is the decode's auxiliary-buffer slot for the request (-1: none)."""
-
-    TYPE: ClassVar[str] = "kv_dest"
-    room: int
-    epoch: int
-    rid: str
-    page_ids: list[int]
-    aux_slot: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class KvDone(Message):
-    """Prefill → decode: the KV is written; ``first_token`` was sampled under
-    ``weight_version``."""
-
-    TYPE: ClassVar[str] = "kv_done"
-    room: int
-    epoch: int
-    first_token: int
-    weight_version: str
-    timings: dict = field(default_factory=dict)   # milliseconds, see engines.request.Request.timings
-
-
-@dataclass(frozen=True, slots=True)
-class KvFailed(Message):
-    """Either direction: the transfer for (room, epoch) is abandoned; ``status``
-    is one of the DESIGN status codes."""
-
-    TYPE: ClassVar[str] = "kv_failed"
-    room: int
-    epoch: int
-    status: int
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Recompute(Message):
-    """Decode → prefill after a retraction: rebuild KV for prompt + output[:-1]
-    under the current weights, as (room, epoch+1)."""
-
-    TYPE: ClassVar[str] = "recompute"
-    rid: str
-    room: int
-    epoch: int
-    input_ids: list[int]
-    sampling: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Token(Message):
-    """Decode → router → client: new tokens, one weight version per token;
-    ``finish`` is the finish_reason object once ``finished``."""
-
-    TYPE: ClassVar[str] = "token"
-    rid: str
-    token_ids: list[int]
-    weight_versions: list[str]
-    finished: bool = False
-    finish: Optional[dict] = None
-    meta: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Tokens(Message):
-    """Decode → router → client: many requests' new tokens in one message (a decode
-    step's worth), so a step costs one send per peer instead of one per request.
-    Parallel arrays: request ``rids[i]`` gets the next ``counts[i]`` entries of
-    ``token_ids`` and ``weight_versions``; ``ends`` maps each finished rid to
-    ``{"finish": finish_reason, "meta": meta}``."""
-
-    TYPE: ClassVar[str] = "tokens"
-    rids: list[str]
-    counts: list[int]
-    token_ids: list[int]
-    weight_versions: list[str]
-    ends: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
-            raise ProtocolError(f"tokens: {len(self.counts)} counts for {len(self.rids)} rids")
-        if sum(self.counts) != len(self.token_ids) or len(self.token_ids) != len(self.weight_versions):
-            raise ProtocolError(f"tokens: counts sum to {sum(self.counts)} but there are "
-                                f"{len(self.token_ids)} ids and {len(self.weight_versions)} versions")
-        rids = set(self.rids)
-        if len(rids) != len(self.rids):
-            raise ProtocolError("tokens: a rid appears twice")
-        for rid, end in self.ends.items():
-            if rid not in rids or type(end) is not dict or type(end.get("meta", {})) is not dict:
-                raise ProtocolError(f"tokens: bad end for rid {rid!r}")
-
-    @classmethod
-    def pack(cls, parts: Sequence[Token]) -> "Tokens":
-        """One message for many Token parts (distinct rids)."""
-        return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
-                   [i for t in parts for i in t.token_ids],
-                   [v for t in parts for v in t.weight_versions],
-                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished})
-
-    def unpack(self) -> list[Token]:
-        """The parts, in order."""
-        out, at = [], 0
-        for rid, n in zip(self.rids, self.counts):
-            end = self.ends.get(rid)
-            out.append(Token(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
-                             end is not None, end and end.get("finish"), (end or {}).get("meta", {})))
-            at += n
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Abort(Message):
-    """Client/admin → router → workers: end ``rid`` with ``status``."""
-
-    TYPE: ClassVar[str] = "abort"
-    rid: str
-    status: int = 499
-    reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Admin(Message):
-    """Admin command (pause, continue, update_weights, status, ...); the reply
-    echoes ``req_id`` so a fan-out can match answers."""
-
-    TYPE: ClassVar[str] = "admin"
-    command: str
-    args: dict = field(default_factory=dict)
-    req_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class AdminReply(Message):
-    """Answer to one Admin message."""
-
-    TYPE: ClassVar[str] = "admin_reply"
-    req_id: str
-    ok: bool
-    result: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Ping(Message):
-    """Heartbeat; the receiver answers Pong echoing ``seq`` and ``sent_at``."""
-
-    TYPE: ClassVar[str] = "ping"
-    seq: int
-    sent_at: float
-    sender: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Pong(Message):
-    """Heartbeat answer; ``sent_at`` is the Ping's, so RTT needs one clock."""
-
-    TYPE: ClassVar[str] = "pong"
-    seq: int
-    sent_at: float
-    sender: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Error(Message):
-    """Reply to a message that could not be handled when the sender is known
-    (e.g. malformed or unexpected); ``rid`` is set when one could be read."""
-
-    TYPE: ClassVar[str] = "error"
-    status: int
-    reason: str
-    rid: str = ""
-
-
-MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
-    {
-        cls.TYPE: cls
-        for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                    Token, Tokens, Abort, Admin, AdminReply, Ping, Pong, Error)
-    }
-)
 
 # --- field specs, derived once from the annotations ----------------------------
 

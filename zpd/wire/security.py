@@ -34,7 +34,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from zpd.wire.net import Curve, SocketOptions
-from zpd.wire.protocol import Admin, AdminReply, Generate, Message, Token
+from zpd.wire.protocol import Admin, AdminReply, Generate, Message, Tokens
 
 log = logging.getLogger("zpd.wire.security")
 
@@ -133,8 +133,7 @@ class Guard:
         if isinstance(msg, Admin):
             return why, AdminReply(msg.req_id, False, {"error": why, "status": 403})
         if isinstance(msg, Generate):
-            return why, Token(msg.rid, [], [], True, {"type": "abort", "status_code": 403,
-                                                      "message": why})
+            return why, Tokens.abort(msg.rid, 403, why)
         return why, None
 
 

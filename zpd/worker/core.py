@@ -25,7 +25,7 @@ from zpd.env import Knobs
 from zpd.ops.ready import write_ready_file
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
-from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, Token, Tokens
+from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
 from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import WeightsAndMemory
@@ -64,7 +64,7 @@ class WorkerCore:
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
         self.drops = knobs.drops
         self.slow_s = knobs.slow_s
-        self.outbox: dict[bytes, dict[str, Token]] = {}   # peer -> rid -> tokens not sent yet
+        self.outbox: dict[bytes, dict[str, TokenPart]] = {}   # peer -> rid -> tokens not sent yet
         self.scheduler: Scheduler | None = None
         self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
             Ping: self._on_ping, Admin: self._on_admin}
@@ -138,22 +138,21 @@ class WorkerCore:
         if not self.drops.drops(msg):
             self.sock.send(identity, msg)
 
-    def queue_token(self, identity: bytes, part: Token) -> None:
+    def queue_token(self, identity: bytes, part: TokenPart) -> None:
         """Queue a request's new tokens for `flush_tokens`; a second part for the same
         rid before the flush is appended to the first."""
         parts = self.outbox.setdefault(identity, {})
         old = parts.get(part.rid)
         if old is not None:
-            part = Token(part.rid, old.token_ids + part.token_ids,
-                         old.weight_versions + part.weight_versions, part.finished, part.finish,
-                         part.meta)
+            part = TokenPart(part.rid, old.token_ids + part.token_ids,
+                             old.weight_versions + part.weight_versions, part.finish, part.meta)
         parts[part.rid] = part
 
     def flush_tokens(self) -> None:
         """Send the queued tokens: one message per peer (a decode step's worth)."""
         outbox, self.outbox = self.outbox, {}
         for identity, parts in outbox.items():
-            msg = next(iter(parts.values())) if len(parts) == 1 else Tokens.pack(list(parts.values()))
+            msg = Tokens.pack(list(parts.values()))
             if not self.drops.drops(msg):
                 self.sock.send(identity, msg)
 

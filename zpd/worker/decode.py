@@ -20,7 +20,7 @@ from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL,
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
-                               Recompute, Token)
+                               Recompute, TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.fences import Fences
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks
@@ -194,8 +194,7 @@ class DecodeScheduler:
         log.warning("rid=%s room=%d refused: %s", msg.rid, msg.room, reason)
         if msg.prefill:
             self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, CONFLICT, reason))
-        self.core.send(identity, Token(msg.rid, [], [], True, {"type": "abort", "status_code": CONFLICT,
-                                                               "message": reason}))
+        self.core.send(identity, Tokens.abort(msg.rid, CONFLICT, reason))
 
     def on_abort(self, identity: bytes, msg: Abort) -> None:
         job = self.by_rid.get(msg.rid)
@@ -279,7 +278,7 @@ class DecodeScheduler:
             meta = final["meta"] | {"text": final["text"]}
             log.info("rid=%s room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
-        self.core.queue_token(job.client, Token(req.rid, new, versions, req.finished, req.finish, meta))
+        self.core.queue_token(job.client, TokenPart(req.rid, new, versions, req.finish, meta))
         if req.finished:
             self._forget(job)
 

@@ -21,7 +21,7 @@ from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, 
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
-                               Recompute, Token)
+                               Recompute, TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.tombstones import Tombstones
 
@@ -174,7 +174,8 @@ class PrefillScheduler:
         req = job.req
         if job.early_to is None or len(req.output) != 1 or self.core.compute.stop(req) is not None:
             return
-        self.core.send(job.early_to, Token(req.rid, list(req.output), list(req.weight_versions)))
+        part = TokenPart(req.rid, list(req.output), list(req.weight_versions))
+        self.core.send(job.early_to, Tokens.pack([part], first=True))
 
     # --- requests ------------------------------------------------------------------
 

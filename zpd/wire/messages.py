@@ -1,0 +1,307 @@
+"""The control plane's messages: one frozen, slotted dataclass per wire type, and
+``new_room``, which defines a request's room.
+
+Each record's fields are its wire fields, in order; ``zpd.wire.protocol`` derives the
+codec from the annotations (``list[int]`` travels as an int32 blob) and re-exports
+every name here, so ``from zpd.wire.protocol import Generate`` is the usual import.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+
+def new_room() -> int:
+    """A fresh room. A room is the id of one request across its prefill/decode pair: the
+    router makes one when it routes the request (``Generate.room``), and every message
+    between that pair (KvDest, KvDone, KvFailed, Recompute) names it, so the workers match
+    KV transfers by an id the router chose, never by the client's rid. Random and 63
+    bits (positive as a signed 64-bit int), so rooms of different routers, or of a
+    restarted one, do not collide. ``epoch`` counts a room's recomputes (0, then +1 after
+    each retraction); a message for an unknown room or an older epoch is dropped, never
+    applied."""
+    return random.getrandbits(63)
+
+
+class ProtocolError(ValueError):
+    """A message could not be encoded or decoded; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Message:
+    """Base of every wire message; subclasses are frozen slotted dataclasses."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str] = ""
+
+
+# --- message types -----------------------------------------------------------
+# ``room`` and ``epoch``, wherever they appear, are defined at ``new_room``.
+
+
+@dataclass(frozen=True, slots=True)
+class Generate(Message):
+    """Start a request. A client sends room=0; the router assigns the room (see
+    ``new_room``) and epoch 0, and names the prefill and decode chosen for it."""
+
+    TYPE: ClassVar[str] = "generate"
+    rid: str
+    input_ids: list[int]
+    sampling: dict = field(default_factory=dict)
+    stream: bool = False
+    room: int = 0
+    epoch: int = 0
+    prefill: str = ""
+    decode: str = ""
+    text: str = ""  # a text prompt, tokenized by the workers, when input_ids is empty
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """Decode → prefill handshake. ``layout`` holds num_layers, page_size,
+    page_bytes, dtype, num_kv_heads, head_dim; ``base_addr``/``num_pages``
+    describe the decode's registered KV pool that prefill will write into."""
+
+    TYPE: ClassVar[str] = "hello"
+    decode: str
+    layout: dict
+    compat_hash: str
+    session_id: str
+    base_addr: int
+    num_pages: int
+    weight_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAck(Message):
+    """Prefill → decode answer to Hello, with the prefill's own layout, hash,
+    Mooncake session and pool; ok=False carries the mismatch in ``reason``."""
+
+    TYPE: ClassVar[str] = "hello_ack"
+    ok: bool
+    layout: dict
+    compat_hash: str
+    session_id: str
+    base_addr: int
+    num_pages: int
+    weight_version: str
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KvDest(Message):
+    """Decode → prefill: where to write this request's KV pages. ``aux_slot``
+    is the decode's auxiliary-buffer slot for the request (-1: none)."""
+
+    TYPE: ClassVar[str] = "kv_dest"
+    room: int
+    epoch: int
+    rid: str
+    page_ids: list[int]
+    aux_slot: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class KvDone(Message):
+    """Prefill → decode: the KV is written; ``first_token`` was sampled under
+    ``weight_version``."""
+
+    TYPE: ClassVar[str] = "kv_done"
+    room: int
+    epoch: int
+    first_token: int
+    weight_version: str
+    timings: dict = field(default_factory=dict)   # milliseconds, see engines.request.Request.timings
+
+
+@dataclass(frozen=True, slots=True)
+class KvFailed(Message):
+    """Either direction: the transfer for (room, epoch) is abandoned; ``status``
+    is one of the DESIGN status codes."""
+
+    TYPE: ClassVar[str] = "kv_failed"
+    room: int
+    epoch: int
+    status: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Recompute(Message):
+    """Decode → prefill after a retraction: rebuild KV for prompt + output[:-1]
+    under the current weights, as (room, epoch+1)."""
+
+    TYPE: ClassVar[str] = "recompute"
+    rid: str
+    room: int
+    epoch: int
+    input_ids: list[int]
+    sampling: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPart:
+    """One request's share of a ``Tokens`` message, in memory only (never sent alone):
+    its new tokens, one weight version each. ``finish`` is the finish_reason once the
+    request has ended, ``meta`` its final meta."""
+
+    rid: str
+    token_ids: list[int]
+    weight_versions: list[str]
+    finish: Optional[dict] = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @classmethod
+    def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "TokenPart":
+        """A request's final answer when it ends in an abort or failure (``status``: a
+        DESIGN status code); the one place that builds that finish_reason."""
+        return cls(rid, [], [], {"type": "abort", "status_code": status, "message": message},
+                   dict(meta or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens(Message):
+    """Worker → router → client: new tokens of one or more requests, so a decode step
+    costs one send per peer instead of one per request. Parallel arrays: request
+    ``rids[i]`` gets the next ``counts[i]`` entries of ``token_ids`` and
+    ``weight_versions``; ``ends`` maps each finished rid to ``{"finish": finish_reason,
+    "meta": meta}``. ``first``: a streamed request's first token, sent by its prefill
+    straight to the router ahead of the KV write (the decode sends it again later)."""
+
+    TYPE: ClassVar[str] = "tokens"
+    rids: list[str]
+    counts: list[int]
+    token_ids: list[int]
+    weight_versions: list[str]
+    ends: dict = field(default_factory=dict)
+    first: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
+            raise ProtocolError(f"tokens: {len(self.counts)} counts for {len(self.rids)} rids")
+        if sum(self.counts) != len(self.token_ids) or len(self.token_ids) != len(self.weight_versions):
+            raise ProtocolError(f"tokens: counts sum to {sum(self.counts)} but there are "
+                                f"{len(self.token_ids)} ids and {len(self.weight_versions)} versions")
+        rids = set(self.rids)
+        if len(rids) != len(self.rids):
+            raise ProtocolError("tokens: a rid appears twice")
+        for rid, end in self.ends.items():
+            # An end without a finish_reason would make the part look unfinished.
+            if rid not in rids or type(end) is not dict or type(end.get("finish")) is not dict \
+                    or type(end.get("meta", {})) is not dict:
+                raise ProtocolError(f"tokens: bad end for rid {rid!r}")
+
+    @classmethod
+    def pack(cls, parts: Sequence[TokenPart], first: bool = False) -> "Tokens":
+        """One message for many parts (distinct rids)."""
+        return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
+                   [i for t in parts for i in t.token_ids],
+                   [v for t in parts for v in t.weight_versions],
+                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first)
+
+    @classmethod
+    def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "Tokens":
+        """The whole message that ends one request with ``status`` (see TokenPart.abort)."""
+        return cls.pack([TokenPart.abort(rid, status, message, meta)])
+
+    def unpack(self) -> list[TokenPart]:
+        """The parts, in order."""
+        out, at = [], 0
+        for rid, n in zip(self.rids, self.counts):
+            end = self.ends.get(rid) or {}
+            out.append(TokenPart(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
+                                 end.get("finish"), end.get("meta", {})))
+            at += n
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted(Message):
+    """Router → client, at once for every Generate it receives, whatever it then does
+    with it (routes it, queues it while paused, or answers an error): the client
+    learns within seconds that a router listens at the address it was given."""
+
+    TYPE: ClassVar[str] = "accepted"
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """Client/admin → router → workers: end ``rid`` with ``status``."""
+
+    TYPE: ClassVar[str] = "abort"
+    rid: str
+    status: int = 499
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Admin(Message):
+    """Admin command (pause, continue, update_weights, status, ...); the reply
+    echoes ``req_id`` so a fan-out can match answers."""
+
+    TYPE: ClassVar[str] = "admin"
+    command: str
+    args: dict = field(default_factory=dict)
+    req_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdminReply(Message):
+    """Answer to one Admin message."""
+
+    TYPE: ClassVar[str] = "admin_reply"
+    req_id: str
+    ok: bool
+    result: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Heartbeat; the receiver answers Pong echoing ``seq`` and ``sent_at``."""
+
+    TYPE: ClassVar[str] = "ping"
+    seq: int
+    sent_at: float
+    sender: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """Heartbeat answer; ``sent_at`` is the Ping's, so RTT needs one clock."""
+
+    TYPE: ClassVar[str] = "pong"
+    seq: int
+    sent_at: float
+    sender: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """Reply to a message that could not be handled when the sender is known
+    (e.g. malformed or unexpected); ``rid`` is set when one could be read."""
+
+    TYPE: ClassVar[str] = "error"
+    status: int
+    reason: str
+    rid: str = ""
+
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
+    {
+        cls.TYPE: cls
+        for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
+                    Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error)
+    }
+)
