@@ -13,9 +13,33 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 
+# Bounds checked at admission (README, "zpd run", lists them). Outside them the
+# sampler's arithmetic breaks in float32, the narrowest dtype it computes in: a
+# temperature or top_p that rounds to 0 divides by zero, a top_k past int64 cannot
+# become a tensor, a tiny or huge repetition penalty overflows the logits.
+TEMPERATURE_RANGE = (1e-5, 100.0)        # or exactly 0: greedy
+TOP_P_MIN = 1e-6                         # far above float32's smallest normal
+INT32_MAX = 2**31 - 1                    # top_k, max_new_tokens, stop token ids
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+PENALTY_MAX = 2.0                        # |frequency_penalty|, |presence_penalty| (OpenAI's range)
+SEED_RANGE = (-2**63, 2**63 - 1)         # int64, what the wire and torch carry
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 256   # each step decodes the tail they could end in
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _integer(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _real(value: object, low: float, high: float) -> bool:
+    """A number in [low, high]; NaN and infinities fail the comparison."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One request's sampling; a value outside the bounds above raises ValueError
+    naming the parameter (status 400 at a worker)."""
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -30,33 +54,48 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k must be -1, 0 or a positive integer"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
-        ]
-        for ok, message in checks:
+        for name, ok, bound in self._checks():
             if not ok:
-                raise ValueError(message)
+                raise ValueError(f"{name} must be {bound}, got {_show(getattr(self, name))}")
+
+    def _checks(self) -> list[tuple[str, bool, str]]:
+        """(parameter, within bounds, the bounds in words), in field order."""
+        t_low, t_high = TEMPERATURE_RANGE
+        r_low, r_high = REPETITION_PENALTY_RANGE
+        return [
+            ("max_new_tokens", _integer(self.max_new_tokens, 1, INT32_MAX),
+             f"an integer in [1, {INT32_MAX}]"),
+            ("temperature", _real(self.temperature, 0, 0) or _real(self.temperature, t_low, t_high),
+             f"0 (greedy) or in [{t_low}, {t_high:g}]"),
+            ("top_p", _real(self.top_p, TOP_P_MIN, 1.0), f"in [{TOP_P_MIN}, 1]"),
+            ("top_k", _integer(self.top_k, -1, INT32_MAX), f"-1 or 0 (no limit) or in [1, {INT32_MAX}]"),
+            ("min_p", _real(self.min_p, 0.0, 1.0), "in [0, 1]"),
+            ("repetition_penalty", _real(self.repetition_penalty, r_low, r_high),
+             f"in [{r_low}, {r_high:g}]"),
+            ("frequency_penalty", _real(self.frequency_penalty, -PENALTY_MAX, PENALTY_MAX),
+             f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]"),
+            ("presence_penalty", _real(self.presence_penalty, -PENALTY_MAX, PENALTY_MAX),
+             f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]"),
+            ("stop", _stop_ok(self.stop),
+             f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
+            ("stop_token_ids", _stop_ids_ok(self.stop_token_ids),
+             f"at most {MAX_STOP_TOKEN_IDS} token ids in [0, {INT32_MAX}]"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
+            ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE),
+             f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
+        ]
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "SamplingParams":
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"sampling parameters must be an object, got {type(raw).__name__}")
         raw = dict(raw or {})
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"unknown sampling parameters: {', '.join(sorted(unknown))}")
+            raise ValueError(f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
         for key in ("stop", "stop_token_ids"):
             if key in raw:
-                value = raw[key]
-                raw[key] = (value,) if isinstance(value, (str, int)) else tuple(value or ())
+                raw[key] = _as_tuple(raw[key])
         try:
             return cls(**raw)
         except TypeError as e:
@@ -69,6 +108,37 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _as_tuple(value: object) -> object:
+    """A single stop string or id, or a list of them, as a tuple; anything else is
+    left as it is for the check to name."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        return (value,)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _stop_ok(stop: object) -> bool:
+    return isinstance(stop, tuple) and len(stop) <= MAX_STOP_STRINGS and \
+        all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+
+
+def _stop_ids_ok(ids: object) -> bool:
+    return isinstance(ids, tuple) and len(ids) <= MAX_STOP_TOKEN_IDS and \
+        all(_integer(t, 0, INT32_MAX) for t in ids)
+
+
+def _show(value: object) -> str:
+    """The refused value, short (a huge int has no repr: Python refuses to print it)."""
+    if isinstance(value, (tuple, list, dict)):
+        return f"{type(value).__name__} of {len(value)}"
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -122,3 +122,52 @@ def test_bad_params_are_clear_errors(bad):
 def test_params_round_trip():
     p = SamplingParams.from_dict({"stop": "x", "stop_token_ids": [3], "seed": 5, "top_k": 4})
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+# Each value here once reached the sampler and raised there, killing the worker
+# (issue #11, finding 4): temperature and top_p that round to 0 in float32, a top_k
+# past int64, a penalty that overflows the logits.
+@pytest.mark.parametrize("name,value", [
+    ("temperature", 1e-300), ("temperature", 1e-6), ("temperature", 101), ("temperature", float("inf")),
+    ("temperature", float("nan")), ("temperature", True), ("temperature", False), ("temperature", "1"),
+    ("top_p", 1e-320), ("top_p", 1e-7), ("top_p", float("nan")), ("top_p", 1.0000001),
+    ("top_k", 2**63), ("top_k", 2**31), ("top_k", True), ("top_k", 1.0),
+    ("min_p", -0.1), ("min_p", float("nan")),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("repetition_penalty", float("inf")),
+    ("frequency_penalty", float("-inf")), ("presence_penalty", float("nan")),
+    ("max_new_tokens", 2**31), ("max_new_tokens", True),
+    pytest.param("max_new_tokens", 10**400, id="max_new_tokens-10**400"),
+    ("seed", 2**63), ("seed", -2**63 - 1), ("seed", 1.5), ("seed", False),
+    ("stop", ["x"] * 65), ("stop", ["x" * 257]), ("stop", [3]), ("stop", 1.5), ("stop", {"a": 1}),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [2**31]), ("stop_token_ids", [True]),
+    ("stop_token_ids", list(range(1025))), ("stop_token_ids", "12"),
+    ("ignore_eos", "yes"), ("ignore_eos", 1)])
+def test_out_of_bounds_params_are_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams.from_dict({name: value})
+
+
+@pytest.mark.parametrize("raw", [None, {}, {"temperature": 0}, {"temperature": 1e-5},
+                                 {"temperature": 100}, {"top_k": 0}, {"top_k": -1}])
+def test_params_at_the_bounds_are_accepted(raw):
+    SamplingParams.from_dict(raw)
+
+
+@pytest.mark.parametrize("raw", [[("temperature", 0)], "temperature", 3])
+def test_sampling_params_must_be_an_object(raw):
+    with pytest.raises(ValueError, match="sampling"):
+        SamplingParams.from_dict(raw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("edge", [
+    {"temperature": 1e-5}, {"temperature": 100}, {"top_p": 1e-6}, {"top_k": 2**31 - 1},
+    {"min_p": 1.0}, {"repetition_penalty": 0.01}, {"repetition_penalty": 100},
+    {"frequency_penalty": -2, "presence_penalty": 2}, {"seed": -2**63}, {"seed": 2**63 - 1}])
+def test_every_accepted_edge_samples_a_token(edge, dtype):
+    """The bounds are where the sampler's arithmetic still holds in the narrowest dtype."""
+    logits = (torch.randn(2, 64, generator=torch.Generator().manual_seed(0)) * 30).to(dtype)
+    p = SamplingParams.from_dict({"temperature": 1.0} | edge)
+    tokens = Sampler()(logits, [p, p], [1, 2], [0, 3], [[1, 2]] * 2, [[3, 3, 4]] * 2)
+    assert all(0 <= t < 64 for t in tokens)
+
