@@ -109,6 +109,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
+
 
 def _as_tuple(value: object) -> object:
     """A single stop string or id, or a list of them, as a tuple; anything else is
@@ -181,10 +185,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        for i, p in enumerate(params):
-            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-                logits[i] = apply_penalties(logits[i].clone(), p, prompts[i], outputs[i])
+        penalised = [i for i, p in enumerate(params) if p.penalised]
+        # A copy before writing: the model's logits are an inference tensor, which
+        # may not be updated in place outside inference mode.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=bool(penalised))
+        for i in penalised:
+            logits[i] = apply_penalties(logits[i].clone(), params[i], prompts[i], outputs[i])
         chosen = logits.argmax(-1).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:

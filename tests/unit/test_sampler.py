@@ -171,3 +171,13 @@ def test_every_accepted_edge_samples_a_token(edge, dtype):
     tokens = Sampler()(logits, [p, p], [1, 2], [0, 3], [[1, 2]] * 2, [[3, 3, 4]] * 2)
     assert all(0 <= t < 64 for t in tokens)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_penalties_leave_the_models_inference_tensor_alone(dtype):
+    """The runner's logits are inference tensors, which may not be written outside
+    inference mode: a penalty on a float32/float64 model used to raise here."""
+    with torch.inference_mode():
+        logits = LOGITS.to(dtype).clone()
+    p = SamplingParams(temperature=0, repetition_penalty=4.0)
+    assert Sampler()(logits, [p], [1], [0], [[0]], [[]]) == [1]       # 2.0 / 4 < 1.0
+    assert logits.tolist() == LOGITS.tolist()
