@@ -24,6 +24,7 @@ from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed,
 from zpd.worker.core import WorkerCore
 from zpd.worker.fences import Fences
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks
+from zpd.worker.scheduler import step_failure
 
 log = logging.getLogger("zpd.worker.decode")
 
@@ -113,10 +114,23 @@ class DecodeScheduler:
 
     def step(self) -> None:
         self.admit()
-        with self.core.long_call():
-            stepped = self.batch.step()
+        running = [self.by_rid[rid] for rid in self.batch.running]
+        try:
+            with self.core.long_call():
+                stepped = self.batch.step()
+        except Exception as e:    # one bad batch must not take every other request down
+            self.step_failed(running, e)
+            return
         for req in stepped:
             self.emit(self.by_rid[req.rid])
+
+    def step_failed(self, batch: list[DecodeJob], error: Exception) -> None:
+        """The decode step of `batch` raised: end exactly those requests with 500 and
+        free their pages (their prefills are done with them); go on serving."""
+        log.error("decode step of rids %s failed", [j.req.rid for j in batch], exc_info=error)
+        reason = step_failure("decode step", error)
+        for job in batch:
+            self.finish(job, INTERNAL, reason, tell_prefill=False)
 
     def _can_admit(self) -> bool:
         return bool(self.waiting) and self.batch.has_room and self.core.schedulable() \

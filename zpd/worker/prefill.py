@@ -23,6 +23,7 @@ from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
                                Recompute, TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
+from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
 
 log = logging.getLogger("zpd.worker.prefill")
@@ -138,8 +139,12 @@ class PrefillScheduler:
         if not batch:
             return
         started = time.monotonic()
-        with self.core.long_call():
-            self.core.compute.prefill([j.req for j in batch])
+        try:
+            with self.core.long_call():
+                self.core.compute.prefill([j.req for j in batch])
+        except Exception as e:    # one bad batch must not take every other request down
+            self.compute_failed(batch, e)
+            return
         for job in batch:
             job.marks |= {"forward": started, "computed": time.monotonic()}
         self.after_compute(batch)
@@ -165,6 +170,20 @@ class PrefillScheduler:
                 self.start_write(job)
             else:
                 self.move(job, JobPhase.COMPUTED)
+
+    def compute_failed(self, batch: list[PrefillJob], error: Exception) -> None:
+        """The forward or sampling of `batch` raised: end exactly its jobs with 500 and
+        free their pages; the worker goes on serving."""
+        log.error("prefill of rooms %s failed", [j.room for j in batch], exc_info=error)
+        reason = step_failure("prefill step", error)
+        for job in batch:
+            if job.decode is not None:
+                self.end(job, INTERNAL, reason)
+                continue
+            # Its decode is not known until its kv_dest comes: refused, as at admission.
+            self.pool.allocator.free_pages(job.req.pages)
+            job.req.pages, job.failure = [], (INTERNAL, reason)
+            self.move(job, JobPhase.REJECTED)
 
     def _send_first_token(self, job: PrefillJob) -> None:
         """A streamed request's first token goes straight to its router, so the client

@@ -16,6 +16,13 @@ Respond = Callable[[bool, dict], None]          # an admin command's answer: ok,
 PAUSE_MODES = ("abort", "in_place", "retract")
 
 
+def step_failure(what: str, error: Exception) -> str:
+    """The message of the requests a failed model step ends (status 500): the step
+    and the error, short enough for a log line and a client's finish_reason."""
+    text = f"{what} failed: {type(error).__name__}: {error}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 class Scheduler(Protocol):
     """A worker role's request state machine, driven by the core's loop."""
 
