@@ -23,7 +23,7 @@ from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed,
                                Recompute, TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.fences import Fences
-from zpd.worker.links import LinkState, PrefillLink, PrefillLinks
+from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.scheduler import step_failure
 
 log = logging.getLogger("zpd.worker.decode")
@@ -177,8 +177,13 @@ class DecodeScheduler:
         if msg.room in self.jobs:
             log.warning("duplicate generate rid=%s room=%d dropped", msg.rid, msg.room)
             return
-        if msg.rid in self.by_rid:
-            self.refuse_duplicate(identity, msg)
+        if not well_formed(msg.prefill):      # before any socket is made for it
+            self.refuse(identity, msg, BAD_REQUEST,
+                        f"prefill {msg.prefill[:80]!r} is not an endpoint (host:port)")
+            return
+        if msg.rid in self.by_rid:   # e.g. an orphan of a restarted router that reused the rid
+            self.refuse(identity, msg, CONFLICT,
+                        f"rid {msg.rid!r} is already in flight on decode {self.core.endpoint}")
             return
         prompt, params, error = [], SamplingParams(), None
         try:
@@ -201,14 +206,13 @@ class DecodeScheduler:
         else:
             self.move(job, DecodePhase.WAITING)
 
-    def refuse_duplicate(self, identity: bytes, msg: Generate) -> None:
-        """A rid still running here (e.g. an orphan of a router that was restarted and
-        got the same rid again): answer 409 and free its prefill, so nothing waits."""
-        reason = f"rid {msg.rid!r} is already in flight on decode {self.core.endpoint}"
+    def refuse(self, identity: bytes, msg: Generate, status: int, reason: str) -> None:
+        """Answer a generate we make no job for, and free its prefill (if it names one
+        we may dial), so nothing waits for it."""
         log.warning("rid=%s room=%d refused: %s", msg.rid, msg.room, reason)
-        if msg.prefill:
-            self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, CONFLICT, reason))
-        self.core.send(identity, Tokens.abort(msg.rid, CONFLICT, reason))
+        if well_formed(msg.prefill):
+            self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, status, reason))
+        self.core.send(identity, Tokens.abort(msg.rid, status, reason))
 
     def on_abort(self, identity: bytes, msg: Abort) -> None:
         job = self.by_rid.get(msg.rid)
@@ -230,8 +234,10 @@ class DecodeScheduler:
         if isinstance(msg, (KvDone, KvFailed)) and self.fences.answered(key, link.endpoint):
             return                               # the prefill answered: nothing more will land
         job = self.jobs.get(key[0])
-        if job is None or job.epoch != key[1] or job.phase is not DecodePhase.TRANSFERRING:
-            log.debug("dropping %s for unknown or old room from %s", msg.TYPE, link.endpoint)
+        if job is None or job.epoch != key[1] or job.phase is not DecodePhase.TRANSFERRING \
+                or job.prefill != link.endpoint:     # only the prefill it asked may answer
+            log.debug("dropping %s for an unknown or old room, or another prefill's, from %s",
+                      msg.TYPE, link.endpoint)
             return
         if isinstance(msg, KvDone):
             self.on_kv_done(job, msg)
@@ -244,6 +250,12 @@ class DecodeScheduler:
         req = job.req
         req.timings = {k: v for k, v in msg.timings.items() if isinstance(v, (int, float))}
         if not req.output:
+            vocab = self.core.model.cfg.vocab_size
+            if not 0 <= msg.first_token < vocab:     # the write is over: nothing to fence
+                self.finish(job, INTERNAL, f"prefill {job.prefill} sent first token "
+                            f"{msg.first_token}, outside [0, {vocab})",
+                            tell_prefill=True, may_land=False)
+                return
             req.emit(msg.first_token, msg.weight_version)
             req.finish = self.core.compute.stop(req)
         log.info("rid=%s room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
@@ -355,8 +367,11 @@ class DecodeScheduler:
     def on_resume(self, args: dict) -> dict:
         """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
         prefills = args.get("prefills")
-        if isinstance(prefills, list) and all(isinstance(p, str) for p in prefills) and prefills:
-            self.live_prefills = prefills
+        if isinstance(prefills, list) and prefills:
+            live = [p for p in prefills if well_formed(p)]
+            if len(live) < len(prefills):
+                log.warning("continue: ignoring prefills that are no endpoints in %.200r", prefills)
+            self.live_prefills = live or self.live_prefills
         held = sorted((j for j in self.jobs.values() if j.phase is DecodePhase.HELD),
                       key=lambda j: j.req.arrived)
         early = args.get("early") if isinstance(args.get("early"), dict) else {}

@@ -12,10 +12,27 @@ import zmq
 from zpd.wire.drops import DropPlan
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
-from zpd.wire.net import Dealer, SocketOptions
+from zpd.wire.net import INPROC, Dealer, SocketOptions, parse_endpoint
 from zpd.wire.protocol import Hello, HelloAck, Message, Ping, Pong
 
 log = logging.getLogger("zpd.worker.links")
+
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:%")
+
+
+def well_formed(endpoint: object) -> bool:
+    """`endpoint` is one a decode may dial: host:port (a port in [1, 65535], a host
+    of name or address characters) or an in-process name (tests). Checked before
+    any socket is made, since a socket for a bad one raises in the scheduler."""
+    if not isinstance(endpoint, str) or len(endpoint) > 300:
+        return False
+    if endpoint.startswith(INPROC):
+        return len(endpoint) > len(INPROC)
+    try:
+        host, port = parse_endpoint(endpoint)
+    except ValueError:
+        return False
+    return 0 < port < 65536 and set(host) <= _HOST_CHARS
 
 
 class LinkState(enum.Enum):
