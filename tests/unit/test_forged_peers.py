@@ -1,15 +1,17 @@
 """Forged messages to a decode (issue #11, finding 5), on the in-process cluster
 (tests/unit/inproc.py): a generate naming a prefill that is no endpoint, a prefill
 whose kv_done carries a token outside the vocabulary, a kv_done from a prefill the
-request never asked, a continue naming bad prefills. Each time the decode answers
-or drops the message, keeps its pages and keeps serving."""
+request never asked, a continue naming bad prefills, a handler that raises. Each
+time the decode answers or drops the message, keeps its pages and keeps serving."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.net import Dealer, Router
-from zpd.wire.protocol import (Admin, AdminReply, Generate, Hello, HelloAck, KvDest,
+from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Hello, HelloAck, KvDest,
                                KvDone, KvFailed, Ping, Pong, Tokens)
 from zpd.worker.decode import DecodePhase
 
@@ -154,3 +156,18 @@ def test_continue_naming_bad_prefills_keeps_the_request_own_prefill(cluster):
     cluster.check_pages()
     prefill_admin.close()
 
+
+def test_a_handler_that_raises_is_logged_and_its_message_dropped(cluster, monkeypatch, caplog):
+    """The last line of defence: whatever a handler missed must not end the loop."""
+    def broken(identity, msg):
+        raise KeyError("a bug")
+    monkeypatch.setitem(cluster.decode.handlers, Abort, broken)
+    with caplog.at_level(logging.ERROR, logger="zpd.worker.core"):
+        cluster.decode._dispatch(b"someone", Abort("r", 499, "x"))
+        forger = Forger(cluster)
+        forger.dealer.send(Abort("r", 499, "x"))
+        turn(cluster, forger)
+    logged = [r for r in caplog.records if r.name == "zpd.worker.core"]
+    assert logged and "abort" in logged[0].getMessage() and "someone" in logged[0].getMessage()
+    assert logged[0].exc_info is not None
+    serves_again(cluster)

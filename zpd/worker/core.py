@@ -173,7 +173,10 @@ class WorkerCore:
         if handler is None:
             log.warning("%s: dropping unexpected %s from %r", self.cfg.role, msg.TYPE, identity[:32])
             return
-        handler(identity, msg)
+        try:
+            handler(identity, msg)
+        except Exception:     # the last line of defence: a handler's bug costs one message
+            log.exception("%s: %s from %r failed; dropped", self.cfg.role, msg.TYPE, identity[:32])
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         """Also called on the responder thread: it sends straight to the socket (a pong's
