@@ -43,14 +43,16 @@ class WeightsAndMemory:
         path, version = args.get("path"), args.get("version")
         if not isinstance(path, str) or not path:
             raise StatusError(BAD_REQUEST, "update_weights needs a checkpoint path")
+        if version is not None and (not isinstance(version, str) or not version):
+            raise StatusError(BAD_REQUEST, "update_weights: version must be a non-empty string")
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
         try:
             with core.long_call():
-                new = load_new_weights(core.model, path, version if isinstance(version, str) else None)
+                new = load_new_weights(core.model, path, version)
         except (ModelError, ValueError) as e:
             raise StatusError(BAD_REQUEST, str(e)) from None
-        log.warning("weights updated from %s: version %s", path, new)
+        log.warning("weights updated from %r: version %r", path, new)
         respond(True, {"weight_version": new})
 
     def flush_cache(self, args: dict, respond: Respond) -> None:
