@@ -95,6 +95,13 @@ def test_arguments_a_command_does_not_take_are_refused(cluster, command):
     still_serving(cluster)
 
 
+def test_a_null_version_means_the_checkpoints_name(cluster):
+    assert cluster.admin("pause", mode="retract")["ok"]
+    assert cluster.admin("update_weights", path="tiny:7", version=None)["ok"]
+    assert cluster.decode.model.version == "tiny:7"
+    assert cluster.admin("continue")["ok"]
+
+
 def test_a_failing_admin_command_answers_500_and_the_router_lives(cluster, monkeypatch):
     def broken(*_):
         raise RuntimeError("boom")

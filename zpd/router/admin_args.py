@@ -28,7 +28,8 @@ ARGS: dict[str, dict[str, Check]] = {
     "pause": {"mode": (lambda v: isinstance(v, str) and v in PAUSE_MODES,
                        f"one of {', '.join(PAUSE_MODES)}")},
     "continue": {},
-    "update_weights": {"path": TEXT, "version": TEXT},
+    "update_weights": {"path": TEXT, "version": (lambda v: v is None or _text(v),
+                                                 "a non-empty string (or null: the path's name)")},
     "abort": {"rid": TEXT},
     "status": {}, "release_memory": {}, "resume_memory": {}, "flush_cache": {},
 }
