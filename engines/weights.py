@@ -28,10 +28,13 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             raise ModelError(f"{index}: malformed index file: {e}") from None
-        files = [root / s for s in shards]
+        # A shard is a file of this directory: an index must not reach outside it.
+        if not all(isinstance(s, str) and s and Path(s).name == s for s in shards):
+            raise ModelError(f"{index}: shard names must be plain file names in its directory")
+        files = [root / s for s in sorted(shards)]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise ModelError(f"{index} names missing shard files: {', '.join(missing)}")

@@ -60,6 +60,7 @@ class WorkerConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
+    weights_root: str | None = None  # update_weights loads only from under here; None: anywhere
 
 
 @dataclass(frozen=True)

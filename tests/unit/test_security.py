@@ -190,3 +190,47 @@ def test_bytes_on_the_wire(keys, ctx, encrypted: bool) -> None:
     finally:
         router.close()
         sec.close()
+
+
+@pytest.fixture
+def no_chmod_and_open_umask(monkeypatch):
+    """Secret files must be private from the moment they exist: with chmod gone and a
+    umask that takes nothing away, only the mode they are created with is left."""
+    import os
+    monkeypatch.setattr(Path, "chmod", lambda *a, **k: None)
+    monkeypatch.setattr(os, "chmod", lambda *a, **k: None)
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_secret_key_files_are_created_private(tmp_path, no_chmod_and_open_umask) -> None:
+    import argparse
+    from zpd.ops.keys import run_keys
+    root = tmp_path / "k"
+    create_keys(root)
+    run_keys(argparse.Namespace(dir=str(root), add="alice", rights="client"))
+    secrets = sorted(root.glob("*.key_secret"))
+    assert [p.stem for p in secrets] == ["admin", "alice", "client", "cluster", "server"]
+    for path in secrets:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    assert rights_of(root, client_curve(root, "alice").public) == "client"
+
+
+def test_a_secret_key_file_planted_in_advance_is_not_written_through(tmp_path) -> None:
+    root, target = tmp_path / "k", tmp_path / "elsewhere"
+    root.mkdir()
+    (root / "admin.key_secret").symlink_to(target)
+    with pytest.raises((SecurityError, FileExistsError)):
+        create_keys(root)
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("name", ["../alice", "a/b", "", ".hidden"])
+def test_an_added_key_is_named_plainly(tmp_path, name) -> None:
+    import argparse
+    from zpd.ops.keys import run_keys
+    create_keys(tmp_path / "k")
+    with pytest.raises(SecurityError, match="plain name"):
+        run_keys(argparse.Namespace(dir=str(tmp_path / "k"), add=name, rights="client"))
+    assert not list(tmp_path.glob("*.key*"))

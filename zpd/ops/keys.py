@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import zmq.auth
-
-from zpd.wire.security import RIGHTS, SecurityError, add_authorized, create_keys
+from zpd.wire.security import RIGHTS, SecurityError, add_authorized, create_keys, write_key_pair
 
 
 def add_keys_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -35,11 +33,12 @@ def run_keys(args: argparse.Namespace) -> int:
         return 0
     if not (root / "server.key").exists():
         raise SecurityError(f"{root} holds no cluster keys; run `zpd keys {root}` first")
+    if not args.add or Path(args.add).name != args.add or args.add.startswith("."):
+        raise SecurityError(f"--add takes a plain name for the key files, not {args.add!r}")
     if (root / f"{args.add}.key").exists() or args.add in ("server", "authorized"):
         raise SecurityError(f"{root}/{args.add}.key exists already; pick another name")
-    public, secret = zmq.auth.create_certificates(root, args.add)
-    Path(secret).chmod(0o600)
-    add_authorized(root, Path(public), args.rights)
+    public, secret = write_key_pair(root, args.add)
+    add_authorized(root, public, args.rights)
     print(f"created {secret} ({args.rights} rights); give its owner {root}/server.key and that "
           f"file renamed to client.key_secret (admin.key_secret for admin rights)")
     return 0

@@ -6,6 +6,7 @@ dataclass (zpd/config.py) through `add_default`, which also shows it in --help;
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from engines.sampler import SamplingParams
@@ -105,6 +106,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 type=float)
     add_liveness_options(g, Deadlines)
     add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
+    add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
+                "under this directory (relative paths are taken from it; anything else is 403); "
+                "default: any path on the worker's host")
 
 
 def add_worker_server_options(p: argparse.ArgumentParser) -> None:
@@ -145,13 +149,16 @@ def add_default(g: argparse._ActionsContainer, flag: str, config: type, text: st
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     """The WorkerConfig that the flags of `zpd prefill`/`zpd decode` describe."""
+    if args.weights_root is not None and not os.path.isdir(args.weights_root):
+        # Found at the first update_weights, a typo would refuse every checkpoint.
+        raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
     return WorkerConfig(
         role=role, model=args.model, host=args.host, port=args.port, device=args.device,
         dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
         kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
-        ready_file=args.ready_file, curve_keys=args.curve_keys)
+        ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root)
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
@@ -177,7 +184,7 @@ def _endpoints(text: str) -> tuple[str, ...]:
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
-                      "heartbeat", "peer_timeout", "log_level", "curve_keys")
+                      "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

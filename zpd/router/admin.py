@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from zpd.router.admin_args import BadArgs, admin_timeout, check_args
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 
@@ -38,30 +39,43 @@ class RouterAdmin:
         self.req_ids = itertools.count(1)
 
     def on_admin(self, client: bytes, msg: Admin) -> None:
-        server, args = self.server, dict(msg.args)
+        """Check the arguments, then run the command: bad input is answered 400 and
+        changes nothing; a command that fails here is answered 500, never raised."""
+        reply, args = self._replier(client, msg), dict(msg.args)
+        log.info("admin %r %r", msg.command, args)
         try:
-            timeout = float(args.pop("timeout", server.cfg.admin_timeout_s))
-        except (TypeError, ValueError):
-            timeout = server.cfg.admin_timeout_s
+            timeout = admin_timeout(args.pop("timeout", None), self.server.cfg.admin_timeout_s)
+            check_args(msg.command, args)
+            self._run(msg.command, args, timeout, reply)
+        except BadArgs as e:
+            reply(False, {"status": 400, "error": str(e)})
+        except Exception as e:  # an admin command must answer, whatever happened
+            log.exception("admin %r failed", msg.command)
+            reply(False, {"status": 500, "error": f"{type(e).__name__}: {e}"})
+
+    def _replier(self, client: bytes, msg: Admin) -> Reply:
+        server = self.server
 
         def reply(ok: bool, result: dict) -> None:
             server.front.send(client, AdminReply(msg.req_id, ok, {
                 "router": server.endpoint, "command": msg.command, "paused": server.paused,
                 "queued": len(server.queued), "inflight": len(server.inflight)} | result))
+        return reply
 
-        log.info("admin %s %s", msg.command, args)
-        if msg.command == "abort":
+    def _run(self, command: str, args: dict, timeout: float, reply: Reply) -> None:
+        server = self.server
+        if command == "abort":
             self.abort(args, reply)
-        elif msg.command == "pause":
+        elif command == "pause":
             self.pause(args, timeout, reply)
-        elif msg.command == "continue":
+        elif command == "continue":
             self.continue_(args, timeout, reply)
-        elif msg.command == "update_weights" and server.paused is None and server.inflight:
+        elif command == "update_weights" and server.paused is None and server.inflight:
             # an idle prefill would take the new weights while its decode keeps the old ones
             reply(False, {"status": 409, "error": "update_weights while requests are in flight: "
                                                   "pause first", "workers": []})
         else:
-            self.fan_out(msg.command, args, server.workers, timeout,
+            self.fan_out(command, args, server.workers, timeout,
                          lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
 
     def abort(self, args: dict, reply: Reply) -> None:

@@ -25,6 +25,8 @@ from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Pin
 
 log = logging.getLogger("zpd.router.server")
 
+MAX_REASON = 200       # characters of a client's abort reason passed on
+
 
 @dataclass(eq=False)
 class Worker:
@@ -57,6 +59,10 @@ class RouterServer:
         self.cfg, self.loop = cfg, loop or Loop()
         self.security = Security(cfg.curve_keys, ctx)
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
+        # Requests belong to their client's identity, which the client names itself:
+        # handing an identity over to its newest connection would let any peer that
+        # names a client's identity take its route, its tokens and its requests.
+        self.front.socket.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.endpoint = self.front.endpoint
         # The pid tells workers that a router restarted on the same port is another
         # process: the old one's requests are orphans they must end.
@@ -144,7 +150,7 @@ class RouterServer:
         if isinstance(msg, Generate):
             self.on_generate(identity, msg)
         elif isinstance(msg, Abort):
-            self.on_abort(msg)
+            self.on_client_abort(identity, msg)
         elif isinstance(msg, Admin):
             self.admin.on_admin(identity, msg)
         else:
@@ -173,11 +179,34 @@ class RouterServer:
         decode.load += 1
         routed = Generate(rid, msg.input_ids, msg.sampling, msg.stream, room, 0,
                           prefill.endpoint, decode.endpoint, msg.text)
-        log.info("rid=%s room=%d -> prefill %s, decode %s", rid, room, prefill.endpoint, decode.endpoint)
+        log.info("rid=%r room=%d -> prefill %s, decode %s", rid, room, prefill.endpoint, decode.endpoint)
         decode.dealer.send(routed)
         prefill.dealer.send(routed)
 
+    def owner(self, rid: str) -> bytes | None:
+        """The identity of the client that submitted `rid` (None: no such request here)."""
+        if rid in self.queued:
+            return self.queued[rid][0]
+        flight = self.inflight.get(rid)
+        return None if flight is None else flight.client
+
+    def on_client_abort(self, client: bytes, msg: Abort) -> None:
+        """A client ends only its own requests, and always with 499: the status is what
+        every component logs and counts, so a client must not choose it. Another
+        client's abort is dropped without an answer (an answer would tell it the rid
+        exists); the admin `abort` ends any request."""
+        owner = self.owner(msg.rid)
+        if owner is None:
+            return
+        if owner != client:
+            log.warning("abort of rid=%r from client %r dropped: it does not own it",
+                        msg.rid, client[:32])
+            return
+        self.on_abort(Abort(msg.rid, 499, client_reason(msg.reason)))
+
     def on_abort(self, msg: Abort) -> None:
+        """End `msg.rid` with the status given (callers are the router's own: a client's
+        abort comes through `on_client_abort`)."""
         if msg.rid in self.queued:
             self.end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
         flight = self.inflight.get(msg.rid)
@@ -270,6 +299,12 @@ class RouterServer:
         self.front.close()
         self.loop.close()
         self.security.close()
+
+
+def client_reason(reason: str) -> str:
+    """A client's abort reason as it may travel on: short, printable, one line."""
+    text = "".join(c if c.isprintable() else " " for c in reason[:MAX_REASON]).strip()
+    return text or "aborted by client"
 
 
 def serve_router(cfg: RouterConfig) -> int:

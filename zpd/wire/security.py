@@ -22,6 +22,7 @@ is logged by the side that has keys.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -62,13 +63,37 @@ def create_keys(directory: str | Path) -> list[Path]:
     root.mkdir(parents=True, exist_ok=True)
     made = []
     for name in KEY_NAMES:
-        public, _ = zmq.auth.create_certificates(root, name)
-        made.append(Path(public))
+        public, _ = write_key_pair(root, name)
+        made.append(public)
         if name != "server":
-            add_authorized(root, Path(public), "cluster" if name == "cluster" else name)
-    for secret in root.glob("*.key_secret"):
-        secret.chmod(0o600)
+            add_authorized(root, public, "cluster" if name == "cluster" else name)
     return made
+
+
+def write_key_pair(directory: Path, name: str) -> tuple[Path, Path]:
+    """A fresh pair `name`.key / `name`.key_secret in `directory`, in ZeroMQ's certificate
+    format (zmq.auth.load_certificate reads it). The secret file is created 0600: made
+    readable and then chmod'ed, it would be open to every local user in between.
+    Neither file may exist already (nor be a symlink planted in its place)."""
+    public, secret = zmq.curve_keypair()
+    paths = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for path, mode, keys in ((paths[1], 0o600, (public, secret)), (paths[0], 0o644, (public,))):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        except FileExistsError:
+            raise SecurityError(f"{path} exists already; pick another name") from None
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(_certificate(*keys))
+    return paths
+
+
+def _certificate(public: bytes, secret: Optional[bytes] = None) -> str:
+    lines = ["#   ZeroMQ CURVE " + ("**Secret** Certificate" if secret else "Public Certificate"),
+             "#   made by `zpd keys`" + ("; keep it private" if secret else ""),
+             "", "metadata", "curve", f'    public-key = "{public.decode()}"']
+    if secret:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return "\n".join(lines) + "\n"
 
 
 def add_authorized(directory: str | Path, public_key_file: Path, rights: str) -> Path:

@@ -175,7 +175,7 @@ class DecodeScheduler:
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
         if msg.room in self.jobs:
-            log.warning("duplicate generate rid=%s room=%d dropped", msg.rid, msg.room)
+            log.warning("duplicate generate rid=%r room=%d dropped", msg.rid, msg.room)
             return
         if not well_formed(msg.prefill):      # before any socket is made for it
             self.refuse(identity, msg, BAD_REQUEST,
@@ -197,7 +197,7 @@ class DecodeScheduler:
         job = DecodeJob(msg.room, msg.epoch, Request(msg.rid, prompt, params), msg.prefill, identity,
                         msg.stream, Deadline(self.loop, lambda what: self._expire(job, what)))
         self.jobs[msg.room], self.by_rid[msg.rid] = job, job
-        log.info("rid=%s room=%d epoch=%d generate via prefill %s", msg.rid, msg.room, msg.epoch,
+        log.info("rid=%r room=%d epoch=%d generate via prefill %s", msg.rid, msg.room, msg.epoch,
                  msg.prefill)
         if error is not None:
             self.finish(job, error.status, str(error), tell_prefill=True)
@@ -209,7 +209,7 @@ class DecodeScheduler:
     def refuse(self, identity: bytes, msg: Generate, status: int, reason: str) -> None:
         """Answer a generate we make no job for, and free its prefill (if it names one
         we may dial), so nothing waits for it."""
-        log.warning("rid=%s room=%d refused: %s", msg.rid, msg.room, reason)
+        log.warning("rid=%r room=%d refused: %s", msg.rid, msg.room, reason)
         if well_formed(msg.prefill):
             self.links.get(msg.prefill).send(KvFailed(msg.room, msg.epoch, status, reason))
         self.core.send(identity, Tokens.abort(msg.rid, status, reason))
@@ -258,7 +258,7 @@ class DecodeScheduler:
                 return
             req.emit(msg.first_token, msg.weight_version)
             req.finish = self.core.compute.stop(req)
-        log.info("rid=%s room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
+        log.info("rid=%r room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
         self.move(job, DecodePhase.FINISHED if req.finished else DecodePhase.RUNNING)
         self.emit(job)
 
@@ -302,7 +302,7 @@ class DecodeScheduler:
         if req.finished:
             final = response(req, self.core.model.tokenizer)
             meta = final["meta"] | {"text": final["text"]}
-            log.info("rid=%s room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
+            log.info("rid=%r room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
         self.core.queue_token(job.client, TokenPart(req.rid, new, versions, req.finish, meta))
         if req.finished:
@@ -312,7 +312,7 @@ class DecodeScheduler:
                may_land: bool = True) -> None:
         """End the request with an error status and tell the client. `may_land`
         False: the prefill is known not to write into its pages any more."""
-        log.info("rid=%s room=%d epoch=%d ends: %d %s", job.req.rid, job.room, job.epoch,
+        log.info("rid=%r room=%d epoch=%d ends: %d %s", job.req.rid, job.room, job.epoch,
                  status, reason)
         if tell_prefill and job.phase is not DecodePhase.HELD:
             self.links.get(job.prefill).send(KvFailed(job.room, job.epoch, status, reason))
@@ -356,7 +356,7 @@ class DecodeScheduler:
         self._release(job, fence=job.write_may_land)
         self.move(job, DecodePhase.HELD)
         job.req.retractions += 1
-        log.info("rid=%s room=%d epoch=%d retracted after %d tokens", job.req.rid, job.room,
+        log.info("rid=%r room=%d epoch=%d retracted after %d tokens", job.req.rid, job.room,
                  job.epoch, len(job.req.output))
 
     def quiescent(self) -> bool:
@@ -392,10 +392,10 @@ class DecodeScheduler:
                               and isinstance(got[1], str)):
             return
         if not 0 <= got[0] < self.core.model.cfg.vocab_size:
-            log.warning("rid=%s: early token %r out of range; ignored", req.rid, got[0])
+            log.warning("rid=%r: early token %r out of range; ignored", req.rid, got[0])
             return
         req.emit(got[0], got[1])     # sent again with the next ones: the router passes it once
-        log.info("rid=%s room=%d resumes after its first token %d (%s), which its prefill sent "
+        log.info("rid=%r room=%d resumes after its first token %d (%s), which its prefill sent "
                  "ahead", req.rid, job.room, got[0], got[1])
 
     def on_memory_resumed(self) -> None:

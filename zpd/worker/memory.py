@@ -3,18 +3,39 @@ resume_memory, flush_cache."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Callable
 
 import transport
 from engines.config import ModelError
 from engines.loader import update_weights as load_new_weights
 from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from engines.tiny import is_tiny
 from zpd.worker.scheduler import Respond
 
 if TYPE_CHECKING:
     from zpd.worker.core import WorkerCore
 
 log = logging.getLogger("zpd.worker.memory")
+
+FORBIDDEN = 403
+
+
+def checkpoint_source(path: str, root: str | None) -> str:
+    """Where `update_weights` may load `path` from: anywhere without a root; with one,
+    only a directory that resolves (symlinks and .. followed) under it, relative paths
+    taken from it. The refusal reads the same whether `path` exists or not, so it
+    cannot be used to map the host's directories. `tiny` specs touch no file."""
+    if "\0" in path:                  # no file has one; realpath would raise
+        raise StatusError(BAD_REQUEST, "update_weights: the path holds a NUL character")
+    if root is None or is_tiny(path):
+        return path
+    base = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(base, path))
+    if os.path.commonpath([base, real]) != base:
+        raise StatusError(FORBIDDEN, f"update_weights: {path!r} is not under this worker's "
+                                     "--weights-root")
+    return real
 
 
 class WeightsAndMemory:
@@ -43,14 +64,17 @@ class WeightsAndMemory:
         path, version = args.get("path"), args.get("version")
         if not isinstance(path, str) or not path:
             raise StatusError(BAD_REQUEST, "update_weights needs a checkpoint path")
+        if version is not None and (not isinstance(version, str) or not version):
+            raise StatusError(BAD_REQUEST, "update_weights: version must be a non-empty string")
+        source = checkpoint_source(path, core.cfg.weights_root)
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
         try:
             with core.long_call():
-                new = load_new_weights(core.model, path, version if isinstance(version, str) else None)
+                new = load_new_weights(core.model, source, version)
         except (ModelError, ValueError) as e:
             raise StatusError(BAD_REQUEST, str(e)) from None
-        log.warning("weights updated from %s: version %s", path, new)
+        log.warning("weights updated from %r: version %r", path, new)
         respond(True, {"weight_version": new})
 
     def flush_cache(self, args: dict, respond: Respond) -> None:

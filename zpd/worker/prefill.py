@@ -228,11 +228,11 @@ class PrefillScheduler:
         """Queue the request (or keep its refusal for its decode); the job, or None if
         it was dropped."""
         if (room, epoch) in self.tombstones:
-            log.info("rid=%s room=%d epoch=%d already ended here; not computing", rid, room, epoch)
+            log.info("rid=%r room=%d epoch=%d already ended here; not computing", rid, room, epoch)
             return None
         if self.core.paused in ("retract", "abort"):
             # decode holds the request and will send a recompute after continue
-            log.info("rid=%s room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
+            log.info("rid=%r room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
             self.tombstones.add(room, epoch)
             return None
         job = self.jobs.get(room) or self._new_job(room, epoch)
@@ -242,7 +242,7 @@ class PrefillScheduler:
         job.req, job.failure = Request(rid, prompt, params), failure
         job.marks["queued"] = time.monotonic()
         job.decode = job.decode or decode
-        log.info("rid=%s room=%d epoch=%d queued (%d prompt tokens)", rid, room, epoch, len(prompt))
+        log.info("rid=%r room=%d epoch=%d queued (%d prompt tokens)", rid, room, epoch, len(prompt))
         if failure is None:
             self.move(job, JobPhase.QUEUED)
         elif job.decode is not None:
@@ -342,7 +342,7 @@ class PrefillScheduler:
             elif not c.ok:
                 self.end(job, INTERNAL, f"KV transfer failed: {c.reason}")
             else:
-                log.info("rid=%s room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
+                log.info("rid=%r room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
                          job.room, job.epoch, c.nbytes, c.seconds * 1e3)
                 first = job.req.output[-1] if job.req.output else -1
                 self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version,

@@ -1,0 +1,64 @@
+"""What the router's admin commands accept. Every argument is checked before any
+state changes: a pause with an unknown mode must not leave the router queueing
+every request, and a NaN timeout must not stop every timer of its loop."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from zpd.worker.scheduler import PAUSE_MODES
+
+MAX_TIMEOUT_S = 3600.0     # longest a fan-out waits for its workers' answers
+
+
+class BadArgs(ValueError):
+    """An admin command's arguments are wrong: answered 400, nothing changed."""
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+Check = tuple[Callable[[Any], bool], str]     # the test, and what it wants (for the error)
+TEXT: Check = (_text, "a non-empty string")
+
+# Each command the router knows -> the arguments it takes. Commands not named here
+# go to the workers as they are: each worker refuses (400) what it does not know.
+ARGS: dict[str, dict[str, Check]] = {
+    "pause": {"mode": (lambda v: isinstance(v, str) and v in PAUSE_MODES,
+                       f"one of {', '.join(PAUSE_MODES)}")},
+    "continue": {},
+    "update_weights": {"path": TEXT, "version": (lambda v: v is None or _text(v),
+                                                 "a non-empty string (or null: the path's name)")},
+    "abort": {"rid": TEXT},
+    "status": {}, "release_memory": {}, "resume_memory": {}, "flush_cache": {},
+}
+REQUIRED = {"update_weights": ("path",), "abort": ("rid",)}
+
+
+def check_args(command: str, args: dict) -> None:
+    """Raise BadArgs unless `args` are what `command` takes."""
+    known = ARGS.get(command)
+    if known is None:
+        return
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise BadArgs(f"{command} takes no argument {', '.join(map(repr, unknown))}"
+                      + (f"; it takes {', '.join(sorted(known))}" if known else ""))
+    for name in REQUIRED.get(command, ()):
+        if name not in args:
+            raise BadArgs(f"{command} needs {name!r}")
+    for name, value in args.items():
+        ok, wanted = known[name]
+        if not ok(value):
+            raise BadArgs(f"{command}: {name!r} must be {wanted}, not {value!r:.80}")
+
+
+def admin_timeout(raw: Any, default: float) -> float:
+    """The `timeout` argument (seconds; None: `default`), capped at MAX_TIMEOUT_S."""
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or \
+            not math.isfinite(raw) or raw <= 0:
+        raise BadArgs(f"timeout must be a positive number of seconds, not {raw!r:.40}")
+    return min(float(raw), MAX_TIMEOUT_S)
