@@ -46,7 +46,7 @@ class WorkerCore:
         self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
-                                       self.model.device)
+                                       self.model.device, clear_on_free=cfg.clear_freed_pages)
         self.compute = Compute(self.model, self.pool)
         self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
