@@ -249,7 +249,8 @@ class WorkerCore:
         return {"weight_version": self.model.version, "paused": self.paused,
                 "memory": self.memory.state,
                 "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
-                             "fenced": pages["fenced"]}} | fields
+                             "fenced": pages["fenced"]},
+                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | fields
 
     # --- requests --------------------------------------------------------------------
 
