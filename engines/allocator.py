@@ -5,6 +5,8 @@ run that fits whole (best fit) and only splits across runs when none does.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import bisect
 
 
@@ -13,10 +15,12 @@ class PoolFull(Exception):
 
 
 class PageAllocator:
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, on_free: Callable[[list[int]], None] | None = None) -> None:
+        """`on_free(pages)` runs before freed pages can be handed out again (the pool
+        clears them there when asked to)."""
         if total <= 0:
             raise ValueError("a pool needs at least one page")
-        self.total = total
+        self.total, self.on_free = total, on_free
         self._starts: list[int] = [0]          # sorted starts of free runs
         self._lengths: dict[int, int] = {0: total}
         self._free = total
@@ -62,9 +66,11 @@ class PageAllocator:
         bad = [p for p in pages if p not in self._allocated]
         if bad or len(set(pages)) != len(pages):
             raise ValueError(f"freeing pages that are not allocated: {bad[:5] or 'duplicates'}")
+        if self.on_free is not None:
+            self.on_free(pages)
         self._allocated.difference_update(pages)
         self._free += len(pages)
-        for start, length in _runs(sorted(pages)):
+        for start, length in page_runs(sorted(pages)):
             self._insert(start, length)
 
     def _insert(self, start: int, length: int) -> None:
@@ -92,7 +98,7 @@ class PageAllocator:
             "adjacent free runs not merged"
 
 
-def _runs(sorted_pages: list[int]) -> list[tuple[int, int]]:
+def page_runs(sorted_pages: list[int]) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     for p in sorted_pages:
         if runs and runs[-1][0] + runs[-1][1] == p:

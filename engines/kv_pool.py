@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engines.allocator import PageAllocator
+from engines.allocator import PageAllocator, page_runs
 from engines.attention import PagedKV
 from engines.config import ModelConfig
 
@@ -41,20 +41,30 @@ class KVPool:
     """Buffer [pages, layers, 2, page_size, kv_heads, head_dim] plus its page allocator."""
 
     def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, clear_on_free: bool = False) -> None:
+        """`clear_on_free`: zero every page as it is freed, so a page handed to the next
+        request (or read by a foreign transfer engine, which Mooncake does not stop)
+        holds nothing of the last one's KV."""
         self.layout, self.num_pages, self.dtype, self.device = layout, num_pages, dtype, device
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages, self.clear_pages if clear_on_free else None)
         self.buffer: torch.Tensor | None = None
         self.kv: PagedKV | None = None
         self.allocate_memory()
 
     @classmethod
     def with_budget(cls, layout: KVLayout, megabytes: float, dtype: torch.dtype,
-                    device: torch.device) -> "KVPool":
+                    device: torch.device, clear_on_free: bool = False) -> "KVPool":
         pages = int(megabytes * 2**20 // layout.page_bytes)
         if pages < 1:
             raise ValueError(f"{megabytes} MB holds no page of {layout.page_bytes} bytes")
-        return cls(layout, pages, dtype, device)
+        return cls(layout, pages, dtype, device, clear_on_free)
+
+    def clear_pages(self, pages: list[int]) -> None:
+        """Zero `pages` (each contiguous run in one call)."""
+        if self.buffer is None:
+            return                                   # released: nothing left to read
+        for start, length in page_runs(sorted(pages)):
+            self.buffer[start:start + length].zero_()
 
     def allocate_memory(self) -> None:
         L = self.layout

@@ -24,6 +24,7 @@ RUNS = {
                           r"ratio recompute/fresh time, median of per-repeat ratios: [\d.]+"]),
     "bench_transfer.py": (["--repeats", "1", "--tokens", "256"], [r"ratio"]),
     "bench_loop.py": (["--quick"], [r"ratio"]),
+    "bench_clear.py": (["--repeats", "1", "--tokens", "64"], [r"8B-class bf16\s+64\s+[\d.]+"]),
 }
 
 

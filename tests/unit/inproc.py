@@ -57,11 +57,12 @@ class InprocCluster:
     """Router + one prefill + one decode (tiny model, float64) in this process."""
 
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, clear_freed_pages: bool = False) -> None:
         self.ctx = zmq.Context()
         self.clock = Clock()
         self.fabric = transport.FakeFabric()
         tag = next(_names)
+        self.clear_freed_pages = clear_freed_pages
         self.prefill = self._worker("prefill", f"inproc://p{tag}", complete_after_polls, fault_plan,
                                     kv_cache_mb, max_batch)
         self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
@@ -77,7 +78,8 @@ class InprocCluster:
 
     def _worker(self, role: str, host: str, polls: int, plan, kv_mb: float, max_batch: int) -> WorkerCore:
         cfg = WorkerConfig(role=role, model="tiny", host=host, dtype="float64", kv_cache_mb=kv_mb,
-                           max_batch=max_batch, transport="fake", deadlines=DEADLINES)
+                           max_batch=max_batch, transport="fake", deadlines=DEADLINES,
+                           clear_freed_pages=self.clear_freed_pages)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)

@@ -261,3 +261,14 @@ def test_garbage_on_socket_does_not_stop_dispatch(sockets: tuple[Router, Dealer,
         assert len(got) == before
     finally:
         lp.close()
+
+
+def test_max_late_is_the_worst_lateness_of_any_timer(loop: Loop, clock: FakeClock) -> None:
+    loop.call_later(1.0, lambda: None)
+    loop.call_later(2.0, lambda: None)
+    clock.now += 1.25                      # the first fires 0.25 s late
+    loop.run_once(max_wait=0)
+    assert loop.max_late == pytest.approx(0.25)
+    clock.now += 0.80                      # the second, 0.05 s late: the maximum stays
+    loop.run_once(max_wait=0)
+    assert loop.max_late == pytest.approx(0.25)

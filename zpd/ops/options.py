@@ -109,6 +109,10 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
                 "under this directory (relative paths are taken from it; anything else is 403); "
                 "default: any path on the worker's host")
+    add_default(g, "--clear-freed-pages", WorkerConfig, "zero every KV page when it is freed, so "
+                "no request's KV outlives it in memory (Mooncake lets any engine that reaches its "
+                "port read registered memory; README, Security); costs a memset per freed page",
+                action="store_true")
 
 
 def add_worker_server_options(p: argparse.ArgumentParser) -> None:
@@ -158,7 +162,8 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
-        ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root)
+        ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
+        clear_freed_pages=args.clear_freed_pages)
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
@@ -184,14 +189,17 @@ def _endpoints(text: str) -> tuple[str, ...]:
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
-                      "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root")
+                      "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root",
+                      "clear_freed_pages")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The model/worker flags of `args` as command-line arguments for a child worker."""
     argv: list[str] = []
     for name in WORKER_PASSTHROUGH:
-        value = getattr(args, name, None)
-        if value is not None and value != "":
-            argv += ["--" + name.replace("_", "-"), str(value)]
+        value, flag = getattr(args, name, None), "--" + name.replace("_", "-")
+        if value is True:                      # a switch: the flag alone
+            argv.append(flag)
+        elif value is not None and value is not False and value != "":
+            argv += [flag, str(value)]
     return argv

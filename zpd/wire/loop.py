@@ -107,6 +107,7 @@ class Loop:
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._stopping = False
         self._firing = False
+        self.max_late = 0.0  # seconds: the latest any timer fired after its time (status)
 
     # --- registration ----------------------------------------------------
 
@@ -277,6 +278,7 @@ class Loop:
                     deferred.append(entry)
                 else:
                     timer._loop = None
+                    self.max_late = max(self.max_late, now - entry[0])
                     self._call(timer.fn, *timer.args)
         finally:
             for entry in deferred:

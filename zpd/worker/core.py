@@ -46,7 +46,7 @@ class WorkerCore:
         self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
-                                       self.model.device)
+                                       self.model.device, clear_on_free=cfg.clear_freed_pages)
         self.compute = Compute(self.model, self.pool)
         self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
@@ -252,7 +252,8 @@ class WorkerCore:
         return {"weight_version": self.model.version, "paused": self.paused,
                 "memory": self.memory.state,
                 "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
-                             "fenced": pages["fenced"]}} | fields
+                             "fenced": pages["fenced"]},
+                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | fields
 
     # --- requests --------------------------------------------------------------------
 
