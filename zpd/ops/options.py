@@ -29,6 +29,8 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
 ROUTER_ENDPOINT = f"{default_of(RouterConfig, 'host')}:{default_of(RouterConfig, 'port')}"
 CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection and admit "
               "only authorised keys (default: plaintext)")
+INSECURE_HELP = ("serve without --curve-keys on a non-loopback --host (anyone who reaches the "
+                 "port may send requests and admin commands); refused without this flag")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -105,6 +107,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 type=float)
     add_liveness_options(g, Deadlines)
     add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
+    add_default(g, "--insecure", WorkerConfig, INSECURE_HELP, action="store_true")
 
 
 def add_worker_server_options(p: argparse.ArgumentParser) -> None:
@@ -122,6 +125,7 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--port", RouterConfig, "port to bind (default {default})", type=int)
     add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
+    add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
     add_liveness_options(p, RouterConfig)
 
 
@@ -151,7 +155,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
-        ready_file=args.ready_file, curve_keys=args.curve_keys)
+        ready_file=args.ready_file, curve_keys=args.curve_keys, insecure=args.insecure)
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
@@ -167,7 +171,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
     return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
                         peer_timeout=args.peer_timeout, ready_file=args.ready_file,
-                        curve_keys=args.curve_keys)
+                        curve_keys=args.curve_keys, insecure=args.insecure)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:
@@ -177,14 +181,16 @@ def _endpoints(text: str) -> tuple[str, ...]:
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
-                      "heartbeat", "peer_timeout", "log_level", "curve_keys")
+                      "heartbeat", "peer_timeout", "log_level", "curve_keys", "insecure")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The model/worker flags of `args` as command-line arguments for a child worker."""
     argv: list[str] = []
     for name in WORKER_PASSTHROUGH:
-        value = getattr(args, name, None)
-        if value is not None and value != "":
-            argv += ["--" + name.replace("_", "-"), str(value)]
+        value, flag = getattr(args, name, None), "--" + name.replace("_", "-")
+        if value is True:                      # a store_true flag: present or absent
+            argv.append(flag)
+        elif value is not None and value is not False and value != "":
+            argv += [flag, str(value)]
     return argv
