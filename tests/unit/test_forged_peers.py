@@ -176,3 +176,42 @@ def test_impossible_hello_is_refused(cluster, bad):
     assert [(m.room, m.status) for m in got if isinstance(m, KvFailed)] == [(room, 500)]
     c.check_pages()
     serves_again(c)
+
+
+def test_recompute_kv_dest_counts_only_from_the_decode_that_asked(cluster):
+    """After a retraction the decode asks for a recompute (epoch 1) itself: a kv_dest for
+    that epoch from anyone else is refused, even one that claims the decode's endpoint."""
+    c = cluster
+    rid = c.submit(PROMPT, 12)
+    c.until(lambda: rid in c.answers and len(c.answers[rid].token_ids) >= 3)
+    assert c.admin("pause", mode="retract")["ok"]
+    room = c.decode.scheduler.by_rid[rid].room
+    evil = forger(c, c.decode.endpoint)
+    c.silent = {"decode"}                     # the prefill continues first
+    req = c.admin("continue", wait=False)
+    c.until(lambda: c.prefill.paused is None)
+    evil.send(KvDest(room, 1, rid, [0, 1]))   # before the recompute: kept, then refused
+    c.pump(3)
+    c.silent = set()
+    c.until(lambda: req in c.replies)
+    assert c.replies[req]["ok"]
+    assert c.run(rid).token_ids == reference(c, PROMPT, 12)
+    assert [(m.room, m.epoch, m.status) for m in received(evil) if isinstance(m, KvFailed)] == \
+        [(room, 1, 403)]
+    c.pump()
+    c.check_pages()
+
+
+def test_a_decode_known_to_the_router_by_another_name_fails_clearly(cluster):
+    """The endpoint check compares names: a decode whose hello names another endpoint
+    than the router's gets 403 with a message that says so. The prefill cannot tell it
+    from an impostor, so its job waits for the right kv_dest until its deadline."""
+    c = cluster
+    links = c.decode.scheduler.links
+    links.hello = dataclasses.replace(links.hello, decode="inproc://another-name")
+    got = c.run(c.submit(PROMPT, 4))
+    assert got.status == 403 and "not given to decode inproc://another-name" in got.finish["message"]
+    assert [j.phase for j in c.prefill.scheduler.jobs.values()] == [JobPhase.COMPUTED]
+    c.clock.now += c.prefill.cfg.deadlines.wait_kv_dest + 1
+    c.pump()
+    c.check_pages()

@@ -86,6 +86,7 @@ class DecodePeers:
                  send: Callable[[bytes, Message], None]) -> None:
         self.page_bytes, self.own_session, self.send = page_bytes, own_session, send
         self._peers: dict[bytes, DecodePeer] = {}
+        self.refused = 0                          # kv_dests refused so far
 
     def hello(self, identity: bytes, msg: Hello) -> str:
         """Record the peer's pool; "" or why it was refused (a refused peer is
@@ -122,9 +123,12 @@ class DecodePeers:
     def refuse(self, identity: bytes, room: int, epoch: int, paired: str | None) -> None:
         """A kv_dest from a decode the room was not given to: tell it, touch nothing."""
         said = self.endpoint(identity)
-        log.error("room=%d epoch=%d kv_dest from %r (decode %s) refused: the room's decode is %s; "
-                  "if both are one process, give the router the address that decode binds",
-                  room, epoch, identity[:64], said, paired)
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:    # powers of two: a flood stays a few lines
+            log.error("room=%d epoch=%d kv_dest from %r (decode %s) refused: the room's decode "
+                      "is %s; if both are one process, give the router the address that decode "
+                      "binds (%d refused so far)", room, epoch, identity[:64], said, paired,
+                      self.refused)
         self.send(identity, KvFailed(room, epoch, FORBIDDEN, f"room {room} was not given to "
                                                              f"decode {said}"))
 

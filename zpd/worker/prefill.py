@@ -2,7 +2,8 @@
 
 A job may start computing before decode's `kv_dest` arrives; the write starts once
 both are there. Messages may arrive in either order (router -> prefill and decode ->
-prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly.
+prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly;
+only the room's own decode may say where its KV goes (zpd/worker/peers.py).
 Whenever a job ends, the decode is told (`kv_failed`/`kv_done`) only once no write of
 ours can still land in its pages: that message is what lets it reuse them.
 """
