@@ -60,7 +60,7 @@ class WorkerConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
-    insecure: bool = False           # allow a non-loopback host without curve_keys (zpd.ops.exposure)
+    insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class RouterConfig:
     peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
-    insecure: bool = False           # allow a non-loopback host without curve_keys (zpd.ops.exposure)
+    insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
 
 
 def default_of(cls: type, name: str) -> Any:

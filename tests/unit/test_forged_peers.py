@@ -161,7 +161,7 @@ BAD_HELLOS = {
 def test_impossible_hello_is_refused(cluster, bad):
     c = cluster
     fields = dict(BAD_HELLOS.get(bad, {"session_id": c.prefill.backend.session_id}))
-    evil = forger(c, fields.pop("endpoint", c.decode.endpoint), **fields)   # even the right endpoint
+    evil = forger(c, fields.pop("endpoint", c.decode.endpoint), **fields)   # the right endpoint
     c.silent = {"decode"}
     rid = c.submit(PROMPT, 4)
     c.until(lambda: bool(c.prefill.scheduler.jobs))
@@ -210,7 +210,8 @@ def test_a_decode_known_to_the_router_by_another_name_fails_clearly(cluster):
     links = c.decode.scheduler.links
     links.hello = dataclasses.replace(links.hello, decode="inproc://another-name")
     got = c.run(c.submit(PROMPT, 4))
-    assert got.status == 403 and "not given to decode inproc://another-name" in got.finish["message"]
+    assert got.status == 403
+    assert "not given to decode inproc://another-name" in got.finish["message"]
     assert [j.phase for j in c.prefill.scheduler.jobs.values()] == [JobPhase.COMPUTED]
     c.clock.now += c.prefill.cfg.deadlines.wait_kv_dest + 1
     c.pump()

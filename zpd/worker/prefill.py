@@ -202,7 +202,8 @@ class PrefillScheduler:
         old = self.jobs.get(msg.room)
         if old is not None and old.epoch < msg.epoch:
             self.end(old, None, "superseded by a recompute")
-        job = self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure, identity)
+        job = self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure,
+                         identity)
         if job is not None:                      # the decode that asks is the room's decode
             self.pair(job, self.peers.endpoint(identity), identity)
 
@@ -303,7 +304,8 @@ class PrefillScheduler:
             self.start_write(job)
 
     def _dest_problem(self, job: PrefillJob) -> str:
-        return self.peers.dest_problem(job.decode, job.dest, self.pool.pages_for(len(job.req.prompt)))
+        need = self.pool.pages_for(len(job.req.prompt))
+        return self.peers.dest_problem(job.decode, job.dest, need)
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
         """The decode gave up on (room, epoch); answer once our write cannot land.
