@@ -27,7 +27,7 @@ SIGTERM, then SIGKILL after 15 s.
 
 Environment (forwarded to every process, local or remote):
   ZPD_MODEL, ZPD_DEVICE, ZPD_DTYPE, ZPD_PROTOCOL, ZPD_IB_DEVICE, ZPD_KV_CACHE_MB,
-  ZPD_CURVE_KEYS, ZPD_LOG_LEVEL, ZPD_PYTHON   see scripts/launch_prefill.sh --help
+  ZPD_CURVE_KEYS, ZPD_INSECURE, ZPD_LOG_LEVEL, ZPD_PYTHON   see scripts/launch_prefill.sh --help
   ZPD_RUN_DIR          logs and pid files (default RUN_DIR=<checkout>/run)
   ZPD_REMOTE_DIR       the checkout's path on remote nodes (default: this checkout's path)
   ZPD_SSH              ssh command (default: ssh -o BatchMode=yes)
@@ -44,7 +44,7 @@ remote_dir=${ZPD_REMOTE_DIR:-$here}
 read -r -a ssh_cmd <<<"${ZPD_SSH:-ssh -o BatchMode=yes}"
 timeout_s=${ZPD_STARTUP_TIMEOUT:-300}
 forward_vars=(ZPD_MODEL ZPD_DEVICE ZPD_DTYPE ZPD_PROTOCOL ZPD_IB_DEVICE ZPD_KV_CACHE_MB
-              ZPD_CURVE_KEYS ZPD_LOG_LEVEL ZPD_PYTHON MC_FORCE_TCP MC_LOG_LEVEL)
+              ZPD_CURVE_KEYS ZPD_INSECURE ZPD_LOG_LEVEL ZPD_PYTHON MC_FORCE_TCP MC_LOG_LEVEL)
 
 is_local() {   # host (without user@) is this node
   local h=$1

@@ -16,6 +16,8 @@ wins over the variable.
                                      recommended: bind the cluster network's address)
   --port P           ZPD_PORT        port (default 5757)
   --curve-keys DIR   ZPD_CURVE_KEYS  CURVE key directory (zpd keys); default plaintext
+  --insecure         ZPD_INSECURE=1  serve plaintext on a non-loopback --host; without it (or
+                                     --curve-keys) the router refuses to bind one
   --log-file F       ZPD_LOG_FILE    append stdout and stderr here (default: the terminal)
   --log-level L      ZPD_LOG_LEVEL   DEBUG, INFO (a line per request), WARNING (default INFO)
   --python P         ZPD_PYTHON      python interpreter (default python3)
@@ -27,7 +29,7 @@ EOF
 
 prefill=${ZPD_PREFILL:-}; decode=${ZPD_DECODE:-}; host=${ZPD_HOST:-127.0.0.1}
 port=${ZPD_PORT:-5757}; keys=${ZPD_CURVE_KEYS:-}; log_file=${ZPD_LOG_FILE:-}
-log_level=${ZPD_LOG_LEVEL:-INFO}; python=${ZPD_PYTHON:-python3}
+log_level=${ZPD_LOG_LEVEL:-INFO}; python=${ZPD_PYTHON:-python3}; insecure=${ZPD_INSECURE:-}
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -36,6 +38,7 @@ while [ $# -gt 0 ]; do
     --host) host=$2; shift 2;;
     --port) port=$2; shift 2;;
     --curve-keys) keys=$2; shift 2;;
+    --insecure) insecure=1; shift;;
     --log-file) log_file=$2; shift 2;;
     --log-level) log_level=$2; shift 2;;
     --python) python=$2; shift 2;;
@@ -53,6 +56,7 @@ cd "$(dirname "$0")/.."
 argv=("$python" -m zpd router --prefill "$prefill" --decode "$decode" --host "$host"
       --port "$port" --log-level "$log_level")
 [ -n "$keys" ] && argv+=(--curve-keys "$keys")
+[ "$insecure" = 1 ] && argv+=(--insecure)
 argv+=("${extra[@]}")
 if [ -n "$log_file" ]; then
   mkdir -p "$(dirname "$log_file")"

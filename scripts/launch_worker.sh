@@ -26,6 +26,8 @@ Each option also reads an environment variable; a flag wins over the variable.
                                      RDMA whenever RDMA NICs exist, MC_FORCE_TCP=1 forces TCP)
   --kv-cache-mb MB   ZPD_KV_CACHE_MB KV pool size in MiB (default 256)
   --curve-keys DIR   ZPD_CURVE_KEYS  CURVE key directory (zpd keys); default plaintext
+  --insecure         ZPD_INSECURE=1  serve plaintext on a non-loopback --host; without it (or
+                                     --curve-keys) a worker refuses to bind one
   --log-file F       ZPD_LOG_FILE    append stdout and stderr here (default: the terminal)
   --log-level L      ZPD_LOG_LEVEL   DEBUG, INFO (a line per request event), WARNING (default INFO)
   --python P         ZPD_PYTHON      python interpreter (default python3)
@@ -40,6 +42,7 @@ host=${ZPD_HOST:-127.0.0.1}; port=${ZPD_PORT:-$default_port}; model=${ZPD_MODEL:
 device=${ZPD_DEVICE:-cpu}; dtype=${ZPD_DTYPE:-float32}; ib=${ZPD_IB_DEVICE:-}
 protocol=${ZPD_PROTOCOL:-tcp}; kv=${ZPD_KV_CACHE_MB:-}; keys=${ZPD_CURVE_KEYS:-}
 log_file=${ZPD_LOG_FILE:-}; log_level=${ZPD_LOG_LEVEL:-INFO}; python=${ZPD_PYTHON:-python3}
+insecure=${ZPD_INSECURE:-}
 extra=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,6 +55,7 @@ while [ $# -gt 0 ]; do
     --protocol) protocol=$2; shift 2;;
     --kv-cache-mb) kv=$2; shift 2;;
     --curve-keys) keys=$2; shift 2;;
+    --insecure) insecure=1; shift;;
     --log-file) log_file=$2; shift 2;;
     --log-level) log_level=$2; shift 2;;
     --python) python=$2; shift 2;;
@@ -68,6 +72,7 @@ argv=("$python" -m zpd "$role" --host "$host" --port "$port" --model "$model" --
 [ -n "$ib" ] && argv+=(--ib-device "$ib")
 [ -n "$kv" ] && argv+=(--kv-cache-mb "$kv")
 [ -n "$keys" ] && argv+=(--curve-keys "$keys")
+[ "$insecure" = 1 ] && argv+=(--insecure)
 argv+=("${extra[@]}")
 if [ -n "$log_file" ]; then
   mkdir -p "$(dirname "$log_file")"

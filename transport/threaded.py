@@ -45,7 +45,8 @@ class Driver(Protocol):
     """The fabric-specific calls a ThreadedBackend needs.
 
     `submit` and `check` run on the helper thread and must not wait for the
-    data; `submit` may wait for a first connection to a new peer.
+    data; `submit` may wait for a first connection to a new peer. An exception
+    from either fails that run's transfer only (the helper keeps serving).
     """
 
     session_id: str
@@ -285,28 +286,49 @@ class _Loop:
             return False
         t.next_batch += 1
         for run in batch:
-            handle = self.driver.submit(t.peer, run)
+            handle = self._submit(t, run)
             if handle is None:
-                t.failure = f"submit to {t.peer} refused"
                 break
             t.pending.append(handle)
             self.in_flight[t.peer] = self.in_flight.get(t.peer, 0) + 1
         return True
 
+    def _submit(self, t: _Transfer, run: Run) -> object | None:
+        """Hand one run to the driver; None (and t.failure says why) if it refused or raised.
+        A peer's bad address must fail its own transfer, not the thread every transfer needs."""
+        try:
+            handle = self.driver.submit(t.peer, run)
+        except Exception as exc:  # noqa: BLE001 - e.g. pybind refusing an address past 2**64
+            log.warning("submitting a write to %s failed: %r", t.peer, exc)
+            t.failure = f"submit to {t.peer} failed: {exc!r}"
+            return None
+        if handle is None:
+            t.failure = f"submit to {t.peer} refused"
+        return handle
+
+    def _check(self, handle: object) -> tuple[int, str]:
+        """The driver's state of a submitted run, and why it failed if the check raised:
+        that counts as FAILED (the driver cannot tell us about that run any more)."""
+        try:
+            return self.driver.check(handle), ""
+        except Exception as exc:  # noqa: BLE001
+            log.warning("checking a write failed: %r", exc)
+            return FAILED, f": {exc!r}"
+
     def _settled(self, t: _Transfer, handle: object) -> bool:
-        state = self.driver.check(handle)
+        state, why = self._check(handle)
         if state == PENDING:
             return False
         self.in_flight[t.peer] -= 1
         if state != DONE and not t.failure:
-            t.failure = f"write to {t.peer} failed"
+            t.failure = f"write to {t.peer} failed{why}"
         return True
 
     def _settle_orphans(self) -> bool:
         before = len(self.orphans)
         kept = []
         for peer, handle in self.orphans:
-            if self.driver.check(handle) == PENDING:
+            if self._check(handle)[0] == PENDING:
                 kept.append((peer, handle))
             else:
                 self.in_flight[peer] -= 1

@@ -62,6 +62,7 @@ class WorkerConfig:
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
     weights_root: str | None = None  # update_weights loads only from under here; None: anywhere
+    insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class RouterConfig:
     peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
+    insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -107,7 +107,8 @@ def hosts(tmp_path_factory):
 
 def _start(ns: Namespaces, role: str, tmp: Path, argv: list[str]) -> subprocess.Popen:
     host = f"{SUBNET}.{HOSTS[role]}"
-    cmd = ns.exec(role) + zpd_cmd(role, "--host", host, "--port", str(PORT), *argv)
+    # A namespace address is not loopback: plaintext needs --insecure (zpd.ops.exposure).
+    cmd = ns.exec(role) + zpd_cmd(role, "--host", host, "--port", str(PORT), "--insecure", *argv)
     # `ip netns exec` execs the command: the Popen pid is the zpd process.
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(tmp / f"{role}.log", "wb"),
                             stderr=subprocess.STDOUT, env=os.environ | {"MC_FORCE_TCP": "1"})

@@ -188,6 +188,11 @@ def test_threaded_close_fails_every_pending_transfer() -> None:
     b.close()
 
 
+class Fatal(BaseException):
+    """Not an Exception: what a helper thread cannot survive (a failed run is an Exception
+    and fails only its transfer, see below)."""
+
+
 class DyingDriver(FabricDriver):
     """Submits after `release` is set, then blows up on the first check."""
 
@@ -200,7 +205,7 @@ class DyingDriver(FabricDriver):
         return super().submit(peer, run)
 
     def check(self, handle: object) -> int:
-        raise RuntimeError("driver exploded")
+        raise Fatal("driver exploded")
 
 
 def test_helper_thread_death_fails_pending_and_later_writes(caplog) -> None:
@@ -218,6 +223,41 @@ def test_helper_thread_death_fails_pending_and_later_writes(caplog) -> None:
     a.write(7, b.session_id, [(src.addr, dst.addr, 1)])
     [late] = wait_for(a)
     assert (late.transfer_id, late.ok) == (7, False) and "died" in late.reason
+    a.close(), b.close()
+
+
+class RaisingDriver(FabricDriver):
+    """Raises on submitting (or checking) the runs that go to one destination address,
+    as pybind does for an address past 2**64."""
+
+    def __init__(self, fabric: transport.FakeFabric, bad_dst: int, on: str) -> None:
+        super().__init__(fabric)
+        self.bad_dst, self.on = bad_dst, on
+
+    def submit(self, peer: str, run: transport.Run) -> object | None:
+        if self.on == "submit" and run[1] == self.bad_dst:
+            raise TypeError("transfer_submit_write(): incompatible function arguments")
+        return super().submit(peer, run)
+
+    def check(self, handle: object) -> int:
+        if self.on == "check" and handle.run[1] == self.bad_dst:
+            raise OverflowError("int too big to convert")
+        return super().check(handle)
+
+
+@pytest.mark.parametrize("on", ["submit", "check"])
+def test_a_run_that_raises_fails_its_transfer_not_the_helper_thread(on) -> None:
+    fabric, src, dst = transport.FakeFabric(), Buf(100, seed=3), Buf(100)
+    a, _ = threaded(fabric, src, RaisingDriver(fabric, dst.addr + 50, on))
+    b, _ = threaded(fabric, dst)
+    a.write(1, b.session_id, [(src.addr, dst.addr + 50, 10), (src.addr + 20, dst.addr + 20, 5)])
+    [bad] = wait_for(a)
+    assert (bad.transfer_id, bad.ok) == (1, False)
+    assert ("incompatible" if on == "submit" else "too big") in bad.reason
+    a.write(2, b.session_id, [(src.addr, dst.addr, 10)])
+    [good] = wait_for(a)
+    assert (good.transfer_id, good.ok) == (2, True) and dst.raw.raw[:10] == src.raw.raw[:10]
+    assert a._thread.is_alive()
     a.close(), b.close()
 
 

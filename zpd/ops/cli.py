@@ -9,6 +9,7 @@ import orjson
 
 from engines.config import ModelError
 from zpd.ops.admin import add_admin_parser
+from zpd.ops.exposure import check_bind
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
 from zpd.ops.options import (ROUTER_ENDPOINT, add_default, add_model_options, add_prompt_options,
@@ -55,22 +56,30 @@ def _print_response(out: dict, as_json: bool) -> None:
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from zpd.worker.prefill import PrefillScheduler
     from zpd.worker.core import serve
-    return serve(lambda core, ctx: PrefillScheduler(core), worker_config(args, "prefill"))
+    cfg = worker_config(args, "prefill")
+    check_bind("prefill", cfg.host, cfg.curve_keys, cfg.insecure)
+    return serve(lambda core, ctx: PrefillScheduler(core), cfg)
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
     from zpd.worker.decode import DecodeScheduler
     from zpd.worker.core import serve
-    return serve(DecodeScheduler, worker_config(args, "decode"))
+    cfg = worker_config(args, "decode")
+    check_bind("decode", cfg.host, cfg.curve_keys, cfg.insecure)
+    return serve(DecodeScheduler, cfg)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
     from zpd.router.server import serve_router
-    return serve_router(router_config(args))
+    cfg = router_config(args)
+    check_bind("router", cfg.host, cfg.curve_keys, cfg.insecure)
+    return serve_router(cfg)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from zpd.ops.launch import launch
+    # Every child binds --host: refuse here, before any of them starts.
+    check_bind("launch", args.host, args.curve_keys, args.insecure)
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     for flag in ("prefill_threads", "decode_threads"):

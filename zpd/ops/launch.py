@@ -84,7 +84,8 @@ def launch(args, worker_flags: list[str]) -> int:
                                        "--log-level", args.log_level,
                                        "--heartbeat", str(args.heartbeat),
                                        "--peer-timeout", str(args.peer_timeout)]
-                       + (["--curve-keys", args.curve_keys] if args.curve_keys else []),
+                       + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+                       + (["--insecure"] if args.insecure else []),
                        tmp / "router.json", log_dir / "router.log" if log_dir else None)
         children.append(router)
         _wait_ready([router], args.startup_timeout)

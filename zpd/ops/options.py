@@ -30,6 +30,8 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
 ROUTER_ENDPOINT = f"{default_of(RouterConfig, 'host')}:{default_of(RouterConfig, 'port')}"
 CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection and admit "
               "only authorised keys (default: plaintext)")
+INSECURE_HELP = ("serve without --curve-keys on a non-loopback --host (anyone who reaches the "
+                 "port may send requests and admin commands); refused without this flag")
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -113,6 +115,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 "no request's KV outlives it in memory (Mooncake lets any engine that reaches its "
                 "port read registered memory; README, Security); costs a memset per freed page",
                 action="store_true")
+    add_default(g, "--insecure", WorkerConfig, INSECURE_HELP, action="store_true")
 
 
 def add_worker_server_options(p: argparse.ArgumentParser) -> None:
@@ -130,6 +133,7 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--port", RouterConfig, "port to bind (default {default})", type=int)
     add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
+    add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
     add_liveness_options(p, RouterConfig)
 
 
@@ -163,7 +167,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
-        clear_freed_pages=args.clear_freed_pages)
+        clear_freed_pages=args.clear_freed_pages, insecure=args.insecure)
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
@@ -179,7 +183,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
     return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
                         peer_timeout=args.peer_timeout, ready_file=args.ready_file,
-                        curve_keys=args.curve_keys)
+                        curve_keys=args.curve_keys, insecure=args.insecure)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:
@@ -190,7 +194,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root",
-                      "clear_freed_pages")
+                      "clear_freed_pages", "insecure")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

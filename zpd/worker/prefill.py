@@ -2,7 +2,8 @@
 
 A job may start computing before decode's `kv_dest` arrives; the write starts once
 both are there. Messages may arrive in either order (router -> prefill and decode ->
-prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly.
+prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly;
+only the room's own decode may say where its KV goes (zpd/worker/peers.py).
 Whenever a job ends, the decode is told (`kv_failed`/`kv_done`) only once no write of
 ours can still land in its pages: that message is what lets it reuse them.
 """
@@ -24,6 +25,7 @@ from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvDone,
                                Recompute, TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.scheduler import step_failure
+from zpd.worker.peers import DecodePeers, endpoint_key
 from zpd.worker.tombstones import Tombstones
 
 log = logging.getLogger("zpd.worker.prefill")
@@ -41,12 +43,6 @@ class JobPhase(enum.Enum):
     ENDED = "ended"            # forgotten; a write may still be in flight (`transfer_id`)
 
 
-@dataclass
-class DecodePeer:
-    session: str
-    base_addr: int
-
-
 @dataclass(eq=False)
 class PrefillJob:
     """One (room, epoch) on this prefill."""
@@ -57,6 +53,9 @@ class PrefillJob:
     req: Request | None = None           # None until the request comes
     decode: bytes | None = None          # decode's identity on our socket
     dest: list[int] | None = None        # the decode's page ids, from kv_dest
+    paired: str | None = None            # once the request came: the only decode endpoint
+                                         # whose kv_dest counts (see `pair`)
+    offers: dict = field(default_factory=dict)   # STASHED: sender -> page ids, checked at `pair`
     transfer_id: int | None = None
     failure: tuple[int, str] | None = None   # REJECTED: what to tell the decode
     notice: tuple[int, str] | None = None    # kv_failed to send once the write is over
@@ -92,7 +91,7 @@ class PrefillScheduler:
         self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
         self.by_transfer: dict[int, PrefillJob] = {}          # writes in flight, ended jobs too
-        self.peers: dict[bytes, DecodePeer] = {}
+        self.peers = DecodePeers(core.layout.page_bytes, core.backend.session_id, core.send)
         self.transfer_ids = itertools.count(1)
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
                          Hello: self.on_hello, KvDest: self.on_kv_dest, KvFailed: self.on_kv_failed,
@@ -207,8 +206,9 @@ class PrefillScheduler:
         except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
         job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
-        if msg.stream and job is not None:
-            job.early_to = identity
+        if job is not None:
+            job.early_to = identity if msg.stream else None
+            self.pair(job, msg.decode)
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
         """KV for prompt + output[:-1] again, under the current weights, as a new epoch."""
@@ -221,7 +221,10 @@ class PrefillScheduler:
         old = self.jobs.get(msg.room)
         if old is not None and old.epoch < msg.epoch:
             self.end(old, None, "superseded by a recompute")
-        self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure, identity)
+        job = self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure,
+                         identity)
+        if job is not None:                      # the decode that asks is the room's decode
+            self.pair(job, self.peers.endpoint(identity), identity)
 
     def admit(self, rid: str, room: int, epoch: int, prompt: list[int], params: SamplingParams,
               failure: tuple[int, str] | None, decode: bytes | None = None) -> PrefillJob | None:
@@ -258,19 +261,20 @@ class PrefillScheduler:
     # --- decode peers ----------------------------------------------------------------
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
+        """A decode's pool, where its kv_dests may point (zpd/worker/peers.py): refused
+        when incompatible or impossible, and then none of its kv_dests counts."""
         core = self.core
-        ok = msg.compat_hash == core.compat_hash
-        reason = "" if ok else (f"incompatible peers: prefill {core.endpoint} serves "
-                                f"{core.model.spec} ({core.layout.to_dict()}), decode "
-                                f"{msg.decode} has layout {msg.layout} (hash {msg.compat_hash} != "
-                                f"{core.compat_hash})")
-        if ok:
-            self.peers[identity] = DecodePeer(msg.session_id, msg.base_addr)
-            core.backend.connect(msg.session_id)     # handshake now, not at its first write
+        reason = self.peers.hello(identity, msg) if msg.compat_hash == core.compat_hash else (
+            f"incompatible peers: prefill {core.endpoint} serves {core.model.spec} "
+            f"({core.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
+            f"(hash {msg.compat_hash} != {core.compat_hash})")
+        if reason:
+            self.peers.forget(identity)
+            log.error("hello from %r refused: %s", msg.decode[:200], reason)
         else:
-            log.error("hello from %s refused: %s", msg.decode, reason)
+            core.backend.connect(msg.session_id)     # handshake now, not at its first write
         core.send(identity, HelloAck(
-            ok, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
+            not reason, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
             core.memory.pool_addr, self.pool.num_pages, core.model.version, reason))
 
     def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
@@ -285,14 +289,42 @@ class PrefillScheduler:
         if job is None:
             job = self._new_job(msg.room, msg.epoch)
             self.move(job, JobPhase.STASHED)
-        if job.epoch != msg.epoch or job.dest is not None:
-            log.warning("stale or duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
-            return
-        job.decode, job.dest = identity, list(msg.page_ids)
+        if job.epoch != msg.epoch:
+            log.warning("stale kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
+        elif job.paired is not None and not self.peers.may_send(identity, job.paired, job.decode):
+            self.peers.refuse(identity, job.room, job.epoch, job.paired)
+        elif job.dest is not None or identity in job.offers:
+            log.warning("duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
+        elif job.paired is None:                 # before its request: who may send it is unknown
+            job.offers[identity] = list(msg.page_ids)
+            job.decode = job.decode or identity  # told if the room expires unpaired
+        else:
+            self._accept_dest(job, identity, list(msg.page_ids))
+
+    def pair(self, job: PrefillJob, endpoint: str, sender: bytes | None = None) -> None:
+        """The request came: only the decode at `endpoint` (the router's choice, or the
+        recompute's `sender`) may now say where its KV goes. Offers that came first are
+        accepted or refused now."""
+        job.paired, job.decode = endpoint_key(endpoint), sender
+        chosen = self.peers.settle(job.room, job.epoch, job.offers, job.paired, sender)
+        job.offers = {}
+        if chosen is not None:
+            self._accept_dest(job, *chosen)
+
+    def _accept_dest(self, job: PrefillJob, identity: bytes, pages: list[int]) -> None:
+        job.decode, job.dest = identity, pages
         if job.phase is JobPhase.REJECTED:
             self.end(job, *job.failure)
+            return
+        problem = self._dest_problem(job)
+        if problem:
+            self.end(job, INTERNAL, problem)     # fail fast; start_write checks again
         elif job.phase is JobPhase.COMPUTED:
             self.start_write(job)
+
+    def _dest_problem(self, job: PrefillJob) -> str:
+        need = self.pool.pages_for(len(job.req.prompt))
+        return self.peers.dest_problem(job.decode, job.dest, need)
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
         """The decode gave up on (room, epoch); answer once our write cannot land.
@@ -318,18 +350,25 @@ class PrefillScheduler:
     # --- transfer --------------------------------------------------------------------
 
     def start_write(self, job: PrefillJob) -> None:
-        peer = self.peers[job.decode]
-        n = len(job.req.pages)
-        if len(job.dest) < n:
-            self.end(job, INTERNAL, f"decode gave {len(job.dest)} pages for {n}")
+        """Write the KV where the decode said, checked against the pool it announced
+        (its hello may have changed since the kv_dest): a bad page id fails this
+        request, never the loop."""
+        problem = self._dest_problem(job)
+        if problem:
+            self.end(job, INTERNAL, problem)
             return
-        runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages, peer.base_addr,
-                                       job.dest[:n], self.pool.layout.page_bytes)
-        job.transfer_id = next(self.transfer_ids)
+        peer, tid = self.peers.get(job.decode), next(self.transfer_ids)
+        try:
+            runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages[:len(job.dest)],
+                                           peer.base_addr, job.dest, self.pool.layout.page_bytes)
+            self.core.backend.write(tid, peer.session, runs)
+        except transport.TransportError as e:
+            self.end(job, INTERNAL, f"KV transfer refused: {e}")
+            return
+        job.transfer_id = tid
         job.marks["write"] = time.monotonic()
-        self.by_transfer[job.transfer_id] = job
+        self.by_transfer[tid] = job
         self.move(job, JobPhase.WRITING)
-        self.core.backend.write(job.transfer_id, peer.session, runs)
 
     def on_completions(self) -> None:
         for c in self.core.backend.poll_completions():

@@ -1,0 +1,157 @@
+"""The decodes a prefill writes into, as each described itself at hello, and the checks
+that keep a peer's words from steering our writes anywhere else.
+
+A prefill writes where a decode's `kv_dest` says, so everything in it is checked
+against what that decode announced in its hello (endpoint, session, pool address and
+size) and against what the router assigned (the room's decode endpoint):
+
+- a hello whose pool is impossible (no pages, a null address, a range past 2**64, our
+  own session) is refused, and so is every kv_dest from that peer;
+- a kv_dest counts only from the peer whose hello named the endpoint the router gave
+  the room (`Generate.decode`), see `PrefillScheduler.pair`;
+- its page ids must lie in that peer's pool, be distinct and be exactly as many as
+  the prefix needs.
+
+Limit: without CURVE anyone may connect and say hello with any endpoint, so the
+endpoint check stops only an impostor that does not also claim the right decode's
+endpoint (and knows the room). With `--curve-keys` only cluster keys may send hello
+and kv_dest at all (zpd.wire.security), and the checks here also hold a confused or
+compromised cluster member to its own pool and rooms.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from zpd.wire.net import format_endpoint, parse_endpoint
+from zpd.wire.protocol import Hello, KvFailed, Message
+
+log = logging.getLogger("zpd.worker.peers")
+
+MAX_PAGES = 2**31 - 1          # page ids travel as int32
+ADDRESS_LIMIT = 2**64          # every byte of a pool must have a 64-bit address
+FORBIDDEN = 403                # a kv_dest for a room given to another decode (as for CURVE rights)
+
+
+@dataclass(frozen=True)
+class DecodePeer:
+    endpoint: str              # where it listens, as `endpoint_key` spells it
+    session: str               # its transport session: where our writes go
+    base_addr: int             # its KV pool: num_pages pages from here
+    num_pages: int
+
+
+def endpoint_key(endpoint: str) -> str:
+    """One spelling per endpoint ("tcp://" dropped, host lower-cased, IPv6 bracketed),
+    so the router's name for a decode and the decode's own compare equal."""
+    try:
+        host, port = parse_endpoint(endpoint)
+    except ValueError:
+        return endpoint                          # e.g. inproc:// (tests)
+    return format_endpoint(host.lower(), port)
+
+
+def pool_problem(msg: Hello, page_bytes: int, own_session: str) -> str:
+    """Why the pool a hello announces cannot be written into, or ""."""
+    if not msg.decode:
+        return "the hello names no decode endpoint"
+    if not msg.session_id or msg.session_id == own_session:
+        return f"transport session {msg.session_id!r} is not a peer's"
+    if not 0 < msg.num_pages <= MAX_PAGES:
+        return f"a pool of {msg.num_pages} pages (want 1 to {MAX_PAGES})"
+    nbytes = msg.num_pages * page_bytes
+    if msg.base_addr <= 0 or msg.base_addr + nbytes >= ADDRESS_LIMIT:
+        return f"a pool of {nbytes} bytes at {msg.base_addr:#x} is not a valid address range"
+    return ""
+
+
+def pages_problem(pages: list[int], need: int, num_pages: int) -> str:
+    """Why `pages` cannot hold a prefix of `need` pages in a pool of `num_pages`, or ""."""
+    if len(pages) != need:
+        return f"decode gave {len(pages)} pages for {need}"
+    outside = next((p for p in pages if not 0 <= p < num_pages), None)
+    if outside is not None:
+        return f"page id {outside} is outside the decode's pool of {num_pages} pages"
+    if len(set(pages)) != len(pages):
+        return "decode gave the same page twice"
+    return ""
+
+
+class DecodePeers:
+    """The decodes that said hello, by their identity on our socket, and who of them
+    may say where a room's KV goes. `send` answers a refused kv_dest."""
+
+    def __init__(self, page_bytes: int, own_session: str,
+                 send: Callable[[bytes, Message], None]) -> None:
+        self.page_bytes, self.own_session, self.send = page_bytes, own_session, send
+        self._peers: dict[bytes, DecodePeer] = {}
+        self.refused = 0                          # kv_dests refused so far
+
+    def hello(self, identity: bytes, msg: Hello) -> str:
+        """Record the peer's pool; "" or why it was refused (a refused peer is
+        forgotten, so none of its kv_dests count)."""
+        problem = pool_problem(msg, self.page_bytes, self.own_session)
+        if problem:
+            self._peers.pop(identity, None)
+        else:
+            self._peers[identity] = DecodePeer(endpoint_key(msg.decode), msg.session_id,
+                                               msg.base_addr, msg.num_pages)
+        return problem
+
+    def forget(self, identity: bytes) -> None:
+        self._peers.pop(identity, None)
+
+    def may_send(self, identity: bytes, paired: str | None, sender: bytes | None) -> bool:
+        """Whether `identity` is a room's decode: its hello named `paired`, the endpoint
+        the router gave the room, and it is the `sender` of the recompute, if any."""
+        said = self.endpoint(identity)
+        return bool(said) and said == paired and sender in (None, identity)
+
+    def settle(self, room: int, epoch: int, offers: dict[bytes, list[int]], paired: str,
+               sender: bytes | None) -> tuple[bytes, list[int]] | None:
+        """Of the kv_dests that came before the room's request, the room's decode's
+        (sender, page ids); every other one is refused."""
+        chosen = None
+        for identity, pages in offers.items():
+            if chosen is None and self.may_send(identity, paired, sender):
+                chosen = (identity, pages)
+            else:
+                self.refuse(identity, room, epoch, paired)
+        return chosen
+
+    def refuse(self, identity: bytes, room: int, epoch: int, paired: str | None) -> None:
+        """A kv_dest from a decode the room was not given to: tell it, touch nothing."""
+        said = self.endpoint(identity)
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:    # powers of two: a flood stays a few lines
+            log.error("room=%d epoch=%d kv_dest from %r (decode %s) refused: the room's decode "
+                      "is %s; if both are one process, give the router the address that decode "
+                      "binds (%d refused so far)", room, epoch, identity[:64], said, paired,
+                      self.refused)
+        self.send(identity, KvFailed(room, epoch, FORBIDDEN, f"room {room} was not given to "
+                                                             f"decode {said}"))
+
+    def get(self, identity: bytes | None) -> DecodePeer | None:
+        return None if identity is None else self._peers.get(identity)
+
+    def endpoint(self, identity: bytes) -> str:
+        """The endpoint the peer announced ("" for one that said no hello)."""
+        peer = self._peers.get(identity)
+        return "" if peer is None else peer.endpoint
+
+    def dest_problem(self, identity: bytes | None, pages: list[int], need: int) -> str:
+        """Why the peer's `pages` are not a place for `need` pages of KV, or ""."""
+        peer = self.get(identity)
+        if peer is None:
+            return "the decode's hello was refused or never came"
+        return pages_problem(pages, need, peer.num_pages)
+
+    def __contains__(self, identity: object) -> bool:
+        return identity in self._peers
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._peers)
+
+    def __len__(self) -> int:
+        return len(self._peers)
