@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engines.sampler import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-from tests.unit.inproc import InprocCluster
+from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.protocol import Generate
+from zpd.worker.decode import DecodePhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -45,3 +46,25 @@ def test_too_many_stops_get_400_from_the_workers(cluster):
     assert got.status == 400 and "stop: at most" in got.finish["message"]
     cluster.pump()
     cluster.check_pages()
+
+
+# --- --max-batch bounds the decode ----------------------------------------------------
+
+
+def test_max_batch_counts_requests_still_transferring():
+    c = InprocCluster(max_batch=2)
+    try:
+        rids = [c.submit(PROMPT[i:], 6) for i in range(6)]
+        worst = 0
+        for _ in range(600):
+            c.pump(1)
+            phases = [j.phase for j in c.decode.scheduler.jobs.values()]
+            worst = max(worst, len(c.decode.scheduler.batch) + phases.count(DecodePhase.TRANSFERRING))
+            if all(c.finished(r) for r in rids):
+                break
+        assert worst == 2
+        for i, rid in enumerate(rids):
+            assert c.answers[rid].token_ids == reference(c, PROMPT[i:], 6)
+        c.check_pages()
+    finally:
+        c.close()
