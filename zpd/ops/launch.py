@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 
+from zpd.ops.options import router_argv
 from zpd.ops.ready import write_ready_file
 
 log = logging.getLogger("zpd.ops.launch")
@@ -84,7 +85,8 @@ def launch(args, worker_flags: list[str]) -> int:
                                        "--log-level", args.log_level,
                                        "--heartbeat", str(args.heartbeat),
                                        "--peer-timeout", str(args.peer_timeout)]
-                       + (["--curve-keys", args.curve_keys] if args.curve_keys else []),
+                       + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+                       + router_argv(args),
                        tmp / "router.json", log_dir / "router.log" if log_dir else None)
         children.append(router)
         _wait_ready([router], args.startup_timeout)
