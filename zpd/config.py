@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from zpd.wire.protocol import MAX_FRAME_BYTES
+
 
 @dataclass(frozen=True)
 class Deadlines:
@@ -42,6 +44,39 @@ class Deadlines:
 
 
 @dataclass(frozen=True)
+class PromptLimits:
+    """Caps on one request's prompt, checked by the router before it routes and by each
+    worker before it tokenizes: a megabyte-sized prompt costs time and memory at every
+    hop, and tokenizing one stalls a worker's scheduler for seconds."""
+    max_text_bytes: int = 1 << 20    # --max-text-bytes: a text prompt's size in UTF-8
+    max_input_ids: int = 1 << 20     # --max-input-ids: a prompt's token ids (and the model's context)
+
+    def __post_init__(self) -> None:
+        # Past these a generate no longer fits one wire frame: text travels in the JSON
+        # header (an escaped control character takes 6 bytes), ids as int32.
+        for name, ceiling in (("max_text_bytes", MAX_FRAME_BYTES // 8),
+                              ("max_input_ids", MAX_FRAME_BYTES // 4)):
+            if not 0 < getattr(self, name) <= ceiling:
+                raise ValueError(f"{name} must be in 1..{ceiling} (one wire frame), "
+                                 f"got {getattr(self, name)}")
+
+    def refusal(self, input_ids: list[int], text: str) -> str | None:
+        """Why this prompt is refused (400), or None."""
+        if len(input_ids) > self.max_input_ids:
+            return f"prompt of {len(input_ids)} token ids; at most {self.max_input_ids} " \
+                   "(--max-input-ids)"
+        # Characters never outnumber UTF-8 bytes: a huge text is refused unencoded.
+        if len(text) > self.max_text_bytes or utf8_len(text) > self.max_text_bytes:
+            return f"text prompt over {self.max_text_bytes} bytes of UTF-8 (--max-text-bytes)"
+        return None
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of `text` in UTF-8 (lone surrogates, which JSON cannot carry, count too)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     role: str                        # "prefill" or "decode"
     model: str
@@ -63,6 +98,7 @@ class WorkerConfig:
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
     weights_root: str | None = None  # update_weights loads only from under here; None: anywhere
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
 
 
 @dataclass(frozen=True)
@@ -77,6 +113,11 @@ class RouterConfig:
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)
+    # Each client's share (zpd/router/shares.py). The defaults are generous; set from the
+    # decodes' KV pool, they keep one client from starving the others (README, "Limits").
+    max_client_requests: int = 1024  # --max-client-requests: in flight + queued
+    max_client_tokens: int = 1 << 22  # --max-client-tokens: prompt + max_new_tokens in flight
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -57,7 +57,8 @@ class InprocCluster:
     """Router + one prefill + one decode (tiny model, float64) in this process."""
 
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
-                 max_batch: int = 8, clear_freed_pages: bool = False) -> None:
+                 max_batch: int = 8, clear_freed_pages: bool = False,
+                 router_args: dict | None = None) -> None:
         self.ctx = zmq.Context()
         self.clock = Clock()
         self.fabric = transport.FakeFabric()
@@ -68,7 +69,8 @@ class InprocCluster:
         self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
         self.router = RouterServer(RouterConfig((self.prefill.endpoint,), (self.decode.endpoint,),
                                                 host=f"inproc://r{tag}", heartbeat=0.5,
-                                                peer_timeout=2.0), self.ctx, Loop(clock=self.clock))
+                                                peer_timeout=2.0, **(router_args or {})),
+                                   self.ctx, Loop(clock=self.clock))
         self.client = Dealer(self.ctx, self.router.endpoint, identity=b"client")
         self.answers: dict[str, Answer] = {}
         self.replies: dict[str, dict] = {}

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from zpd.config import Deadlines, RouterConfig, WorkerConfig, default_of
+from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
 from zpd.ops.cli import build_parser
-from zpd.ops.options import ROUTER_ENDPOINT, router_config, worker_argv, worker_config
+from zpd.ops.options import ROUTER_ENDPOINT, router_argv, router_config, worker_argv, worker_config
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -82,3 +82,21 @@ def test_default_of() -> None:
         default_of(WorkerConfig, "model")
     with pytest.raises(AttributeError, match="no field"):
         default_of(WorkerConfig, "colour")
+
+
+def test_limit_flags_reach_router_and_workers_through_launch() -> None:
+    la = parse("launch", "--model", "tiny", "--max-text-bytes", "100", "--max-input-ids", "50",
+               "--max-client-requests", "7", "--max-client-tokens", "900")
+    assert worker_config(parse("decode", *worker_argv(la)), "decode").prompt_limits == \
+        PromptLimits(100, 50)
+    r = router_config(parse("router", "--prefill", "a:1", "--decode", "b:2", *router_argv(la)))
+    assert (r.prompt_limits, r.max_client_requests, r.max_client_tokens) == \
+        (PromptLimits(100, 50), 7, 900)
+    assert router_argv(parse("launch", "--model", "tiny")) == [
+        "--max-text-bytes", str(1 << 20), "--max-input-ids", str(1 << 20),
+        "--max-client-requests", "1024", "--max-client-tokens", str(1 << 22)]
+
+
+def test_a_prompt_cap_past_one_wire_frame_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_text_bytes"):
+        worker_config(parse("prefill", "--model", "m", "--max-text-bytes", str(1 << 30)), "prefill")

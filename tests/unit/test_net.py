@@ -207,3 +207,63 @@ def test_client_reads_batched_tokens_in_order(ctx: zmq.Context) -> None:
     finally:
         client.close()
         router.close()
+
+
+def _raw_dealer(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, identity)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{endpoint}")
+    return raw
+
+
+def test_message_with_too_many_frames_is_dropped(
+        ctx: zmq.Context, pair: tuple[Router, Dealer], caplog: pytest.LogCaptureFixture) -> None:
+    router, _ = pair
+    raw = _raw_dealer(ctx, router.endpoint, b"many-frames")
+    good = p.Ping(seq=2, sent_at=0.5, sender="x")
+    try:
+        raw.send_multipart(p.encode(good) + [b"x"] * 1000)
+        raw.send_multipart(p.encode(good))
+        with caplog.at_level(logging.WARNING, logger="zpd.wire.net"):
+            results = [router.recv(timeout=WAIT) for _ in range(2)]
+    finally:
+        raw.close()
+    assert results == [None, (b"many-frames", good)]
+    assert router.bad_messages == 1
+    assert any("frames" in r.getMessage() for r in caplog.records)
+
+
+def test_bound_router_refuses_a_frame_past_the_protocol_bound(ctx: zmq.Context) -> None:
+    # The ceiling a stranger can make a bound socket allocate per frame (4 x 200 MiB
+    # frames once took a router to 1.28 GB); the peer's connection is closed.
+    assert SocketOptions().max_msg_bytes == p.MAX_FRAME_BYTES == 16 << 20
+    router = Router(ctx, "127.0.0.1", 0)
+    big, small = _raw_dealer(ctx, router.endpoint, b"big"), _raw_dealer(ctx, router.endpoint, b"ok")
+    ping = p.Ping(seq=3, sent_at=0.5)
+    try:
+        big.send_multipart([p.encode(ping)[0], b"\0" * (p.MAX_FRAME_BYTES + 1)])
+        small.send_multipart(p.encode(ping))
+        assert router.recv(timeout=WAIT) == (b"ok", ping)
+        assert router.recv(timeout=0.5) is None
+    finally:
+        big.close()
+        small.close()
+        router.close()
+
+
+def test_dealer_takes_a_large_answer_from_the_peer_it_dialled(ctx: zmq.Context) -> None:
+    # A decode step's Tokens carry the final texts of every request that ended in it:
+    # the side that only hears its own peer keeps room for them.
+    router = Router(ctx, "127.0.0.1", 0)
+    dealer = Dealer(ctx, router.endpoint, identity=b"d")
+    try:
+        dealer.send(p.Ping(seq=1, sent_at=0.0))
+        assert router.recv(timeout=WAIT) is not None
+        text = "x" * (p.MAX_FRAME_BYTES + 1)
+        msg = p.Tokens(["r"], [1], [7], ["v"], {"r": {"finish": {"type": "stop"}, "meta": {"text": text}}})
+        router.send(b"d", msg)
+        assert dealer.recv(timeout=WAIT) == msg
+    finally:
+        dealer.close()
+        router.close()

@@ -256,3 +256,17 @@ def test_inconsistent_tokens_is_protocol_error(fields: dict) -> None:
 
 def struct_ids(values: list[int]) -> bytes:
     return struct.pack(f"<{len(values)}i", *values)
+
+
+def test_more_frames_than_any_message_has_is_protocol_error() -> None:
+    # ZeroMQ bounds each frame, never their number: the codec refuses the surplus.
+    frames = encode(p.Generate("r", [1, 2, 3]))
+    assert len(frames) <= p.MAX_FRAMES
+    with pytest.raises(ProtocolError, match="frames"):
+        decode(frames + [b""] * (p.MAX_FRAMES + 1 - len(frames)))
+
+
+def test_max_frames_is_header_plus_the_most_blobs_of_any_type() -> None:
+    assert p.MAX_FRAMES == 3            # tokens: header, counts, token_ids
+    longest = max((encode(m) for m in SAMPLES), key=len)
+    assert len(longest) == p.MAX_FRAMES

@@ -12,7 +12,8 @@ from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_bind
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
-from zpd.ops.options import (ROUTER_ENDPOINT, add_default, add_model_options, add_prompt_options,
+from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
+                             add_model_options, add_prompt_options,
                              add_router_options, add_sampling_options, add_worker_options,
                              add_worker_server_options, router_config, sampling_dict,
                              worker_argv, worker_config)
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help='write {"router": "H:P", "workers": [...]} here once all are ready')
     la.add_argument("--log-dir", default=None, help="one log file per process here (default: inherit stderr)")
     la.add_argument("--startup-timeout", type=float, default=180.0)
+    add_client_limit_options(la)
     la.set_defaults(func=_cmd_launch)
 
     g = sub.add_parser("generate", parents=[common], help="send requests to a router",

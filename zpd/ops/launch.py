@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 
+from zpd.ops.options import router_argv
 from zpd.ops.ready import write_ready_file
 
 log = logging.getLogger("zpd.ops.launch")
@@ -86,6 +87,7 @@ def launch(args, worker_flags: list[str]) -> int:
                                        "--peer-timeout", str(args.peer_timeout)]
                        + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
                        + (["--insecure"] if args.insecure else []),
+                       + router_argv(args),
                        tmp / "router.json", log_dir / "router.log" if log_dir else None)
         children.append(router)
         _wait_ready([router], args.startup_timeout)

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from engines.sampler import SamplingParams
-from zpd.config import Deadlines, RouterConfig, WorkerConfig, default_of
+from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
@@ -47,8 +47,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     add_default(g, "--page-size", WorkerConfig, "tokens per KV page (default {default})", type=int)
     add_default(g, "--kv-cache-mb", WorkerConfig, "KV pool size in MiB (default {default})",
                 type=float)
-    add_default(g, "--max-batch", WorkerConfig, "most requests decoding at once (default {default})",
-                type=int)
+    add_default(g, "--max-batch", WorkerConfig, "most requests decoding at once, counting those "
+                "whose KV is still arriving (default {default})", type=int)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
@@ -116,6 +116,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 "port read registered memory; README, Security); costs a memset per freed page",
                 action="store_true")
     add_default(g, "--insecure", WorkerConfig, INSECURE_HELP, action="store_true")
+    add_prompt_limit_options(g)
 
 
 def add_worker_server_options(p: argparse.ArgumentParser) -> None:
@@ -135,6 +136,25 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
     add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
     add_liveness_options(p, RouterConfig)
+    add_prompt_limit_options(p)
+    add_client_limit_options(p)
+
+
+def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
+    """Router and workers: a larger prompt is refused with 400 (README, "Limits")."""
+    add_default(g, "--max-text-bytes", PromptLimits, "refuse a text prompt of more bytes of "
+                "UTF-8 (default {default})", type=int)
+    add_default(g, "--max-input-ids", PromptLimits, "refuse a prompt of more token ids "
+                "(default {default})", type=int)
+
+
+def add_client_limit_options(g: argparse._ActionsContainer) -> None:
+    """The router: each client's share; past it, 503 "busy" at once (README, "Limits")."""
+    add_default(g, "--max-client-requests", RouterConfig, "requests one client may have in "
+                "flight or queued (default {default})", type=int)
+    add_default(g, "--max-client-tokens", RouterConfig, "prompt + max_new_tokens summed over "
+                "one client's requests in flight: its share of KV pages, in tokens "
+                "(default {default})", type=int)
 
 
 def add_liveness_options(g: argparse._ActionsContainer, config: type) -> None:
@@ -167,7 +187,12 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
-        clear_freed_pages=args.clear_freed_pages, insecure=args.insecure)
+        clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
+        prompt_limits=prompt_limits(args))
+
+
+def prompt_limits(args: argparse.Namespace) -> PromptLimits:
+    return PromptLimits(max_text_bytes=args.max_text_bytes, max_input_ids=args.max_input_ids)
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:
@@ -183,7 +208,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
     return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
                         peer_timeout=args.peer_timeout, ready_file=args.ready_file,
-                        curve_keys=args.curve_keys, insecure=args.insecure)
+                        curve_keys=args.curve_keys, insecure=args.insecure,
+                        prompt_limits=prompt_limits(args),
+                        max_client_requests=args.max_client_requests,
+                        max_client_tokens=args.max_client_tokens)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:
@@ -194,13 +222,26 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root",
-                      "clear_freed_pages", "insecure")
+                      "clear_freed_pages", "insecure",
+                      "max_text_bytes", "max_input_ids")
+# What `zpd launch` hands its router, besides the flags every launch sets.
+ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",
+                      "max_client_tokens")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The model/worker flags of `args` as command-line arguments for a child worker."""
+    return passthrough_argv(args, WORKER_PASSTHROUGH)
+
+
+def router_argv(args: argparse.Namespace) -> list[str]:
+    """`zpd launch`'s router flags (ROUTER_PASSTHROUGH) as arguments for its router."""
+    return passthrough_argv(args, ROUTER_PASSTHROUGH)
+
+
+def passthrough_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     argv: list[str] = []
-    for name in WORKER_PASSTHROUGH:
+    for name in names:
         value, flag = getattr(args, name, None), "--" + name.replace("_", "-")
         if value is True:                      # a switch: the flag alone
             argv.append(flag)

@@ -16,6 +16,7 @@ import zmq
 from zpd.config import RouterConfig
 from zpd.ops.ready import write_ready_file
 from zpd.router.admin import RouterAdmin
+from zpd.router.shares import ClientShares, request_tokens
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
@@ -57,6 +58,7 @@ class RouterServer:
 
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
         self.cfg, self.loop = cfg, loop or Loop()
+        self.shares = ClientShares(cfg.max_client_requests, cfg.max_client_tokens)  # checks them
         self.security = Security(cfg.curve_keys, ctx)
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
         # Requests belong to their client's identity, which the client names itself:
@@ -121,6 +123,7 @@ class RouterServer:
                     len(queued) + len(running))
         for rid in queued:
             del self.queued[rid]
+            self.shares.release(rid)
         for rid in running:
             self.on_abort(Abort(rid, 499, "client disconnected"))
 
@@ -163,14 +166,28 @@ class RouterServer:
         if rid in self.inflight or rid in self.queued:
             self.front.send(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
+        refused = self.over_limits(client, rid, msg)
+        if refused is not None:
+            log.info("rid=%s from client %r refused: %d %s", rid, client[:32], *refused)
+            self.front.send(client, Tokens.abort(rid, *refused))
+            return
         if self.paused is not None:
             self.queued[rid] = (client, msg)     # runs after continue
             return
         self.route(client, msg, rid)
 
+    def over_limits(self, client: bytes, rid: str, msg: Generate) -> tuple[int, str] | None:
+        """Why the request may not run (status, message), or None: then it is charged to
+        its client's share until the router forgets it (zpd/router/shares.py)."""
+        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text)
+        if refusal is not None:
+            return 400, refusal
+        return self.shares.take(client, rid, request_tokens(msg))
+
     def route(self, client: bytes, msg: Generate, rid: str) -> None:
         prefill, decode = self.pick("prefill"), self.pick("decode")
         if prefill is None or decode is None:
+            self.shares.release(rid)
             self.front.send(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
             return
         room = new_room()
@@ -217,6 +234,7 @@ class RouterServer:
 
     def end_queued(self, rid: str, status: int, reason: str) -> None:
         client, msg = self.queued.pop(rid)
+        self.shares.release(rid)
         self.front.send(client, Tokens.abort(rid, status, reason, {
             "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0}))
 
@@ -284,6 +302,7 @@ class RouterServer:
                              part.finish, part.meta)
         if part.finished:
             del self.inflight[part.rid]
+            self.shares.release(part.rid)
             flight.prefill.load -= 1
             flight.decode.load -= 1
         return flight, (part if part.token_ids or part.finished else None)

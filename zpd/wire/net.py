@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import zmq
 
-from zpd.wire.protocol import Message, ProtocolError, decode, encode
+from zpd.wire.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
 
 log = logging.getLogger("zpd.wire.net")
 
@@ -38,7 +38,12 @@ class SocketOptions:
     """Tuning shared by Router and Dealer; the defaults suit loopback and LAN."""
 
     hwm: int = 10_000  # messages queued per peer before sends are dropped
-    max_msg_bytes: int = 256 << 20  # a peer cannot make us allocate more
+    # The largest frame accepted; a larger one closes the sender's connection. A bound
+    # ROUTER hears whoever connects, so it takes no more than the protocol needs. A
+    # DEALER hears only the peer it dialled, whose Tokens carry the final texts of every
+    # request that ended in one decode step (max_batch x a whole output each).
+    max_msg_bytes: int = MAX_FRAME_BYTES
+    max_dealer_msg_bytes: int = 256 << 20
     keepalive_idle_s: int = 10  # TCP keepalive finds half-open links that
     keepalive_intvl_s: int = 5  # app heartbeats would only see as silence
     keepalive_cnt: int = 3
@@ -75,7 +80,7 @@ def configure_socket(sock: zmq.Socket, *, host: str, server: bool, opts: SocketO
     sock.setsockopt(zmq.LINGER, 0)  # close never waits on a dead peer
     sock.setsockopt(zmq.SNDHWM, opts.hwm)
     sock.setsockopt(zmq.RCVHWM, opts.hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, opts.max_msg_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, opts.max_msg_bytes if server else opts.max_dealer_msg_bytes)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, opts.keepalive_idle_s)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, opts.keepalive_intvl_s)

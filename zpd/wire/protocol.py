@@ -31,6 +31,12 @@ from zpd.wire.messages import (  # noqa: F401
 
 PROTOCOL_VERSION = 1
 
+# The largest frame a bound socket accepts (ZeroMQ's MAXMSGSIZE bounds each frame, not
+# a message). The largest legitimate ones are a generate's: its ids as int32 (at most
+# 4M ids fit) and its text inside the JSON header (zpd.config.PromptLimits keeps both
+# well inside); a kv_dest's page ids are fewer than its prompt's tokens.
+MAX_FRAME_BYTES = 16 << 20
+
 # 'i' is 4 bytes on every platform CPython supports; pick by size anyway so a
 # blob is always int32, whatever the C int is.
 _INT32_CODE = next(code for code in "ihl" if array(code).itemsize == 4)
@@ -72,6 +78,10 @@ def _spec(cls: type[Message]) -> tuple[_Field, ...]:
 _SPECS: Mapping[type[Message], tuple[_Field, ...]] = types.MappingProxyType(
     {cls: _spec(cls) for cls in MESSAGE_TYPES.values()}
 )
+
+# The header plus the most blobs any type has: a message with more frames is refused
+# before its header is even parsed (ZeroMQ bounds frames, never their number).
+MAX_FRAMES = 1 + max(sum(f.kind == "blob" for f in spec) for spec in _SPECS.values())
 
 # --- codec ---------------------------------------------------------------------
 
@@ -138,6 +148,8 @@ def encode(msg: Message) -> list[bytes]:
 def _read_header(frames: Sequence[bytes]) -> dict[str, Any]:
     if not frames:
         raise ProtocolError("empty message")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(f"{len(frames)} frames; no message has more than {MAX_FRAMES}")
     try:
         header = orjson.loads(frames[0])
     except (orjson.JSONDecodeError, TypeError) as e:

@@ -258,13 +258,18 @@ class WorkerCore:
     # --- requests --------------------------------------------------------------------
 
     def prompt_ids(self, msg) -> list[int]:
-        """The request's prompt: its token ids, or its text through our tokenizer."""
+        """The request's prompt: its token ids, or its text through our tokenizer (a long
+        call: a megabyte of text takes seconds, and peers must keep hearing from us)."""
+        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text)
+        if refusal is not None:
+            raise StatusError(BAD_REQUEST, refusal)
         if msg.input_ids or not msg.text:
             return list(msg.input_ids)
         if self.model.tokenizer is None:
             raise StatusError(BAD_REQUEST, f"model {self.model.spec!r} has no tokenizer.json: "
                                            "send input_ids")
-        return self.model.tokenizer.encode(msg.text)
+        with self.long_call():
+            return self.model.tokenizer.encode(msg.text)
 
     def schedulable(self) -> bool:
         """The KV pool is there to schedule into (not released)."""

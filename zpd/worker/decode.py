@@ -69,6 +69,7 @@ class DecodeScheduler:
         self.fences = Fences(self.loop, self.pool.allocator, self.deadlines.transfer + 5.0,
                              self.deadlines.dead_fence, self._prefill_dead)
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
+        self.transferring = 0        # jobs in TRANSFERRING: each will join the batch at kv_done
         self.live_prefills: list[str] | None = None            # from the router's continue
         self.links = PrefillLinks(ctx, self.loop, self._hello(), self.on_prefill_message,
                                   self.on_refused, self.on_prefill_restarted,
@@ -90,6 +91,8 @@ class DecodeScheduler:
             self.waiting.remove(job)
         elif job.phase is DecodePhase.RUNNING:
             self.batch.remove(job.req.rid)
+        self.transferring += (phase is DecodePhase.TRANSFERRING) - \
+            (job.phase is DecodePhase.TRANSFERRING)
         job.phase = phase
         paused = self.core.paused is not None
         if phase is DecodePhase.WAITING:
@@ -133,7 +136,9 @@ class DecodeScheduler:
             self.finish(job, INTERNAL, reason, tell_prefill=False)
 
     def _can_admit(self) -> bool:
-        return bool(self.waiting) and self.batch.has_room and self.core.schedulable() \
+        # Admitted is as good as running: kv_done moves a job into the batch unchecked.
+        in_batch = len(self.batch) + self.transferring
+        return bool(self.waiting) and in_batch < self.batch.max_batch and self.core.schedulable() \
             and self.pool.allocator.can_alloc(self.pool.pages_for(self.waiting[0].req.max_context))
 
     def admit(self) -> None:
