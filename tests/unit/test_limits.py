@@ -40,7 +40,7 @@ def router_alone(c: InprocCluster) -> InprocCluster:
     ({"stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids")])
 def test_stop_conditions_are_capped(bad, name):
-    with pytest.raises(ValueError, match=f"^{name}: at most"):
+    with pytest.raises(ValueError, match=f"^{name} must be at most"):
         SamplingParams.from_dict(bad)
 
 
@@ -54,7 +54,7 @@ def test_too_many_stops_get_400_from_the_workers(cluster):
     rid = "stops"
     cluster.client.send(Generate(rid, PROMPT, GREEDY | {"stop": ["s"] * 100_000}))
     got = cluster.run(rid)
-    assert got.status == 400 and "stop: at most" in got.finish["message"]
+    assert got.status == 400 and got.finish["message"].startswith("stop must be at most")
     cluster.pump()
     cluster.check_pages()
 

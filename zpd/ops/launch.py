@@ -86,7 +86,7 @@ def launch(args, worker_flags: list[str]) -> int:
                                        "--heartbeat", str(args.heartbeat),
                                        "--peer-timeout", str(args.peer_timeout)]
                        + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
-                       + (["--insecure"] if args.insecure else []),
+                       + (["--insecure"] if args.insecure else [])
                        + router_argv(args),
                        tmp / "router.json", log_dir / "router.log" if log_dir else None)
         children.append(router)
