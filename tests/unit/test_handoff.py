@@ -200,7 +200,7 @@ def test_kv_dest_before_generate_is_kept_then_expires(cluster):
     prefill = cluster.prefill.scheduler
     identity = next(iter(prefill.peers))
     from zpd.wire.protocol import KvDest
-    prefill.on_kv_dest(identity, KvDest(room=77, epoch=0, rid="ghost", page_ids=[0, 1]))
+    prefill.dests.on_kv_dest(identity, KvDest(room=77, epoch=0, rid="ghost", page_ids=[0, 1]))
     assert prefill_phases(cluster) == [JobPhase.STASHED]
     cluster.clock.now += cluster.prefill.cfg.deadlines.stash + 1
     cluster.pump(3)

@@ -2,14 +2,13 @@
 
 Step: admit requests waiting for pages, one decode step for the running batch, emit
 tokens (the core polls sockets and fires deadlines around it). Pages a prefill
-write may still reach are fenced (zpd/worker/fences.py says until when).
+write may still reach are fenced (zpd/worker/fences.py says until when). What a pause
+and continue do to the requests is zpd/worker/retraction.py's.
 """
 from __future__ import annotations
 
-import enum
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 import zmq
 
@@ -23,40 +22,12 @@ from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed,
                                Recompute, TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.fences import Fences
+from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
+from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
 log = logging.getLogger("zpd.worker.decode")
-
-
-class DecodePhase(enum.Enum):
-    """Where a decode job is; `DecodeScheduler.move` is the one place it changes."""
-    NEW = "new"                      # just made from its generate
-    WAITING = "waiting"              # no pages yet (in `waiting`)
-    TRANSFERRING = "transferring"    # pages reserved, KV asked of a prefill, no kv_done yet
-    RUNNING = "running"              # in the decode batch
-    HELD = "held"                    # retracted: no KV, waiting for continue
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class DecodeJob:
-    """One request on this decode, across its epochs."""
-    room: int
-    epoch: int
-    req: Request
-    prefill: str
-    client: bytes            # the router's identity on our socket
-    stream: bool
-    deadline: Deadline
-    phase: DecodePhase = DecodePhase.NEW
-    sent: int = 0            # output tokens already sent to the client
-    asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
-
-    @property
-    def write_may_land(self) -> bool:
-        """A prefill may still write into this job's pages."""
-        return self.phase is DecodePhase.TRANSFERRING and self.asked == self.epoch
 
 
 class DecodeScheduler:
@@ -70,7 +41,7 @@ class DecodeScheduler:
                              self.deadlines.dead_fence, self._prefill_dead)
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
         self.transferring = 0        # jobs in TRANSFERRING: each will join the batch at kv_done
-        self.live_prefills: list[str] | None = None            # from the router's continue
+        self.retraction = Retraction(self)                    # pause, retract, continue
         self.links = PrefillLinks(ctx, self.loop, self._hello(), self.on_prefill_message,
                                   self.on_refused, self.on_prefill_restarted,
                                   core.security.client_options(), self.deadlines.heartbeat,
@@ -149,7 +120,7 @@ class DecodeScheduler:
                 job.req.pages = self.pool.allocator.alloc(self.pool.pages_for(job.req.max_context))
             except PoolFull:
                 return
-            link = self.links.get(self._prefill_for(job))
+            link = self.links.get(self.retraction.prefill_for(job))
             if link.state in (LinkState.REFUSED, LinkState.DEAD):
                 status = UNAVAILABLE if link.state is LinkState.DEAD else INTERNAL
                 self.finish(job, status, link.reason, tell_prefill=True)
@@ -157,13 +128,6 @@ class DecodeScheduler:
             job.prefill = link.endpoint
             self.move(job, DecodePhase.TRANSFERRING)
             link.when_ready(lambda j=job, l=link, epoch=job.epoch: self._request_kv(j, l, epoch))
-
-    def _prefill_for(self, job: DecodeJob) -> str:
-        """The request's own prefill, unless the router said it is gone after a pause."""
-        live = self.live_prefills
-        if job.epoch == 0 or not live or job.prefill in live:
-            return job.prefill
-        return live[job.room % len(live)]
 
     def _request_kv(self, job: DecodeJob, link: PrefillLink, epoch: int) -> None:
         if self.jobs.get(job.room) is not job or job.epoch != epoch or \
@@ -280,7 +244,8 @@ class DecodeScheduler:
     def _uses(self, job: DecodeJob, link: PrefillLink) -> bool:
         if job.phase is DecodePhase.TRANSFERRING:
             return job.prefill == link.endpoint
-        return job.phase is DecodePhase.WAITING and self._prefill_for(job) == link.endpoint
+        return job.phase is DecodePhase.WAITING and \
+            self.retraction.prefill_for(job) == link.endpoint
 
     def on_prefill_restarted(self, link: PrefillLink) -> None:
         """The prefill answered our hello from a new transport session: the process
@@ -321,12 +286,12 @@ class DecodeScheduler:
                  status, reason)
         if tell_prefill and job.phase is not DecodePhase.HELD:
             self.links.get(job.prefill).send(KvFailed(job.room, job.epoch, status, reason))
-        self._release(job, fence=may_land and job.write_may_land)
+        self.release(job, fence=may_land and job.write_may_land)
         self.move(job, DecodePhase.FINISHED)
         job.req.abort(status, reason)
         self.emit(job)
 
-    def _release(self, job: DecodeJob, fence: bool) -> None:
+    def release(self, job: DecodeJob, fence: bool) -> None:
         """Give back the request's pages, or fence them if a prefill write may still land."""
         req = job.req
         if req.pages and fence:
@@ -339,69 +304,22 @@ class DecodeScheduler:
         self.jobs.pop(job.room, None)
         self.by_rid.pop(job.req.rid, None)
         self.move(job, DecodePhase.FINISHED)
-        self._release(job, fence=False)
+        self.release(job, fence=False)
 
     # --- pause, continue, status (the core's admin commands call these) ---------------
+    # Pause and continue are `self.retraction`'s (zpd/worker/retraction.py).
 
     def busy(self) -> bool:
         return bool(self.jobs or self.fences)
 
     def on_pause(self, mode: str) -> None:
-        for job in list(self.jobs.values()):
-            job.deadline.suspend()             # a held request waits as long as the pause
-            if mode == "abort":
-                self.finish(job, ABORTED, "aborted by pause(abort)", tell_prefill=True)
-            elif mode == "retract" and job.phase is not DecodePhase.HELD:
-                self.retract(job)
-
-    def retract(self, job: DecodeJob) -> None:
-        """Drop the request's KV and hold it; its last token is fed again after continue."""
-        if job.phase is DecodePhase.TRANSFERRING:
-            self.links.get(job.prefill).send(KvFailed(job.room, job.epoch, ABORTED, "retracted"))
-        self._release(job, fence=job.write_may_land)
-        self.move(job, DecodePhase.HELD)
-        job.req.retractions += 1
-        log.info("rid=%r room=%d epoch=%d retracted after %d tokens", job.req.rid, job.room,
-                 job.epoch, len(job.req.output))
+        self.retraction.on_pause(mode)
 
     def quiescent(self) -> bool:
-        """pause(retract|abort) is answered once no page is fenced: then no worker
-        holds KV for any request and memory can be flushed."""
-        return not (self.fences and self.core.paused in ("retract", "abort"))
+        return self.retraction.quiescent()
 
     def on_resume(self, args: dict) -> dict:
-        """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
-        prefills = args.get("prefills")
-        if isinstance(prefills, list) and prefills:
-            live = [p for p in prefills if well_formed(p)]
-            if len(live) < len(prefills):
-                log.warning("continue: ignoring prefills that are no endpoints in %.200r", prefills)
-            self.live_prefills = live or self.live_prefills
-        held = sorted((j for j in self.jobs.values() if j.phase is DecodePhase.HELD),
-                      key=lambda j: j.req.arrived)
-        early = args.get("early") if isinstance(args.get("early"), dict) else {}
-        for job in held:
-            self._take_early_token(job, early.get(job.req.rid))
-        for job in self.jobs.values():
-            job.deadline.resume()
-        for job in held:
-            job.epoch += 1
-            self.move(job, DecodePhase.WAITING)
-        return {"resumed": len(held)}
-
-    def _take_early_token(self, job: DecodeJob, got) -> None:
-        """The client already has this request's first token (its prefill sent it to the
-        router before the KV arrived here): resume after it, as after any token."""
-        req = job.req
-        if req.output or not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], int)
-                              and isinstance(got[1], str)):
-            return
-        if not 0 <= got[0] < self.core.model.cfg.vocab_size:
-            log.warning("rid=%r: early token %r out of range; ignored", req.rid, got[0])
-            return
-        req.emit(got[0], got[1])     # sent again with the next ones: the router passes it once
-        log.info("rid=%r room=%d resumes after its first token %d (%s), which its prefill sent "
-                 "ahead", req.rid, job.room, got[0], got[1])
+        return self.retraction.on_resume(args)
 
     def on_memory_resumed(self) -> None:
         self.links.rehello(self._hello())       # prefills must learn our pool's new address

@@ -8,7 +8,7 @@ size) and against what the router assigned (the room's decode endpoint):
 - a hello whose pool is impossible (no pages, a null address, a range past 2**64, our
   own session) is refused, and so is every kv_dest from that peer;
 - a kv_dest counts only from the peer whose hello named the endpoint the router gave
-  the room (`Generate.decode`), see `PrefillScheduler.pair`;
+  the room (`Generate.decode`), see `KvDests.pair` (zpd/worker/dests.py);
 - its page ids must lie in that peer's pool, be distinct and be exactly as many as
   the prefix needs.
 

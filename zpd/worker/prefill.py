@@ -3,64 +3,33 @@
 A job may start computing before decode's `kv_dest` arrives; the write starts once
 both are there. Messages may arrive in either order (router -> prefill and decode ->
 prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly;
-only the room's own decode may say where its KV goes (zpd/worker/peers.py).
+only the room's own decode may say where its KV goes (zpd/worker/dests.py takes
+hellos and kv_dests, with the checks of zpd/worker/peers.py).
 Whenever a job ends, the decode is told (`kv_failed`/`kv_done`) only once no write of
 ours can still land in its pages: that message is what lets it reuse them.
 """
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import transport
 from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
                              validate, validate_prefix)
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvDone, KvFailed,
-                               Recompute, TokenPart, Tokens)
+from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute,
+                               TokenPart, Tokens)
 from zpd.worker.core import WorkerCore
+from zpd.worker.dests import KvDests
+from zpd.worker.jobs import JobPhase, PrefillJob
+from zpd.worker.peers import DecodePeers
 from zpd.worker.scheduler import step_failure
-from zpd.worker.peers import DecodePeers, endpoint_key
 from zpd.worker.tombstones import Tombstones
 
 log = logging.getLogger("zpd.worker.prefill")
-
-
-class JobPhase(enum.Enum):
-    """Where a prefill job is; `PrefillScheduler.move` is the one place it changes."""
-    NEW = "new"                # just made from its first message
-    STASHED = "stashed"        # kv_dest came before the request: waiting for it
-    REJECTED = "rejected"      # refused at admission: waiting for kv_dest to tell its decode
-    QUEUED = "queued"          # waiting for pages and a forward (in `pending`)
-    COMPUTING = "computing"    # in the forward being run
-    COMPUTED = "computed"      # KV computed: waiting for kv_dest
-    WRITING = "writing"        # KV write in flight
-    ENDED = "ended"            # forgotten; a write may still be in flight (`transfer_id`)
-
-
-@dataclass(eq=False)
-class PrefillJob:
-    """One (room, epoch) on this prefill."""
-    room: int
-    epoch: int
-    deadline: Deadline
-    phase: JobPhase = JobPhase.NEW
-    req: Request | None = None           # None until the request comes
-    decode: bytes | None = None          # decode's identity on our socket
-    dest: list[int] | None = None        # the decode's page ids, from kv_dest
-    paired: str | None = None            # once the request came: the only decode endpoint
-                                         # whose kv_dest counts (see `pair`)
-    offers: dict = field(default_factory=dict)   # STASHED: sender -> page ids, checked at `pair`
-    transfer_id: int | None = None
-    failure: tuple[int, str] | None = None   # REJECTED: what to tell the decode
-    notice: tuple[int, str] | None = None    # kv_failed to send once the write is over
-    marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
-    early_to: bytes | None = None        # a streaming client's router: send it the first token
 
 
 # Each phase's deadline (a Deadlines field and what was awaited); a pause stops the
@@ -92,10 +61,11 @@ class PrefillScheduler:
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
         self.by_transfer: dict[int, PrefillJob] = {}          # writes in flight, ended jobs too
         self.peers = DecodePeers(core.layout.page_bytes, core.backend.session_id, core.send)
+        self.dests = KvDests(self)                            # hellos and kv_dests
         self.transfer_ids = itertools.count(1)
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
-                         Hello: self.on_hello, KvDest: self.on_kv_dest, KvFailed: self.on_kv_failed,
-                         Abort: self.on_abort}
+                         Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
+                         KvFailed: self.on_kv_failed, Abort: self.on_abort}
         self.loop.add_fd(core.backend.fileno(), self.on_completions)
 
     # --- phases --------------------------------------------------------------------
@@ -115,7 +85,7 @@ class PrefillScheduler:
             job.deadline.start(getattr(self.deadlines, spec[0]), spec[1],
                                paused=suspendable and self.core.paused is not None)
 
-    def _new_job(self, room: int, epoch: int) -> PrefillJob:
+    def new_job(self, room: int, epoch: int) -> PrefillJob:
         job = PrefillJob(room, epoch, Deadline(self.loop, lambda what: self._expire(job, what)))
         self.jobs[room] = job
         return job
@@ -208,7 +178,7 @@ class PrefillScheduler:
         job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
         if job is not None:
             job.early_to = identity if msg.stream else None
-            self.pair(job, msg.decode)
+            self.dests.pair(job, msg.decode)
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
         """KV for prompt + output[:-1] again, under the current weights, as a new epoch."""
@@ -224,7 +194,7 @@ class PrefillScheduler:
         job = self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure,
                          identity)
         if job is not None:                      # the decode that asks is the room's decode
-            self.pair(job, self.peers.endpoint(identity), identity)
+            self.dests.pair(job, self.peers.endpoint(identity), identity)
 
     def admit(self, rid: str, room: int, epoch: int, prompt: list[int], params: SamplingParams,
               failure: tuple[int, str] | None, decode: bytes | None = None) -> PrefillJob | None:
@@ -238,7 +208,7 @@ class PrefillScheduler:
             log.info("rid=%r room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
             self.tombstones.add(room, epoch)
             return None
-        job = self.jobs.get(room) or self._new_job(room, epoch)
+        job = self.jobs.get(room) or self.new_job(room, epoch)
         if job.phase not in (JobPhase.NEW, JobPhase.STASHED) or job.epoch != epoch:
             log.warning("duplicate or stale request for room %d epoch %d dropped", room, epoch)
             return None
@@ -258,73 +228,7 @@ class PrefillScheduler:
         for job in [j for j in self.jobs.values() if j.req is not None and j.req.rid == msg.rid]:
             self.end(job, msg.status or ABORTED, msg.reason or "aborted")
 
-    # --- decode peers ----------------------------------------------------------------
-
-    def on_hello(self, identity: bytes, msg: Hello) -> None:
-        """A decode's pool, where its kv_dests may point (zpd/worker/peers.py): refused
-        when incompatible or impossible, and then none of its kv_dests counts."""
-        core = self.core
-        reason = self.peers.hello(identity, msg) if msg.compat_hash == core.compat_hash else (
-            f"incompatible peers: prefill {core.endpoint} serves {core.model.spec} "
-            f"({core.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
-            f"(hash {msg.compat_hash} != {core.compat_hash})")
-        if reason:
-            self.peers.forget(identity)
-            log.error("hello from %r refused: %s", msg.decode[:200], reason)
-        else:
-            core.backend.connect(msg.session_id)     # handshake now, not at its first write
-        core.send(identity, HelloAck(
-            not reason, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
-            core.memory.pool_addr, self.pool.num_pages, core.model.version, reason))
-
-    def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
-        if identity not in self.peers:
-            self.core.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
-            return
-        job = self.jobs.get(msg.room)
-        if job is None and ((msg.room, msg.epoch) in self.tombstones or self.core.paused in ("retract", "abort")):
-            # nothing of ours will ever write there: the decode may reuse the pages
-            self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
-            return
-        if job is None:
-            job = self._new_job(msg.room, msg.epoch)
-            self.move(job, JobPhase.STASHED)
-        if job.epoch != msg.epoch:
-            log.warning("stale kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
-        elif job.paired is not None and not self.peers.may_send(identity, job.paired, job.decode):
-            self.peers.refuse(identity, job.room, job.epoch, job.paired)
-        elif job.dest is not None or identity in job.offers:
-            log.warning("duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
-        elif job.paired is None:                 # before its request: who may send it is unknown
-            job.offers[identity] = list(msg.page_ids)
-            job.decode = job.decode or identity  # told if the room expires unpaired
-        else:
-            self._accept_dest(job, identity, list(msg.page_ids))
-
-    def pair(self, job: PrefillJob, endpoint: str, sender: bytes | None = None) -> None:
-        """The request came: only the decode at `endpoint` (the router's choice, or the
-        recompute's `sender`) may now say where its KV goes. Offers that came first are
-        accepted or refused now."""
-        job.paired, job.decode = endpoint_key(endpoint), sender
-        chosen = self.peers.settle(job.room, job.epoch, job.offers, job.paired, sender)
-        job.offers = {}
-        if chosen is not None:
-            self._accept_dest(job, *chosen)
-
-    def _accept_dest(self, job: PrefillJob, identity: bytes, pages: list[int]) -> None:
-        job.decode, job.dest = identity, pages
-        if job.phase is JobPhase.REJECTED:
-            self.end(job, *job.failure)
-            return
-        problem = self._dest_problem(job)
-        if problem:
-            self.end(job, INTERNAL, problem)     # fail fast; start_write checks again
-        elif job.phase is JobPhase.COMPUTED:
-            self.start_write(job)
-
-    def _dest_problem(self, job: PrefillJob) -> str:
-        need = self.pool.pages_for(len(job.req.prompt))
-        return self.peers.dest_problem(job.decode, job.dest, need)
+    # --- from decodes (their hellos and kv_dests go to `self.dests`) ------------------
 
     def on_kv_failed(self, identity: bytes, msg: KvFailed) -> None:
         """The decode gave up on (room, epoch); answer once our write cannot land.
@@ -353,7 +257,7 @@ class PrefillScheduler:
         """Write the KV where the decode said, checked against the pool it announced
         (its hello may have changed since the kv_dest): a bad page id fails this
         request, never the loop."""
-        problem = self._dest_problem(job)
+        problem = self.dests.problem(job)
         if problem:
             self.end(job, INTERNAL, problem)
             return

@@ -1,0 +1,101 @@
+"""Where a prefill job's KV goes: the decodes' hellos and kv_dests, and the pairing that
+lets only the room's own decode say it (the checks themselves are zpd/worker/peers.py).
+
+A kv_dest may come before the room's request (router -> prefill and decode -> prefill
+are different sockets): it is kept as an offer on a STASHED job and weighed at `pair`,
+once the request has named the room's decode.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from engines.request import ABORTED, INTERNAL
+from zpd.wire.protocol import Hello, HelloAck, KvDest, KvFailed
+from zpd.worker.jobs import JobPhase, PrefillJob
+from zpd.worker.peers import endpoint_key
+
+if TYPE_CHECKING:
+    from zpd.worker.prefill import PrefillScheduler
+
+log = logging.getLogger("zpd.worker.prefill")       # its lines are the prefill scheduler's
+
+
+class KvDests:
+    """The prefill's intake of hellos and kv_dests. The `PrefillScheduler` that owns it
+    is `sched`, an explicit reference back: its jobs, tombstones and peers are read
+    here, and its `new_job`, `move`, `end` and `start_write` called; a job's phase is
+    never set here."""
+
+    def __init__(self, sched: PrefillScheduler) -> None:
+        self.sched = sched
+
+    def on_hello(self, identity: bytes, msg: Hello) -> None:
+        """A decode's pool, where its kv_dests may point (zpd/worker/peers.py): refused
+        when incompatible or impossible, and then none of its kv_dests counts."""
+        core, peers = self.sched.core, self.sched.peers
+        reason = peers.hello(identity, msg) if msg.compat_hash == core.compat_hash else (
+            f"incompatible peers: prefill {core.endpoint} serves {core.model.spec} "
+            f"({core.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
+            f"(hash {msg.compat_hash} != {core.compat_hash})")
+        if reason:
+            peers.forget(identity)
+            log.error("hello from %r refused: %s", msg.decode[:200], reason)
+        else:
+            core.backend.connect(msg.session_id)     # handshake now, not at its first write
+        core.send(identity, HelloAck(
+            not reason, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
+            core.memory.pool_addr, core.pool.num_pages, core.model.version, reason))
+
+    def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
+        s = self.sched
+        if identity not in s.peers:
+            s.core.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
+            return
+        job = s.jobs.get(msg.room)
+        ended = (msg.room, msg.epoch) in s.tombstones or s.core.paused in ("retract", "abort")
+        if job is None and ended:
+            # nothing of ours will ever write there: the decode may reuse the pages
+            s.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
+            return
+        if job is None:
+            job = s.new_job(msg.room, msg.epoch)
+            s.move(job, JobPhase.STASHED)
+        if job.epoch != msg.epoch:
+            log.warning("stale kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
+        elif job.paired is not None and not s.peers.may_send(identity, job.paired, job.decode):
+            s.peers.refuse(identity, job.room, job.epoch, job.paired)
+        elif job.dest is not None or identity in job.offers:
+            log.warning("duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
+        elif job.paired is None:                 # before its request: who may send it is unknown
+            job.offers[identity] = list(msg.page_ids)
+            job.decode = job.decode or identity  # told if the room expires unpaired
+        else:
+            self.accept(job, identity, list(msg.page_ids))
+
+    def pair(self, job: PrefillJob, endpoint: str, sender: bytes | None = None) -> None:
+        """The request came: only the decode at `endpoint` (the router's choice, or the
+        recompute's `sender`) may now say where its KV goes. Offers that came first are
+        accepted or refused now."""
+        job.paired, job.decode = endpoint_key(endpoint), sender
+        chosen = self.sched.peers.settle(job.room, job.epoch, job.offers, job.paired, sender)
+        job.offers = {}
+        if chosen is not None:
+            self.accept(job, *chosen)
+
+    def accept(self, job: PrefillJob, identity: bytes, pages: list[int]) -> None:
+        job.decode, job.dest = identity, pages
+        if job.phase is JobPhase.REJECTED:
+            self.sched.end(job, *job.failure)
+            return
+        problem = self.problem(job)
+        if problem:
+            self.sched.end(job, INTERNAL, problem)     # fail fast; start_write checks again
+        elif job.phase is JobPhase.COMPUTED:
+            self.sched.start_write(job)
+
+    def problem(self, job: PrefillJob) -> str:
+        """Why the job's kv_dest is no place for its KV (checked against the pool its
+        decode announced last), or ""."""
+        need = self.sched.pool.pages_for(len(job.req.prompt))
+        return self.sched.peers.dest_problem(job.decode, job.dest, need)

@@ -1,0 +1,97 @@
+"""What a pause does to a decode's requests, and how continue brings them back.
+
+pause(abort) ends every request; pause(retract) drops each one's KV and holds it
+(HELD), fencing pages a prefill write may still reach. The pause is answered once
+no page is fenced. Continue re-admits the held requests as a new epoch: their
+prefix (prompt + output so far) is recomputed by a prefill the router says is live.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from engines.request import ABORTED
+from zpd.wire.protocol import KvFailed
+from zpd.worker.jobs import DecodeJob, DecodePhase
+from zpd.worker.links import well_formed
+
+if TYPE_CHECKING:
+    from zpd.worker.decode import DecodeScheduler
+
+log = logging.getLogger("zpd.worker.decode")      # its lines are the decode scheduler's
+
+
+class Retraction:
+    """The decode's pause, retract and continue. The `DecodeScheduler` that owns it is
+    `sched`, an explicit reference back: its jobs, links and fences are read here, and
+    its `move`, `finish` and `release` called; a job's phase is never set here."""
+
+    def __init__(self, sched: DecodeScheduler) -> None:
+        self.sched = sched
+        self.live_prefills: list[str] | None = None            # from the router's continue
+
+    def on_pause(self, mode: str) -> None:
+        for job in list(self.sched.jobs.values()):
+            job.deadline.suspend()             # a held request waits as long as the pause
+            if mode == "abort":
+                self.sched.finish(job, ABORTED, "aborted by pause(abort)", tell_prefill=True)
+            elif mode == "retract" and job.phase is not DecodePhase.HELD:
+                self.retract(job)
+
+    def retract(self, job: DecodeJob) -> None:
+        """Drop the request's KV and hold it; its last token is fed again after continue."""
+        s = self.sched
+        if job.phase is DecodePhase.TRANSFERRING:
+            s.links.get(job.prefill).send(KvFailed(job.room, job.epoch, ABORTED, "retracted"))
+        s.release(job, fence=job.write_may_land)
+        s.move(job, DecodePhase.HELD)
+        job.req.retractions += 1
+        log.info("rid=%r room=%d epoch=%d retracted after %d tokens", job.req.rid, job.room,
+                 job.epoch, len(job.req.output))
+
+    def quiescent(self) -> bool:
+        """pause(retract|abort) is answered once no page is fenced: then no worker
+        holds KV for any request and memory can be flushed."""
+        return not (self.sched.fences and self.sched.core.paused in ("retract", "abort"))
+
+    def on_resume(self, args: dict) -> dict:
+        """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
+        prefills = args.get("prefills")
+        if isinstance(prefills, list) and prefills:
+            live = [p for p in prefills if well_formed(p)]
+            if len(live) < len(prefills):
+                log.warning("continue: ignoring prefills that are no endpoints in %.200r", prefills)
+            self.live_prefills = live or self.live_prefills
+        jobs = self.sched.jobs
+        held = sorted((j for j in jobs.values() if j.phase is DecodePhase.HELD),
+                      key=lambda j: j.req.arrived)
+        early = args.get("early") if isinstance(args.get("early"), dict) else {}
+        for job in held:
+            self._take_early_token(job, early.get(job.req.rid))
+        for job in jobs.values():
+            job.deadline.resume()
+        for job in held:
+            job.epoch += 1
+            self.sched.move(job, DecodePhase.WAITING)
+        return {"resumed": len(held)}
+
+    def prefill_for(self, job: DecodeJob) -> str:
+        """The request's own prefill, unless the router said it is gone after a pause."""
+        live = self.live_prefills
+        if job.epoch == 0 or not live or job.prefill in live:
+            return job.prefill
+        return live[job.room % len(live)]
+
+    def _take_early_token(self, job: DecodeJob, got) -> None:
+        """The client already has this request's first token (its prefill sent it to the
+        router before the KV arrived here): resume after it, as after any token."""
+        req = job.req
+        if req.output or not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], int)
+                              and isinstance(got[1], str)):
+            return
+        if not 0 <= got[0] < self.sched.core.model.cfg.vocab_size:
+            log.warning("rid=%r: early token %r out of range; ignored", req.rid, got[0])
+            return
+        req.emit(got[0], got[1])     # sent again with the next ones: the router passes it once
+        log.info("rid=%r room=%d resumes after its first token %d (%s), which its prefill sent "
+                 "ahead", req.rid, job.room, got[0], got[1])
