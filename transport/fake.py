@@ -211,6 +211,9 @@ class FabricDriver:
         self.fabric._session(peer)        # raises for an unknown session, as a handshake would
         self.opened.append(peer)
 
+    def probe(self, peer: str, timeout_s: float) -> None:
+        self.fabric._session(peer)        # an unknown session answers no handshake
+
     def submit(self, peer: str, run: Run) -> object | None:
         self.submitted += 1
         self.in_flight += 1

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from typing import Any
 
 from .base import BackendUnavailableError, Run, TransportError
@@ -88,10 +90,23 @@ def configure_timeouts(transfer_timeout_s: float, environ: Any = os.environ) -> 
     return chosen
 
 
+# Run in a child process by MooncakeDriver.probe: exit 0 once the peer (argv[4]) gave
+# its segment descriptor, i.e. answered the handshake.
+_PROBE = """
+import sys
+from mooncake.engine import TransferEngine
+engine = TransferEngine()
+host, protocol, device, peer = sys.argv[1:5]
+ok = engine.initialize(host, "P2PHANDSHAKE", protocol, device) == 0
+sys.exit(0 if ok and engine.get_first_buffer_address(peer) else 3)
+"""
+
+
 class MooncakeDriver:
-    """The Driver for one Mooncake TransferEngine (see worker.Driver)."""
+    """The Driver for one Mooncake TransferEngine (see threaded.Driver)."""
 
     def __init__(self, host: str, device_name: str, protocol: str, transfer_timeout_s: float) -> None:
+        self._args = (host, protocol, device_name)
         engine_cls = import_transfer_engine()
         timeouts = configure_timeouts(transfer_timeout_s)
         self._engine = engine_cls()
@@ -113,6 +128,19 @@ class MooncakeDriver:
     def submit(self, peer: str, run: Run) -> object | None:
         handle = self._engine.transfer_submit_write(peer, run[0], run[1], run[2])
         return None if handle in _REFUSED else handle
+
+    def probe(self, peer: str, timeout_s: float) -> None:
+        """The handshake in a child process (about 1.2 s, mostly its import): Mooncake
+        holds the GIL while a peer does not answer (transport/sessions.py)."""
+        try:
+            done = subprocess.run([sys.executable, "-c", _PROBE, *self._args, peer],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TransportError(f"{peer} did not answer Mooncake's handshake within "
+                                 f"{timeout_s:g} s") from None
+        if done.returncode != 0:
+            raise TransportError(f"{peer} refused Mooncake's handshake (probe exit {done.returncode})")
 
     def open(self, peer: str) -> None:
         # Fetches the peer's segment descriptor (the P2P handshake) and caches it.

@@ -28,6 +28,7 @@ from typing import Protocol, Sequence
 from .base import (MAX_BATCH_ENTRIES, Backend, Completion, Run, TransportError,
                    check_runs, split_batches)
 from .completions import CompletionQueue
+from .sessions import OPEN, PROBING, Sessions
 
 log = logging.getLogger("transport")
 
@@ -64,6 +65,10 @@ class Driver(Protocol):
     def open(self, peer: str) -> None:
         """Open the session to `peer` now (may wait for its handshake); raise on failure."""
 
+    def probe(self, peer: str, timeout_s: float) -> None:
+        """Check, without holding the GIL, that `peer` answers a handshake within
+        `timeout_s` (transport/sessions.py says why); raise if it does not."""
+
     def close(self, outstanding: int) -> None:
         """Release the fabric; `outstanding` runs were never seen to finish."""
 
@@ -91,10 +96,15 @@ class ThreadedBackend(Backend):
     """A Backend whose blocking work runs on one helper thread over a Driver."""
 
     def __init__(self, driver: Driver, transfer_timeout_s: float = 10.0,
-                 max_batch_entries: int = MAX_BATCH_ENTRIES) -> None:
+                 max_batch_entries: int = MAX_BATCH_ENTRIES,
+                 handshake_timeout_s: float | None = None) -> None:
+        """`handshake_timeout_s`: how long a new peer may take to answer the session
+        probe (default: half the transfer timeout, at most 10 s)."""
         if transfer_timeout_s <= 0:
             raise TransportError(f"transfer_timeout_s must be positive, got {transfer_timeout_s}")
         self._driver = driver
+        self._sessions = Sessions(driver, handshake_timeout_s or min(10.0, transfer_timeout_s / 2),
+                                  lambda peer: self._inbox.put(_Open(peer)))
         self._timeout_s = transfer_timeout_s
         self._max_entries = max_batch_entries
         self._done = CompletionQueue()
@@ -142,12 +152,11 @@ class ThreadedBackend(Backend):
         self._inbox.put(t)
 
     def connect(self, peer: str) -> None:
-        """Open the peer's session on the helper thread now, while the peer is known to
-        be alive (it just said hello): with Mooncake the first write to a peer does its
-        handshake, and against a peer frozen meanwhile that handshake stalls every
-        write of this engine (measured: > 60 s), not only the ones to that peer."""
+        """Open the peer's session now, while the peer is known to be alive (it just
+        said hello), and without freezing this process if it does not answer
+        (transport/sessions.py). A write to a peer never connected connects first."""
         if not self._stopped:
-            self._inbox.put(_Open(peer))
+            self._sessions.connect(peer)
 
     def cancel(self, transfer_id: int) -> None:
         with self._lock:
@@ -235,13 +244,26 @@ class _Loop:
             return True
 
     def _open(self, peer: str) -> None:
+        """The probe said the peer answers: open its session in this process."""
         started = time.monotonic()
         try:
             self.driver.open(peer)
-        except Exception as exc:  # noqa: BLE001 - the first write will fail and say why
+        except Exception as exc:  # noqa: BLE001 - its writes fail and say why
             log.warning("opening the session to %s failed: %s", peer, exc)
+            self.owner._sessions.opened(peer, str(exc))
             return
+        self.owner._sessions.opened(peer)
         log.info("session to %s open (%.1f ms)", peer, (time.monotonic() - started) * 1e3)
+
+    def _session_ready(self, t: _Transfer) -> bool:
+        """May t's runs go out? Starts the session when nobody has; fails t when its
+        session could not be opened."""
+        state = self.owner._sessions.state(t.peer)
+        if state is None:
+            self.owner._sessions.connect(t.peer)
+        elif state not in (OPEN, PROBING):
+            t.failure = state
+        return state == OPEN
 
     def _advance_all(self) -> bool:
         progressed = self._settle_orphans()
@@ -279,6 +301,8 @@ class _Loop:
         return f"timeout after {self.owner._timeout_s:g} s"
 
     def _submit_next(self, t: _Transfer, reserved: set[str]) -> bool:
+        if not self._session_ready(t):
+            return bool(t.failure)                # a failure is progress: t ends next turn
         batch = t.batches[t.next_batch]
         room = self.owner._max_entries - self.in_flight.get(t.peer, 0)
         if t.peer in reserved or len(batch) > room:

@@ -171,7 +171,11 @@ def test_session_opened_ahead_keeps_a_frozen_peer_from_stalling_others(pair, pee
         a.register(src.ctypes.data, src.nbytes)
         a.connect(session)
         a.connect(b.session_id)
-        time.sleep(0.5)                           # the helper thread opens both
+        # Both sessions open (probed, then opened by the helper thread): a write to each
+        # completes. Only then does the peer freeze.
+        a.write(28, session, [(src.ctypes.data, addr, PAGE)])
+        a.write(29, b.session_id, [(src.ctypes.data, dst.ctypes.data, PAGE)])
+        assert all(wait_one(a).ok for _ in range(2))
         os.kill(proc.pid, signal.SIGSTOP)
         started = time.monotonic()
         a.write(30, session, [(src.ctypes.data, addr, PAGE)])       # to the frozen peer
@@ -184,3 +188,48 @@ def test_session_opened_ahead_keeps_a_frozen_peer_from_stalling_others(pair, pee
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         a.close()
+
+
+def test_a_peer_that_never_answers_the_handshake_freezes_nothing() -> None:
+    """Mooncake holds the GIL while it opens a session to a peer that accepts and never
+    answers (62 s measured): the session is probed in a child process first, so this
+    process's threads keep running, the write to that peer fails within the probe
+    timeout, and writes to live peers go on."""
+    import socket
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)                                   # accepts, never answers
+    peer = f"127.0.0.1:{silent.getsockname()[1]}"
+    a = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=4.0)
+    b = transport.create_backend("mooncake", host="127.0.0.1", transfer_timeout_s=4.0)
+    src, dst = np.ones(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    a.register(src.ctypes.data, src.nbytes)
+    b.register(dst.ctypes.data, dst.nbytes)
+    ticks, stop = [time.monotonic()], threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.02):
+            ticks.append(time.monotonic())
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        started = time.monotonic()
+        a.connect(peer)
+        assert time.monotonic() - started < 0.5
+        a.write(1, peer, [(src.ctypes.data, 0x1000, 16)])
+        a.write(2, b.session_id, [(src.ctypes.data, dst.ctypes.data, 4096)])
+        got = {c.transfer_id: c for c in (wait_one(a), wait_one(a))}
+        assert got[2].ok and bytes(dst) == bytes(src)
+        assert not got[1].ok and "handshake" in got[1].reason, got[1]
+        assert time.monotonic() - started < 4.0
+    finally:
+        stop.set()
+        ticker.join()
+        a.close()
+        b.close()
+        silent.close()
+    gaps = [y - x for x, y in zip(ticks, ticks[1:])]
+    assert max(gaps) < 0.5, max(gaps)                  # no thread of ours stood still

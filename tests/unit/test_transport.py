@@ -281,9 +281,11 @@ def test_threaded_refused_submit_and_empty_write() -> None:
     driver = FabricDriver(fabric)
     driver.submit = lambda peer, run: None  # type: ignore[method-assign]
     a, _ = threaded(fabric, src, driver)
-    a.write(1, "anyone", [(src.addr, dst.addr, 1)])
+    b, _ = threaded(fabric, dst)                  # a peer that answers: only the submit refuses
+    a.write(1, b.session_id, [(src.addr, dst.addr, 1)])
     a.write(2, "anyone", [])
     done = {c.transfer_id: c for c in wait_for(a, 2)}
     assert not done[1].ok and "refused" in done[1].reason
     assert done[2].ok and done[2].nbytes == 0
     a.close()
+    b.close()
