@@ -51,7 +51,7 @@ def one_sample(cluster: FaultCluster, victim: Proc, how: str, stream: bool, stat
                    if victim.endpoint in o["finish_reason"].get("message", "")) - t
         with cluster.client() as admin:             # end the others
             for rid in reqs.chunks:
-                admin.abort(rid)
+                admin.admin("abort", rid=rid)
         reqs.wait(60)
     victim.restart() if how == "kill" else victim.signal(signal.SIGCONT)
     wait_for(lambda: router_alive(cluster, victim), timeout=30, what="the victim back")

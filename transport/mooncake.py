@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from typing import Any
 
 from .base import BackendUnavailableError, Run, TransportError
+from .probe import HandshakeProber
 from .threaded import DONE, FAILED, PENDING, ThreadedBackend
 
 log = logging.getLogger("transport")
@@ -90,23 +89,10 @@ def configure_timeouts(transfer_timeout_s: float, environ: Any = os.environ) -> 
     return chosen
 
 
-# Run in a child process by MooncakeDriver.probe: exit 0 once the peer (argv[4]) gave
-# its segment descriptor, i.e. answered the handshake.
-_PROBE = """
-import sys
-from mooncake.engine import TransferEngine
-engine = TransferEngine()
-host, protocol, device, peer = sys.argv[1:5]
-ok = engine.initialize(host, "P2PHANDSHAKE", protocol, device) == 0
-sys.exit(0 if ok and engine.get_first_buffer_address(peer) else 3)
-"""
-
-
 class MooncakeDriver:
     """The Driver for one Mooncake TransferEngine (see threaded.Driver)."""
 
     def __init__(self, host: str, device_name: str, protocol: str, transfer_timeout_s: float) -> None:
-        self._args = (host, protocol, device_name)
         engine_cls = import_transfer_engine()
         timeouts = configure_timeouts(transfer_timeout_s)
         self._engine = engine_cls()
@@ -115,6 +101,7 @@ class MooncakeDriver:
                 f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) "
                 "failed; the cause is in Mooncake's log on stderr")
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._prober = HandshakeProber(host, protocol, device_name)
         log.info("mooncake engine %s ready (%s)", self.session_id, timeouts)
 
     def register(self, addr: int, length: int) -> None:
@@ -130,17 +117,7 @@ class MooncakeDriver:
         return None if handle in _REFUSED else handle
 
     def probe(self, peer: str, timeout_s: float) -> None:
-        """The handshake in a child process (about 1.2 s, mostly its import): Mooncake
-        holds the GIL while a peer does not answer (transport/sessions.py)."""
-        try:
-            done = subprocess.run([sys.executable, "-c", _PROBE, *self._args, peer],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise TransportError(f"{peer} did not answer Mooncake's handshake within "
-                                 f"{timeout_s:g} s") from None
-        if done.returncode != 0:
-            raise TransportError(f"{peer} refused Mooncake's handshake (probe exit {done.returncode})")
+        self._prober.probe(peer, timeout_s)
 
     def open(self, peer: str) -> None:
         # Fetches the peer's segment descriptor (the P2P handshake) and caches it.
@@ -162,6 +139,7 @@ class MooncakeDriver:
         # Measured: destroying an engine with writes pending to a frozen peer
         # returns in <1 s and does not crash.
         self._engine = None
+        self._prober.close()
 
 
 class MooncakeBackend(ThreadedBackend):

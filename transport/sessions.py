@@ -7,8 +7,8 @@ listener that accepts and never answers, `get_first_buffer_address` held the GIL
 And a first write to a peer whose session is not open does the same handshake inside
 the submit. So a session is opened in two steps: the driver's `probe` first checks,
 in another process and within a timeout, that the peer answers the handshake (a wait
-on a child process releases the GIL); only then does the helper thread open it in
-this process, which is quick against a peer that answers. Writes to a peer go out
+on a child process releases the GIL; transport/probe.py); only then does the helper
+thread open it in this process, which is quick against a peer that answers. Writes to a peer go out
 only once its session is open; while it is being probed they wait (their transfer
 deadline still runs), and once the probe has failed they fail at once with its reason.
 

@@ -40,6 +40,7 @@ PENDING, DONE, FAILED = 0, 1, -1
 _SPIN_S = 150e-6
 _MIN_SLEEP_S = 50e-6
 _MAX_SLEEP_S = 1e-3
+HANDSHAKE_TIMEOUT_S = 5.0   # a live peer answers the session probe in milliseconds
 
 
 class Driver(Protocol):
@@ -99,11 +100,11 @@ class ThreadedBackend(Backend):
                  max_batch_entries: int = MAX_BATCH_ENTRIES,
                  handshake_timeout_s: float | None = None) -> None:
         """`handshake_timeout_s`: how long a new peer may take to answer the session
-        probe (default: half the transfer timeout, at most 10 s)."""
+        probe (default 5 s)."""
         if transfer_timeout_s <= 0:
             raise TransportError(f"transfer_timeout_s must be positive, got {transfer_timeout_s}")
         self._driver = driver
-        self._sessions = Sessions(driver, handshake_timeout_s or min(10.0, transfer_timeout_s / 2),
+        self._sessions = Sessions(driver, handshake_timeout_s or HANDSHAKE_TIMEOUT_S,
                                   lambda peer: self._inbox.put(_Open(peer)))
         self._timeout_s = transfer_timeout_s
         self._max_entries = max_batch_entries

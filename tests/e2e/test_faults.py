@@ -62,7 +62,7 @@ def test_abort_while_writing(delayed):
         wait_for(lambda: queue_total(delayed, delayed.prefills, "writing") == 6, what="6 writes")
         t = time.monotonic()
         for rid in ("w0", "w3"):
-            admin.abort(rid)
+            admin.admin("abort", rid=rid)
         outs = reqs.wait()
     for rid in ("w0", "w3"):
         assert status(outs.pop(rid)) == 499
@@ -78,7 +78,7 @@ def test_abort_while_decode_running(delayed):
         reqs = submit(c, {"long": ([7, 8, 9], 3000)}, stream=True)
         wait_for(lambda: reqs.tokens("long") >= 3, what="tokens")
         t = time.monotonic()
-        admin.abort("long")
+        admin.admin("abort", rid="long")
         out = reqs.wait()["long"]
     assert status(out) == 499 and 3 <= len(out["output_ids"]) < 3000
     ended_within(reqs, ["long"], t, SLACK)
@@ -143,7 +143,7 @@ def test_abort_while_waiting_at_a_worker(delayed, side):
             reqs = submit(c, work)
             wait_for(lambda: queue_total(delayed, workers, queue) == 2, what=f"{side} queue")
             t = time.monotonic()
-            admin.abort(f"{side}-wait0")
+            admin.admin("abort", rid=f"{side}-wait0")
             wait_for(lambda: f"{side}-wait0" in reqs.done, timeout=SLACK, what="the abort")
             _pause_workers(workers, None)
             outs = reqs.wait()
@@ -195,7 +195,7 @@ def test_abort_while_prefill_computing(delayed):
         reqs = submit(c, {"computing": (long, 4)})
         wait_for(lambda: queue_total(delayed, delayed.decodes, "waiting_kv") == 1, what="kv_dest")
         t = time.monotonic()
-        admin.abort("computing")
+        admin.admin("abort", rid="computing")
         out = reqs.wait()["computing"]
     assert status(out) == 499
     ended_within(reqs, ["computing"], t, SLACK + 1.0)   # + the forward it waits behind
@@ -279,7 +279,7 @@ def test_decode_dies_or_freezes_mid_transfer(delayed, sig):
             _during_outage(delayed, victim)
             with delayed.client() as admin:
                 for rid in runs.chunks:
-                    admin.abort(rid)
+                    admin.admin("abort", rid=rid)
             survivor = [o for r, o in runs.wait().items() if o is not lost][0]
             assert survivor["finish_reason"]["type"] == "length" or status(survivor) == 499
         finally:
@@ -360,7 +360,7 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
             raw.close()
         finally:
             ctx.term()
-        admin.abort("dup")
+        admin.admin("abort", rid="dup")
         assert status(runs.wait()["dup"]) == 499
     assert isinstance(reply, Tokens), reply
     (part,) = reply.unpack()
