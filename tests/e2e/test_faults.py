@@ -350,7 +350,7 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
     with delayed.client() as c, delayed.client() as admin:
         runs = submit(c, {"dup": ([1, 2, 3], 4000)}, stream=True)
         wait_for(lambda: runs.tokens("dup") >= 1, what="tokens")
-        (holder,) = [d for d in delayed.decodes if "rid=dup " in d.log.read_text()]
+        (holder,) = [d for d in delayed.decodes if "rid='dup' " in d.log.read_text()]
         ctx = zmq.Context()
         try:
             raw = Dealer(ctx, holder.endpoint)

@@ -86,7 +86,7 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         logs = {p.name.split("-")[0]: p.read_text() for p in (run_dir / "logs").glob("*.log")}
         assert set(logs) == {"prefill", "decode", "router"}
         for role, text in logs.items():
-            assert "rid=script-rid room=" in text, (role, text[-2000:])
+            assert "rid='script-rid' room=" in text, (role, text[-2000:])
             if role != "router":
                 assert "epoch=0" in text, (role, text[-2000:])
 
