@@ -88,12 +88,12 @@ class DecodeScheduler:
 
     def step(self) -> None:
         self.admit()
-        running = [self.by_rid[rid] for rid in self.batch.running]
         try:
             with self.core.long_call():
                 stepped = self.batch.step()
         except Exception as e:    # one bad batch must not take every other request down
-            self.step_failed(running, e)
+            # A step that raised changed nothing: its batch is still `running`.
+            self.step_failed([self.by_rid[rid] for rid in self.batch.running], e)
             return
         for req in stepped:
             self.emit(self.by_rid[req.rid])
