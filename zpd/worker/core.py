@@ -19,7 +19,8 @@ import transport
 from engines.compute import Compute
 from engines.kv_pool import KVLayout, KVPool
 from engines.loader import load_model
-from engines.request import BAD_REQUEST, CONFLICT, StatusError
+from engines.request import BAD_REQUEST, CONFLICT, StatusError, validate
+from engines.sampler import SamplingParams
 from zpd.config import WorkerConfig
 from zpd.env import Knobs
 from zpd.ops.ready import write_ready_file
@@ -256,6 +257,20 @@ class WorkerCore:
                 "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | fields
 
     # --- requests --------------------------------------------------------------------
+
+    def read_request(self, msg) -> tuple[list[int], SamplingParams, StatusError | None]:
+        """A generate's prompt and sampling parameters, checked against this worker's
+        model and pool; the error (400 unless it says otherwise) instead of raising."""
+        prompt, params = [], SamplingParams()
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            prompt = self.prompt_ids(msg)
+            validate(prompt, params, self.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
+        except StatusError as e:
+            return prompt, params, e
+        except ValueError as e:
+            return prompt, params, StatusError(BAD_REQUEST, str(e))
+        return prompt, params, None
 
     def prompt_ids(self, msg) -> list[int]:
         """The request's prompt: its token ids, or its text through our tokenizer (a long

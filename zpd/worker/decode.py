@@ -15,8 +15,7 @@ import zmq
 from engines.allocator import PoolFull
 from engines.batch import DecodeBatch
 from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE,
-                             Request, StatusError, response, validate)
-from engines.sampler import SamplingParams
+                             Request, response)
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                                Recompute, TokenPart, Tokens)
@@ -154,15 +153,7 @@ class DecodeScheduler:
             self.refuse(identity, msg, CONFLICT,
                         f"rid {msg.rid!r} is already in flight on decode {self.core.endpoint}")
             return
-        prompt, params, error = [], SamplingParams(), None
-        try:
-            params = SamplingParams.from_dict(msg.sampling)
-            prompt = self.core.prompt_ids(msg)
-            validate(prompt, params, self.core.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
-        except StatusError as e:
-            error = e
-        except ValueError as e:
-            error = StatusError(BAD_REQUEST, str(e))
+        prompt, params, error = self.core.read_request(msg)
         job = DecodeJob(msg.room, msg.epoch, Request(msg.rid, prompt, params), msg.prefill, identity,
                         msg.stream, Deadline(self.loop, lambda what: self._expire(job, what)))
         self.jobs[msg.room], self.by_rid[msg.rid] = job, job

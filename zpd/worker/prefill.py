@@ -17,7 +17,7 @@ from collections import deque
 
 import transport
 from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
-                             validate, validate_prefix)
+                             validate_prefix)
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute,
@@ -168,13 +168,8 @@ class PrefillScheduler:
     # --- requests ------------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
-        prompt, params, failure = [], SamplingParams(), None
-        try:
-            params = SamplingParams.from_dict(msg.sampling)
-            prompt = self.core.prompt_ids(msg)
-            validate(prompt, params, self.core.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
-        except (StatusError, ValueError) as e:
-            failure = (getattr(e, "status", BAD_REQUEST), str(e))
+        prompt, params, error = self.core.read_request(msg)
+        failure = None if error is None else (error.status, str(error))
         job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
         if job is not None:
             job.early_to = identity if msg.stream else None
