@@ -162,6 +162,12 @@ class InprocCluster:
 
     # --- checks ------------------------------------------------------------------------
 
+    def serves_again(self, prompt: list[int] = (5, 17, 99, 3, 42)) -> None:
+        """A short greedy request equals `zpd run`'s answer, and every page comes back."""
+        rid = self.submit(list(prompt), 4)
+        assert self.run(rid).token_ids == reference(self, list(prompt), 4)
+        self.check_pages()
+
     def pages(self, core: WorkerCore) -> dict:
         return core.status_fields()["kv_pages"]
 

@@ -4,20 +4,12 @@ an admin command that fails inside the router is answered 500, never raised out
 of its loop."""
 from __future__ import annotations
 
-import pytest
 
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Admin, AdminReply
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64]
-
-
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
 
 
 def still_serving(c: InprocCluster) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.net import Dealer, Router
@@ -17,19 +16,6 @@ from zpd.worker.decode import DecodePhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
 SAMPLING = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-
-
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
-
-
-def serves_again(c: InprocCluster) -> None:
-    rid = c.submit(PROMPT[:5], 4)
-    assert c.run(rid).token_ids == reference(c, PROMPT[:5], 4)
-    c.check_pages()
 
 
 class FakePrefill:
@@ -99,7 +85,7 @@ def test_generate_naming_no_endpoint_is_refused_without_a_socket(cluster):
         assert finish["status_code"] == 400 and "prefill" in finish["message"], (endpoint, finish)
     assert cluster.decode.scheduler.links.links.keys() <= {cluster.prefill.endpoint}
     assert not cluster.decode.scheduler.jobs
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_first_token_outside_the_vocabulary_fails_the_request_not_the_decode(cluster):
@@ -114,7 +100,7 @@ def test_first_token_outside_the_vocabulary_fails_the_request_not_the_decode(clu
     told = [m for m in fake.got if isinstance(m, KvFailed) and m.room == 7]
     assert told and told[0].status == 500              # the prefill hears of it
     cluster.check_pages()                              # kv_done said the write is over
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_kv_done_counts_only_from_the_prefill_the_request_asked(cluster):
@@ -133,7 +119,7 @@ def test_kv_done_counts_only_from_the_prefill_the_request_asked(cluster):
     assert forger.finish["mine"]["status_code"] == 500
     assert "fake-a" in forger.finish["mine"]["message"]
     cluster.check_pages()
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_continue_naming_bad_prefills_keeps_the_request_own_prefill(cluster):
@@ -170,4 +156,4 @@ def test_a_handler_that_raises_is_logged_and_its_message_dropped(cluster, monkey
     logged = [r for r in caplog.records if r.name == "zpd.worker.core"]
     assert logged and "abort" in logged[0].getMessage() and "someone" in logged[0].getMessage()
     assert logged[0].exc_info is not None
-    serves_again(cluster)
+    cluster.serves_again()

@@ -22,13 +22,6 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8]          # 19
 ROOM = 4242
 
 
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
-
-
 def forger(c: InprocCluster, endpoint: str = "inproc://evil", **hello) -> Dealer:
     """A raw DEALER on the prefill that says hello as a decode at `endpoint`, with the
     real decode's pool (session, base address) unless `hello` overrides a field."""
@@ -42,12 +35,6 @@ def received(dealer: Dealer) -> list:
     while (msg := dealer.recv(timeout=0)) is not None:
         out.append(msg)
     return out
-
-
-def serves_again(c: InprocCluster) -> None:
-    rid = c.submit(VICTIM[:5], 4)
-    assert c.run(rid).token_ids == reference(c, VICTIM[:5], 4)
-    c.check_pages()
 
 
 def running_victim(c: InprocCluster) -> tuple[str, list[int]]:
@@ -85,7 +72,7 @@ def test_forged_kv_dest_does_not_redirect_the_write(cluster, monkeypatch, order)
     assert [(m.room, m.status) for m in got if isinstance(m, KvFailed)] == [(ROOM, 403)]
     c.pump()
     c.check_pages()
-    serves_again(c)
+    c.serves_again(VICTIM[:5])
 
 
 def test_kv_dest_from_a_peer_without_hello_is_refused(cluster):
@@ -118,7 +105,7 @@ BAD_PAGES = {
 @pytest.mark.parametrize("bad", sorted(BAD_PAGES))
 def test_bad_page_ids_fail_only_that_request(cluster, monkeypatch, bad, timing):
     c = cluster
-    serves_again(c)                            # the link is up: kv_dest goes out at once
+    c.serves_again(VICTIM[:5])                            # the link is up: kv_dest goes out at once
     num_pages = c.decode.pool.num_pages
     monkeypatch.setattr(decode_module, "KvDest", lambda room, epoch, rid, pages: KvDest(
         room, epoch, rid, BAD_PAGES[bad](list(pages), num_pages)))
@@ -140,7 +127,7 @@ def test_bad_page_ids_fail_only_that_request(cluster, monkeypatch, bad, timing):
     c.check_pages()
     assert c.admin("pause", mode="in_place")["ok"]          # nothing stays in writing
     assert c.admin("continue")["ok"]
-    serves_again(c)
+    c.serves_again(VICTIM[:5])
 
 
 # --- hello sanity ------------------------------------------------------------------
@@ -175,7 +162,7 @@ def test_impossible_hello_is_refused(cluster, bad):
     assert not ack.ok and ack.reason
     assert [(m.room, m.status) for m in got if isinstance(m, KvFailed)] == [(room, 500)]
     c.check_pages()
-    serves_again(c)
+    c.serves_again(VICTIM[:5])
 
 
 def test_recompute_kv_dest_counts_only_from_the_decode_that_asked(cluster):

@@ -17,25 +17,12 @@ from zpd.worker.prefill import JobPhase
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]   # 17 tokens: 2 pages
 
 
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
-
-
 def decode_phases(c: InprocCluster) -> list[DecodePhase]:
     return [j.phase for j in c.decode.scheduler.jobs.values()]
 
 
 def prefill_phases(c: InprocCluster) -> list[JobPhase]:
     return [j.phase for j in c.prefill.scheduler.jobs.values()]
-
-
-def serves_again(c: InprocCluster) -> None:
-    rid = c.submit(PROMPT[:5], 4)
-    assert c.run(rid).token_ids == reference(c, PROMPT[:5], 4)
-    c.check_pages()
 
 
 # --- happy path ---------------------------------------------------------------------
@@ -70,7 +57,7 @@ def test_abort_while_queued_on_both_sides(cluster):
     assert got.status == 499 and got.token_ids == []
     cluster.pump()
     cluster.check_pages()
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_abort_while_decode_waits_for_pages():
@@ -94,7 +81,7 @@ def test_abort_while_decode_waits_for_pages():
 def test_abort_while_kv_in_flight(cluster):
     """The decode has asked for the KV and the prefill does not answer yet: its pages
     stay fenced until the prefill acknowledges, then come back."""
-    serves_again(cluster)                       # linked: kv_dest goes out at once
+    cluster.serves_again()                       # linked: kv_dest goes out at once
     cluster.silent.add("prefill")
     rid = cluster.submit(PROMPT, 8)
     cluster.until(lambda: cluster.decode.scheduler.jobs and
@@ -107,7 +94,7 @@ def test_abort_while_kv_in_flight(cluster):
     cluster.until(lambda: cluster.pages(cluster.decode)["fenced"] == 0)
     cluster.pump()
     cluster.check_pages()
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_abort_while_prefill_waits_for_kv_dest(cluster):
@@ -157,7 +144,7 @@ def test_abort_while_held(cluster):
     assert cluster.run(rid).status == 499
     cluster.check_pages()
     assert cluster.admin("continue")["ok"]
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 # --- kv_failed both ways ------------------------------------------------------------------
@@ -170,7 +157,7 @@ def test_failed_write_fails_the_request_and_tells_the_decode():
         got = c.run(rid)
         assert got.status == 500 and "nic down" in got.finish["message"]
         c.check_pages()
-        serves_again(c)
+        c.serves_again()
     finally:
         c.close()
 
@@ -178,7 +165,7 @@ def test_failed_write_fails_the_request_and_tells_the_decode():
 def test_decode_deadline_tells_the_prefill(cluster):
     """kv_done never comes: the decode gives up (504) and tells the prefill, whose
     answer is what frees the fenced pages."""
-    serves_again(cluster)
+    cluster.serves_again()
     cluster.silent.add("prefill")
     rid = cluster.submit(PROMPT, 8)
     cluster.pump()
@@ -196,7 +183,7 @@ def test_decode_deadline_tells_the_prefill(cluster):
 def test_kv_dest_before_generate_is_kept_then_expires(cluster):
     """A kv_dest for a room the prefill has not heard of waits (stash) for its generate;
     without one it expires, and the decode is told its pages are free."""
-    serves_again(cluster)                       # the decode's hello is done
+    cluster.serves_again()                       # the decode's hello is done
     prefill = cluster.prefill.scheduler
     identity = next(iter(prefill.peers))
     from zpd.wire.protocol import KvDest
@@ -250,7 +237,7 @@ def test_pause_abort_ends_everything(cluster):
     assert cluster.run(rid).status == 499
     cluster.check_pages()
     assert cluster.admin("continue")["ok"]
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_retract_reaching_the_prefill_first_holds_the_request(cluster):
@@ -279,7 +266,7 @@ def test_pause_never_fails_a_request_its_prefill_drops_first():
     the decodes first, so the prefill has nothing to drop behind their back."""
     c = InprocCluster(fault_plan=FaultRule("hang", skip=1, count=1))   # the 2nd write hangs
     try:
-        serves_again(c)
+        c.serves_again()
         rid = c.submit(PROMPT, 10)
         c.until(lambda: prefill_phases(c) == [JobPhase.WRITING])
         c.silent.add("decode")
@@ -305,7 +292,7 @@ def test_pause_never_fails_a_request_its_prefill_drops_first():
 
 
 def test_silent_prefill_fails_its_requests_with_503(cluster):
-    serves_again(cluster)
+    cluster.serves_again()
     cluster.silent.add("prefill")
     rid = cluster.submit(PROMPT, 8)
     cluster.advance(3.0)                                 # peer timeout 2 s + a heartbeat
@@ -314,11 +301,11 @@ def test_silent_prefill_fails_its_requests_with_503(cluster):
     cluster.silent.clear()                               # it wakes: answers for its room
     cluster.advance(1.0)
     cluster.until(lambda: cluster.pages(cluster.decode)["fenced"] == 0)
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_silent_router_orphans_are_ended(cluster):
-    rid = cluster.submit(PROMPT, 100)
+    cluster.submit(PROMPT, 100)
     cluster.until(lambda: decode_phases(cluster) == [DecodePhase.RUNNING])
     cluster.advance(0.5)                                 # the router has pinged the decode
     cluster.silent.add("router")

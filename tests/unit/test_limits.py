@@ -19,13 +19,6 @@ CAPS = PromptLimits()
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
 
 
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
-
-
 def router_alone(c: InprocCluster) -> InprocCluster:
     """The workers' loops stand still: an answer can only be the router's."""
     c.silent |= {"prefill", "decode"}

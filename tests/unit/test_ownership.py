@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8]
-
-
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
 
 
 def _other(c: InprocCluster, identity: bytes = b"other") -> Dealer:

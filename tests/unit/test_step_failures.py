@@ -10,26 +10,13 @@ import pytest
 from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
-from tests.unit.inproc import InprocCluster, reference
+from tests.unit.inproc import reference
 from zpd.wire.protocol import Generate
 from zpd.worker.decode import DecodePhase
 from zpd.worker.prefill import JobPhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
 INJECTED = "RuntimeError: injected model failure"
-
-
-@pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
-
-
-def serves_again(c: InprocCluster) -> None:
-    rid = c.submit(PROMPT[:5], 4)
-    assert c.run(rid).token_ids == reference(c, PROMPT[:5], 4)
-    c.check_pages()
 
 
 def fail_once(monkeypatch, compute, name: str) -> list[int]:
@@ -57,7 +44,7 @@ def test_out_of_bounds_parameter_is_a_400_naming_it(cluster, name, value):
     assert got.status == 400 and name in got.finish["message"], got.finish
     cluster.pump()
     cluster.check_pages()
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_penalties_are_served(cluster):
@@ -81,7 +68,7 @@ def test_failed_prefill_forward_ends_only_its_batch(cluster, monkeypatch, kv_des
     """The decode learns the 500 whether its kv_dest came before the failure (told at
     once) or comes after it (told when it arrives)."""
     if kv_dest_first:
-        serves_again(cluster)                        # linked: kv_dest goes out at once
+        cluster.serves_again()                        # linked: kv_dest goes out at once
         cluster.silent.add("prefill")
     calls = fail_once(monkeypatch, cluster.prefill.compute, "prefill")
     rids = [cluster.submit(PROMPT, 6), cluster.submit(PROMPT[:9], 6)]
@@ -97,11 +84,11 @@ def test_failed_prefill_forward_ends_only_its_batch(cluster, monkeypatch, kv_des
         assert got.status == 500 and INJECTED in got.finish["message"], got.finish
     cluster.pump()
     cluster.check_pages()
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_failed_decode_step_ends_only_its_batch(cluster, monkeypatch):
-    serves_again(cluster)
+    cluster.serves_again()
     rids = [cluster.submit(PROMPT, 6), cluster.submit(PROMPT[:9], 6)]
     decode_jobs = cluster.decode.scheduler.jobs
     cluster.until(lambda: [j.asked for j in decode_jobs.values()] == [0, 0])
@@ -115,11 +102,11 @@ def test_failed_decode_step_ends_only_its_batch(cluster, monkeypatch):
     assert calls[0] == 2
     assert not decode_jobs and len(cluster.decode.scheduler.batch) == 0
     cluster.check_pages()
-    serves_again(cluster)
+    cluster.serves_again()
 
 
 def test_failed_decode_step_spares_requests_outside_the_batch(cluster, monkeypatch):
-    serves_again(cluster)
+    cluster.serves_again()
     first = cluster.submit(PROMPT, 6)
     cluster.until(lambda: DecodePhase.RUNNING in
                   [j.phase for j in cluster.decode.scheduler.jobs.values()])

@@ -16,13 +16,6 @@ from zpd.ops.options import worker_argv, worker_config
 
 
 @pytest.fixture
-def cluster():
-    c = InprocCluster()
-    yield c
-    c.close()
-
-
-@pytest.fixture
 def tree(tmp_path: Path) -> Path:
     """root/step-2 (a checkpoint), root/escape -> outside/, outside/secret (a checkpoint)."""
     save_tiny(tmp_path / "root" / "step-2", seed=2)
