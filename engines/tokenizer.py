@@ -22,8 +22,18 @@ class Tokenizer:
         except Exception as e:  # the library raises bare Exception subclasses
             raise ModelError(f"{path}: cannot load tokenizer: {e}") from None
 
-    def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the model wants around a
+        plain text (BOS for most), which a rendered chat prompt already contains."""
+        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.inner.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if not 0 <= token_id < 2 ** 32:  # the library raises OverflowError outside u32
+            return None
+        return self.inner.id_to_token(token_id)
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=True)
