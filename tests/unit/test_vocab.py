@@ -233,7 +233,7 @@ def test_spm_merges_in_the_file_are_used(spm_file):
 def test_unknown_tokenizer_model_is_named(smollm_meta):
     with pytest.raises(ModelError, match="'xyz' is not supported; supported: gpt2, llama"):
         tokenizer_from_gguf(smollm_meta | {"tokenizer.ggml.model": "xyz"})
-    with pytest.raises(ModelError, match="None is not supported"):
+    with pytest.raises(ModelError, match="has no tokenizer \\(no tokenizer.ggml.model\\)"):
         tokenizer_from_gguf({})
 
 
@@ -246,7 +246,6 @@ def test_unknown_pre_tokenizer_is_named():
     ({"tokenizer.ggml.tokens": None}, "no tokenizer.ggml.tokens"),
     ({"tokenizer.ggml.tokens": []}, "no tokenizer.ggml.tokens"),
     ({"tokenizer.ggml.tokens": [1, 2]}, "non-string"),
-    ({"tokenizer.ggml.merges": None}, "no tokenizer.ggml.merges"),
     ({"tokenizer.ggml.merges": ["a b c"]}, "malformed entry 'a b c'"),
     ({"tokenizer.ggml.merges": ["zz# q%"]}, "inconsistent"),
     ({"tokenizer.ggml.token_type": [1]}, "token_type has 1 entries"),
@@ -256,6 +255,17 @@ def test_unknown_pre_tokenizer_is_named():
 def test_broken_byte_level_metadata_is_a_model_error(change, message):
     with pytest.raises(ModelError, match=message):
         tokenizer_from_gguf(byte_alphabet_meta("gpt2") | change)
+
+
+def test_merges_are_needed_only_beyond_single_bytes():
+    """GGUF writers drop an empty merges list: a vocabulary of single bytes needs none,
+    one with longer tokens would silently tokenize byte by byte without them."""
+    alphabet = byte_alphabet_meta("gpt2") | {"tokenizer.ggml.merges": None}
+    assert tokenizer_from_gguf(alphabet).encode("ab") == \
+        [alphabet["tokenizer.ggml.tokens"].index(c) for c in "ab"]
+    longer = alphabet | {"tokenizer.ggml.tokens": alphabet["tokenizer.ggml.tokens"] + ["ab"]}
+    with pytest.raises(ModelError, match="no tokenizer.ggml.merges"):
+        tokenizer_from_gguf(longer)
 
 
 def test_spm_without_scores_or_merges_is_a_model_error(spm_file):

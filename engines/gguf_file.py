@@ -1,0 +1,206 @@
+"""GGUF files of the Llama family: config, weights and metadata for the loader.
+
+A GGUF file (llama.cpp's format) carries the config as `{arch}.*` metadata, the
+tokenizer and chat template as `tokenizer.*` metadata, and the weights under
+llama.cpp's names, often quantized. We read it with the `gguf` package (memory-mapped),
+turn the metadata into a Hugging Face-style config, and hand the weights out one
+tensor at a time, dequantized only when the loader copies them in, so a file is never
+held in memory twice.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from engines.config import ModelConfig, ModelError
+
+# GGUF architecture -> (Hugging Face architecture, q/k rows permuted by llama.cpp)
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+
+# llama.cpp tensor name (per block) -> Hugging Face name
+BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Types read without the gguf package's dequantizer (it leaves F64 out).
+_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+# one tensor of a checkpoint: (name, shape, read it as a float32 CPU tensor)
+LazyTensor = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
+
+
+def is_gguf(spec: str) -> bool:
+    return spec.endswith(".gguf")
+
+
+class GGUFFile:
+    """One opened GGUF file. Every problem with it is a ModelError naming the file."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf  # lazily: only GGUF users need the package
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"{path}: no such GGUF file")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, OSError, KeyError, struct.error) as e:
+            raise ModelError(f"{path}: not a readable GGUF file (truncated or corrupt?): "
+                             f"{type(e).__name__}: {e}") from None
+        self.meta: dict[str, Any] = {k: f.contents() for k, f in self.reader.fields.items()}
+        self.arch = str(self.meta.get("general.architecture", "?"))
+        if self.arch not in ARCHITECTURES:
+            raise ModelError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
+        self._check_tensor_types()
+
+    def _check_tensor_types(self) -> None:
+        from gguf import quants
+
+        for t in self.reader.tensors:
+            kind = t.tensor_type
+            # the package's own table of types it can dequantize (I8..I64, Q8_K... are not)
+            if kind.name not in _PLAIN and kind not in quants._type_traits:
+                raise ModelError(f"{self.path}: tensor {t.name!r} has type {kind.name}, "
+                                 "which cannot be dequantized")
+            if t.name.endswith("rope_freqs.weight"):
+                raise ModelError(f"{self.path}: per-frequency rope factors (rope_freqs, "
+                                 "Llama 3.1-style scaling) are not supported")
+
+    def key(self, name: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{name}", default)
+
+    def config(self) -> ModelConfig:
+        """The model's config, spelled as a Hugging Face config.json would be."""
+        hf_arch, _ = ARCHITECTURES[self.arch]
+        names = {t.name for t in self.reader.tensors}
+        embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ModelError(f"{self.path}: no token_embd.weight tensor")
+        raw = {
+            "architectures": [hf_arch],
+            "vocab_size": self.key("vocab_size", int(embd.shape[1])),
+            "hidden_size": self.key("embedding_length"),
+            "intermediate_size": self.key("feed_forward_length"),
+            "num_hidden_layers": self.key("block_count"),
+            "num_attention_heads": self.key("attention.head_count"),
+            "num_key_value_heads": self.key("attention.head_count_kv"),
+            "head_dim": self.key("attention.key_length"),
+            "max_position_embeddings": self.key("context_length", 2048),
+            "rms_norm_eps": decimal(self.key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": decimal(self.key("rope.freq_base", 10000.0)),
+            "rope_scaling": self._rope_scaling(),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._stop_ids(),
+        }
+        missing = [k for k, v in raw.items() if v is None and k in (
+            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")]
+        if missing:
+            raise ModelError(f"{self.path}: metadata lacks {self.arch}.* keys for {missing}")
+        if isinstance(raw["intermediate_size"], list):   # per-layer sizes: not this family
+            raise ModelError(f"{self.path}: per-layer feed_forward_length is not supported")
+        try:
+            return ModelConfig.from_dict(raw)
+        except ModelError as e:
+            raise ModelError(f"{self.path}: {e}") from None
+
+    def _rope_scaling(self) -> dict | None:
+        kind = self.key("rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        factor = self.key("rope.scaling.factor")
+        if kind != "linear" or factor is None:
+            raise ModelError(f"{self.path}: unsupported rope scaling {kind!r} in GGUF metadata")
+        return {"rope_type": "linear", "factor": decimal(factor)}
+
+    def _stop_ids(self) -> list[int]:
+        # The end-of-turn token ends a chat answer even where EOS is another token
+        # (Llama 3: <|eot_id|> vs <|end_of_text|>).
+        ids = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        return sorted({int(i) for i in ids if i is not None})
+
+    def tensors(self) -> Iterator[LazyTensor]:
+        """Every weight under its Hugging Face name, with the shape the model expects;
+        read it only by calling the third item."""
+        cfg = self.config()
+        permuted = ARCHITECTURES[self.arch][1]
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                raise ModelError(f"{self.path}: unexpected tensor {t.name!r}")
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml lists dims inner first
+            heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+            rows = next((h for k, h in heads.items() if permuted and f".{k}." in name), 0)
+            yield name, shape, _reader(t, shape, rows)
+
+
+def decimal(value: float) -> float:
+    """A float32 from the file as the decimal it was written from (1e-05, not
+    9.999999747378752e-06), so the config equals the checkpoint's config.json."""
+    return float(str(np.float32(value)))
+
+
+def hf_name(gguf_name: str) -> str | None:
+    m = _BLOCK.fullmatch(gguf_name)
+    if m:
+        ours = BLOCK_NAMES.get(m.group(2))
+        return None if ours is None else f"model.layers.{m.group(1)}.{ours}.{m.group(3)}"
+    stem, _, kind = gguf_name.rpartition(".")
+    ours = GLOBAL_NAMES.get(stem)
+    return None if ours is None or kind != "weight" else f"{ours}.weight"
+
+
+def _reader(t, shape: tuple[int, ...], heads: int) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        from gguf import quants
+
+        kind = t.tensor_type.name
+        if kind in _PLAIN:
+            arr = np.asarray(t.data).view(_PLAIN[kind]).astype(np.float32)
+        else:
+            arr = quants.dequantize(t.data, t.tensor_type)
+        w = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+        return unpermute(w, heads) if heads else w
+    return read
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: it stores each head's rotary halves interleaved
+    (pairs), Hugging Face's rotate_half wants them as two contiguous halves."""
+    rows = w.shape[0]
+    return (w.reshape(heads, rows // heads // 2, 2, *w.shape[1:])    # [H, D/2, 2, ...]
+            .transpose(1, 2).reshape(w.shape))                        # [H, 2, D/2, ...]
+
+
+def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order from Hugging Face's (the inverse of `unpermute`)."""
+    rows = w.shape[0]
+    return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))

@@ -1,0 +1,99 @@
+"""GGUF files written for tests with the `gguf` package's own writer: the tiny model
+(any seed) under llama.cpp's tensor names and q/k row order, quantized on request, with
+a byte-level vocabulary equal to the tiny model's tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.gguf_file import BLOCK_NAMES, GLOBAL_NAMES, permute
+from engines.tiny import BOS_ID, EOS_ID, TINY_CONFIG, tiny_state_dict, tiny_tokenizer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def gguf_name(hf: str) -> str:
+    """Hugging Face name -> llama.cpp's (the inverse of engines.gguf_file.hf_name)."""
+    for ours, theirs in GLOBAL_NAMES.items():
+        if hf == f"{theirs}.weight":
+            return f"{ours}.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    stem, kind = rest.rsplit(".", 1)
+    ours = next(k for k, v in BLOCK_NAMES.items() if v == stem)
+    return f"blk.{layer}.{ours}.{kind}"
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, qtype: str = "F32", arch: str = "llama",
+                    vocab: bool = True, extra: dict | None = None) -> Path:
+    """tiny:`seed` as a GGUF file (see `write_gguf`)."""
+    return write_gguf(path, TINY_CONFIG, tiny_state_dict(seed), qtype, arch, vocab, extra)
+
+
+def write_gguf(path: Path, c: dict, state: dict[str, torch.Tensor], qtype: str = "F32",
+               arch: str = "llama", vocab: bool = False, extra: dict | None = None) -> Path:
+    """A checkpoint (Hugging Face config dict and state dict) as a GGUF file, as llama.cpp's
+    converter writes one: 2-D weights stored as `qtype` (norms and biases stay F32), q/k
+    rows permuted for the llama architecture, no output.weight when embeddings are tied.
+    `vocab`: the tiny model's byte-level tokenizer and a chatml template.
+    `extra`: name -> (numpy array, GGML type name) added as is, in place of the
+    checkpoint's tensor of that name."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    heads = c["num_attention_heads"]
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c.get("head_dim") or c["hidden_size"] // heads)
+    w.add_rope_freq_base(c.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_vocab_size(c["vocab_size"])
+    if vocab:
+        _add_vocab(w)
+    kind = gguf.GGMLQuantizationType[qtype]
+    rows = {"q_proj": heads, "k_proj": c["num_key_value_heads"]}
+    for name, t in state.items():
+        if name == "lm_head.weight" and c.get("tie_word_embeddings") or \
+                gguf_name(name) in (extra or {}):
+            continue
+        proj = name.split(".")[-2]
+        if proj in rows and arch == "llama":
+            t = permute(t, rows[proj])
+        arr = t.to(torch.float32).numpy()
+        if arr.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name(name), arr)
+    for name, (arr, raw) in (extra or {}).items():
+        w.add_tensor(name, arr, raw_dtype=gguf.GGMLQuantizationType[raw])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_vocab(w) -> None:
+    inner = tiny_tokenizer().inner
+    tokens = [inner.id_to_token(i) for i in range(inner.get_vocab_size())]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in (BOS_ID, EOS_ID) else 1 for i in range(len(tokens))])
+    w.add_token_merges([])
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+
+def quantized_close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
+    """Within `tol` of the tensor's largest magnitude: quantization's error, not a
+    misplaced row (which would be off by the weights' own size)."""
+    return float(np.abs(a - b).max()) <= tol * float(np.abs(b).max())
