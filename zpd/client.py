@@ -48,10 +48,15 @@ class Client:
     # --- generation ---------------------------------------------------------------
 
     def generate(self, input_ids: list[int] | None = None, prompt: str | None = None,
-                 sampling_params: dict | None = None, rid: str | None = None) -> dict:
-        """Run one request to the end; returns the response dict (DESIGN.md contract)."""
+                 sampling_params: dict | None = None, rid: str | None = None,
+                 messages: list[dict] | None = None) -> dict:
+        """Run one request to the end; returns the response dict (DESIGN.md contract).
+        The prompt is exactly one of `input_ids`, `prompt` (text) or `messages` (a
+        conversation [{"role", "content"}, ...] that the workers render with the model's
+        chat template, ready for the assistant's turn)."""
         return self.generate_many([{"input_ids": input_ids, "prompt": prompt,
-                                    "sampling_params": sampling_params, "rid": rid}])[0]
+                                    "sampling_params": sampling_params, "rid": rid,
+                                    "messages": messages}])[0]
 
     def generate_many(self, requests: list[dict]) -> list[dict]:
         """Submit all requests at once (they run concurrently); responses in order."""
@@ -68,9 +73,9 @@ class Client:
 
     def submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                sampling_params: dict | None = None, rid: str | None = None,
-               stream: bool = False) -> str:
+               stream: bool = False, messages: list[dict] | None = None) -> str:
         """Send a request without waiting; returns its rid. Read answers with `receive`."""
-        return self._submit(input_ids, prompt, sampling_params, rid, stream)
+        return self._submit(input_ids, prompt, sampling_params, rid, stream, messages)
 
     def receive(self, timeout: float | None = None) -> dict:
         """The next chunk for any submitted request (see `stream` for its fields)."""
@@ -80,11 +85,12 @@ class Client:
         return chunk | (_final_fields(msg) if msg.finished else {})
 
     def stream(self, input_ids: list[int] | None = None, prompt: str | None = None,
-               sampling_params: dict | None = None, rid: str | None = None) -> Iterator[dict]:
+               sampling_params: dict | None = None, rid: str | None = None,
+               messages: list[dict] | None = None) -> Iterator[dict]:
         """Yield chunks {rid, token_ids, weight_versions, finished} as tokens are made; the
         last chunk also has finish_reason, meta and text. Closing the iterator early
         aborts the request (499)."""
-        rid = self._submit(input_ids, prompt, sampling_params, rid, True)
+        rid = self._submit(input_ids, prompt, sampling_params, rid, True, messages)
         finished = False
         try:
             while not finished:
@@ -106,12 +112,13 @@ class Client:
 
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                 sampling_params: dict | None = None, rid: str | None = None,
-                stream: bool = False) -> str:
-        if (input_ids is None) == (prompt is None):
-            raise ValueError("give exactly one of input_ids or prompt")
+                stream: bool = False, messages: list[dict] | None = None) -> str:
+        if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
+            raise ValueError("give exactly one of input_ids, prompt or messages")
         rid = rid or uuid.uuid4().hex
+        chat = {"messages": list(messages)} if messages is not None else {}
         self._dealer.send(Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
-                                   text=prompt or ""))
+                                   text=prompt or "", chat=chat))
         self._unacked[rid] = time.monotonic() + self.connect_timeout
         return rid
 

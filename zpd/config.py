@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+import orjson
+
 from zpd.wire.protocol import MAX_FRAME_BYTES
 
 
@@ -60,7 +62,7 @@ class PromptLimits:
                 raise ValueError(f"{name} must be in 1..{ceiling} (one wire frame), "
                                  f"got {getattr(self, name)}")
 
-    def refusal(self, input_ids: list[int], text: str) -> str | None:
+    def refusal(self, input_ids: list[int], text: str, chat: dict | None = None) -> str | None:
         """Why this prompt is refused (400), or None."""
         if len(input_ids) > self.max_input_ids:
             return f"prompt of {len(input_ids)} token ids; at most {self.max_input_ids} " \
@@ -68,7 +70,14 @@ class PromptLimits:
         # Characters never outnumber UTF-8 bytes: a huge text is refused unencoded.
         if len(text) > self.max_text_bytes or utf8_len(text) > self.max_text_bytes:
             return f"text prompt over {self.max_text_bytes} bytes of UTF-8 (--max-text-bytes)"
+        if chat and chat_bytes(chat) > self.max_text_bytes:
+            return f"chat prompt over {self.max_text_bytes} bytes of JSON (--max-text-bytes)"
         return None
+
+
+def chat_bytes(chat: dict) -> int:
+    """A conversation's size as JSON: it arrived as JSON, so it encodes again."""
+    return len(orjson.dumps(chat))
 
 
 def utf8_len(text: str) -> int:

@@ -54,12 +54,13 @@ class Answer:
 
 
 class InprocCluster:
-    """Router + one prefill + one decode (tiny model, float64) in this process."""
+    """Router + one prefill + one decode (tiny model unless `model`, float64) in this process."""
 
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
                  max_batch: int = 8, clear_freed_pages: bool = False,
-                 router_args: dict | None = None) -> None:
+                 router_args: dict | None = None, model: str = "tiny") -> None:
         self.ctx = zmq.Context()
+        self.model = model
         self.clock = Clock()
         self.fabric = transport.FakeFabric()
         tag = next(_names)
@@ -79,7 +80,7 @@ class InprocCluster:
         self.rids = itertools.count()
 
     def _worker(self, role: str, host: str, polls: int, plan, kv_mb: float, max_batch: int) -> WorkerCore:
-        cfg = WorkerConfig(role=role, model="tiny", host=host, dtype="float64", kv_cache_mb=kv_mb,
+        cfg = WorkerConfig(role=role, model=self.model, host=host, dtype="float64", kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
                            clear_freed_pages=self.clear_freed_pages)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)

@@ -28,7 +28,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     params = SamplingParams.from_dict(sampling_dict(args))
     model = load_model(args.model, args.device, args.dtype, args.weight_version)
-    inputs = [_encode(model, text) for text in args.prompt] + list(args.input_ids)
+    inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
     if not inputs:
         raise StatusError(400, "give at least one --prompt or --input-ids")
     engine = OfflineEngine(model, args.kv_cache_mb, args.page_size, args.max_batch)
@@ -38,10 +38,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _encode(model, text: str) -> list[int]:
-    if model.tokenizer is None:
-        raise ModelError(f"model {model.spec!r} has no tokenizer.json: use --input-ids")
-    return model.tokenizer.encode(text)
+def _encode(model, text: str, chat: bool) -> list[int]:
+    return model.encode_chat(user_turn(text)) if chat else model.encode(text)
+
+
+def user_turn(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
 
 
 def _print_response(out: dict, as_json: bool) -> None:
@@ -91,7 +93,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from zpd.client import Client
-    inputs = [{"prompt": t} for t in args.prompt] + [{"input_ids": i} for i in args.input_ids]
+    texts = [{"messages": user_turn(t)} if args.chat else {"prompt": t} for t in args.prompt]
+    inputs = texts + [{"input_ids": i} for i in args.input_ids]
     if not inputs:
         raise StatusError(400, "give at least one --prompt or --input-ids")
     sampling = sampling_dict(args)

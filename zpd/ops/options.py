@@ -65,6 +65,10 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 def add_prompt_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("input (repeat for several requests)")
     g.add_argument("--prompt", action="append", default=[], help="text prompt (needs a tokenizer)")
+    g.add_argument("--chat", action="store_true",
+                   help="send each --prompt as one user message through the model's chat "
+                        "template, ready for the assistant's answer (its end-of-turn token "
+                        "stops generation)")
     g.add_argument("--input-ids", action="append", default=[], type=parse_ids,
                    help="comma-separated token ids, e.g. 1,2,3")
 

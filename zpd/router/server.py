@@ -179,7 +179,7 @@ class RouterServer:
     def over_limits(self, client: bytes, rid: str, msg: Generate) -> tuple[int, str] | None:
         """Why the request may not run (status, message), or None: then it is charged to
         its client's share until the router forgets it (zpd/router/shares.py)."""
-        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text)
+        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat)
         if refusal is not None:
             return 400, refusal
         return self.shares.take(client, rid, request_tokens(msg))
@@ -195,7 +195,7 @@ class RouterServer:
         prefill.load += 1
         decode.load += 1
         routed = Generate(rid, msg.input_ids, msg.sampling, msg.stream, room, 0,
-                          prefill.endpoint, decode.endpoint, msg.text)
+                          prefill.endpoint, decode.endpoint, msg.text, msg.chat)
         log.info("rid=%r room=%d -> prefill %s, decode %s", rid, room, prefill.endpoint, decode.endpoint)
         decode.dealer.send(routed)
         prefill.dealer.send(routed)

@@ -11,17 +11,21 @@ from dataclasses import dataclass, field
 
 from engines.request import BAD_REQUEST, UNAVAILABLE
 from engines.sampler import SamplingParams
-from zpd.config import default_of, utf8_len
+from zpd.config import chat_bytes, default_of, utf8_len
 from zpd.wire.protocol import Generate
 
 DEFAULT_MAX_NEW = default_of(SamplingParams, "max_new_tokens")
+# tokens a chat template may add (role markers, a default system prompt)
+CHAT_TEMPLATE_ALLOWANCE = 1024
 
 
 def request_tokens(msg: Generate) -> int:
     """prompt + max_new_tokens. The router has no tokenizer: a text is charged its UTF-8
-    bytes, which no byte-level tokenizer's token count exceeds. A bad max_new_tokens is
+    bytes, which no byte-level tokenizer's token count exceeds, and a conversation its
+    JSON plus what a chat template may add around it. A bad max_new_tokens is
     charged the default; the workers refuse it anyway."""
-    prompt = len(msg.input_ids) or utf8_len(msg.text)
+    prompt = len(msg.input_ids) or utf8_len(msg.text) or \
+        (chat_bytes(msg.chat) + CHAT_TEMPLATE_ALLOWANCE if msg.chat else 0)
     new = msg.sampling.get("max_new_tokens")
     return prompt + (new if type(new) is int and new > 0 else DEFAULT_MAX_NEW)
 

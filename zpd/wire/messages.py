@@ -61,6 +61,9 @@ class Generate(Message):
     prefill: str = ""
     decode: str = ""
     text: str = ""  # a text prompt, tokenized by the workers, when input_ids is empty
+    # a conversation {"messages": [{"role", "content"}, ...]} that the workers render with
+    # the model's chat template and tokenize, when input_ids and text are empty
+    chat: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -273,18 +273,18 @@ class WorkerCore:
         return prompt, params, None
 
     def prompt_ids(self, msg) -> list[int]:
-        """The request's prompt: its token ids, or its text through our tokenizer (a long
-        call: a megabyte of text takes seconds, and peers must keep hearing from us)."""
-        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text)
+        """The request's prompt: its token ids, or its text or conversation through our
+        tokenizer and chat template (a long call: a megabyte of text takes seconds, and
+        peers must keep hearing from us)."""
+        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat)
         if refusal is not None:
             raise StatusError(BAD_REQUEST, refusal)
-        if msg.input_ids or not msg.text:
+        if msg.input_ids or not (msg.text or msg.chat):
             return list(msg.input_ids)
-        if self.model.tokenizer is None:
-            raise StatusError(BAD_REQUEST, f"model {self.model.spec!r} has no tokenizer.json: "
-                                           "send input_ids")
         with self.long_call():
-            return self.model.tokenizer.encode(msg.text)
+            if msg.chat:
+                return self.model.encode_chat(chat_messages(msg.chat))
+            return self.model.encode(msg.text)
 
     def schedulable(self) -> bool:
         """The KV pool is there to schedule into (not released)."""
@@ -300,12 +300,23 @@ class WorkerCore:
         self.security.close()
 
 
+def chat_messages(chat: dict) -> list:
+    """The conversation of a generate's `chat` field; its messages are checked by the
+    chat template."""
+    if set(chat) != {"messages"}:
+        raise StatusError(BAD_REQUEST, 'chat must be {"messages": [{"role", "content"}, ...]}')
+    return chat["messages"]
+
+
 def compat_hash(model, layout: KVLayout) -> str:
     """Two workers may exchange KV only if this matches: same model shape, same
-    KV layout and dtype, same tokenizer."""
+    KV layout and dtype, same tokenizer and chat template (both sides turn a text or a
+    conversation into ids, and must get the same ones)."""
     tok = model.tokenizer.to_json() if model.tokenizer is not None else ""
+    chat = model.chat.source if model.chat is not None else ""
     blob = json.dumps({"model": model.cfg.fingerprint(), "layout": layout.to_dict(),
-                       "tokenizer": hashlib.sha256(tok.encode()).hexdigest()}, sort_keys=True)
+                       "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
+                       "chat": hashlib.sha256(chat.encode()).hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
