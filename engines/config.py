@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # architecture name -> (attention bias on q/k/v, per-head q/k RMSNorm)
@@ -98,7 +98,11 @@ class ModelConfig:
             raise ModelError(f"{cfg_path}: cannot read: {e}") from None
         if not isinstance(raw, dict):
             raise ModelError(f"{cfg_path}: not a JSON object")
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        # Instruct models list their end-of-turn tokens in generation_config.json
+        # (Llama 3: <|eot_id|> beside <|end_of_text|>): they end a chat answer too.
+        extra = _generation_eos(Path(path) / "generation_config.json")
+        return replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | set(extra))))
 
     def fingerprint(self) -> dict:
         """Fields that must agree between two workers sharing KV."""
@@ -128,6 +132,15 @@ def _rope_scaling(raw: dict) -> dict | None:
     if kind == "default":
         return None
     return {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    if not path.is_file():
+        return ()
+    try:
+        return _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ModelError(f"{path}: malformed: {e}") from None
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -186,3 +186,15 @@ def test_a_worker_updates_from_gguf_and_refuses_a_bad_one(cluster, tmp_path):
     ref = load_model("tiny:3", dtype="float64")
     assert cluster.run(cluster.submit([256, 70, 71], max_new=6)).token_ids == \
         greedy(ref, [256, 70, 71])[:6]
+
+
+def test_a_directory_stops_at_generation_config_eos_ids_too(tmp_path):
+    from engines.config import ModelConfig
+    from engines.tiny import save_tiny
+    root = save_tiny(tmp_path / "d")
+    assert ModelConfig.from_dir(root).eos_token_ids == (257,)
+    (root / "generation_config.json").write_text('{"eos_token_id": [257, 3]}')
+    assert ModelConfig.from_dir(root).eos_token_ids == (3, 257)
+    (root / "generation_config.json").write_text('[1]')
+    with pytest.raises(ModelError, match="generation_config.json: malformed"):
+        ModelConfig.from_dir(root)
