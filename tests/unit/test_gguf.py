@@ -14,7 +14,6 @@ from engines.loader import load_model, resolve_spec, update_weights
 from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
-from engines.tiny import tiny_state_dict
 from tests.unit.gguf_files import write_gguf, write_tiny_gguf
 from tests.unit.inproc import reference
 

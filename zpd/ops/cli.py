@@ -39,6 +39,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _encode(model, text: str, chat: bool) -> list[int]:
+    if model.tokenizer is None:
+        raise ModelError(f"{model.text_problem}: use --input-ids")
+    if chat and model.chat is None:
+        raise ModelError(f"{model.text_problem}: drop --chat or use --input-ids")
     return model.encode_chat(user_turn(text)) if chat else model.encode(text)
 
 

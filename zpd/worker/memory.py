@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import transport
 from engines.config import ModelError
+from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.tiny import is_tiny
