@@ -34,9 +34,9 @@ class Compute:
         self._sample(logits, reqs)
 
     def _sample(self, logits, reqs: list[Request]) -> None:
-        tokens = self.sampler(logits, [r.params for r in reqs], [r.seed for r in reqs],
-                              [len(r.output) for r in reqs], [r.prompt for r in reqs],
-                              [r.output for r in reqs])
-        for r, t in zip(reqs, tokens):
-            r.emit(t, self.model.version)
+        got = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                                  [len(r.output) for r in reqs], [r.prompt for r in reqs],
+                                  [r.output for r in reqs])
+        for r, t, lp, top in zip(reqs, got.tokens, got.logprobs, got.top):
+            r.emit(t, self.model.version, lp, top)
             r.finish = self.stop(r)

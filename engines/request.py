@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from engines.config import ModelConfig
@@ -31,6 +32,10 @@ class Request:
     seed: int = field(default_factory=lambda: random.getrandbits(63))
     output: list[int] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
+    # One per output token when the request asks (params.wants_logprobs, and
+    # top_logprobs_num > 0 for the second), else empty: see engines.sampler.token_logprobs.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     finish: dict | None = None
     retractions: int = 0
@@ -58,11 +63,18 @@ class Request:
     def finished(self) -> bool:
         return self.finish is not None
 
-    def emit(self, token: int, version: str) -> None:
+    def emit(self, token: int, version: str, logprob: float | None = None,
+             top: list[tuple[int, float]] | None = None) -> None:
+        """Append an output token; its `logprob` and `top` alternatives are kept when the
+        request asks for them (NaN and none where a caller has nothing to give)."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.output.append(token)
         self.weight_versions.append(version)
+        if self.params.wants_logprobs:
+            self.output_logprobs.append(float("nan") if logprob is None else logprob)
+        if self.params.top_logprobs_num:
+            self.output_top_logprobs.append(list(top or []))
 
     def abort(self, status: int, message: str) -> None:
         if self.finish is None:
@@ -127,4 +139,26 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
     return {"rid": req.rid, "output_ids": list(req.output), "text": text,
             "finish_reason": req.finish, "weight_versions": list(req.weight_versions),
             "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
-                     "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})}
+                     "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})
+            } | logprob_fields(req)
+
+
+def logprob_fields(req: Request) -> dict:
+    """The response's logprob fields, only those the request asked for, as float32 (what
+    the wire carries), so `zpd run` and the cluster answer the same numbers."""
+    out = {}
+    if req.params.wants_logprobs:
+        out["output_token_logprobs"] = as_float32(req.output_logprobs)
+    if req.params.top_logprobs_num:
+        out["output_top_logprobs"] = [top_pairs(top) for top in req.output_top_logprobs]
+    return out
+
+
+def as_float32(values: list[float]) -> list[float]:
+    """Each value rounded to the nearest float32."""
+    return array("f", values).tolist()
+
+
+def top_pairs(top: list[tuple[int, float]]) -> list[list]:
+    """One token's alternatives as JSON-ready [token id, float32 logprob] pairs."""
+    return [[t, v] for (t, _), v in zip(top, as_float32([v for _, v in top]))]

@@ -4,6 +4,7 @@ Order of operations: penalties, then temperature, top-k, top-p, min-p (each on t
 distribution the previous one left), then one draw. Randomness for a request's n-th
 output token comes from a generator seeded by (seed, n) alone, so a seeded request
 draws the same tokens whatever its batch neighbours, and whichever process samples it.
+Logprobs, for the requests that ask, come from the same logits (`token_logprobs`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ PENALTY_MAX = 2.0                        # |frequency_penalty|, |presence_penalt
 SEED_RANGE = (-2**63, 2**63 - 1)         # int64, what the wire and torch carry
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 256   # each step decodes the tail they could end in
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = 20                    # top_logprobs_num (OpenAI's bound for top_logprobs)
 
 
 def _integer(value: object, low: int, high: int) -> bool:
@@ -52,6 +54,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    return_logprob: bool = False         # report each output token's logprob
+    top_logprobs_num: int = 0            # and its N most likely alternatives (> 0 implies logprobs)
 
     def __post_init__(self) -> None:
         for name, ok, bound in self._checks():
@@ -83,6 +87,9 @@ class SamplingParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
             ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE),
              f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
+            ("return_logprob", isinstance(self.return_logprob, bool), "true or false"),
+            ("top_logprobs_num", _integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
+             f"an integer in [0, {MAX_TOP_LOGPROBS}]"),
         ]
 
     @classmethod
@@ -108,6 +115,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.return_logprob or self.top_logprobs_num > 0
 
     @property
     def penalised(self) -> bool:
@@ -180,11 +191,59 @@ def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return probs / probs.sum(-1, keepdim=True), ids
 
 
+@dataclass
+class Sampled:
+    """One sampling step: a token per row and, for the rows whose request asked, its
+    logprob and top alternatives (None for the others)."""
+    tokens: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+                   ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """For each row whose request asks, the logprob of its sampled token and (with
+    top_logprobs_num N) the N most likely tokens as (token id, logprob), highest first;
+    None for the other rows, which cost nothing.
+
+    `logits` are the rows after penalties, in float32 at least. The distribution is
+    log_softmax(logits / temperature) over the whole vocabulary (temperature 1 for a
+    greedy request): what the draw starts from, before top-k, top-p and min-p cut it.
+    So the sampled token's logprob is never -inf, and a token filtered out still has
+    its logprob (vLLM's "processed_logprobs"; the truncated distribution would give
+    -inf to every filtered alternative and renormalise the rest).
+    """
+    rows = [i for i, p in enumerate(params) if p.wants_logprobs]
+    logprobs: list[float | None] = [None] * len(params)
+    top: list[list[tuple[int, float]] | None] = [None] * len(params)
+    if not rows:
+        return logprobs, top
+    dev = logits.device
+    temps = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in rows],
+                         dtype=logits.dtype, device=dev)
+    logp = torch.log_softmax(logits[rows] / temps[:, None], dim=-1)
+    picked = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
+    k = min(max(params[i].top_logprobs_num for i in rows), logp.shape[1])
+    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0])
+    values, ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        logprobs[i] = picked[j]
+        n = params[i].top_logprobs_num
+        if n:
+            top[i] = list(zip(ids[j][:n], values[j][:n]))
+    return logprobs, top
+
+
 class Sampler:
     """Picks one token per row. `steps[i]` is how many tokens row i has emitted so far."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
+        return self.sample(logits, params, seeds, steps, prompts, outputs).tokens
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+               steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> Sampled:
+        """The tokens, with the logprobs of the rows that ask (`token_logprobs`)."""
         penalised = [i for i, p in enumerate(params) if p.penalised]
         # A copy before writing: the model's logits are an inference tensor, which
         # may not be updated in place outside inference mode.
@@ -197,7 +256,7 @@ class Sampler:
             for i, token in zip(sampled, self._draw(logits[sampled], [params[i] for i in sampled],
                                                     [step_seed(seeds[i], steps[i]) for i in sampled])):
                 chosen[i] = token
-        return chosen
+        return Sampled(chosen, *token_logprobs(logits, params, chosen))
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> list[int]:
         dev, vocab = logits.device, logits.shape[1]

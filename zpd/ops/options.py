@@ -23,6 +23,8 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
     "frequency_penalty": (float, "subtracted per occurrence in the output"),
     "presence_penalty": (float, "subtracted once for any token in the output"),
     "seed": (int, "per-request seed: same seed, same tokens"),
+    "top_logprobs_num": (int, "report each token's N most likely alternatives with their "
+                              "logprobs (0-20; implies --return-logprob)"),
 }
 
 
@@ -60,6 +62,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
                    help="stop string (repeatable); output text ends before it")
     g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end output")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    g.add_argument("--return-logprob", action="store_true",
+                   help="report each output token's logprob (--json shows them)")
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:
@@ -89,6 +93,8 @@ def sampling_dict(args: argparse.Namespace) -> dict:
         d["stop_token_ids"] = parse_ids(args.stop_token_ids)
     if args.ignore_eos:
         d["ignore_eos"] = True
+    if args.return_logprob:
+        d["return_logprob"] = True
     SamplingParams.from_dict(d)            # fail early with a clear message
     return d
 
