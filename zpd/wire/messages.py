@@ -2,8 +2,9 @@
 ``new_room``, which defines a request's room.
 
 Each record's fields are its wire fields, in order; ``zpd.wire.protocol`` derives the
-codec from the annotations (``list[int]`` travels as an int32 blob) and re-exports
-every name here, so ``from zpd.wire.protocol import Generate`` is the usual import.
+codec from the annotations (``list[int]`` travels as an int32 blob, ``list[float]`` as a
+float32 blob; an optional field left None is not sent at all) and re-exports every name
+here, so ``from zpd.wire.protocol import Generate`` is the usual import.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ class KvDest(Message):
 @dataclass(frozen=True, slots=True)
 class KvDone(Message):
     """Prefill → decode: the KV is written; ``first_token`` was sampled under
-    ``weight_version``."""
+    ``weight_version``. When its request asked for logprobs, ``logprob`` holds the
+    first token's (one entry) and, with top logprobs, ``top_ids``/``top_logprobs`` its
+    alternatives, highest first; otherwise they are None and not sent."""
 
     TYPE: ClassVar[str] = "kv_done"
     room: int
@@ -122,6 +125,18 @@ class KvDone(Message):
     first_token: int
     weight_version: str
     timings: dict = field(default_factory=dict)   # milliseconds, see engines.request.Request.timings
+    logprob: Optional[list[float]] = None
+    top_ids: Optional[list[int]] = None
+    top_logprobs: Optional[list[float]] = None
+
+    def __post_init__(self) -> None:
+        if self.logprob is not None and len(self.logprob) != 1:
+            raise ProtocolError(f"kv_done: {len(self.logprob)} logprobs for one first token")
+        if (self.top_ids is None) != (self.top_logprobs is None) or \
+                (self.top_ids is not None and (self.logprob is None
+                                               or len(self.top_ids) != len(self.top_logprobs))):
+            raise ProtocolError("kv_done: top_ids and top_logprobs must come together, as "
+                                "many of each, with a logprob")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,17 +168,51 @@ class Recompute(Message):
 class TokenPart:
     """One request's share of a ``Tokens`` message, in memory only (never sent alone):
     its new tokens, one weight version each. ``finish`` is the finish_reason once the
-    request has ended, ``meta`` its final meta."""
+    request has ended, ``meta`` its final meta. ``logprobs`` (one per token) only when
+    the request asked for logprobs, ``top_logprobs`` (per token, [(token id, logprob),
+    ...] highest first) only when it asked for top logprobs; None otherwise."""
 
     rid: str
     token_ids: list[int]
     weight_versions: list[str]
     finish: Optional[dict] = None
     meta: dict = field(default_factory=dict)
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
 
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def logprob_mode(self) -> int:
+        """What the part carries besides tokens: 0 nothing, 1 logprobs, 2 logprobs and
+        top logprobs (the per-rid value of ``Tokens.logprob_mode``)."""
+        return 0 if self.logprobs is None else 1 if self.top_logprobs is None else 2
+
+    def early_entry(self) -> list:
+        """The part's first token as the router's ``continue`` carries it to a decode
+        (the first token a prefill sent ahead): [token, version], then its logprob and
+        [[token id, logprob], ...] alternatives when the part has them."""
+        entry: list = [self.token_ids[0], self.weight_versions[0]]
+        if self.logprobs is not None:
+            entry.append(self.logprobs[0])
+        if self.top_logprobs is not None:
+            entry.append([list(pair) for pair in self.top_logprobs[0]])
+        return entry
+
+    def skip(self, n: int) -> "TokenPart":
+        """The part without its first `n` tokens (and their logprobs)."""
+        return TokenPart(self.rid, self.token_ids[n:], self.weight_versions[n:], self.finish,
+                         self.meta, _tail(self.logprobs, n), _tail(self.top_logprobs, n))
+
+    def then(self, later: "TokenPart") -> "TokenPart":
+        """This part followed by a later one of the same request; the later one's
+        finish and meta win."""
+        return TokenPart(self.rid, self.token_ids + later.token_ids,
+                         self.weight_versions + later.weight_versions, later.finish, later.meta,
+                         _join(self.logprobs, later.logprobs),
+                         _join(self.top_logprobs, later.top_logprobs))
 
     @classmethod
     def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "TokenPart":
@@ -180,7 +229,14 @@ class Tokens(Message):
     ``rids[i]`` gets the next ``counts[i]`` entries of ``token_ids`` and
     ``weight_versions``; ``ends`` maps each finished rid to ``{"finish": finish_reason,
     "meta": meta}``. ``first``: a streamed request's first token, sent by its prefill
-    straight to the router ahead of the KV write (the decode sends it again later)."""
+    straight to the router ahead of the KV write (the decode sends it again later).
+
+    Logprobs, only for the requests that asked (all None, no frame, when none in the
+    message did): ``logprob_mode[i]`` is rid i's ``TokenPart.logprob_mode`` (0, 1, 2);
+    ``logprobs`` (float32) has one entry per token of each rid with mode 1 or 2, in
+    order; ``top_counts`` one per token of each rid with mode 2, the number of its
+    alternatives, whose ids and logprobs are the next that many entries of ``top_ids``
+    and ``top_logprobs`` (float32)."""
 
     TYPE: ClassVar[str] = "tokens"
     rids: list[str]
@@ -189,6 +245,11 @@ class Tokens(Message):
     weight_versions: list[str]
     ends: dict = field(default_factory=dict)
     first: bool = False
+    logprob_mode: Optional[list[int]] = None
+    logprobs: Optional[list[float]] = None
+    top_counts: Optional[list[int]] = None
+    top_ids: Optional[list[int]] = None
+    top_logprobs: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
         if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
@@ -204,6 +265,34 @@ class Tokens(Message):
             if rid not in rids or type(end) is not dict or type(end.get("finish")) is not dict \
                     or type(end.get("meta", {})) is not dict:
                 raise ProtocolError(f"tokens: bad end for rid {rid!r}")
+        self._check_logprobs()
+
+    def _check_logprobs(self) -> None:
+        """Every logprob array holds exactly what ``logprob_mode`` and the counts say."""
+        mode = self.logprob_mode
+        if mode is None:
+            if (self.logprobs, self.top_counts, self.top_ids, self.top_logprobs) != (None,) * 4:
+                raise ProtocolError("tokens: logprob arrays without logprob_mode")
+            return
+        if len(mode) != len(self.rids) or any(m not in (0, 1, 2) for m in mode):
+            raise ProtocolError(f"tokens: logprob_mode {mode[:8]} for {len(self.rids)} rids")
+        with_logprobs = sum(c for c, m in zip(self.counts, mode) if m)
+        if self.logprobs is None or len(self.logprobs) != with_logprobs:
+            raise ProtocolError(f"tokens: {with_logprobs} tokens with logprobs but "
+                                f"{_size(self.logprobs)} logprobs")
+        with_top = sum(c for c, m in zip(self.counts, mode) if m == 2)
+        if 2 not in mode:
+            if (self.top_counts, self.top_ids, self.top_logprobs) != (None,) * 3:
+                raise ProtocolError("tokens: top logprobs where no rid has mode 2")
+            return
+        if self.top_counts is None or len(self.top_counts) != with_top or \
+                any(n < 0 for n in self.top_counts):
+            raise ProtocolError(f"tokens: {with_top} tokens with top logprobs but top_counts "
+                                f"has {_size(self.top_counts)}")
+        alternatives = sum(self.top_counts)
+        if _size(self.top_ids) != alternatives or _size(self.top_logprobs) != alternatives:
+            raise ProtocolError(f"tokens: top_counts sum to {alternatives} but there are "
+                                f"{_size(self.top_ids)} ids and {_size(self.top_logprobs)} logprobs")
 
     @classmethod
     def pack(cls, parts: Sequence[TokenPart], first: bool = False) -> "Tokens":
@@ -211,7 +300,8 @@ class Tokens(Message):
         return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
                    [i for t in parts for i in t.token_ids],
                    [v for t in parts for v in t.weight_versions],
-                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first)
+                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first,
+                   **_pack_logprobs(parts))
 
     @classmethod
     def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "Tokens":
@@ -221,12 +311,55 @@ class Tokens(Message):
     def unpack(self) -> list[TokenPart]:
         """The parts, in order."""
         out, at = [], 0
-        for rid, n in zip(self.rids, self.counts):
+        logprobs = _Reader(self.logprobs or [])
+        counts, ids, values = (_Reader(a or []) for a in (self.top_counts, self.top_ids,
+                                                          self.top_logprobs))
+        for rid, n, mode in zip(self.rids, self.counts, self.logprob_mode or [0] * len(self.rids)):
             end = self.ends.get(rid) or {}
+            top = None if mode < 2 else [list(zip(ids.take(k), values.take(k)))
+                                         for k in counts.take(n)]
             out.append(TokenPart(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
-                                 end.get("finish"), end.get("meta", {})))
+                                 end.get("finish"), end.get("meta", {}),
+                                 logprobs.take(n) if mode else None, top))
             at += n
         return out
+
+
+def _pack_logprobs(parts: Sequence[TokenPart]) -> dict:
+    """``Tokens``' logprob fields for `parts`: none at all when no part has logprobs."""
+    modes = [t.logprob_mode for t in parts]
+    if not any(modes):
+        return {}
+    out = {"logprob_mode": modes, "logprobs": [v for t in parts for v in t.logprobs or []]}
+    if 2 in modes:
+        tops = [top for t in parts for top in t.top_logprobs or []]
+        out |= {"top_counts": [len(top) for top in tops],
+                "top_ids": [i for top in tops for i, _ in top],
+                "top_logprobs": [v for top in tops for _, v in top]}
+    return out
+
+
+class _Reader:
+    """Consecutive slices of one list."""
+
+    def __init__(self, values: list) -> None:
+        self.values, self.at = values, 0
+
+    def take(self, n: int) -> list:
+        self.at += n
+        return self.values[self.at - n:self.at]
+
+
+def _size(values: Optional[list]) -> int:
+    return -1 if values is None else len(values)
+
+
+def _tail(values: Optional[list], n: int) -> Optional[list]:
+    return None if values is None else values[n:]
+
+
+def _join(a: Optional[list], b: Optional[list]) -> Optional[list]:
+    return None if a is None and b is None else (a or []) + (b or [])
 
 
 @dataclass(frozen=True, slots=True)

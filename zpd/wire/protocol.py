@@ -4,8 +4,11 @@ carries are defined in ``zpd.wire.messages`` and re-exported here.
 Wire: a multipart message ``[header, *blobs]``. ``header`` is an orjson object
 ``{"v": PROTOCOL_VERSION, "type": <TYPE>, ...fields}``. Fields typed
 ``list[int]`` (token ids, page ids) travel as their own frame of little-endian
-int32 and the header holds that frame's index, so large id arrays are never
-JSON-encoded. ``decode`` turns any malformed input into ``ProtocolError``.
+int32, and ``list[float]`` (logprobs) as one of little-endian float32 (any float32,
+NaN and infinities included); the header holds that frame's index, so large arrays
+are never JSON-encoded. An optional field whose value is None is left out of the
+header (and so costs no frame). ``decode`` turns any malformed input into
+``ProtocolError``.
 
 Header keys the receiver does not know are ignored, so a newer sender may add
 optional fields without a version bump; removing or retyping a field needs one.
@@ -40,6 +43,7 @@ MAX_FRAME_BYTES = 16 << 20
 # 'i' is 4 bytes on every platform CPython supports; pick by size anyway so a
 # blob is always int32, whatever the C int is.
 _INT32_CODE = next(code for code in "ihl" if array(code).itemsize == 4)
+_FLOAT32_CODE = "f"                      # C float: IEEE 754 binary32 wherever CPython runs
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
@@ -47,8 +51,11 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 _KINDS: Mapping[Any, str] = types.MappingProxyType(
     {int: "int", float: "float", str: "str", bool: "bool", dict: "dict",
-     list[int]: "blob", list[str]: "strs"}
+     list[int]: "blob", list[float]: "f32blob", list[str]: "strs"}
 )
+# blob kind -> (array typecode, what it holds)
+_BLOBS: Mapping[str, tuple[str, str]] = types.MappingProxyType(
+    {"blob": (_INT32_CODE, "int32"), "f32blob": (_FLOAT32_CODE, "float32")})
 
 
 class _Field(NamedTuple):
@@ -56,6 +63,7 @@ class _Field(NamedTuple):
     kind: str
     optional: bool
     required: bool
+    omit_none: bool              # optional with a None default: None is not sent at all
 
 
 def _field_of(f: dataclasses.Field, hint: Any) -> _Field:
@@ -65,7 +73,7 @@ def _field_of(f: dataclasses.Field, hint: Any) -> _Field:
         (hint,) = [a for a in args if a is not type(None)]
         optional = True
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    return _Field(f.name, _KINDS[hint], optional, required)
+    return _Field(f.name, _KINDS[hint], optional, required, optional and f.default is None)
 
 
 def _spec(cls: type[Message]) -> tuple[_Field, ...]:
@@ -81,7 +89,7 @@ _SPECS: Mapping[type[Message], tuple[_Field, ...]] = types.MappingProxyType(
 
 # The header plus the most blobs any type has: a message with more frames is refused
 # before its header is even parsed (ZeroMQ bounds frames, never their number).
-MAX_FRAMES = 1 + max(sum(f.kind == "blob" for f in spec) for spec in _SPECS.values())
+MAX_FRAMES = 1 + max(sum(f.kind in _BLOBS for f in spec) for spec in _SPECS.values())
 
 # --- codec ---------------------------------------------------------------------
 
@@ -97,27 +105,33 @@ _TYPE_OK: Mapping[str, Callable[[Any], bool]] = types.MappingProxyType({
     "dict": lambda v: type(v) is dict,
     "strs": lambda v: type(v) is list and all(type(s) is str for s in v),
     "blob": lambda v: True,
+    "f32blob": lambda v: True,
 })
 
 
-def _pack_int32(name: str, values: Sequence[int]) -> bytes:
+def _pack_blob(name: str, kind: str, values: Sequence[int] | Sequence[float]) -> bytes:
+    code, what = _BLOBS[kind]
+    if code == _FLOAT32_CODE and not all(type(v) is float or type(v) is int for v in values):
+        raise ProtocolError(f"field {name!r}: not a list of floats")   # array() takes bools
     try:
-        arr = array(_INT32_CODE, values)
+        arr = array(code, values)
     except (TypeError, OverflowError) as e:
-        raise ProtocolError(f"field {name!r}: not a list of int32 ({e})") from None
+        raise ProtocolError(f"field {name!r}: not a list of {what} ({e})") from None
     if _BIG_ENDIAN:
         arr.byteswap()
     return arr.tobytes()
 
 
-def _unpack_int32(name: str, blob: bytes) -> list[int]:
+def _unpack_blob(name: str, kind: str, blob: bytes) -> list[int] | list[float]:
+    code, what = _BLOBS[kind]
     if len(blob) % 4:
-        raise ProtocolError(f"field {name!r}: blob of {len(blob)} bytes is not int32[]")
-    arr = array(_INT32_CODE)
+        raise ProtocolError(f"field {name!r}: blob of {len(blob)} bytes is not {what}[]")
+    arr = array(code)
     arr.frombytes(blob)
     if _BIG_ENDIAN:
         arr.byteswap()
     return arr.tolist()
+
 
 
 def encode(msg: Message) -> list[bytes]:
@@ -130,11 +144,13 @@ def encode(msg: Message) -> list[bytes]:
     blobs: list[bytes] = []
     for f in spec:
         value = getattr(msg, f.name)
+        if value is None and f.omit_none:
+            continue
         if value is None and f.optional:
             header[f.name] = None
-        elif f.kind == "blob":
+        elif f.kind in _BLOBS:
             header[f.name] = len(blobs)
-            blobs.append(_pack_int32(f.name, value))
+            blobs.append(_pack_blob(f.name, f.kind, value))
         elif _TYPE_OK[f.kind](value):
             header[f.name] = value
         else:
@@ -165,12 +181,12 @@ def _read_header(frames: Sequence[bytes]) -> dict[str, Any]:
 def _field_value(f: _Field, raw: Any, frames: Sequence[bytes]) -> Any:
     if raw is None and f.optional:
         return None
-    if f.kind == "blob":
+    if f.kind in _BLOBS:
         if type(raw) is not int:
             raise ProtocolError(f"field {f.name!r}: blob index must be int")
         if not 0 <= raw < len(frames) - 1:
             raise ProtocolError(f"field {f.name!r}: blob index {raw} out of range")
-        return _unpack_int32(f.name, frames[raw + 1])
+        return _unpack_blob(f.name, f.kind, frames[raw + 1])
     if not _TYPE_OK[f.kind](raw):
         raise ProtocolError(f"field {f.name!r}: expected {f.kind}, got {type(raw).__name__}")
     return float(raw) if f.kind == "float" else raw
