@@ -34,6 +34,7 @@ class Client:
         self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
+        self._asked: dict[str, tuple[bool, bool]] = {}   # rid -> (logprobs, top logprobs) asked
 
     def close(self) -> None:
         self._dealer.close()
@@ -79,17 +80,17 @@ class Client:
 
     def receive(self, timeout: float | None = None) -> dict:
         """The next chunk for any submitted request (see `stream` for its fields)."""
-        msg = self._next(TokenPart, "a token", timeout)
-        chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
-                 "weight_versions": list(msg.weight_versions), "finished": msg.finished}
-        return chunk | (_final_fields(msg) if msg.finished else {})
+        return self._chunk(self._next(TokenPart, "a token", timeout))
 
     def stream(self, input_ids: list[int] | None = None, prompt: str | None = None,
                sampling_params: dict | None = None, rid: str | None = None,
                messages: list[dict] | None = None) -> Iterator[dict]:
         """Yield chunks {rid, token_ids, weight_versions, finished} as tokens are made; the
-        last chunk also has finish_reason, meta and text. Closing the iterator early
-        aborts the request (499)."""
+        last chunk also has finish_reason, meta and text. A request that asked for
+        logprobs (`return_logprob`) has "logprobs" in every chunk, one per token id, and
+        one that asked for `top_logprobs_num` N also "top_logprobs", per token its N most
+        likely [token_id, logprob] pairs, highest first (README, "Logprobs"). Closing
+        the iterator early aborts the request (499)."""
         rid = self._submit(input_ids, prompt, sampling_params, rid, True, messages)
         finished = False
         try:
@@ -98,14 +99,25 @@ class Client:
                 if msg.rid != rid:
                     continue
                 finished = msg.finished
-                chunk = {"rid": rid, "token_ids": list(msg.token_ids),
-                         "weight_versions": list(msg.weight_versions), "finished": finished}
-                if finished:
-                    chunk |= _final_fields(msg)
-                yield chunk
+                yield self._chunk(msg)
         finally:
             if not finished:
                 self.abort(rid, "client closed the stream")
+
+    def _chunk(self, msg: TokenPart) -> dict:
+        """One part as a chunk; a finished request is forgotten here."""
+        chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
+                 "weight_versions": list(msg.weight_versions), "finished": msg.finished}
+        logprobs, top = self._asked.get(msg.rid, (False, False))
+        if logprobs or msg.logprobs is not None:     # an abort the router made has none
+            chunk["logprobs"] = list(msg.logprobs or [])
+        if top or msg.top_logprobs is not None:
+            chunk["top_logprobs"] = [[list(pair) for pair in alternatives]
+                                     for alternatives in msg.top_logprobs or []]
+        if msg.finished:
+            self._asked.pop(msg.rid, None)
+            chunk |= _final_fields(msg)
+        return chunk
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
         self._dealer.send(Abort(rid, 499, reason))
@@ -116,6 +128,9 @@ class Client:
         if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
             raise ValueError("give exactly one of input_ids, prompt or messages")
         rid = rid or uuid.uuid4().hex
+        asked = _asks_logprobs(sampling_params or {})
+        if any(asked):
+            self._asked[rid] = asked
         chat = {"messages": list(messages)} if messages is not None else {}
         self._dealer.send(Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
                                    text=prompt or "", chat=chat))
@@ -189,6 +204,13 @@ class Client:
                             f"{self.connect_timeout:g} s: is a router running there?")
 
 
+def _asks_logprobs(sampling: dict) -> tuple[bool, bool]:
+    """(logprobs, top logprobs) as the sampling parameters ask for them."""
+    top = sampling.get("top_logprobs_num")
+    top = type(top) is int and top > 0
+    return sampling.get("return_logprob") is True or top, top
+
+
 def _final_fields(msg: TokenPart) -> dict:
     meta = dict(msg.meta)
     text = meta.pop("text", None)
@@ -198,6 +220,10 @@ def _final_fields(msg: TokenPart) -> dict:
 def assemble(chunks: list[dict]) -> dict:
     """One request's chunks, in order, as a finished response."""
     last = chunks[-1]
-    return {"rid": last["rid"], "output_ids": [t for c in chunks for t in c["token_ids"]],
-            "weight_versions": [v for c in chunks for v in c["weight_versions"]],
-            "finish_reason": last["finish_reason"], "meta": last["meta"], "text": last["text"]}
+    out = {"rid": last["rid"], "output_ids": [t for c in chunks for t in c["token_ids"]],
+           "weight_versions": [v for c in chunks for v in c["weight_versions"]],
+           "finish_reason": last["finish_reason"], "meta": last["meta"], "text": last["text"]}
+    for key, field in (("output_token_logprobs", "logprobs"), ("output_top_logprobs", "top_logprobs")):
+        if any(field in c for c in chunks):
+            out[key] = [v for c in chunks for v in c.get(field, [])]
+    return out

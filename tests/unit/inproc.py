@@ -47,6 +47,8 @@ class Answer:
     weight_versions: list[str] = field(default_factory=list)
     finish: dict | None = None
     meta: dict = field(default_factory=dict)
+    logprobs: list[float] | None = None            # None: no part carried any
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def status(self) -> int | None:
@@ -132,15 +134,21 @@ class InprocCluster:
                 got = self.answers.setdefault(part.rid, Answer())
                 got.token_ids += part.token_ids
                 got.weight_versions += part.weight_versions
+                if part.logprobs is not None:
+                    got.logprobs = (got.logprobs or []) + part.logprobs
+                if part.top_logprobs is not None:
+                    got.top_logprobs = (got.top_logprobs or []) + part.top_logprobs
                 if part.finished:
                     got.finish, got.meta = part.finish, part.meta
 
     # --- client side -------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], max_new: int = 8, stream: bool = True, rid: str | None = None) -> str:
+    def submit(self, prompt: list[int], max_new: int = 8, stream: bool = True, rid: str | None = None,
+               sampling: dict | None = None) -> str:
+        """Greedy, ignoring EOS, unless `sampling` says otherwise."""
         rid = rid or f"r{next(self.rids)}"
         self.client.send(Generate(rid, prompt, {"temperature": 0, "max_new_tokens": max_new,
-                                                "ignore_eos": True}, stream))
+                                                "ignore_eos": True} | (sampling or {}), stream))
         return rid
 
     def abort(self, rid: str) -> None:

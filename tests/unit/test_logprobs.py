@@ -1,7 +1,10 @@
-"""Logprobs: the engine's against an independent reference."""
+"""Logprobs: the engine's against an independent reference, the cluster's against
+`zpd run`'s (the first token's from the prefill included, across a retraction), what
+travels when nobody asks, and the client's chunks."""
 from __future__ import annotations
 
 import math
+import socket
 from collections import Counter
 
 import pytest
@@ -13,6 +16,11 @@ from engines.offline import OfflineEngine
 from engines.request import Request, as_float32
 from engines.runner import ModelRunner
 from engines.sampler import SamplingParams, token_logprobs
+from tests.unit.inproc import InprocCluster
+from transport import FaultRule
+from zpd.client import Client, assemble
+from zpd.wire import protocol as p
+from zpd.wire.net import Router
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
 PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.25}
@@ -131,3 +139,162 @@ def test_top_logprobs_num_implies_logprobs():
     assert SamplingParams(return_logprob=True).wants_logprobs
     assert not SamplingParams().wants_logprobs
     assert SamplingParams(top_logprobs_num=20).top_logprobs_num == 20
+
+
+# --- the cluster against `zpd run` ----------------------------------------------------------
+
+
+def cluster_vs_offline(c: InprocCluster, rid: str, sampling: dict, max_new: int) -> None:
+    """The client's logprobs are `zpd run`'s response's, number for number."""
+    got = c.run(rid)
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new,
+                                       "ignore_eos": True} | sampling)
+    ref = OfflineEngine(c.prefill.model, kv_cache_mb=1).run([Request("ref", PROMPT, params)])[0]
+    assert got.token_ids == ref["output_ids"] and len(got.token_ids) == max_new
+    assert got.logprobs == ref["output_token_logprobs"]
+    if params.top_logprobs_num:
+        assert [[list(pair) for pair in top] for top in got.top_logprobs] == ref["output_top_logprobs"]
+    else:
+        assert got.top_logprobs is None and "output_top_logprobs" not in ref
+
+
+SAMPLINGS = {
+    "greedy": {"return_logprob": True},
+    "greedy_top": {"top_logprobs_num": 4, **PENALTIES},
+    "seeded": {"temperature": 0.8, "seed": 5, "top_k": 20, "top_logprobs_num": 3, **PENALTIES},
+}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
+def test_cluster_logprobs_equal_zpd_run(cluster, sampling, stream):
+    rid = cluster.submit(PROMPT, 6, stream=stream, sampling=sampling)
+    cluster_vs_offline(cluster, rid, sampling, 6)
+    cluster.check_pages()
+
+
+def test_first_token_logprob_comes_from_the_prefill_ahead_of_the_kv(cluster):
+    """A streamed request's first token goes from the prefill straight to the router:
+    with its logprob and alternatives, which are those of `zpd run`'s first token."""
+    firsts = []
+    relay = cluster.router.on_first_tokens
+    cluster.router.on_first_tokens = lambda w, msg: (firsts.append(msg), relay(w, msg))
+    sampling = {"top_logprobs_num": 2}
+    rid = cluster.submit(PROMPT, 4, sampling=sampling)
+    cluster_vs_offline(cluster, rid, sampling, 4)
+    (part,) = firsts[0].unpack()
+    got = cluster.answers[rid]
+    assert part.logprobs == got.logprobs[:1] and part.top_logprobs == got.top_logprobs[:1]
+
+
+def test_retraction_keeps_one_logprob_per_token(cluster):
+    sampling = {"top_logprobs_num": 2, **PENALTIES}
+    rid = cluster.submit(PROMPT, 20, sampling=sampling)
+    cluster.until(lambda: rid in cluster.answers and len(cluster.answers[rid].token_ids) >= 4)
+    assert cluster.admin("pause", mode="retract")["ok"]
+    assert cluster.admin("continue")["ok"]
+    cluster_vs_offline(cluster, rid, sampling, 20)      # nothing lost, nothing twice
+    assert cluster.answers[rid].meta["retractions"] == 1
+    cluster.check_pages()
+
+
+def test_retraction_before_the_kv_keeps_the_early_tokens_logprob():
+    """The prefill sent the first token ahead, then a retraction caught the request
+    before its KV reached the decode: continue hands the decode that token with its
+    logprobs, and the client gets every token's once."""
+    c = InprocCluster(fault_plan=FaultRule("hang", count=1))      # the first write hangs
+    try:
+        sampling = {"top_logprobs_num": 3}
+        rid = c.submit(PROMPT, 6, sampling=sampling)
+        c.until(lambda: rid in c.answers and len(c.answers[rid].token_ids) == 1)
+        assert c.admin("pause", mode="retract")["ok"]
+        assert c.router.inflight[rid].early is not None
+        assert c.admin("continue")["ok"]
+        held = c.decode.scheduler.by_rid[rid].req             # resumes after the early token
+        first = c.answers[rid]
+        assert held.output == first.token_ids and held.output_logprobs == first.logprobs
+        assert held.output_top_logprobs == first.top_logprobs
+        cluster_vs_offline(c, rid, sampling, 6)
+        assert c.answers[rid].meta["retractions"] == 1
+        c.check_pages()
+    finally:
+        c.close()
+
+
+def test_no_logprob_keys_or_frames_for_requests_not_asking(cluster):
+    frames = []
+    decode = cluster.client._decode
+    cluster.client._decode = lambda f, peer: (frames.append(len(f)), decode(f, peer))[1]
+    plain = cluster.submit(PROMPT, 5)
+    assert cluster.run(plain).logprobs is None and cluster.answers[plain].top_logprobs is None
+    assert frames and max(frames) == 3                 # header, counts, token ids
+    asking = cluster.submit(PROMPT, 5, sampling={"return_logprob": True})
+    other = cluster.submit(PROMPT[1:], 5)
+    assert len(cluster.run(asking).logprobs) == 5
+    assert cluster.run(other).logprobs is None         # in the same messages, without any
+    assert max(frames) == 5                            # + logprob_mode, logprobs; no top
+    cluster.check_pages()
+
+
+def test_kv_done_without_the_asked_logprob_fails_the_request(cluster, monkeypatch):
+    """A prefill that leaves the first token's logprob out (a bug, or a peer that does
+    not know them): the request fails clearly, the pages come back."""
+    monkeypatch.setattr("zpd.worker.prefill.first_logprob_fields", lambda req: {})
+    got = cluster.run(cluster.submit(PROMPT, 4, stream=False, sampling={"return_logprob": True}))
+    assert got.status == 500 and "no logprob for the first token" in got.finish["message"]
+    cluster.pump()
+    cluster.check_pages()
+    cluster.serves_again()
+
+
+@pytest.mark.parametrize("n", [21, -1])
+def test_bad_top_logprobs_num_is_400(cluster, n):
+    got = cluster.run(cluster.submit(PROMPT, 4, sampling={"top_logprobs_num": n}))
+    assert got.status == 400 and "top_logprobs_num must be an integer in [0, 20]" in \
+        got.finish["message"] and f"got {n}" in got.finish["message"]
+    cluster.check_pages()
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+def test_client_chunks_and_response_carry_logprobs_only_when_asked():
+    """A fake router answers three requests: one asking for top logprobs, one asking
+    nothing, one asking logprobs that ends in an abort the router made (no logprobs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import zmq
+    ctx = zmq.Context()
+    router = Router(ctx, "127.0.0.1", port)
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=10) as client:
+            a = client.submit(input_ids=[1], sampling_params={"top_logprobs_num": 2}, rid="a")
+            b = client.submit(input_ids=[1], rid="b")
+            c = client.submit(input_ids=[1], sampling_params={"return_logprob": True}, rid="c")
+            peer = None
+            for _ in range(3):
+                peer, _msg = router.recv(timeout=5)
+            end = {"type": "length"}
+            router.send(peer, p.Tokens.pack([
+                p.TokenPart(a, [4, 5], ["v", "v"], None, {}, [-0.5, -1.0], [[(4, -0.5), (6, -2.0)],
+                                                                            [(5, -1.0), (4, -1.5)]]),
+                p.TokenPart(b, [7], ["v"])]))
+            router.send(peer, p.Tokens.pack([
+                p.TokenPart(a, [6], ["v"], end, {"text": None}, [-0.25], [[(6, -0.25), (1, -3.0)]]),
+                p.TokenPart(b, [8], ["v"], end, {})]))
+            router.send(peer, p.Tokens.abort(c, 503, "no live prefill and decode worker"))
+            chunks = [client.receive() for _ in range(5)]
+    finally:
+        router.close()
+        ctx.term()
+    by_rid = {rid: [ch for ch in chunks if ch["rid"] == rid] for rid in (a, b, c)}
+    assert by_rid[a][0]["logprobs"] == [-0.5, -1.0]
+    assert by_rid[a][0]["top_logprobs"] == [[[4, -0.5], [6, -2.0]], [[5, -1.0], [4, -1.5]]]
+    assert all("logprobs" not in ch and "top_logprobs" not in ch for ch in by_rid[b])
+    assert by_rid[c][0]["logprobs"] == [] and "top_logprobs" not in by_rid[c][0]
+    whole = assemble(by_rid[a])
+    assert whole["output_token_logprobs"] == [-0.5, -1.0, -0.25]
+    assert whole["output_top_logprobs"][2] == [[6, -0.25], [1, -3.0]]
+    assert "output_token_logprobs" not in assemble(by_rid[b])
+    assert assemble(by_rid[c])["output_token_logprobs"] == []

@@ -124,7 +124,7 @@ class RouterAdmin:
             live = [r["endpoint"] for r in p_replies if r["ok"]]
             # First tokens the client has from a prefill but no decode confirmed: a
             # decode holding such a request resumes after that token, not before it.
-            early = {f.rid: list(f.early) for f in server.inflight.values()
+            early = {f.rid: f.early for f in server.inflight.values()
                      if f.early is not None and f.from_decode == 0}
             self.fan_out("continue", args | {"prefills": live, "early": early}, decodes, timeout,
                          lambda d_replies: done(p_replies + d_replies))

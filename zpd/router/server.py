@@ -49,7 +49,7 @@ class InFlight:
     decode: Worker
     sent: int = 0                        # output tokens passed on to the client
     from_decode: int = 0                 # output tokens the decode has sent
-    early: tuple[int, str] | None = None  # the first token, straight from the prefill
+    early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
 
 
 class RouterServer:
@@ -274,7 +274,7 @@ class RouterServer:
             flight = self.inflight.get(part.rid)
             if flight is None or flight.sent or len(part.token_ids) != 1 or part.finished:
                 continue                          # the decode's copy came first
-            flight.early, flight.sent = (part.token_ids[0], part.weight_versions[0]), 1
+            flight.early, flight.sent = part.early_entry(), 1
             self.to_client(flight.client, Tokens.pack([part]))
 
     def relay(self, parts: list[TokenPart]) -> None:
@@ -298,8 +298,7 @@ class RouterServer:
         skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
         flight.sent = max(flight.sent, start + n)
         if skip:
-            part = TokenPart(part.rid, part.token_ids[skip:], part.weight_versions[skip:],
-                             part.finish, part.meta)
+            part = part.skip(skip)
         if part.finished:
             del self.inflight[part.rid]
             self.shares.release(part.rid)

@@ -145,8 +145,7 @@ class WorkerCore:
         parts = self.outbox.setdefault(identity, {})
         old = parts.get(part.rid)
         if old is not None:
-            part = TokenPart(part.rid, old.token_ids + part.token_ids,
-                             old.weight_versions + part.weight_versions, part.finish, part.meta)
+            part = old.then(part)
         parts[part.rid] = part
 
     def flush_tokens(self) -> None:

@@ -18,11 +18,12 @@ from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL,
                              Request, response)
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
-                               Recompute, TokenPart, Tokens)
+                               Recompute, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.fences import Fences
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
+from zpd.worker.parts import first_logprobs, token_part
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -209,18 +210,28 @@ class DecodeScheduler:
     def on_kv_done(self, job: DecodeJob, msg: KvDone) -> None:
         req = job.req
         req.timings = {k: v for k, v in msg.timings.items() if isinstance(v, (int, float))}
-        if not req.output:
-            vocab = self.core.model.cfg.vocab_size
-            if not 0 <= msg.first_token < vocab:     # the write is over: nothing to fence
-                self.finish(job, INTERNAL, f"prefill {job.prefill} sent first token "
-                            f"{msg.first_token}, outside [0, {vocab})",
+        if not req.output:                  # after a recompute the decode has its tokens
+            problem = self._take_first_token(req, msg)
+            if problem:                              # the write is over: nothing to fence
+                self.finish(job, INTERNAL, f"prefill {job.prefill} sent {problem}",
                             tell_prefill=True, may_land=False)
                 return
-            req.emit(msg.first_token, msg.weight_version)
             req.finish = self.core.compute.stop(req)
         log.info("rid=%r room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
         self.move(job, DecodePhase.FINISHED if req.finished else DecodePhase.RUNNING)
         self.emit(job)
+
+    def _take_first_token(self, req: Request, msg: KvDone) -> str | None:
+        """Emit the first token the prefill sampled, with its logprobs; or say what is
+        wrong with them."""
+        vocab = self.core.model.cfg.vocab_size
+        if not 0 <= msg.first_token < vocab:
+            return f"first token {msg.first_token}, outside [0, {vocab})"
+        logprobs = first_logprobs(req, msg)
+        if isinstance(logprobs, str):
+            return logprobs
+        req.emit(msg.first_token, msg.weight_version, *logprobs)
+        return None
 
     def on_refused(self, link: PrefillLink) -> None:
         """The prefill refused our hello (500) or stopped answering (503): fail its
@@ -255,17 +266,16 @@ class DecodeScheduler:
         req = job.req
         if not req.finished and not job.stream:
             return
-        new, versions = req.output[job.sent:], req.weight_versions[job.sent:]
-        if not new and not req.finished:
+        if job.sent == len(req.output) and not req.finished:
             return
-        job.sent = len(req.output)
+        start, job.sent = job.sent, len(req.output)
         meta = {}
         if req.finished:
             final = response(req, self.core.model.tokenizer)
             meta = final["meta"] | {"text": final["text"]}
             log.info("rid=%r room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
-        self.core.queue_token(job.client, TokenPart(req.rid, new, versions, req.finish, meta))
+        self.core.queue_token(job.client, token_part(req, start, meta))
         if req.finished:
             self._forget(job)
 

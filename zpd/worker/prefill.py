@@ -10,6 +10,7 @@ ours can still land in its pages: that message is what lets it reuse them.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,11 +21,11 @@ from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, 
                              validate_prefix)
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute,
-                               TokenPart, Tokens)
+from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
+from zpd.worker.parts import first_logprob_fields, token_part
 from zpd.worker.peers import DecodePeers
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
@@ -162,8 +163,7 @@ class PrefillScheduler:
         req = job.req
         if job.early_to is None or len(req.output) != 1 or self.core.compute.stop(req) is not None:
             return
-        part = TokenPart(req.rid, list(req.output), list(req.weight_versions))
-        self.core.send(job.early_to, Tokens.pack([part], first=True))
+        self.core.send(job.early_to, Tokens.pack([token_part(req, 0)], first=True))
 
     # --- requests ------------------------------------------------------------------
 
@@ -176,10 +176,12 @@ class PrefillScheduler:
             self.dests.pair(job, msg.decode)
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
-        """KV for prompt + output[:-1] again, under the current weights, as a new epoch."""
+        """KV for prompt + output[:-1] again, under the current weights, as a new epoch.
+        The token it samples is not reported (the decode has it already): no logprobs."""
         failure, params = None, SamplingParams()
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling),
+                                         return_logprob=False, top_logprobs_num=0)
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
         except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
@@ -284,7 +286,8 @@ class PrefillScheduler:
                          job.room, job.epoch, c.nbytes, c.seconds * 1e3)
                 first = job.req.output[-1] if job.req.output else -1
                 self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version,
-                                                  _timings(job.marks, c.seconds)))
+                                                  _timings(job.marks, c.seconds),
+                                                  **first_logprob_fields(job.req)))
                 self.end(job, None, "")
 
     # --- endings ---------------------------------------------------------------------

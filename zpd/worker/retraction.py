@@ -14,6 +14,7 @@ from engines.request import ABORTED
 from zpd.wire.protocol import KvFailed
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import well_formed
+from zpd.worker.parts import read_early_entry
 
 if TYPE_CHECKING:
     from zpd.worker.decode import DecodeScheduler
@@ -86,12 +87,12 @@ class Retraction:
         """The client already has this request's first token (its prefill sent it to the
         router before the KV arrived here): resume after it, as after any token."""
         req = job.req
-        if req.output or not (isinstance(got, list) and len(got) == 2 and isinstance(got[0], int)
-                              and isinstance(got[1], str)):
+        if req.output or got is None:
             return
-        if not 0 <= got[0] < self.sched.core.model.cfg.vocab_size:
-            log.warning("rid=%r: early token %r out of range; ignored", req.rid, got[0])
+        entry = read_early_entry(req, got, self.sched.core.model.cfg.vocab_size)
+        if isinstance(entry, str):
+            log.warning("rid=%r: %s; ignored", req.rid, entry)
             return
-        req.emit(got[0], got[1])     # sent again with the next ones: the router passes it once
+        req.emit(*entry)     # sent again with the next ones: the router passes it once
         log.info("rid=%r room=%d resumes after its first token %d (%s), which its prefill sent "
-                 "ahead", req.rid, job.room, got[0], got[1])
+                 "ahead", req.rid, job.room, entry[0], entry[1])

@@ -1,0 +1,69 @@
+"""A request's output as it crosses the wire: its tokens with their logprobs (only for a
+request that asked), in a `TokenPart` to its client, and the first token's logprobs
+from the prefill that sampled it to the decode (on `kv_done`) or, after a retraction,
+through the router (the `early` token of `continue`).
+"""
+from __future__ import annotations
+
+import math
+
+from engines.request import Request
+from zpd.wire.protocol import KvDone, TokenPart
+
+
+def token_part(req: Request, start: int, meta: dict | None = None) -> TokenPart:
+    """The request's output from index `start` on, with its finish once it has one."""
+    p = req.params
+    return TokenPart(req.rid, req.output[start:], req.weight_versions[start:], req.finish,
+                     dict(meta or {}),
+                     req.output_logprobs[start:] if p.wants_logprobs else None,
+                     req.output_top_logprobs[start:] if p.top_logprobs_num else None)
+
+
+def first_logprob_fields(req: Request) -> dict:
+    """`KvDone`'s logprob fields for the request's first token (none if it did not ask)."""
+    if not req.params.wants_logprobs or not req.output:
+        return {}
+    out = {"logprob": req.output_logprobs[:1]}
+    if req.params.top_logprobs_num:
+        top = req.output_top_logprobs[0]
+        out |= {"top_ids": [t for t, _ in top], "top_logprobs": [v for _, v in top]}
+    return out
+
+
+def first_logprobs(req: Request, msg: KvDone) -> tuple[float | None, list | None] | str:
+    """The first token's (logprob, top alternatives) as a `kv_done` gave them, or what
+    is missing of what the request asked for."""
+    p = req.params
+    if p.wants_logprobs and msg.logprob is None:
+        return "no logprob for the first token"
+    if p.top_logprobs_num and msg.top_ids is None:
+        return "no top logprobs for the first token"
+    top = list(zip(msg.top_ids, msg.top_logprobs)) if p.top_logprobs_num else None
+    return (msg.logprob[0] if p.wants_logprobs else None), top
+
+
+def read_early_entry(req: Request, got: object, vocab: int) -> tuple | str:
+    """(token, version, logprob, top) from a `TokenPart.early_entry` for this request, or
+    why it cannot be taken (then the request is recomputed without it)."""
+    if not (isinstance(got, list) and 2 <= len(got) <= 4 and _id(got[0]) and isinstance(got[1], str)):
+        return f"early token {str(got)[:80]} is malformed"
+    if not 0 <= got[0] < vocab:
+        return f"early token {got[0]} out of range"
+    p = req.params
+    logprob = got[2] if len(got) > 2 else None
+    top = got[3] if len(got) > 3 else None
+    if p.wants_logprobs and not _number(logprob):
+        return "early token without its logprob"
+    if p.top_logprobs_num and not (isinstance(top, list) and all(
+            isinstance(t, list) and len(t) == 2 and _id(t[0]) and _number(t[1]) for t in top)):
+        return "early token without its top logprobs"
+    return got[0], got[1], logprob, [tuple(t) for t in top] if p.top_logprobs_num else None
+
+
+def _id(value: object) -> bool:
+    return type(value) is int
+
+
+def _number(value: object) -> bool:
+    return type(value) in (int, float) and not math.isnan(value)
