@@ -116,6 +116,33 @@ def test_seeded_sampling_equals_zpd_run(two_two):
         assert_all_pages_free(client)
 
 
+def test_logprobs_equal_zpd_run(two_two):
+    """Logprobs (the first token's from a prefill) are `zpd run`'s, for greedy and seeded
+    requests, streamed or not; requests that did not ask have none, in the same batches."""
+    from zpd.client import assemble
+    work = _workload(16, seed=5)
+    for i, w in enumerate(work):
+        w["sampling_params"] |= [{}, {"return_logprob": True}, {"top_logprobs_num": 5},
+                                 {"temperature": 0.8, "seed": i, "repetition_penalty": 1.2,
+                                  "top_logprobs_num": 3}][i % 4]
+    engine = OfflineEngine(load_model("tiny", dtype="float64"))
+    expected = engine.run([Request(f"ref{i}", w["input_ids"], SamplingParams.from_dict(w["sampling_params"]))
+                           for i, w in enumerate(work)])
+    keys = ("output_ids", "output_token_logprobs", "output_top_logprobs")
+    with two_two.client() as client:
+        whole = client.generate_many(work[:8])
+        rids = [client.submit(stream=True, **w) for w in work[8:]]
+        chunks: dict[str, list[dict]] = {rid: [] for rid in rids}
+        while sum(c[-1]["finished"] for c in chunks.values() if c) < len(rids):
+            chunk = client.receive(timeout=60)
+            chunks[chunk["rid"]].append(chunk)
+        got = whole + [assemble(chunks[rid]) for rid in rids]
+        for g, e in zip(got, expected):
+            assert {k: g.get(k) for k in keys} == {k: e.get(k) for k in keys}
+        assert "output_token_logprobs" not in got[0] and len(got[1]["output_token_logprobs"]) > 0
+        assert_all_pages_free(client)
+
+
 def test_text_prompt_and_bad_requests(one_one):
     ref = OfflineEngine(load_model("tiny", dtype="float64"))
     (expected,) = ref.run([Request("t", ref.compute.model.tokenizer.encode("hello"),
