@@ -59,7 +59,8 @@ class RouterAdmin:
         def reply(ok: bool, result: dict) -> None:
             server.front.send(client, AdminReply(msg.req_id, ok, {
                 "router": server.endpoint, "command": msg.command, "paused": server.paused,
-                "queued": len(server.queued), "inflight": len(server.inflight)} | result))
+                "queued": len(server.queued), "inflight": len(server.inflight)} | result
+                | ({"counters": server.tally.fields()} if msg.command == "status" else {})))
         return reply
 
     def _run(self, command: str, args: dict, timeout: float, reply: Reply) -> None:

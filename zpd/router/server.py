@@ -17,6 +17,7 @@ from zpd.config import RouterConfig
 from zpd.ops.ready import write_ready_file
 from zpd.router.admin import RouterAdmin
 from zpd.router.shares import ClientShares, request_tokens
+from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
@@ -59,6 +60,7 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
         self.cfg, self.loop = cfg, loop or Loop()
         self.shares = ClientShares(cfg.max_client_requests, cfg.max_client_tokens)  # checks them
+        self.tally = Tally()                             # what clients got, for /metrics
         self.security = Security(cfg.curve_keys, ctx)
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
         # Requests belong to their client's identity, which the client names itself:
@@ -111,6 +113,7 @@ class RouterServer:
             self.to_client(client, ping)
 
     def to_client(self, client: bytes, msg) -> None:
+        self.tally.count(msg)
         if not self.front.send(client, msg) and self.front.last_send_unreachable:
             self.client_gone(client)
 
@@ -164,12 +167,12 @@ class RouterServer:
         # Before anything else, so a client learns at once that a router listens here.
         self.front.send(client, Accepted(rid))
         if rid in self.inflight or rid in self.queued:
-            self.front.send(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
+            self.to_client(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
         refused = self.over_limits(client, rid, msg)
         if refused is not None:
             log.info("rid=%s from client %r refused: %d %s", rid, client[:32], *refused)
-            self.front.send(client, Tokens.abort(rid, *refused))
+            self.to_client(client, Tokens.abort(rid, *refused))
             return
         if self.paused is not None:
             self.queued[rid] = (client, msg)     # runs after continue
@@ -188,7 +191,7 @@ class RouterServer:
         prefill, decode = self.pick("prefill"), self.pick("decode")
         if prefill is None or decode is None:
             self.shares.release(rid)
-            self.front.send(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
+            self.to_client(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
             return
         room = new_room()
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
@@ -235,7 +238,7 @@ class RouterServer:
     def end_queued(self, rid: str, status: int, reason: str) -> None:
         client, msg = self.queued.pop(rid)
         self.shares.release(rid)
-        self.front.send(client, Tokens.abort(rid, status, reason, {
+        self.to_client(client, Tokens.abort(rid, status, reason, {
             "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0}))
 
     def unpause(self) -> None:

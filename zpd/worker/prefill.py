@@ -64,6 +64,9 @@ class PrefillScheduler:
         self.peers = DecodePeers(core.layout.page_bytes, core.backend.session_id, core.send)
         self.dests = KvDests(self)                            # hellos and kv_dests
         self.transfer_ids = itertools.count(1)
+        # cumulative, reported in status for /metrics
+        self.counters = {"prompt_tokens_computed": 0, "kv_bytes_written": 0,
+                         "kv_transfer_seconds": 0.0, "kv_transfer_failures": 0}
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
                          Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
                          KvFailed: self.on_kv_failed, Abort: self.on_abort}
@@ -117,6 +120,7 @@ class PrefillScheduler:
             return
         for job in batch:
             job.marks |= {"forward": started, "computed": time.monotonic()}
+        self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) for j in batch)
         self.after_compute(batch)
 
     def take_batch(self) -> list[PrefillJob]:
@@ -280,8 +284,11 @@ class PrefillScheduler:
             if job.phase is JobPhase.ENDED:
                 self._finish_ended(job)              # ended while writing
             elif not c.ok:
+                self.counters["kv_transfer_failures"] += 1
                 self.end(job, INTERNAL, f"KV transfer failed: {c.reason}")
             else:
+                self.counters["kv_bytes_written"] += c.nbytes
+                self.counters["kv_transfer_seconds"] += c.seconds
                 log.info("rid=%r room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
                          job.room, job.epoch, c.nbytes, c.seconds * 1e3)
                 first = job.req.output[-1] if job.req.output else -1
@@ -351,7 +358,7 @@ class PrefillScheduler:
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
                            "stashed": phases.count(JobPhase.STASHED)},
-                "peers": len(self.peers)}
+                "peers": len(self.peers), "counters": dict(self.counters)}
 
     def close(self) -> None:
         self.loop.remove_fd(self.core.backend.fileno())

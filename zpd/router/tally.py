@@ -1,0 +1,41 @@
+"""What the router has sent its clients, counted as it goes (never reset), for the
+`status` admin command and so for /metrics: every token a client receives (a streamed
+request's first token from its prefill included), and every request's end by reason
+and, for aborts and failures, by status code."""
+from __future__ import annotations
+
+from collections import Counter
+
+from zpd.wire.protocol import Tokens
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self.retractions = 0
+        self.finished: Counter[str] = Counter()      # finish reason type -> requests
+        self.aborted: Counter[str] = Counter()       # status code -> requests ended so
+
+    def count(self, msg: object) -> None:
+        if not isinstance(msg, Tokens):
+            return
+        self.generation_tokens += len(msg.token_ids)
+        for end in msg.ends.values():                # checked by Tokens: dicts all the way
+            finish, meta = end["finish"], end.get("meta", {})
+            kind = str(finish.get("type"))
+            self.finished[kind] += 1
+            if kind == "abort":
+                self.aborted[str(finish.get("status_code"))] += 1
+            self.prompt_tokens += _count(meta.get("prompt_tokens"))
+            self.retractions += _count(meta.get("retractions"))
+
+    def fields(self) -> dict:
+        return {"generation_tokens": self.generation_tokens, "prompt_tokens": self.prompt_tokens,
+                "retractions": self.retractions, "finished": dict(self.finished),
+                "aborted": dict(self.aborted)}
+
+
+def _count(value: object) -> int:
+    # meta comes from a worker: count only what is a plain non-negative int
+    return value if type(value) is int and value >= 0 else 0
