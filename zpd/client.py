@@ -79,10 +79,7 @@ class Client:
 
     def receive(self, timeout: float | None = None) -> dict:
         """The next chunk for any submitted request (see `stream` for its fields)."""
-        msg = self._next(TokenPart, "a token", timeout)
-        chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
-                 "weight_versions": list(msg.weight_versions), "finished": msg.finished}
-        return chunk | (_final_fields(msg) if msg.finished else {})
+        return chunk_of(self._next(TokenPart, "a token", timeout))
 
     def stream(self, input_ids: list[int] | None = None, prompt: str | None = None,
                sampling_params: dict | None = None, rid: str | None = None,
@@ -98,11 +95,7 @@ class Client:
                 if msg.rid != rid:
                     continue
                 finished = msg.finished
-                chunk = {"rid": rid, "token_ids": list(msg.token_ids),
-                         "weight_versions": list(msg.weight_versions), "finished": finished}
-                if finished:
-                    chunk |= _final_fields(msg)
-                yield chunk
+                yield chunk_of(msg)
         finally:
             if not finished:
                 self.abort(rid, "client closed the stream")
@@ -113,14 +106,11 @@ class Client:
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                 sampling_params: dict | None = None, rid: str | None = None,
                 stream: bool = False, messages: list[dict] | None = None) -> str:
-        if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
-            raise ValueError("give exactly one of input_ids, prompt or messages")
-        rid = rid or uuid.uuid4().hex
-        chat = {"messages": list(messages)} if messages is not None else {}
-        self._dealer.send(Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
-                                   text=prompt or "", chat=chat))
-        self._unacked[rid] = time.monotonic() + self.connect_timeout
-        return rid
+        msg = generate_message(input_ids, prompt, sampling_params, rid or uuid.uuid4().hex,
+                               stream, messages)
+        self._dealer.send(msg)
+        self._unacked[msg.rid] = time.monotonic() + self.connect_timeout
+        return msg.rid
 
     # --- admin ----------------------------------------------------------------------
 
@@ -187,6 +177,24 @@ class Client:
             del self._unacked[rid]
         raise NoAnswerError(f"no answer from router {self.endpoint} within "
                             f"{self.connect_timeout:g} s: is a router running there?")
+
+
+def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_params: dict | None,
+                     rid: str, stream: bool, messages: list[dict] | None) -> Generate:
+    """The request as the router takes it; the prompt is exactly one of `input_ids`,
+    `prompt` (text) or `messages` (a conversation)."""
+    if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
+        raise ValueError("give exactly one of input_ids, prompt or messages")
+    chat = {"messages": list(messages)} if messages is not None else {}
+    return Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
+                    text=prompt or "", chat=chat)
+
+
+def chunk_of(part: TokenPart) -> dict:
+    """One request's share of a Tokens message as a chunk (see `Client.stream`)."""
+    chunk = {"rid": part.rid, "token_ids": list(part.token_ids),
+             "weight_versions": list(part.weight_versions), "finished": part.finished}
+    return chunk | (_final_fields(part) if part.finished else {})
 
 
 def _final_fields(msg: TokenPart) -> dict:
