@@ -179,3 +179,14 @@ def test_a_client_that_disconnects_mid_stream_closes_its_requests():
 
 def test_sse_parser_reads_done():
     assert sse_events('data: {"a": 1}\n\ndata: [DONE]\n\n') == [{"a": 1}, "[DONE]"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["http", "--model", "tiny", "--host", "0.0.0.0"],
+    ["launch", "--model", "tiny", "--host", "0.0.0.0", "--curve-keys", "keys", "--http-port", "0"],
+])
+def test_a_network_host_without_an_api_key_is_refused(argv, capsys, monkeypatch):
+    from zpd.ops.cli import main
+    monkeypatch.delenv("ZPD_API_KEY", raising=False)
+    assert main(argv) == 2
+    assert "--api-key" in capsys.readouterr().err
