@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 import time
 
 import orjson
@@ -238,6 +239,25 @@ def test_pause_retract_update_continue_over_http(cluster, reference, gguf, tmp_p
     assert ids[:cut] == greedy(reference, [3, 1, 4, 1, 5], cut)
     assert ids[cut:] == greedy(models["w2"], [3, 1, 4, 1, 5] + ids[:cut], 1200 - cut)
     assert http(cluster, "GET", "/get_weight_version")[1]["weight_version"] == first
+
+
+def test_the_rl_loop_example(cluster, reference, gguf, tmp_path):
+    ckpt = save_tiny(tmp_path / "step-1", seed=1)
+    try:
+        run = subprocess.run([sys.executable, "examples/rl_loop.py", "--url",
+                              f"http://{cluster.info['http']}", "--api-key", KEY,
+                              "--admin-api-key", ADMIN, "--checkpoint", str(ckpt),
+                              "--prompts", "2", "--max-new-tokens", "600"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        status, body = http(cluster, "POST", "/update_weights_from_disk",
+                            {"model_path": gguf, "weight_version": reference.version}, key=ADMIN)
+        assert status == 200, body
+    assert run.returncode == 0, run.stderr
+    spans = [line for line in run.stdout.splitlines() if line.startswith("rollout ")]
+    assert len(spans) == 2, run.stdout
+    for line in spans:
+        assert f"by {reference.version}, " in line and "by step-1" in line, run.stdout
 
 
 def test_256_concurrent_streams_none_lost(cluster, reference):
