@@ -152,6 +152,7 @@ def test_n_copies_are_prompt_major_and_seeds_differ():
     ({"prompt": "a", "stream_options": {"nope": 1}}, "stream_options"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "seed": 2 ** 63 - 1, "n": 2}, "seed"),
+    ({"prompt": ["a"] * 600, "n": 2}, "more than 1024"),
 ])
 def test_bad_completion_bodies_name_the_field(body, words):
     with pytest.raises(BadRequest) as e:
@@ -224,6 +225,9 @@ def test_native_bodies_as_slime_and_areal_send_them():
     ({"input_ids": [1], "top_logprobs_num": 99}, "top_logprobs_num"),
     ({"input_ids": [1], "image_data": "x.png"}, "image_data"),
     ({"input_ids": [1], "what": 1}, "what"),
+    ({"input_ids": [1], "rid": "x" * 300}, "at most 256"),
+    ({"input_ids": [1], "rid": ""}, "rid"),
+    ({"input_ids": [[1]] * 1025}, "more than 1024"),
 ])
 def test_bad_generate_bodies_name_the_field(body, words):
     with pytest.raises(BadRequest) as e:

@@ -18,9 +18,9 @@ from aiohttp import web
 from engines.sampler import SamplingParams
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output
-from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, checked_sampling,
-                              integer, logprob_sampling, refuse_set, refuse_unknown, take,
-                              text_field, token_ids)
+from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
+                              checked_sampling, integer, logprob_sampling, refuse_set,
+                              refuse_unknown, rid_field, take, text_field, token_ids)
 from zpd.http.streams import EventStream, follow, run_all
 
 routes = web.RouteTableDef()
@@ -57,13 +57,16 @@ def parse_generate(body: dict) -> NativeGenerate:
     refuse_unknown(body, PROMPT + OPTIONS + IGNORED + UNSUPPORTED)
     refuse_set(body, UNSUPPORTED)
     prompts, batch = _prompts(body)
+    check_count(len(prompts))
     samplings = _per_prompt(body, "sampling_params", len(prompts), dict, batch)
     rids = _per_prompt(body, "rid", len(prompts), str, batch)
     stream = take(body, "stream", boolean, False)
     logprobs = logprob_sampling(take(body, "return_logprob", boolean, False),
                                 take(body, "top_logprobs_num", integer(0, MAX_TOP_LOGPROBS), 0))
     items = []
-    for prompt, raw, rid in zip(prompts, samplings, rids):
+    for i, (prompt, raw, rid) in enumerate(zip(prompts, samplings, rids)):
+        if rid is not None:
+            rid_field(f"rid[{i}]" if batch else "rid", rid)
         sampling, trim = engine_sampling(raw or {})
         items.append(GenRequest(checked_sampling(sampling | logprobs), rid=rid, stream=stream,
                                 trim_stop=trim, **prompt))

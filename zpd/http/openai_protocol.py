@@ -13,9 +13,9 @@ from typing import Any
 
 from engines.chat import check_messages
 from engines.sampler import INT32_MAX
-from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, checked_sampling,
-                              integer, logprob_sampling, refuse_set, refuse_unknown, seeded_copies,
-                              stop_strings, string, take, token_ids)
+from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
+                              checked_sampling, integer, logprob_sampling, refuse_set,
+                              refuse_unknown, seeded_copies, stop_strings, string, take, token_ids)
 
 MAX_N = 128
 COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
@@ -107,6 +107,7 @@ def _request(body: dict, prompts: list[dict], n: int, sampling: dict, top: int |
     options = take(body, "stream_options", _object, {})
     refuse_unknown(options, ("include_usage", "continuous_usage_stats"), "stream_options")
     include_usage = take(options, "include_usage", boolean, False)
+    check_count(len(prompts), n)
     copies = seeded_copies(checked_sampling(sampling), n)
     items = [GenRequest(copy, stream=stream, **prompt) for prompt in prompts for copy in copies]
     return OpenAIRequest(items, prompts, n, stream, stream and include_usage, top, echo)

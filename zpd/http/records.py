@@ -15,6 +15,8 @@ import orjson
 from engines.sampler import INT32_MAX, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_REQUESTS = 1024        # generations one HTTP call may start (prompts x n)
+MAX_RID_CHARS = 256
 LOGPROB_KEYS = ("return_logprob", "top_logprobs_num")    # in the wire's sampling dict
 
 
@@ -155,6 +157,18 @@ def checked_sampling(sampling: dict) -> dict:
 def logprob_sampling(want: bool, top: int) -> dict:
     """What asks the workers for logprobs (nothing when not wanted)."""
     return {"return_logprob": True, "top_logprobs_num": top} if want else {}
+
+
+def check_count(prompts: int, n: int = 1) -> None:
+    if prompts * n > MAX_REQUESTS:
+        raise BadRequest(f"{prompts} prompts x n={n} is more than {MAX_REQUESTS} generations "
+                         "in one request")
+
+
+def rid_field(name: str, value: Any) -> str:
+    if not text_field(name, value) or len(value) > MAX_RID_CHARS:
+        raise BadRequest(f"{name!r} must be at most {MAX_RID_CHARS} characters")
+    return value
 
 
 def seeded_copies(sampling: dict, n: int) -> list[dict]:
