@@ -82,3 +82,12 @@ def _fault_plan(environ: Mapping[str, str]) -> FaultPlan | None:
 def http_keys(environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:
     """(API key, admin API key) from the environment; None where unset or empty."""
     return environ.get(API_KEY_ENV) or None, environ.get(ADMIN_API_KEY_ENV) or None
+
+
+def http_child_environ(api_key: str | None, admin_key: str | None,
+                       environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment of a `zpd http` child: this one's, with exactly the given keys
+    (None: that key unset), so a key never travels on a command line."""
+    keys = {API_KEY_ENV: api_key, ADMIN_API_KEY_ENV: admin_key}
+    return {k: v for k, v in environ.items() if k not in keys} | \
+        {k: v for k, v in keys.items() if v}

@@ -190,3 +190,9 @@ def test_a_network_host_without_an_api_key_is_refused(argv, capsys, monkeypatch)
     monkeypatch.delenv("ZPD_API_KEY", raising=False)
     assert main(argv) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+def test_launch_hands_the_keys_to_its_http_child_through_the_environment():
+    from zpd.env import http_child_environ, http_keys
+    env = http_child_environ("k", None, {"PATH": "/bin", "ZPD_ADMIN_API_KEY": "old"})
+    assert env == {"PATH": "/bin", "ZPD_API_KEY": "k"} and http_keys(env) == ("k", None)

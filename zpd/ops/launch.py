@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from zpd.env import ADMIN_API_KEY_ENV, API_KEY_ENV, http_keys
+from zpd.env import http_child_environ, http_keys
 from zpd.ops.options import router_argv
 from zpd.ops.ready import write_ready_file
 
@@ -63,8 +63,7 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
     """`zpd http` for the cluster; its keys go through its environment, never its argv
     (which every local user can read)."""
     env_key, env_admin = http_keys()
-    keys = {API_KEY_ENV: args.api_key or env_key, ADMIN_API_KEY_ENV: args.admin_api_key or env_admin}
-    env = {k: v for k, v in os.environ.items() if k not in keys} | {k: v for k, v in keys.items() if v}
+    env = http_child_environ(args.api_key or env_key, args.admin_api_key or env_admin)
     argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
                  "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
                  "--log-level", args.log_level] \
