@@ -159,6 +159,25 @@ def test_slime_and_areal_payloads(cluster):
         assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in lps)
 
 
+def test_openai_logprobs(oai):
+    try:
+        got = oai.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                     logprobs=2, extra_body={"ignore_eos": True})
+    except openai.BadRequestError as e:
+        if "return_logprob" in str(e):
+            pytest.skip(LOGPROBS_PENDING)
+        raise
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and sampled == pytest.approx(max(top.values()))   # greedy
+    chat = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
 def test_bad_requests_get_400_and_the_server_keeps_serving(cluster):
     for path, raw in (("/generate", b"{not json"), ("/generate", b'{"input_ids": [1, 300]}'),
                       ("/generate", b'{"input_ids": [1, "a"]}'),
