@@ -196,3 +196,12 @@ def test_launch_hands_the_keys_to_its_http_child_through_the_environment():
     from zpd.env import http_child_environ, http_keys
     env = http_child_environ("k", None, {"PATH": "/bin", "ZPD_ADMIN_API_KEY": "old"})
     assert env == {"PATH": "/bin", "ZPD_API_KEY": "k"} and http_keys(env) == ("k", None)
+
+
+def test_a_stream_that_breaks_ends_its_request_with_500():
+    def script(req, rid):
+        yield chunk(rid, [72])
+        raise RuntimeError("lost")
+    status, body = call(front(FakeBackend(script)), "POST", "/generate", {"input_ids": [1]})
+    assert status == 200 and body["meta_info"]["finish_reason"]["status_code"] == 500
+    assert "lost" in body["meta_info"]["finish_reason"]["message"] and body["output_ids"] == [72]

@@ -29,9 +29,9 @@ UNAVAILABLE = 503
 
 
 def abort_chunk(rid: str, status: int, message: str) -> dict:
-    """The last chunk of a request that ended here, without the router's word."""
-    return chunk_of(TokenPart.abort(rid, status, message, {"prompt_tokens": 0,
-                                                           "completion_tokens": 0}))
+    """The last chunk of a request that ended here, without the router's word (its
+    meta is empty: the counts are what the chunks before it carried)."""
+    return chunk_of(TokenPart.abort(rid, status, message))
 
 
 class RouterClient:

@@ -8,6 +8,7 @@ and each closed stream aborts its request at the router (499).
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import AsyncIterator, Protocol
 
@@ -17,6 +18,9 @@ from aiohttp import web
 from engines.tokenizer import Tokenizer
 from zpd.http.output import Output
 from zpd.http.records import GenRequest
+from zpd.http.router_client import abort_chunk
+
+log = logging.getLogger("zpd.http.streams")
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -38,9 +42,20 @@ async def follow(backend: Backend, items: list[GenRequest],
     queue: asyncio.Queue[tuple[Output, dict]] = asyncio.Queue()
 
     async def pump(req: GenRequest, out: Output) -> None:
-        async with aclosing(backend.stream(req)) as chunks:
-            async for chunk in chunks:
-                queue.put_nowait((out, chunk))
+        finished = False
+        try:
+            async with aclosing(backend.stream(req)) as chunks:
+                async for chunk in chunks:
+                    finished = chunk["finished"]
+                    queue.put_nowait((out, chunk))
+        except Exception as e:      # a broken stream still ends its output, never hangs it
+            log.exception("request %s: its stream failed", out.rid or "?")
+            finished = False
+            why = f"{type(e).__name__}: {e}"
+        else:
+            why = "the stream ended without a final answer"
+        if not finished:
+            queue.put_nowait((out, abort_chunk(out.rid, 500, why)))
 
     tasks = [asyncio.ensure_future(pump(req, out)) for req, out in zip(items, outputs)]
     try:
