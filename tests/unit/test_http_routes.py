@@ -151,6 +151,7 @@ def test_keys_guard_every_route_but_health_and_the_admin_key_guards_admin_routes
     assert call(f, "GET", "/v1/models", headers=bearer("boss"))[0] == 200
     assert call(f, "POST", "/pause_generation", headers=bearer("user"))[0] == 401
     assert call(f, "POST", "/pause_generation", headers=bearer("boss"))[0] == 200
+    assert call(f, "POST", "/pause%5Fgeneration", headers=bearer("user"))[0] == 401
     only_user = front(api_key="user")
     assert call(only_user, "POST", "/flush_cache", headers=bearer("user"))[0] == 200
     assert call(only_user, "POST", "/flush_cache")[0] == 401

@@ -38,6 +38,13 @@ def keys_for(front: Front, path: str) -> tuple[str, ...]:
     return tuple(k for k in (front.api_key, front.admin_api_key) if k)
 
 
+def _route_path(request: web.Request) -> str:
+    """The path of the route that will answer (not the path as spelled, which may be
+    encoded differently), so the keys checked are always that route's."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
 def _presented(request: web.Request) -> bytes:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip().encode() if scheme.lower() == "bearer" else b""
@@ -46,12 +53,13 @@ def _presented(request: web.Request) -> bytes:
 @web.middleware
 async def guard(request: web.Request, handler) -> web.StreamResponse:
     front = request.app[FRONT]
-    keys = keys_for(front, request.path)
+    path = _route_path(request)
+    keys = keys_for(front, path)
     if keys:
         token = _presented(request)
         # every key is compared, so the time taken does not tell which one came close
         if not sum(hmac.compare_digest(token, k.encode()) for k in keys):
-            which = "admin API key" if request.path in ADMIN and front.admin_api_key else "API key"
+            which = "admin API key" if path in ADMIN and front.admin_api_key else "API key"
             return error_response(f"missing or wrong {which}: send 'Authorization: Bearer KEY'",
                                   401, "authentication_error")
     return await handler(request)
