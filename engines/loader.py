@@ -134,6 +134,15 @@ def _text_from(src: Source, tokenizer, chat, spec: str) -> None:
         log.warning("%s: text prompts unavailable: %s", spec, e)
 
 
+def load_text(spec: str) -> tuple[Tokenizer | None, ChatTemplate | None, str]:
+    """The tokenizer and chat template of model `spec`, without its weights (the HTTP
+    front turns token ids into text with them): None for what the model lacks, and the
+    problem a text or chat request is then told. ModelError for a spec that names no
+    model."""
+    src = _source(resolve_spec(spec), text=True)
+    return src.tokenizer, src.chat, src.text_problem
+
+
 def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
                version: str | None = None) -> LoadedModel:
     dev, dt = resolve_device(device), resolve_dtype(dtype)

@@ -38,6 +38,12 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (how logprobs name a token)."""
+        if not 0 <= token_id < 2 ** 32:
+            return ""
+        return self.inner.decode([token_id], skip_special_tokens=False)
+
     def to_json(self) -> str:
         return self.inner.to_str()
 

@@ -106,18 +106,9 @@ class Client:
 
     def _chunk(self, msg: TokenPart) -> dict:
         """One part as a chunk; a finished request is forgotten here."""
-        chunk = {"rid": msg.rid, "token_ids": list(msg.token_ids),
-                 "weight_versions": list(msg.weight_versions), "finished": msg.finished}
-        logprobs, top = self._asked.get(msg.rid, (False, False))
-        if logprobs or msg.logprobs is not None:     # an abort the router made has none
-            chunk["logprobs"] = list(msg.logprobs or [])
-        if top or msg.top_logprobs is not None:
-            chunk["top_logprobs"] = [[list(pair) for pair in alternatives]
-                                     for alternatives in msg.top_logprobs or []]
-        if msg.finished:
-            self._asked.pop(msg.rid, None)
-            chunk |= _final_fields(msg)
-        return chunk
+        asked = self._asked.pop(msg.rid, (False, False)) if msg.finished else \
+            self._asked.get(msg.rid, (False, False))
+        return chunk_of(msg, asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
         self._dealer.send(Abort(rid, 499, reason))
@@ -125,17 +116,14 @@ class Client:
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                 sampling_params: dict | None = None, rid: str | None = None,
                 stream: bool = False, messages: list[dict] | None = None) -> str:
-        if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
-            raise ValueError("give exactly one of input_ids, prompt or messages")
-        rid = rid or uuid.uuid4().hex
-        asked = _asks_logprobs(sampling_params or {})
+        msg = generate_message(input_ids, prompt, sampling_params, rid or uuid.uuid4().hex,
+                               stream, messages)
+        asked = asks_logprobs(msg.sampling)
         if any(asked):
-            self._asked[rid] = asked
-        chat = {"messages": list(messages)} if messages is not None else {}
-        self._dealer.send(Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
-                                   text=prompt or "", chat=chat))
-        self._unacked[rid] = time.monotonic() + self.connect_timeout
-        return rid
+            self._asked[msg.rid] = asked
+        self._dealer.send(msg)
+        self._unacked[msg.rid] = time.monotonic() + self.connect_timeout
+        return msg.rid
 
     # --- admin ----------------------------------------------------------------------
 
@@ -204,11 +192,37 @@ class Client:
                             f"{self.connect_timeout:g} s: is a router running there?")
 
 
-def _asks_logprobs(sampling: dict) -> tuple[bool, bool]:
+def asks_logprobs(sampling: dict) -> tuple[bool, bool]:
     """(logprobs, top logprobs) as the sampling parameters ask for them."""
     top = sampling.get("top_logprobs_num")
     top = type(top) is int and top > 0
     return sampling.get("return_logprob") is True or top, top
+
+
+def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_params: dict | None,
+                     rid: str, stream: bool, messages: list[dict] | None) -> Generate:
+    """The request as the router takes it; the prompt is exactly one of `input_ids`,
+    `prompt` (text) or `messages` (a conversation)."""
+    if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
+        raise ValueError("give exactly one of input_ids, prompt or messages")
+    chat = {"messages": list(messages)} if messages is not None else {}
+    return Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
+                    text=prompt or "", chat=chat)
+
+
+def chunk_of(part: TokenPart, asked: tuple[bool, bool] = (False, False)) -> dict:
+    """One request's share of a Tokens message as a chunk (see `Client.stream`).
+    `asked`: (logprobs, top logprobs) the request asked for, so that an abort the
+    router made itself, which carries none, still has the keys."""
+    chunk = {"rid": part.rid, "token_ids": list(part.token_ids),
+             "weight_versions": list(part.weight_versions), "finished": part.finished}
+    logprobs, top = asked
+    if logprobs or part.logprobs is not None:
+        chunk["logprobs"] = list(part.logprobs or [])
+    if top or part.top_logprobs is not None:
+        chunk["top_logprobs"] = [[list(pair) for pair in alternatives]
+                                 for alternatives in part.top_logprobs or []]
+    return chunk | (_final_fields(part) if part.finished else {})
 
 
 def _final_fields(msg: TokenPart) -> dict:

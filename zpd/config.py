@@ -129,6 +129,25 @@ class RouterConfig:
     max_client_tokens: int = 1 << 22  # --max-client-tokens: prompt + max_new_tokens in flight
 
 
+@dataclass(frozen=True)
+class HttpConfig:
+    """`zpd http`: an HTTP server that is a client of one router."""
+    router: str = "127.0.0.1:5757"   # the router's endpoint (its default port)
+    model: str = ""                  # the cluster's --model: its tokenizer and chat template
+    host: str = "127.0.0.1"
+    port: int = 30000                # SGLang's default port; 0: any free port
+    api_key: str | None = None       # Bearer token every route but /health needs
+    admin_api_key: str | None = None  # Bearer token the admin routes need (default: api_key)
+    insecure: bool = False           # a non-loopback host without api_key (zpd.ops.exposure)
+    curve_keys: str | None = None    # CURVE key directory; the admin key pair is used
+    ready_file: str | None = None
+    connect_timeout: float = 5.0     # the router must acknowledge each request within this
+    router_silence: float = 10.0     # with requests in flight, a router silent this long is gone
+    admin_timeout: float = 30.0      # seconds an admin command may take (update: weights_timeout)
+    weights_timeout: float = 600.0   # seconds update_weights_from_disk may take
+    max_body_bytes: int = 64 << 20   # a request body larger than this is refused (413)
+
+
 def default_of(cls: type, name: str) -> Any:
     """The default of field `name` of the dataclass `cls`."""
     for f in fields(cls):

@@ -15,6 +15,12 @@ another process through its environment; unset or empty, each changes nothing.
                          or JSON '[{"mode": "hang", "count": 1}]'. zpd hands it
                          to transport.create_backend, which reads no environment.
 
+`zpd http` also reads, where its flags are not given (`zpd launch` hands the keys to
+its HTTP server this way, so they never show in a process list):
+
+    ZPD_API_KEY          the Bearer token every HTTP route but /health needs (--api-key)
+    ZPD_ADMIN_API_KEY    the Bearer token of the admin routes (--admin-api-key)
+
 A malformed value raises ValueError naming the variable, its value and what is
 expected, so the worker stops at start-up. The ZPD_* variables of scripts/*.sh
 are the launch scripts' own (they become flags) and are not read here.
@@ -33,6 +39,9 @@ SLOW_ENV = "ZPD_SLOW_CALLS"
 DROP_ENV = "ZPD_DROP_MESSAGES"
 FAULT_ENV = "ZPD_TRANSPORT_FAULT"
 MAX_SLOW_S = 3600.0
+
+API_KEY_ENV = "ZPD_API_KEY"
+ADMIN_API_KEY_ENV = "ZPD_ADMIN_API_KEY"
 
 log = logging.getLogger("zpd.env")
 
@@ -68,3 +77,17 @@ def _seconds(environ: Mapping[str, str], name: str) -> float:
 def _fault_plan(environ: Mapping[str, str]) -> FaultPlan | None:
     text = environ.get(FAULT_ENV, "")
     return FaultPlan.parse(text, source=f"${FAULT_ENV}") if text.strip() else None
+
+
+def http_keys(environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:
+    """(API key, admin API key) from the environment; None where unset or empty."""
+    return environ.get(API_KEY_ENV) or None, environ.get(ADMIN_API_KEY_ENV) or None
+
+
+def http_child_environ(api_key: str | None, admin_key: str | None,
+                       environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment of a `zpd http` child: this one's, with exactly the given keys
+    (None: that key unset), so a key never travels on a command line."""
+    keys = {API_KEY_ENV: api_key, ADMIN_API_KEY_ENV: admin_key}
+    return {k: v for k, v in environ.items() if k not in keys} | \
+        {k: v for k, v in keys.items() if v}

@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.Namespace], dict]]] = {
     "status": ("status", "queues, KV pages, peers, weight version and pause mode per worker",
                lambda a: {}),
     "abort": ("abort", "end request RID with 499", lambda a: {"rid": a.rid}),
+    "abort-all": ("abort_all", "end every request queued or in flight at the router with 499 "
+                               "(a router only)", lambda a: {}),
     "release-memory": ("release_memory", "free the KV pool's memory (while paused)", lambda a: {}),
     "resume-memory": ("resume_memory", "allocate the KV pool again", lambda a: {}),
     "flush-cache": ("flush_cache", "drop cached KV not held by a request", lambda a: {}),

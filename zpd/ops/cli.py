@@ -9,11 +9,13 @@ import orjson
 
 from engines.config import ModelError
 from zpd.ops.admin import add_admin_parser
-from zpd.ops.exposure import check_bind
+from zpd.ops.exposure import check_bind, check_http_bind
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
+from zpd.env import http_keys
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
-                             add_model_options, add_prompt_options,
+                             add_http_key_options, add_http_options, add_model_options,
+                             add_prompt_options, http_config,
                              add_router_options, add_sampling_options, add_worker_options,
                              add_worker_server_options, router_config, sampling_dict,
                              worker_argv, worker_config)
@@ -83,10 +85,19 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return serve_router(cfg)
 
 
+def _cmd_http(args: argparse.Namespace) -> int:
+    from zpd.http.server import serve_http
+    cfg = http_config(args)
+    check_http_bind(cfg.host, cfg.api_key, cfg.insecure)
+    return serve_http(cfg)
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from zpd.ops.launch import launch
     # Every child binds --host: refuse here, before any of them starts.
     check_bind("launch", args.host, args.curve_keys, args.insecure)
+    if args.http_port is not None:
+        check_http_bind(args.host, args.api_key or http_keys()[0], args.insecure)
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     for flag in ("prefill_threads", "decode_threads"):
@@ -169,7 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--log-dir", default=None, help="one log file per process here (default: inherit stderr)")
     la.add_argument("--startup-timeout", type=float, default=180.0)
     add_client_limit_options(la)
+    la.add_argument("--http-port", type=int, default=None,
+                    help="also start `zpd http` on this port (0 = any free port); the ready "
+                         'file gains "http": "H:P"')
+    add_http_key_options(la)
     la.set_defaults(func=_cmd_launch)
+
+    h = sub.add_parser("http", parents=[common], help="serve SGLang's and OpenAI's HTTP APIs",
+                       description="Serve SGLang's native routes (/generate, /pause_generation, "
+                                   "/update_weights_from_disk, ...) and OpenAI's (/v1/models, "
+                                   "/v1/completions, /v1/chat/completions) over HTTP, as a "
+                                   "client of a running router.")
+    add_http_options(h)
+    h.set_defaults(func=_cmd_http)
 
     g = sub.add_parser("generate", parents=[common], help="send requests to a router",
                        description="Send requests to a running cluster and print the responses.")

@@ -69,3 +69,18 @@ def check_bind(command: str, host: str, curve_keys: str | None, insecure: bool) 
         "release_memory, pause) and requests. Either pass --curve-keys DIR (make the keys "
         "with `zpd keys DIR`), or pass --insecure to run without authentication on a network "
         "you trust")
+
+
+def check_http_bind(host: str, api_key: str | None, insecure: bool) -> None:
+    """Like `check_bind` for the HTTP server, whose authentication is its API key."""
+    if api_key or is_loopback(host):
+        return
+    if insecure:
+        log.warning("zpd http binds %s without --api-key (--insecure): anyone who can reach "
+                    "it may generate and run the admin routes", host)
+        return
+    raise ExposureError(
+        f"refusing to serve HTTP on {host!r}: it is not a loopback address and --api-key is "
+        "not given, so anyone who can reach its port could generate and use the admin routes "
+        "(pause, update weights, abort). Pass --api-key KEY (and --admin-api-key for the "
+        "admin routes), or --insecure to serve without a key on a network you trust")

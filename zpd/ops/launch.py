@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 
+from zpd.env import http_child_environ, http_keys
 from zpd.ops.options import router_argv
 from zpd.ops.ready import write_ready_file
 
@@ -25,11 +26,12 @@ log = logging.getLogger("zpd.ops.launch")
 
 
 class Child:
-    def __init__(self, role: str, argv: list[str], ready: Path, log_file: Path | None) -> None:
+    def __init__(self, role: str, argv: list[str], ready: Path, log_file: Path | None,
+                 env: dict[str, str] | None = None) -> None:
         self.role, self.ready = role, ready
         out = open(log_file, "ab") if log_file else None
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         if out:
             out.close()
         self.info: dict | None = None
@@ -55,6 +57,19 @@ def _wait_ready(children: list[Child], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers not ready within {timeout:.0f} s")
         time.sleep(0.05)
+
+
+def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | None) -> Child:
+    """`zpd http` for the cluster; its keys go through its environment, never its argv
+    (which every local user can read)."""
+    env_key, env_admin = http_keys()
+    env = http_child_environ(args.api_key or env_key, args.admin_api_key or env_admin)
+    argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
+                 "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
+                 "--log-level", args.log_level] \
+        + (["--curve-keys", args.curve_keys] if args.curve_keys else []) \
+        + (["--insecure"] if args.insecure else [])
+    return Child("http", argv, tmp / "http.json", log_dir / "http.log" if log_dir else None, env)
 
 
 def launch(args, worker_flags: list[str]) -> int:
@@ -93,10 +108,16 @@ def launch(args, worker_flags: list[str]) -> int:
         _wait_ready([router], args.startup_timeout)
         cluster = {"router": router.info["endpoint"],
                    "workers": [{"role": c.role, "endpoint": c.info["endpoint"], "pid": c.proc.pid}
-                               for c in children if c is not router]}
+                               for c in children if c.role in ("prefill", "decode")]}
+        if args.http_port is not None:
+            http = _start_http(args, py, router.info["endpoint"], tmp, log_dir)
+            children.append(http)
+            _wait_ready([http], args.startup_timeout)
+            cluster["http"] = http.info["endpoint"]
         write_ready_file(args.ready_file, cluster)
+        http = f", HTTP http://{cluster['http']}" if "http" in cluster else ""
         print(f"zpd cluster ready: router {cluster['router']} "
-              f"({args.prefill} prefill, {args.decode} decode); Ctrl-C stops it", flush=True)
+              f"({args.prefill} prefill, {args.decode} decode){http}; Ctrl-C stops it", flush=True)
         while not stopping:
             if router.proc.poll() is not None:
                 log.error("router exited with code %s; stopping the cluster", router.proc.returncode)

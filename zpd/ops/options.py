@@ -10,7 +10,9 @@ import os
 from typing import Any
 
 from engines.sampler import SamplingParams
-from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
+from zpd.config import (Deadlines, HttpConfig, PromptLimits, RouterConfig, WorkerConfig,
+                        default_of)
+from zpd.env import http_keys
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
@@ -148,6 +150,41 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_liveness_options(p, RouterConfig)
     add_prompt_limit_options(p)
     add_client_limit_options(p)
+
+
+def add_http_options(p: argparse.ArgumentParser) -> None:
+    """`zpd http`: where it serves and which router it is a client of."""
+    p.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default {ROUTER_ENDPOINT})")
+    p.add_argument("--model", required=True, help="the cluster's --model: its tokenizer and chat "
+                   "template turn token ids into text (its weights are not loaded)")
+    add_default(p, "--host", HttpConfig, "interface to serve on (default {default})")
+    add_default(p, "--port", HttpConfig, "port (default {default}; 0 = any free port)", type=int)
+    add_http_key_options(p)
+    add_default(p, "--insecure", HttpConfig, "serve on a non-loopback --host without --api-key; "
+                "refused without this flag", action="store_true")
+    add_default(p, "--curve-keys", HttpConfig, "the cluster's CURVE key directory (see `zpd "
+                "keys`): connects to the router with its admin key")
+    add_default(p, "--ready-file", HttpConfig, "write {role, endpoint, pid} here once serving")
+    add_default(p, "--connect-timeout", HttpConfig, "seconds within which the router must "
+                "acknowledge each request, else it fails with 503 (default {default})", type=float)
+
+
+def add_http_key_options(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--api-key", default=None, help="Bearer token every HTTP route but /health "
+                   "needs ('Authorization: Bearer KEY'; default $ZPD_API_KEY, else none)")
+    g.add_argument("--admin-api-key", default=None, help="Bearer token the admin routes need "
+                   "(pause, continue, update weights, abort, memory, flush); without it they "
+                   "take --api-key (default $ZPD_ADMIN_API_KEY)")
+
+
+def http_config(args: argparse.Namespace) -> HttpConfig:
+    """The HttpConfig that the flags of `zpd http` (and its environment) describe."""
+    env_key, env_admin = http_keys()
+    return HttpConfig(router=args.router, model=args.model, host=args.host, port=args.port,
+                      api_key=args.api_key or env_key,
+                      admin_api_key=args.admin_api_key or env_admin, insecure=args.insecure,
+                      curve_keys=args.curve_keys, ready_file=args.ready_file,
+                      connect_timeout=args.connect_timeout)
 
 
 def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:

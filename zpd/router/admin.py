@@ -67,6 +67,8 @@ class RouterAdmin:
         server = self.server
         if command == "abort":
             self.abort(args, reply)
+        elif command == "abort_all":
+            self.abort_all(reply)
         elif command == "pause":
             self.pause(args, timeout, reply)
         elif command == "continue":
@@ -89,6 +91,16 @@ class RouterAdmin:
             reply(True, {"rid": rid, "state": "inflight"})
         else:
             reply(False, {"rid": rid, "status": 404, "error": f"unknown rid {rid!r}"})
+
+    def abort_all(self, reply: Reply) -> None:
+        """End every request queued or in flight here, whoever sent it, with 499."""
+        server = self.server
+        queued, running = list(server.queued), list(server.inflight)
+        for rid in queued:
+            server.end_queued(rid, 499, "aborted by admin (abort_all)")
+        for rid in running:
+            server.on_abort(Abort(rid, 499, "aborted by admin (abort_all)"))
+        reply(True, {"aborted": len(queued) + len(running)})
 
     def pause(self, args: dict, timeout: float, reply: Reply) -> None:
         server, mode = self.server, args.get("mode", "retract")

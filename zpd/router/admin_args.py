@@ -31,6 +31,7 @@ ARGS: dict[str, dict[str, Check]] = {
     "update_weights": {"path": TEXT, "version": (lambda v: v is None or _text(v),
                                                  "a non-empty string (or null: the path's name)")},
     "abort": {"rid": TEXT},
+    "abort_all": {},
     "status": {}, "release_memory": {}, "resume_memory": {}, "flush_cache": {},
 }
 REQUIRED = {"update_weights": ("path",), "abort": ("rid",)}

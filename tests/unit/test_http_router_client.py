@@ -1,0 +1,120 @@
+"""The HTTP front's asyncio router client against a scripted ROUTER socket on loopback:
+chunks reach the right request, admin replies their caller, a closed stream aborts its
+request, and a router that never answers ends requests with 503 instead of hanging."""
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from zpd.http.records import GenRequest
+from zpd.http.router_client import RouterClient
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, TokenPart,
+                               Tokens, decode, encode)
+
+
+class ScriptedRouter:
+    """A bound ROUTER that records what arrives; tests answer by hand."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"127.0.0.1:{port}"
+
+    async def recv(self):
+        identity, *frames = await asyncio.wait_for(self.sock.recv_multipart(), 5)
+        return identity, decode(frames)
+
+    async def send(self, identity: bytes, msg) -> None:
+        await self.sock.send_multipart([identity, *encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def run(test):
+    async def go():
+        router = ScriptedRouter()
+        client = RouterClient(router.endpoint, connect_timeout=0.5, router_silence=1.0)
+        await client.start()
+        try:
+            await test(router, client)
+        finally:
+            await client.close()
+            router.close()
+    asyncio.run(go())
+
+
+async def collect(stream) -> list[dict]:
+    return [c async for c in stream]
+
+
+def test_tokens_go_to_their_request_and_admin_replies_to_their_caller():
+    async def test(router, client):
+        a = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="a"))))
+        b = asyncio.create_task(collect(client.stream(GenRequest({}, text="hi", rid="b"))))
+        got = {}
+        for _ in range(2):
+            who, msg = await router.recv()
+            assert isinstance(msg, Generate)
+            got[msg.rid] = msg
+        assert got["a"].input_ids == [1] and got["b"].text == "hi"
+        await router.send(who, Accepted("a"))
+        await router.send(who, Ping(1, 0.0))
+        await router.send(who, Tokens.pack([TokenPart("a", [5], ["v"]), TokenPart("b", [6, 7], ["v", "v"])]))
+        await router.send(who, Tokens.pack([
+            TokenPart("b", [], [], {"type": "length"}, {"prompt_tokens": 2, "text": "xy"}),
+            TokenPart("a", [8], ["v"], {"type": "stop"}, {"completion_tokens": 2})]))
+        ca, cb = await a, await b
+        assert [c["token_ids"] for c in ca] == [[5], [8]] and ca[-1]["finish_reason"] == {"type": "stop"}
+        assert [c["token_ids"] for c in cb] == [[6, 7], []] and cb[-1]["text"] == "xy"
+        admin = asyncio.create_task(client.admin("status"))
+        _, msg = await router.recv()
+        assert isinstance(msg, Admin) and msg.command == "status"
+        await router.send(who, AdminReply(msg.req_id, True, {"workers": []}))
+        assert await admin == {"ok": True, "workers": []}
+    run(test)
+
+
+def test_a_closed_stream_aborts_its_request():
+    async def test(router, client):
+        async def read_one():
+            async for chunk in client.stream(GenRequest({}, input_ids=[1], rid="x")):
+                return chunk
+        task = asyncio.create_task(read_one())
+        who, _ = await router.recv()
+        await router.send(who, Tokens.pack([TokenPart("x", [5], ["v"])]))
+        assert (await task)["token_ids"] == [5]
+        await asyncio.sleep(0)                    # the generator's close runs
+        _, msg = await router.recv()
+        assert isinstance(msg, Abort) and msg.rid == "x" and msg.status == 499
+    run(test)
+
+
+def test_no_acknowledgement_or_a_silent_router_ends_requests_with_503():
+    async def test(router, client):
+        chunks = await asyncio.wait_for(collect(client.stream(GenRequest({}, input_ids=[1]))), 5)
+        assert chunks[-1]["finish_reason"]["status_code"] == 503
+        assert "no answer from the router" in chunks[-1]["finish_reason"]["message"]
+        task = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="s"))))
+        who, _ = await router.recv()
+        await router.send(who, Accepted("s"))     # then silence
+        chunks = await asyncio.wait_for(task, 5)
+        assert chunks[-1]["finish_reason"]["status_code"] == 503
+        assert "has not answered" in chunks[-1]["finish_reason"]["message"]
+        reply = await client.admin("status", timeout=0.3)
+        assert reply["ok"] is False and reply["status"] == 504
+    run(test)
+
+
+def test_a_rid_already_in_flight_is_refused_409():
+    async def test(router, client):
+        first = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="d"))))
+        await router.recv()
+        again = await collect(client.stream(GenRequest({}, input_ids=[1], rid="d")))
+        assert again[-1]["finish_reason"]["status_code"] == 409
+        first.cancel()
+    run(test)

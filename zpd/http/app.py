@@ -1,0 +1,92 @@
+"""The HTTP application: the API-key guard, the error shape, and the route table of
+both APIs.
+
+Routes translate; they never schedule: each parses its body into GenRequest records
+(zpd.http.records), makes its calls on the router client, and formats the answer.
+Everything a route needs is on the Front (zpd.http.front), so a unit test builds an
+app around a fake backend."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from aiohttp import web
+
+from zpd.http import admin_routes, native, openai_api
+from zpd.http.front import FRONT, Front, error_response
+from zpd.http.records import BadRequest
+
+log = logging.getLogger("zpd.http.app")
+
+PUBLIC = frozenset({"/health"})
+# Routes that change what every user sees: the admin key guards them when it is set.
+ADMIN = frozenset({"/pause_generation", "/continue_generation", "/update_weights_from_disk",
+                   "/abort_request", "/flush_cache", "/release_memory_occupation",
+                   "/resume_memory_occupation"})
+
+
+def keys_for(front: Front, path: str) -> tuple[str, ...]:
+    """The keys any one of which opens `path`; none: it is open to all. The admin key
+    opens every route the API key opens."""
+    if path in PUBLIC:
+        return ()
+    if path in ADMIN and front.admin_api_key:
+        return (front.admin_api_key,)
+    if not front.api_key:
+        return ()
+    return tuple(k for k in (front.api_key, front.admin_api_key) if k)
+
+
+def _route_path(request: web.Request) -> str:
+    """The path of the route that will answer (not the path as spelled, which may be
+    encoded differently), so the keys checked are always that route's."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else request.path
+
+
+def _presented(request: web.Request) -> bytes:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+@web.middleware
+async def guard(request: web.Request, handler) -> web.StreamResponse:
+    front = request.app[FRONT]
+    path = _route_path(request)
+    keys = keys_for(front, path)
+    if keys:
+        token = _presented(request)
+        # every key is compared, so the time taken does not tell which one came close
+        if not sum(hmac.compare_digest(token, k.encode()) for k in keys):
+            which = "admin API key" if path in ADMIN and front.admin_api_key else "API key"
+            return error_response(f"missing or wrong {which}: send 'Authorization: Bearer KEY'",
+                                  401, "authentication_error")
+    return await handler(request)
+
+
+@web.middleware
+async def errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape; the server lives on whatever a request did."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return error_response(e.message, e.status, e.kind)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return error_response(f"{e.reason}: {request.method} {request.path}", e.status, kind)
+    except (asyncio.CancelledError, ConnectionError):
+        raise                                   # the client went away: nobody to answer
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+
+
+def build_app(front: Front, max_body_bytes: int = 64 << 20) -> web.Application:
+    app = web.Application(middlewares=[errors, guard], client_max_size=max_body_bytes)
+    app[FRONT] = front
+    for module in (native, admin_routes, openai_api):
+        app.add_routes(module.routes)
+    return app

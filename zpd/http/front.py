@@ -1,0 +1,50 @@
+"""What every route shares: the Front (the router client, the model's text handling,
+the keys), and answering JSON or an error in OpenAI's shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from engines.chat import ChatTemplate
+from engines.tokenizer import Tokenizer
+from zpd.http.records import BadRequest, error_body, json_object
+from zpd.http.streams import Backend
+
+
+@dataclass
+class Front:
+    """Everything the routes share: the router, the model's text handling, the keys."""
+    backend: Backend
+    model: str
+    tokenizer: Tokenizer | None = None
+    chat: ChatTemplate | None = None
+    text_problem: str = ""               # why text or chat requests cannot be served
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    router: str = ""
+    weights_timeout: float = 600.0       # seconds update_weights_from_disk may take
+
+    def needs_text(self, what: str) -> None:
+        """BadRequest unless the model has a tokenizer (to show `what` as text)."""
+        if self.tokenizer is None:
+            raise BadRequest(f"{self.text_problem or 'the model has no tokenizer'}: {what} "
+                             "needs one")
+
+
+FRONT = web.AppKey("front", Front)
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int, kind: str = "invalid_request_error") -> web.Response:
+    return json_response(error_body(message, status, kind), status)
+
+
+async def read_body(request: web.Request, required: bool = True) -> dict:
+    """The request's JSON object; BadRequest when it is not one ({} for an empty body
+    where none is `required`)."""
+    return json_object(await request.read(), required)

@@ -1,0 +1,111 @@
+"""Answers in OpenAI's shapes: completions and chat completions, whole or as stream
+chunks, with usage and logprobs, from the Outputs of a route's requests."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from zpd.http.output import Output
+
+
+class Answer:
+    """One OpenAI answer's identity and the formatting of its parts."""
+
+    def __init__(self, model: str, chat: bool, logprobs: int | None) -> None:
+        self.model, self.chat, self.logprobs = model, chat, logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, chunk: bool) -> dict:
+        kind = "chat.completion.chunk" if chunk and self.chat else self.object
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # --- whole answers --------------------------------------------------------------
+
+    def whole(self, outs: list[Output], n: int, echoes: list[str] | None = None) -> dict:
+        """The answer to a request that did not stream; `echoes`: each prompt's text
+        (completions with echo)."""
+        choices = []
+        for out in outs:
+            echo = echoes[out.index // n] if echoes else ""
+            every = range(len(out.token_ids))
+            if self.chat:
+                choice = {"index": out.index, "message": {"role": "assistant", "content": out.text},
+                          "logprobs": self.chat_logprobs(out, every)}
+            else:
+                choice = {"index": out.index, "text": echo + out.text,
+                          "logprobs": self.completion_logprobs(out, every, len(echo))}
+            choices.append(choice | {"finish_reason": finish_reason(out)})
+        return self._head(False) | {"choices": choices, "usage": usage(outs, n)}
+
+    # --- stream chunks ----------------------------------------------------------------
+
+    def chunk(self, out: Output, text: str, tokens: range, first: bool, echo: str = "",
+              include_usage: bool = False) -> dict:
+        """A stream chunk for one choice: the text and tokens new since its last chunk
+        (`first`: its first chunk); its finish_reason once it has finished, with an
+        `error` {message, type, code} when it ended in an abort or failure."""
+        if self.chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            choice = {"index": out.index, "delta": delta, "logprobs": self.chat_logprobs(out, tokens)}
+        else:
+            choice = {"index": out.index, "text": (echo if first else "") + text,
+                      "logprobs": self.completion_logprobs(out, tokens, len(echo))}
+        choice["finish_reason"] = finish_reason(out)
+        if out.aborted:
+            choice["error"] = abort_error(out)
+        return self._head(True) | {"choices": [choice]} | ({"usage": None} if include_usage else {})
+
+    def usage_chunk(self, outs: list[Output], n: int) -> dict:
+        return self._head(True) | {"choices": [], "usage": usage(outs, n)}
+
+    # --- logprobs -------------------------------------------------------------------
+
+    def completion_logprobs(self, out: Output, tokens: range, echo_chars: int) -> dict | None:
+        """The legacy shape: parallel lists over `tokens`; text_offset counts from the
+        start of the choice's text."""
+        if self.logprobs is None or not out.req.logprobs:
+            return None
+        texts = [out.token_text(out.token_ids[i]) for i in tokens]
+        tops = [{out.token_text(t): lp for t, lp in out.top_logprobs[i]}
+                if self.logprobs and i < len(out.top_logprobs) else None for i in tokens]
+        return {"tokens": texts, "token_logprobs": [_at(out.logprobs, i) for i in tokens],
+                "top_logprobs": tops,
+                "text_offset": [echo_chars + off for off in out.text_offsets(tokens)]}
+
+    def chat_logprobs(self, out: Output, tokens: range) -> dict | None:
+        if self.logprobs is None or not out.req.logprobs:
+            return None
+        return {"content": [_entry(out, out.token_ids[i], _at(out.logprobs, i)) | {
+            "top_logprobs": [_entry(out, t, lp) for t, lp in
+                             (out.top_logprobs[i] if i < len(out.top_logprobs) else [])]}
+            for i in tokens]}
+
+
+def _entry(out: Output, token_id: int, logprob: float | None) -> dict:
+    text = out.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def _at(values: list[float], i: int) -> float | None:
+    return values[i] if i < len(values) else None
+
+
+def finish_reason(out: Output) -> str | None:
+    return None if out.finish is None else str(out.finish.get("type"))
+
+
+def abort_error(out: Output) -> dict:
+    status = out.status
+    return {"message": str(out.finish.get("message", "aborted")),
+            "type": "invalid_request_error" if 400 <= status < 500 else "server_error",
+            "code": status}
+
+
+def usage(outs: list[Output], n: int) -> dict:
+    """A prompt counts once however many copies of it ran."""
+    prompt = sum(o.prompt_tokens for o in outs if o.index % n == 0)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}

@@ -1,0 +1,139 @@
+"""One request's answer as its chunks arrive: token ids, weight versions, logprobs and
+the text so far, for the routes to format (streamed piece by piece or whole).
+
+The workers send token ids; the text is decoded here with the model's tokenizer,
+incrementally, so each chunk costs a couple of short decodes whatever the length.
+Text is only ever shown once it cannot change: a token that ends inside a UTF-8
+character waits for the rest, and with stop strings the last characters wait until
+no stop string can still end in them (the workers cut the final text before the
+stop string they matched, so what was streamed stays a prefix of the final text).
+"""
+from __future__ import annotations
+
+from engines.tokenizer import Tokenizer
+from zpd.http.records import GenRequest
+
+REPLACEMENT = "\ufffd"      # what a decode shows for a token that ends mid-character
+
+
+class Detokenizer:
+    """Token ids -> text, one piece at a time. Each step decodes from the token before
+    the last stable point, so tokenizers whose pieces depend on their left neighbour
+    (SentencePiece's leading spaces) come out as a whole decode would."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0      # ids[prefix:read] is what `text` last ended with
+
+    def add(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        if self.tokenizer is None or not ids:
+            return
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+
+    def whole(self) -> str:
+        """Every id decoded at once (the final text when the stop string stays)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(self.ids)
+
+
+class Output:
+    """What one request (`index` in its answer) has produced so far."""
+
+    def __init__(self, index: int, req: GenRequest, tokenizer: Tokenizer | None) -> None:
+        self.index, self.req, self.tokenizer = index, req, tokenizer
+        self.rid = req.rid or ""
+        self.token_ids: list[int] = []
+        self.weight_versions: list[str] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.finish: dict | None = None
+        self.meta: dict = {}
+        self.detok = Detokenizer(tokenizer)
+        self._final_text: str | None = None
+        self._hold = max(map(len, req.stop), default=1) - 1   # chars a stop string may still take
+        self._shown = 0                  # characters of text already streamed
+        self._tokens_shown = 0           # tokens already streamed
+        self._offsets = [0]              # where each token's text starts (logprobs)
+
+    def add(self, chunk: dict) -> None:
+        """Take the next chunk of this request (zpd.Client.stream's shape)."""
+        self.rid = chunk["rid"]
+        ids = chunk["token_ids"]
+        self.token_ids += ids
+        self.weight_versions += chunk["weight_versions"]
+        self.logprobs += chunk.get("logprobs") or []
+        self.top_logprobs += [[(int(t), float(lp)) for t, lp in top]
+                              for top in chunk.get("top_logprobs") or []]
+        self.detok.add(ids)
+        if chunk["finished"]:
+            self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}
+            self._final_text = self._finished_text(chunk.get("text"))
+
+    def _finished_text(self, worker_text: str | None) -> str:
+        if not self.req.trim_stop or worker_text is None:
+            return self.detok.whole()
+        return worker_text
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finished and self.finish.get("type") == "abort"
+
+    @property
+    def status(self) -> int:
+        return int(self.finish.get("status_code", 500)) if self.aborted else 200
+
+    @property
+    def refused(self) -> bool:
+        """The workers refused it as a bad request (400) before generating anything."""
+        return self.aborted and self.status == 400 and not self.token_ids
+
+    @property
+    def text(self) -> str:
+        """The final text once finished; before, the part that can no longer change."""
+        if self._final_text is not None:
+            return self._final_text
+        text = self.detok.text
+        return text[:max(0, len(text) - self._hold)] if self._hold else text
+
+    def new_text(self) -> str:
+        """Text not yet streamed (advances)."""
+        text = self.text
+        piece = text[self._shown:]
+        self._shown = max(self._shown, len(text))
+        return piece
+
+    def new_tokens(self) -> range:
+        """Indices of the tokens not yet streamed (advances)."""
+        start, self._tokens_shown = self._tokens_shown, len(self.token_ids)
+        return range(start, self._tokens_shown)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The workers count it (a text or chat prompt is tokenized there); until the
+        final chunk, a prompt of ids counts itself."""
+        return int(self.meta.get("prompt_tokens", len(self.req.input_ids or ())))
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.meta.get("completion_tokens", len(self.token_ids)))
+
+    def text_offsets(self, tokens: range) -> list[int]:
+        """Where the text of each token of `tokens` starts, counting each token's own
+        text (what logprobs name it) from the start of the output."""
+        while len(self._offsets) < tokens.stop:
+            i = len(self._offsets) - 1
+            self._offsets.append(self._offsets[-1] + len(self.token_text(self.token_ids[i])))
+        return [self._offsets[i] for i in tokens]
+
+    def token_text(self, token_id: int) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.token_text(token_id)

@@ -1,0 +1,200 @@
+"""What every HTTP route shares: the request record a generation becomes, the error it
+answers when a body is wrong, and the checks that read a JSON body field by field.
+
+A body is checked whole before anything goes to the router, and every error names
+the field: `{"error": {"message", "type", "code"}}` with HTTP 400 (OpenAI's shape,
+on every route). JSON null counts as absent, as it does for the APIs we mirror.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import orjson
+
+from engines.sampler import INT32_MAX, SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+MAX_REQUESTS = 1024        # generations one HTTP call may start (prompts x n)
+MAX_RID_CHARS = 256
+LOGPROB_KEYS = ("return_logprob", "top_logprobs_num")    # in the wire's sampling dict
+
+
+class BadRequest(ValueError):
+    """A request the HTTP front refuses, answered with `status` in OpenAI's error shape."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.kind = message, status, kind
+
+
+def error_body(message: str, status: int, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One generation as the router gets it: exactly one of `input_ids`, `text` or
+    `messages` (a conversation the workers render with the model's chat template),
+    and the engine's sampling dict (logprobs asked for with LOGPROB_KEYS)."""
+    sampling: dict
+    input_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict] | None = None
+    rid: str | None = None
+    stream: bool = False
+    trim_stop: bool = True       # the text ends before a matched stop string (SGLang's default)
+
+    @property
+    def logprobs(self) -> bool:
+        return bool(self.sampling.get("return_logprob"))
+
+    @property
+    def top_logprobs(self) -> int:
+        return int(self.sampling.get("top_logprobs_num") or 0)
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        stop = self.sampling.get("stop") or ()
+        return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+# --- reading a body ---------------------------------------------------------------
+
+def json_object(raw: bytes, required: bool = True) -> dict:
+    """The body as a JSON object; an empty body is {} where none is `required`."""
+    if not raw.strip() and not required:
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if type(body) is not dict:
+        raise BadRequest(f"the body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+Check = Callable[[str, Any], Any]       # (field name, value) -> the value, or BadRequest
+
+
+def take(body: dict, name: str, check: Check, default: Any = None) -> Any:
+    """Field `name` of `body` as `check` accepts it; `default` when absent or null."""
+    value = body.get(name)
+    return default if value is None else check(name, value)
+
+
+def refuse_unknown(body: dict, known: Iterable[str], where: str = "the body") -> None:
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise BadRequest(f"{where} has unknown or unsupported field(s): {', '.join(unknown)}")
+
+
+def refuse_set(body: dict, names: Iterable[str]) -> None:
+    """Fields zpd cannot honour: accepted only when absent, null or empty."""
+    for name in names:
+        if body.get(name) not in (None, False, "", [], {}):
+            raise BadRequest(f"{name!r} is not supported by this server")
+
+
+def boolean(name: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise BadRequest(f"{name!r} must be true or false, not {_kind(value)}")
+    return value
+
+
+def string(name: str, value: Any) -> str:
+    if type(value) is not str:
+        raise BadRequest(f"{name!r} must be a string, not {_kind(value)}")
+    return value
+
+
+def text_field(name: str, value: Any) -> str:
+    """A non-empty string."""
+    if not string(name, value):
+        raise BadRequest(f"{name!r} must not be empty")
+    return value
+
+
+def integer(low: int, high: int) -> Check:
+    def check(name: str, value: Any) -> int:
+        if type(value) is not int or not low <= value <= high:
+            raise BadRequest(f"{name!r} must be an integer in [{low}, {high}], got {_show(value)}")
+        return value
+    return check
+
+
+def token_ids(name: str, value: Any) -> list[int]:
+    """A non-empty list of token ids (what the wire carries: int32, not negative)."""
+    if type(value) is not list or not value:
+        raise BadRequest(f"{name!r} must be a non-empty list of token ids")
+    for i, t in enumerate(value):
+        if type(t) is not int or not 0 <= t <= INT32_MAX:
+            raise BadRequest(f"{name}[{i}] must be a token id in [0, {INT32_MAX}], got {_show(t)}")
+    return value
+
+
+def stop_strings(name: str, value: Any) -> list[str]:
+    """A string or a list of strings."""
+    items = [value] if isinstance(value, str) else value
+    if type(items) is not list or not all(type(s) is str for s in items):
+        raise BadRequest(f"{name!r} must be a string or a list of strings")
+    return items
+
+
+def checked_sampling(sampling: dict) -> dict:
+    """`sampling` (the engine's names) as the workers will check it; BadRequest names a
+    bad value. Logprob keys are checked here: engines that predate them refuse them."""
+    engine = {k: v for k, v in sampling.items() if k not in LOGPROB_KEYS}
+    try:
+        SamplingParams.from_dict(engine)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    take(sampling, "return_logprob", boolean)
+    take(sampling, "top_logprobs_num", integer(0, MAX_TOP_LOGPROBS))
+    return sampling
+
+
+def logprob_sampling(want: bool, top: int) -> dict:
+    """What asks the workers for logprobs (nothing when not wanted)."""
+    return {"return_logprob": True, "top_logprobs_num": top} if want else {}
+
+
+def check_count(prompts: int, n: int = 1) -> None:
+    if prompts * n > MAX_REQUESTS:
+        raise BadRequest(f"{prompts} prompts x n={n} is more than {MAX_REQUESTS} generations "
+                         "in one request")
+
+
+def rid_field(name: str, value: Any) -> str:
+    if not text_field(name, value) or len(value) > MAX_RID_CHARS:
+        raise BadRequest(f"{name!r} must be at most {MAX_RID_CHARS} characters")
+    return value
+
+
+def seeded_copies(sampling: dict, n: int) -> list[dict]:
+    """`n` copies of a request's sampling; with a seed, copy i gets seed + i, so the
+    copies differ and the whole answer is still reproducible."""
+    seed = sampling.get("seed")
+    if seed is None or n == 1:
+        return [sampling] * n
+    if type(seed) is not int or seed + n - 1 >= 2 ** 63:
+        raise BadRequest(f"'seed' must be an integer below 2**63 - {n - 1} with n={n}")
+    return [sampling | {"seed": seed + i} for i in range(n)]
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value), "a value")
+
+
+def _show(value: Any) -> str:
+    text = orjson.dumps(value).decode() if _jsonable(value) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        orjson.dumps(value)
+        return True
+    except TypeError:
+        return False

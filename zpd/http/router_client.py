@@ -1,0 +1,188 @@
+"""The HTTP front's connection to the router: one asyncio DEALER for every request.
+
+One reader task takes each message off the socket and hands it on: a request's
+token chunks to that request's queue, an admin reply to the future waiting for it.
+A request the router does not acknowledge within `connect_timeout`, or any request
+in flight once the router has been silent for `router_silence` (it pings every
+client with requests in flight, so silence means it is gone), ends with a 503
+chunk: every stream the routes read ends, whatever happens to the router.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from zpd.client import asks_logprobs, chunk_of, generate_message
+from zpd.http.records import GenRequest
+from zpd.wire.net import Curve, SocketOptions, configure_socket, parse_endpoint
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Message, ProtocolError,
+                               TokenPart, Tokens, decode, encode)
+
+log = logging.getLogger("zpd.http.router_client")
+
+UNAVAILABLE = 503
+
+
+def abort_chunk(rid: str, status: int, message: str) -> dict:
+    """The last chunk of a request that ended here, without the router's word (its
+    meta is empty: the counts are what the chunks before it carried)."""
+    return chunk_of(TokenPart.abort(rid, status, message))
+
+
+class RouterClient:
+    """Requests and admin commands to one router, for many asyncio tasks at once."""
+
+    def __init__(self, endpoint: str, curve: Curve | None = None, connect_timeout: float = 5.0,
+                 router_silence: float = 10.0, admin_timeout: float = 30.0) -> None:
+        self.endpoint, self.curve = endpoint, curve
+        self.connect_timeout, self.router_silence = connect_timeout, router_silence
+        self.admin_timeout = admin_timeout
+        self._queues: dict[str, asyncio.Queue] = {}     # rid -> its chunks
+        self._asked: dict[str, tuple[bool, bool]] = {}  # rid -> (logprobs, top) it asked for
+        self._unacked: set[str] = set()
+        self._replies: dict[str, asyncio.Future] = {}   # admin req_id -> its reply
+        self._heard = 0.0                               # when the router last spoke
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        host, _ = parse_endpoint(self.endpoint)
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        configure_socket(self._sock, host=host, server=False, opts=SocketOptions(curve=self.curve))
+        bracketed = f"[{host}]" if ":" in host else host
+        self._sock.connect(f"tcp://{bracketed}:{parse_endpoint(self.endpoint)[1]}")
+        self._heard = asyncio.get_running_loop().time()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for rid in list(self._queues):
+            self.abort(rid, "the HTTP server is shutting down")
+        if self._sock is not None:
+            self._sock.close(linger=100)
+            self._ctx.term()
+
+    # --- requests ---------------------------------------------------------------
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[dict]:
+        """Chunks of one request (zpd.Client.stream's), always ending with a finished one.
+        Closed or cancelled before that, it aborts the request (the router answers 499)."""
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self._queues:
+            yield abort_chunk(rid, 409, f"rid {rid!r} is already in flight")
+            return
+        queue = self._queues[rid] = asyncio.Queue()
+        self._asked[rid] = asks_logprobs(req.sampling)
+        finished = False
+        try:
+            self._submit(rid, req)
+            while not finished:
+                chunk = await queue.get()
+                finished = chunk["finished"]
+                yield chunk
+        finally:
+            del self._queues[rid]
+            self._asked.pop(rid, None)
+            self._unacked.discard(rid)
+            if not finished:
+                self.abort(rid, "the HTTP client went away")
+
+    def _submit(self, rid: str, req: GenRequest) -> None:
+        msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages)
+        if not self._send(msg):
+            self._queues[rid].put_nowait(abort_chunk(rid, UNAVAILABLE, "cannot reach the router "
+                                                     f"{self.endpoint}: its send queue is full"))
+            return
+        self._unacked.add(rid)
+        loop = asyncio.get_running_loop()
+        self._heard = max(self._heard, loop.time())       # silence counts from here
+        loop.call_later(self.connect_timeout, self._check_acked, rid)
+
+    def _check_acked(self, rid: str) -> None:
+        if rid in self._unacked and rid in self._queues:
+            self._unacked.discard(rid)
+            self.abort(rid, "not acknowledged in time")      # in case it arrives late
+            self._queues[rid].put_nowait(abort_chunk(
+                rid, UNAVAILABLE, f"no answer from the router {self.endpoint} within "
+                                  f"{self.connect_timeout:g} s: is it running?"))
+
+    def abort(self, rid: str, reason: str) -> None:
+        """Ask the router to end `rid` (one of ours) with 499."""
+        self._send(Abort(rid, 499, reason))
+
+    # --- admin ------------------------------------------------------------------
+
+    async def admin(self, command: str, timeout: float | None = None, **args) -> dict:
+        """{"ok": bool, **result}; a router that does not answer within `timeout` gives
+        {"ok": False, "status": 504, "error": ...}."""
+        wait = timeout or self.admin_timeout
+        req_id = uuid.uuid4().hex
+        # The router answers with what it has a little before we give up.
+        reply = self._replies[req_id] = asyncio.get_running_loop().create_future()
+        try:
+            if not self._send(Admin(command, args | {"timeout": wait * 0.8}, req_id)):
+                return {"ok": False, "status": UNAVAILABLE, "error": "router send queue full"}
+            return await asyncio.wait_for(reply, wait)
+        except asyncio.TimeoutError:
+            return {"ok": False, "status": 504, "error": f"no answer from the router "
+                                                        f"{self.endpoint} within {wait:g} s"}
+        finally:
+            self._replies.pop(req_id, None)
+
+    # --- the socket ---------------------------------------------------------------
+
+    def _send(self, msg: Message) -> bool:
+        """Queue `msg` without waiting; False when the socket's queue is full."""
+        done = self._sock.send_multipart(encode(msg), flags=zmq.DONTWAIT)
+        if done.exception() is not None:
+            log.warning("dropped %s to the router %s: %s", msg.TYPE, self.endpoint, done.exception())
+            return False
+        return True
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            frames = await self._sock.recv_multipart()
+            self._heard = loop.time()
+            try:
+                self._dispatch(decode(frames))
+            except ProtocolError as e:
+                log.warning("dropped a malformed message from the router: %s", e.reason)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Accepted):
+            self._unacked.discard(msg.rid)
+        elif isinstance(msg, Tokens):
+            for part in msg.unpack():
+                self._unacked.discard(part.rid)
+                queue = self._queues.get(part.rid)
+                if queue is not None:
+                    queue.put_nowait(chunk_of(part, self._asked.get(part.rid, (False, False))))
+        elif isinstance(msg, AdminReply):
+            reply = self._replies.get(msg.req_id)
+            if reply is not None and not reply.done():
+                reply.set_result({"ok": msg.ok} | msg.result)
+        # anything else (the router's pings) only says it is alive
+
+    async def _watch(self) -> None:
+        """End every request in flight once the router has been silent too long."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.router_silence / 4))
+            silent = loop.time() - self._heard
+            if self._queues and silent > self.router_silence:
+                log.error("router %s silent for %.1f s: ending %d requests", self.endpoint,
+                          silent, len(self._queues))
+                for rid, queue in list(self._queues.items()):
+                    queue.put_nowait(abort_chunk(rid, UNAVAILABLE, f"the router {self.endpoint} "
+                                                 f"has not answered for {silent:.0f} s"))
+                self._heard = loop.time()

@@ -1,0 +1,62 @@
+"""Starting `zpd http`: the model's tokenizer and chat template (no weights), the
+router client, the aiohttp server on --host/--port, the ready file, and a clean stop
+on SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+from aiohttp import web
+
+from engines.loader import load_text
+from zpd.config import HttpConfig
+from zpd.http.app import build_app
+from zpd.http.front import Front
+from zpd.http.router_client import RouterClient
+from zpd.ops.ready import write_ready_file
+from zpd.wire.net import format_endpoint
+
+log = logging.getLogger("zpd.http.server")
+
+
+def serve_http(cfg: HttpConfig) -> int:
+    tokenizer, chat, problem = load_text(cfg.model)
+    if problem:
+        log.warning("model %s: %s (text or chat requests that need it get a 400)", cfg.model,
+                    problem)
+    return asyncio.run(_serve(cfg, Front(None, cfg.model, tokenizer, chat, problem, cfg.api_key,
+                                         cfg.admin_api_key, cfg.router, cfg.weights_timeout)))
+
+
+async def _serve(cfg: HttpConfig, front: Front) -> int:
+    curve = None
+    if cfg.curve_keys:
+        from zpd.wire.security import client_curve
+        curve = client_curve(cfg.curve_keys, "admin")      # requests and admin commands
+    front.backend = RouterClient(cfg.router, curve, cfg.connect_timeout, cfg.router_silence,
+                                 cfg.admin_timeout)
+    await front.backend.start()
+    # handler_cancellation: a client that disconnects cancels its handler, and the
+    # handler's streams abort their requests at the router.
+    runner = web.AppRunner(build_app(front, cfg.max_body_bytes), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        endpoint = format_endpoint(cfg.host, port)
+        write_ready_file(cfg.ready_file, {"role": "http", "endpoint": endpoint, "pid": os.getpid()})
+        log.warning("zpd http ready on http://%s (router %s, model %s)", endpoint, cfg.router,
+                    cfg.model)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await front.backend.close()
+    return 0

@@ -1,0 +1,106 @@
+"""Running a route's requests and streaming their answers as server-sent events.
+
+`follow` runs every request of one HTTP call at once (a batch, or n copies) and
+yields each Output as a chunk of it arrives. Leaving it early, by an error or by
+the handler's cancellation when the HTTP client disconnects, closes every stream,
+and each closed stream aborts its request at the router (499).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from typing import AsyncIterator, Protocol
+
+import orjson
+from aiohttp import web
+
+from engines.tokenizer import Tokenizer
+from zpd.http.output import Output
+from zpd.http.records import GenRequest
+from zpd.http.router_client import abort_chunk
+
+log = logging.getLogger("zpd.http.streams")
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class Backend(Protocol):
+    """What the routes need of the router: RouterClient, or a fake in unit tests."""
+
+    def stream(self, req: GenRequest) -> AsyncIterator[dict]: ...
+
+    async def admin(self, command: str, timeout: float | None = None, **args) -> dict: ...
+
+
+async def follow(backend: Backend, items: list[GenRequest],
+                 tokenizer: Tokenizer | None) -> AsyncIterator[Output]:
+    """Each request's Output whenever a chunk of it arrives, until all have finished."""
+    outputs = [Output(i, req, tokenizer) for i, req in enumerate(items)]
+    queue: asyncio.Queue[tuple[Output, dict]] = asyncio.Queue()
+
+    async def pump(req: GenRequest, out: Output) -> None:
+        finished = False
+        try:
+            async with aclosing(backend.stream(req)) as chunks:
+                async for chunk in chunks:
+                    finished = chunk["finished"]
+                    queue.put_nowait((out, chunk))
+        except Exception as e:      # a broken stream still ends its output, never hangs it
+            log.exception("request %s: its stream failed", out.rid or "?")
+            finished = False
+            why = f"{type(e).__name__}: {e}"
+        else:
+            why = "the stream ended without a final answer"
+        if not finished:
+            queue.put_nowait((out, abort_chunk(out.rid, 500, why)))
+
+    tasks = [asyncio.ensure_future(pump(req, out)) for req, out in zip(items, outputs)]
+    try:
+        left = len(outputs)
+        while left:
+            out, chunk = await queue.get()
+            out.add(chunk)
+            left -= out.finished
+            yield out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_all(backend: Backend, items: list[GenRequest],
+                  tokenizer: Tokenizer | None) -> list[Output]:
+    """Every request run to its end; the Outputs in the order of `items`."""
+    done: dict[int, Output] = {}
+    async with aclosing(follow(backend, items, tokenizer)) as outs:
+        async for out in outs:
+            if out.finished:
+                done[out.index] = out
+    return [done[i] for i in range(len(items))]
+
+
+class EventStream:
+    """An SSE answer, opened only at its first event so that a request refused before
+    anything was generated can still be answered with a plain HTTP error."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def send(self, obj: dict) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(headers=SSE_HEADERS)
+            await self.response.prepare(self.request)
+        await self.response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    async def close(self) -> web.StreamResponse:
+        """Write [DONE] and end the answer."""
+        if self.response is None:
+            self.response = web.StreamResponse(headers=SSE_HEADERS)
+            await self.response.prepare(self.request)
+        await self.response.write(DONE)
+        await self.response.write_eof()
+        return self.response
