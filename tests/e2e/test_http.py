@@ -306,3 +306,46 @@ def test_non_loopback_without_key_exits_2():
                                   "--host", "0.0.0.0"), cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "--api-key" in proc.stderr
+
+
+def scrape(cluster) -> dict:
+    """GET /metrics, parsed with prometheus_client's own parser: name -> samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://{cluster.info['http']}/metrics",
+                             headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status == 200 and r.content_type == "text/plain"
+                return await r.text()
+    families = text_string_to_metric_families(asyncio.run(go()))
+    return {f.name: f.samples for f in families}
+
+
+def value(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_metrics_move_by_what_was_generated(cluster):
+    before = scrape(cluster)
+    assert "zpd:time_to_first_token_seconds" in before and "zpd:kv_pages" in before
+    body = {"input_ids": [[3, 4, 5], [6, 7]], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 7, "ignore_eos": True}, "stream": True}
+    assert http(cluster, "POST", "/generate", body)[0] == 200
+    after = scrape(cluster)
+
+    def moved(family: str, sample: str, **labels) -> float:
+        return value(after[family], sample, **labels) - value(before.get(family, []), sample, **labels)
+
+    assert moved("zpd:generation_tokens", "zpd:generation_tokens_total") == 14
+    assert moved("zpd:prompt_tokens", "zpd:prompt_tokens_total") == 5
+    assert moved("zpd:request_finished", "zpd:request_finished_total", finished_reason="length") == 2
+    assert moved("zpd:prefill_tokens_computed", "zpd:prefill_tokens_computed_total") == 5
+    assert moved("zpd:kv_transfer_bytes", "zpd:kv_transfer_bytes_total") > 0
+    assert moved("zpd:time_to_first_token_seconds", "zpd:time_to_first_token_seconds_count") == 2
+    # a streamed request's tokens after its first (a chunk of n spreads its gap over n)
+    assert 0 < moved("zpd:inter_token_latency_seconds", "zpd:inter_token_latency_seconds_count") <= 12
+    assert moved("zpd:e2e_request_latency_seconds", "zpd:e2e_request_latency_seconds_count") == 2
+    pages = {(s.labels["role"], s.labels["state"]): s.value for s in after["zpd:kv_pages"]}
+    assert pages[("decode", "free")] == pages[("decode", "total")] > 0
+    assert value(after["zpd:worker_up"], "zpd:worker_up") == 2

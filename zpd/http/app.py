@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from zpd.http import admin_routes, native, openai_api
+from zpd.http import admin_routes, metrics, native, openai_api
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
 
@@ -86,7 +86,8 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
 
 def build_app(front: Front, max_body_bytes: int = 64 << 20) -> web.Application:
     app = web.Application(middlewares=[errors, guard], client_max_size=max_body_bytes)
+    front.backend = metrics.metered(front.backend)          # latencies for /metrics
     app[FRONT] = front
-    for module in (native, admin_routes, openai_api):
+    for module in (native, admin_routes, openai_api, metrics):
         app.add_routes(module.routes)
     return app

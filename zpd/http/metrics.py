@@ -1,0 +1,172 @@
+"""GET /metrics: Prometheus text, names `zpd:*` in the style of `vllm:*` / `sglang:*`.
+
+Two sources. Latencies are measured here, per request this front serves, by wrapping
+the router client (`MeteredBackend`): time to first token, inter-token latency,
+end-to-end latency, and queue time (the prefill's, from the request's timings).
+Everything else is the cluster's, read from the router's `status` at each scrape
+(`ClusterCollector`): requests running and waiting, KV pages per worker, and the
+counters the router and workers keep (tokens every client received, requests ended
+by reason and status code, retractions, KV bytes written, transfer time and failures).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import AsyncIterator, Iterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from zpd.http.front import FRONT
+from zpd.http.records import GenRequest
+from zpd.http.streams import Backend
+
+routes = web.RouteTableDef()
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class RequestMetrics:
+    """The latency histograms of the requests this front serves."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("zpd:time_to_first_token_seconds",
+                              "Time from the request's arrival here to its first token.")
+        self.itl = histogram("zpd:inter_token_latency_seconds",
+                             "Time between two output tokens of a streamed request (a "
+                             "non-streamed one arrives whole: only its TTFT and end count).")
+        self.e2e = histogram("zpd:e2e_request_latency_seconds",
+                             "Time from the request's arrival here to its last chunk.")
+        self.queue = histogram("zpd:request_queue_time_seconds",
+                               "Time the request waited in its prefill's queue.")
+
+
+class MeteredBackend:
+    """The router client, timing every request's chunks as they pass."""
+
+    def __init__(self, inner: Backend, metrics: RequestMetrics) -> None:
+        self.inner, self.metrics = inner, metrics
+
+    async def stream(self, req: GenRequest) -> AsyncIterator[dict]:
+        m, start = self.metrics, time.perf_counter()
+        last = None
+        async with aclosing(self.inner.stream(req)) as chunks:
+            async for chunk in chunks:
+                now, n = time.perf_counter(), len(chunk["token_ids"])
+                if n:
+                    if last is None:
+                        m.ttft.observe(now - start)
+                    else:
+                        for _ in range(n):        # a chunk of n tokens: n gaps of equal share
+                            m.itl.observe((now - last) / n)
+                    last = now
+                if chunk["finished"]:
+                    m.e2e.observe(now - start)
+                    queued = chunk.get("meta", {}).get("timings", {}).get("prefill_queue")
+                    if isinstance(queued, (int, float)):
+                        m.queue.observe(queued / 1e3)
+                yield chunk
+
+    async def admin(self, command: str, timeout: float | None = None, **args) -> dict:
+        return await self.inner.admin(command, timeout, **args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)        # start, close, ... of the router client
+
+
+class ClusterCollector:
+    """One scrape's worth of the cluster's state, from a router `status` reply."""
+
+    def __init__(self, status: dict) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.status
+        up = GaugeMetricFamily("zpd:router_up", "1 when the router answered this scrape.")
+        up.add_metric([], 1.0 if s.get("ok") or s.get("workers") else 0.0)
+        yield up
+        yield from self._requests(s)
+        yield from self._workers(s.get("workers") or [])
+        yield from self._counters(s.get("counters") or {})
+
+    def _requests(self, s: dict) -> Iterator[Metric]:
+        running = GaugeMetricFamily("zpd:num_requests_running",
+                                    "Requests the router has routed and not seen end.")
+        running.add_metric([], float(s.get("inflight") or 0))
+        waiting = GaugeMetricFamily("zpd:num_requests_waiting",
+                                    "Requests queued at the router (while paused).")
+        waiting.add_metric([], float(s.get("queued") or 0))
+        yield running
+        yield waiting
+
+    def _workers(self, workers: list[dict]) -> Iterator[Metric]:
+        labels = ["worker", "role"]
+        pages = GaugeMetricFamily("zpd:kv_pages", "KV pages per worker and state.",
+                                  labels=labels + ["state"])
+        queues = GaugeMetricFamily("zpd:worker_requests", "Requests per worker and queue.",
+                                   labels=labels + ["queue"])
+        alive = GaugeMetricFamily("zpd:worker_up", "1 when the worker answered status.",
+                                  labels=labels)
+        counters = {key: CounterMetricFamily(f"zpd:{name}", doc, labels=labels) for key, name, doc in (
+            ("prompt_tokens_computed", "prefill_tokens_computed", "Prompt tokens a prefill computed."),
+            ("kv_bytes_written", "kv_transfer_bytes", "KV bytes a prefill wrote to decodes."),
+            ("kv_transfer_seconds", "kv_transfer_time_seconds", "Time a prefill's KV writes took."),
+            ("kv_transfer_failures", "kv_transfer_failures", "KV writes that failed."))}
+        for w in workers:
+            who = [str(w.get("endpoint")), str(w.get("role"))]
+            alive.add_metric(who, 1.0 if w.get("ok") else 0.0)
+            for state, n in (w.get("kv_pages") or {}).items():
+                pages.add_metric(who + [state], float(n))
+            for queue, n in (w.get("queues") or {}).items():
+                queues.add_metric(who + [queue], float(n))
+            for key, value in (w.get("counters") or {}).items():
+                if key in counters:
+                    counters[key].add_metric(who, float(value))
+        yield from (alive, pages, queues, *counters.values())
+
+    def _counters(self, c: dict) -> Iterator[Metric]:
+        for key, name, doc in (("generation_tokens", "generation_tokens",
+                                "Output tokens clients received (first tokens included)."),
+                               ("prompt_tokens", "prompt_tokens", "Prompt tokens of ended requests."),
+                               ("retractions", "retractions", "Retractions of ended requests.")):
+            family = CounterMetricFamily(f"zpd:{name}", doc)
+            family.add_metric([], float(c.get(key) or 0))
+            yield family
+        ended = CounterMetricFamily("zpd:request_finished", "Requests ended, by finish reason.",
+                                    labels=["finished_reason"])
+        for reason, n in (c.get("finished") or {}).items():
+            ended.add_metric([reason], float(n))
+        aborted = CounterMetricFamily("zpd:request_aborted", "Requests ended in an abort or "
+                                      "failure, by status code.", labels=["status_code"])
+        for code, n in (c.get("aborted") or {}).items():
+            aborted.add_metric([code], float(n))
+        yield ended
+        yield aborted
+
+
+async def render(metrics: RequestMetrics, backend: Backend, timeout: float = 5.0) -> bytes:
+    """The whole /metrics page: our histograms, then the cluster as the router sees it."""
+    status = await backend.admin("status", timeout=timeout)
+    cluster = CollectorRegistry()
+    cluster.register(ClusterCollector(status))
+    return generate_latest(metrics.registry) + generate_latest(cluster)
+
+
+def metered(backend: Backend) -> MeteredBackend:
+    """`backend` with a fresh set of histograms (itself if it already has them)."""
+    return backend if isinstance(backend, MeteredBackend) else MeteredBackend(backend, RequestMetrics())
+
+
+@routes.get("/metrics")
+async def metrics_page(request: web.Request) -> web.Response:
+    backend = request.app[FRONT].backend
+    body = await render(backend.metrics, backend)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
