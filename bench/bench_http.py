@@ -5,11 +5,18 @@ client in this process (what `zpd http` adds before HTTP), and through `zpd http
 --http-port` cluster.
 
     python bench/bench_http.py [--model tiny] [--requests 200] [--new-tokens 1]
+                               [--streams 64] [--stream-tokens 64] [--rounds 3]
 
 Requests alternate between the paths, so a burst of other work on a shared machine
 skews both. Latency: submit to the last byte of the answer, per request; the
 table gives medians and p90 and the median difference, which is the front's cost
 (parse, one more ZeroMQ hop, detokenize, format, HTTP).
+
+Then load: --streams concurrent streamed requests of --stream-tokens each, all at once,
+through `zpd.Client` and through HTTP (`POST /generate`, SSE), --rounds times each,
+alternating: time to first token per request (p50, p99) and output tokens per second
+over the round; the table gives medians over rounds, the TTFT the front adds, and the
+ratio of throughputs.
 """
 from __future__ import annotations
 
@@ -68,6 +75,67 @@ async def run(cluster: Cluster, args: argparse.Namespace) -> dict[str, list[floa
     return times
 
 
+def zmq_round(cluster: Cluster, prompts: list[list[int]], sampling: dict) -> tuple[list[float], float]:
+    """TTFTs (ms) and output tok/s of every prompt streamed at once through zpd.Client."""
+    with cluster.client() as client:
+        t0 = time.perf_counter()
+        rids = {client.submit(input_ids=p, sampling_params=sampling, stream=True): i
+                for i, p in enumerate(prompts)}
+        first: dict[str, float] = {}
+        tokens, left = 0, len(rids)
+        while left:
+            chunk = client.receive()
+            if chunk["rid"] not in rids:
+                continue
+            tokens += len(chunk["token_ids"])
+            if chunk["token_ids"] and chunk["rid"] not in first:
+                first[chunk["rid"]] = time.perf_counter() - t0
+            left -= chunk["finished"]
+        took = time.perf_counter() - t0
+    return [t * 1e3 for t in first.values()], tokens / took
+
+
+async def http_round(url: str, prompts: list[list[int]], sampling: dict) -> tuple[list[float], float]:
+    """The same through HTTP: streamed POST /generate, every request at once."""
+    async def one(http, ids: list[int], t0: float) -> tuple[float, int]:
+        ttft, n = None, 0
+        async with http.post(url, data=orjson.dumps({"input_ids": ids, "sampling_params": sampling,
+                                                     "stream": True})) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    n = len(orjson.loads(line[6:])["output_ids"])     # cumulative, as SGLang's
+                    if ttft is None and n:
+                        ttft = time.perf_counter() - t0
+        return ttft * 1e3, n
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(http, p, t0) for p in prompts))
+        took = time.perf_counter() - t0
+    return [t for t, _ in got], sum(n for _, n in got) / took
+
+
+def load(cluster: Cluster, args: argparse.Namespace) -> None:
+    sampling = {"temperature": 0, "max_new_tokens": args.stream_tokens, "ignore_eos": True}
+    prompts = [[(i * 13 + j) % 250 for j in range(args.prompt_len)] for i in range(args.streams)]
+    url = f"http://{cluster.info['http']}/generate"
+    rows: dict[str, list[tuple[float, float, float]]] = {"zpd.Client": [], "HTTP": []}
+    for _ in range(args.rounds):
+        for name in rows:
+            ttfts, rate = zmq_round(cluster, prompts, sampling) if name == "zpd.Client" else \
+                asyncio.run(http_round(url, prompts, sampling))
+            rows[name].append((statistics.median(ttfts), percentile(ttfts, 0.99), rate))
+    print(f"\n{args.streams} concurrent streams x {args.stream_tokens} tokens, "
+          f"median of {args.rounds} rounds")
+    print(f"{'path':<12}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'out tok/s':>11}")
+    med = {name: [statistics.median(col) for col in zip(*r)] for name, r in rows.items()}
+    for name, (p50, p99, rate) in med.items():
+        print(f"{name:<12}{p50:>13.2f}{p99:>13.2f}{rate:>11.1f}")
+    z, h = med["zpd.Client"], med["HTTP"]
+    print(f"HTTP adds {h[0] - z[0]:.2f} ms TTFT at p50, {h[1] - z[1]:.2f} ms at p99; "
+          f"tok/s ratio HTTP/zpd.Client {h[2] / z[2]:.3f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny")
@@ -75,18 +143,23 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=1)
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, \
             Cluster(Path(tmp), model=args.model, dtype="float32",
                     extra=("--http-port", "0", "--log-level", "WARNING")) as cluster:
         times = asyncio.run(run(cluster, args))
-    base = statistics.median(times["zpd.Client"])
-    print(f"{args.requests} requests, prompt {args.prompt_len} tokens, {args.new_tokens} new, "
-          f"model {args.model}")
-    print(f"{'path':<14}{'median ms':>11}{'p90 ms':>9}{'added ms':>10}")
-    for name, xs in times.items():
-        med = statistics.median(xs)
-        print(f"{name:<14}{med:>11.3f}{percentile(xs, 0.9):>9.3f}{med - base:>10.3f}")
+        base = statistics.median(times["zpd.Client"])
+        print(f"{args.requests} requests, prompt {args.prompt_len} tokens, {args.new_tokens} new, "
+              f"model {args.model}")
+        print(f"{'path':<14}{'median ms':>11}{'p90 ms':>9}{'added ms':>10}")
+        for name, xs in times.items():
+            med = statistics.median(xs)
+            print(f"{name:<14}{med:>11.3f}{percentile(xs, 0.9):>9.3f}{med - base:>10.3f}")
+        if args.streams:
+            load(cluster, args)
     return 0
 
 

@@ -29,7 +29,9 @@ RUNS = {
                         [r"float32\s+[\d.]+\s+\d+\s+nan\s+nan",
                          r"float32\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x"]),
     "bench_clear.py": (["--repeats", "1", "--tokens", "64"], [r"8B-class bf16\s+64\s+[\d.]+"]),
-    "bench_http.py": (["--requests", "5", "--warmup", "1"], [r"HTTP stream\s+[\d.]+\s+[\d.]+"]),
+    "bench_http.py": (["--requests", "5", "--warmup", "1", "--streams", "4", "--stream-tokens", "4",
+                       "--rounds", "1"],
+                      [r"HTTP stream\s+[\d.]+\s+[\d.]+", r"tok/s ratio HTTP/zpd.Client [\d.]+"]),
 }
 
 
