@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,39 +37,74 @@ from zpd.http.records import GenRequest  # noqa: E402
 from zpd.http.router_client import RouterClient  # noqa: E402
 
 
+class RawHTTP:
+    """HTTP/1.1 POSTs on one kept-alive connection with no client library, so the
+    figures are the front's cost rather than an HTTP client's (aiohttp's client costs
+    about as much as the server per request)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.host, port = endpoint.rsplit(":", 1)
+        self.port = int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes, on_event=None) -> bytes:
+        """The answer's body; for a chunked (SSE) answer, `on_event(chunk)` per chunk."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(),
+                                                              len(body), body))
+        head = (await self.reader.readuntil(b"\r\n\r\n")).lower()
+        if b"transfer-encoding: chunked" not in head:
+            length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+            return await self.reader.readexactly(length)
+        last = b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+            data = await self.reader.readexactly(size + 2)
+            if not size:
+                return last
+            last = data[:-2]
+            if on_event is not None:
+                on_event(last)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def run(cluster: Cluster, args: argparse.Namespace) -> dict[str, list[float]]:
-    url = f"http://{cluster.info['http']}/generate"
     sampling = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
     times: dict[str, list[float]] = {"zpd.Client": [], "asyncio client": [], "HTTP": [],
                                      "HTTP stream": []}
     router = RouterClient(cluster.router)
     await router.start()
+    http = RawHTTP(cluster.info["http"])
+    path = "/generate"
     with cluster.client() as client:
-        async with aiohttp.ClientSession() as http:
-            for i in range(args.requests + args.warmup):
-                ids = [(i * 7 + j) % 250 for j in range(args.prompt_len)]
-                t0 = time.perf_counter()
-                client.generate(input_ids=ids, sampling_params=sampling)
-                t1 = time.perf_counter()
-                async for _ in router.stream(GenRequest(sampling, input_ids=ids)):
-                    pass
-                t1b = time.perf_counter()
-                async with http.post(url, data=orjson.dumps(
-                        {"input_ids": ids, "sampling_params": sampling})) as r:
-                    await r.read()
-                t2 = time.perf_counter()
-                async with http.post(url, data=orjson.dumps(
-                        {"input_ids": ids, "sampling_params": sampling, "stream": True})) as r:
-                    await r.read()
-                t3 = time.perf_counter()
-                if i >= args.warmup:
-                    for name, dt in zip(times, (t1 - t0, t1b - t1, t2 - t1b, t3 - t2)):
-                        times[name].append(dt * 1e3)
+        for i in range(args.requests + args.warmup):
+            ids = [(i * 7 + j) % 250 for j in range(args.prompt_len)]
+            t0 = time.perf_counter()
+            client.generate(input_ids=ids, sampling_params=sampling)
+            t1 = time.perf_counter()
+            async for _ in router.stream(GenRequest(sampling, input_ids=ids)):
+                pass
+            t1b = time.perf_counter()
+            await http.post(path, orjson.dumps({"input_ids": ids, "sampling_params": sampling}))
+            t2 = time.perf_counter()
+            await http.post(path, orjson.dumps(
+                {"input_ids": ids, "sampling_params": sampling, "stream": True}))
+            t3 = time.perf_counter()
+            if i >= args.warmup:
+                for name, dt in zip(times, (t1 - t0, t1b - t1, t2 - t1b, t3 - t2)):
+                    times[name].append(dt * 1e3)
+    http.close()
     await router.close()
     return times
 
@@ -95,35 +129,38 @@ def zmq_round(cluster: Cluster, prompts: list[list[int]], sampling: dict) -> tup
     return [t * 1e3 for t in first.values()], tokens / took
 
 
-async def http_round(url: str, prompts: list[list[int]], sampling: dict) -> tuple[list[float], float]:
-    """The same through HTTP: streamed POST /generate, every request at once."""
-    async def one(http, ids: list[int], t0: float) -> tuple[float, int]:
-        ttft, n = None, 0
-        async with http.post(url, data=orjson.dumps({"input_ids": ids, "sampling_params": sampling,
-                                                     "stream": True})) as r:
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    n = len(orjson.loads(line[6:])["output_ids"])     # cumulative, as SGLang's
-                    if ttft is None and n:
-                        ttft = time.perf_counter() - t0
-        return ttft * 1e3, n
+async def http_round(endpoint: str, prompts: list[list[int]], sampling: dict) -> tuple[list[float], float]:
+    """The same through HTTP: streamed POST /generate, every request at once, one
+    connection each."""
+    async def one(ids: list[int], t0: float) -> tuple[float, int]:
+        http, first, last = RawHTTP(endpoint), [], [b""]
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-        t0 = time.perf_counter()
-        got = await asyncio.gather(*(one(http, p, t0) for p in prompts))
-        took = time.perf_counter() - t0
+        def on_event(event: bytes) -> None:
+            if event.startswith(b"data: {"):
+                if not first:
+                    first.append(time.perf_counter() - t0)
+                last[0] = event
+        body = orjson.dumps({"input_ids": ids, "sampling_params": sampling, "stream": True})
+        try:
+            await http.post("/generate", body, on_event)
+        finally:
+            http.close()
+        return first[0] * 1e3, len(orjson.loads(last[0][6:])["output_ids"])   # cumulative
+
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*(one(p, t0) for p in prompts))
+    took = time.perf_counter() - t0
     return [t for t, _ in got], sum(n for _, n in got) / took
 
 
 def load(cluster: Cluster, args: argparse.Namespace) -> None:
     sampling = {"temperature": 0, "max_new_tokens": args.stream_tokens, "ignore_eos": True}
     prompts = [[(i * 13 + j) % 250 for j in range(args.prompt_len)] for i in range(args.streams)]
-    url = f"http://{cluster.info['http']}/generate"
     rows: dict[str, list[tuple[float, float, float]]] = {"zpd.Client": [], "HTTP": []}
     for _ in range(args.rounds):
         for name in rows:
             ttfts, rate = zmq_round(cluster, prompts, sampling) if name == "zpd.Client" else \
-                asyncio.run(http_round(url, prompts, sampling))
+                asyncio.run(http_round(cluster.info["http"], prompts, sampling))
             rows[name].append((statistics.median(ttfts), percentile(ttfts, 0.99), rate))
     print(f"\n{args.streams} concurrent streams x {args.stream_tokens} tokens, "
           f"median of {args.rounds} rounds")
