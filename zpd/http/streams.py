@@ -61,10 +61,20 @@ async def follow(backend: Backend, items: list[GenRequest],
     try:
         left = len(outputs)
         while left:
-            out, chunk = await queue.get()
-            out.add(chunk)
-            left -= out.finished
-            yield out
+            # Every chunk already waiting is taken at once and each Output yielded once:
+            # a front that falls behind the decode writes one event per request for
+            # several tokens instead of one per token (events carry what is new since
+            # the last, so nothing is lost), and so catches up.
+            touched: dict[int, Output] = {}
+            got = [await queue.get()]
+            while not queue.empty():
+                got.append(queue.get_nowait())
+            for out, chunk in got:
+                out.add(chunk)
+                left -= out.finished
+                touched[out.index] = out
+            for out in touched.values():
+                yield out
     finally:
         for task in tasks:
             task.cancel()
