@@ -72,7 +72,7 @@ def load_in_child(side: str, dtype: str, threads: int) -> dict:
 
 def zpd_speed(model, prompt: list[int], batch: int, new: int) -> float:
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    engine = OfflineEngine(model, kv_cache_mb=64, max_batch=batch)
+    engine = OfflineEngine(model, kv_cache_mb=512, max_batch=batch)   # every request at once
     reqs = [Request(f"r{i}", list(prompt), params) for i in range(batch)]
     start = time.perf_counter()
     outs = engine.run(reqs)
@@ -94,11 +94,14 @@ def hf_speed(model, prompt: list[int], batch: int, new: int) -> float:
 
 def hf_plain(dtype: torch.dtype):
     """transformers' Llama with the weights transformers dequantized from the file."""
+    import contextlib
+    import io
+
     import transformers
-    transformers.utils.logging.disable_progress_bar()
     path = Path(resolve_spec("smollm2"))
-    packed = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with contextlib.redirect_stderr(io.StringIO()):          # its progress bars
+        packed = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model = transformers.AutoModelForCausalLM.from_config(packed.config).to(dtype)
     model.load_state_dict(packed.state_dict())
     return model.eval()
