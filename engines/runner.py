@@ -38,7 +38,7 @@ class ModelRunner:
     def decode(self, tokens: list[int], positions: list[int],
                page_tables: list[list[int]]) -> torch.Tensor:
         """Feed token i at position i of its sequence; it attends to positions 0..pos."""
-        b, span = len(tokens), max(positions) + 1
+        span = max(positions) + 1
         width = -(-span // self.page_size)
         table = self._tensor([pt[:width] + [pt[0]] * (width - len(pt[:width])) for pt in page_tables])
         pos = self._tensor(positions)

@@ -7,7 +7,6 @@ stops every child on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import signal
 import subprocess

@@ -28,9 +28,14 @@ from typing import Any, NamedTuple
 import orjson
 
 # The usual import path for every message name (``from zpd.wire.protocol import ...``).
-from zpd.wire.messages import (  # noqa: F401
+from zpd.wire.messages import (
     MESSAGE_TYPES, Abort, Accepted, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest,
     KvDone, KvFailed, Message, Ping, Pong, ProtocolError, Recompute, TokenPart, Tokens, new_room)
+
+__all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Error", "Generate", "Hello", "HelloAck",
+           "KvDest", "KvDone", "KvFailed", "Message", "Ping", "Pong", "ProtocolError", "Recompute",
+           "TokenPart", "Tokens", "new_room", "MESSAGE_TYPES", "PROTOCOL_VERSION",
+           "MAX_FRAME_BYTES", "MAX_FRAMES", "encode", "decode"]
 
 PROTOCOL_VERSION = 1
 
