@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from zpd.http import admin_routes, metrics, native, openai_api
+from zpd.http import admin_routes, metrics, native, openai_api, sync_routes
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
 
@@ -23,7 +23,8 @@ PUBLIC = frozenset({"/health"})
 # Routes that change what every user sees: the admin key guards them when it is set.
 ADMIN = frozenset({"/pause_generation", "/continue_generation", "/update_weights_from_disk",
                    "/abort_request", "/flush_cache", "/release_memory_occupation",
-                   "/resume_memory_occupation"})
+                   "/resume_memory_occupation", "/init_weights_update_group",
+                   "/update_weights_from_distributed", "/destroy_weights_update_group"})
 
 
 def keys_for(front: Front, path: str) -> tuple[str, ...]:
@@ -88,6 +89,6 @@ def build_app(front: Front, max_body_bytes: int = 64 << 20) -> web.Application:
     app = web.Application(middlewares=[errors, guard], client_max_size=max_body_bytes)
     front.backend = metrics.metered(front.backend)          # latencies for /metrics
     app[FRONT] = front
-    for module in (native, admin_routes, openai_api, metrics):
+    for module in (native, admin_routes, sync_routes, openai_api, metrics):
         app.add_routes(module.routes)
     return app

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from zpd.router.admin_args import BadArgs, admin_timeout, check_args
+from zpd.router.weight_sync import BLOCKED, RouterWeightSync
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 
@@ -37,6 +38,7 @@ class RouterAdmin:
         self.server = server
         self.fanouts: dict[str, Fanout] = {}
         self.req_ids = itertools.count(1)
+        self.sync = RouterWeightSync(self)
 
     def on_admin(self, client: bytes, msg: Admin) -> None:
         """Check the arguments, then run the command: bad input is answered 400 and
@@ -65,7 +67,13 @@ class RouterAdmin:
 
     def _run(self, command: str, args: dict, timeout: float, reply: Reply) -> None:
         server = self.server
-        if command == "abort":
+        if command in BLOCKED and self.sync.active is not None:
+            reply(False, {"status": 409, "error": f"{command} while {self.sync.active}: wait "
+                                                  "for it", "workers": []})
+        elif command in ("init_weights_update_group", "update_weights_from_distributed",
+                         "destroy_weights_update_group"):
+            self.sync.run(command, args, timeout, reply)
+        elif command == "abort":
             self.abort(args, reply)
         elif command == "abort_all":
             self.abort_all(reply)
@@ -153,8 +161,10 @@ class RouterAdmin:
 
     # --- fan-out ------------------------------------------------------------------
 
-    def fan_out(self, command: str, args: dict, targets: list[Worker], timeout: float,
-                on_done: Callable[[list[dict]], None]) -> None:
+    def fan_out(self, command: str, args: dict | Callable[[Worker], dict], targets: list[Worker],
+                timeout: float, on_done: Callable[[list[dict]], None]) -> None:
+        """Send `command` to `targets` (`args` may be a function of the worker); call
+        `on_done` with one reply per target once all answered or `timeout` passed."""
         key = f"{next(self.req_ids)}"
         live = [w for w in targets if w.alive]
         fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
@@ -162,7 +172,7 @@ class RouterAdmin:
                         "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
         fan.timer = self.server.loop.call_later(timeout, self._done, key)
         for w in live:
-            w.dealer.send(Admin(command, args, key))
+            w.dealer.send(Admin(command, args(w) if callable(args) else args, key))
         if not live:
             self._done(key)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from engines.weight_push import MAX_TENSORS
 from zpd.worker.scheduler import PAUSE_MODES
+from zpd.worker.trainer_group import TRAINER_INITS
 
 MAX_TIMEOUT_S = 3600.0     # longest a fan-out waits for its workers' answers
 
@@ -17,6 +19,10 @@ class BadArgs(ValueError):
 
 def _text(value: Any) -> bool:
     return isinstance(value, str) and value != ""
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 Check = tuple[Callable[[Any], bool], str]     # the test, and what it wants (for the error)
@@ -33,8 +39,30 @@ ARGS: dict[str, dict[str, Check]] = {
     "abort": {"rid": TEXT},
     "abort_all": {},
     "status": {}, "release_memory": {}, "resume_memory": {}, "flush_cache": {},
+    # trainer weight sync (zpd/router/weight_sync.py); workers check the tensors
+    "init_weights_update_group": {
+        "master_address": TEXT, "master_port": (lambda v: _int(v) and 1 <= v <= 65535, "a port"),
+        "rank_offset": (lambda v: _int(v) and 1 <= v < 1 << 16, "an integer >= 1 (rank 0 is "
+                                                                "the trainer)"),
+        "world_size": (lambda v: _int(v) and 2 <= v <= 1 << 16, "an integer >= 2"),
+        "group_name": TEXT, "backend": (lambda v: v in ("gloo", "nccl"), "gloo or nccl"),
+        "trainer_init": (lambda v: v in TRAINER_INITS, " or ".join(TRAINER_INITS))},
+    "update_weights_from_distributed": {
+        "names": (lambda v: isinstance(v, list) and 0 < len(v) <= MAX_TENSORS,
+                  f"a list of 1 to {MAX_TENSORS} tensor names"),
+        "dtypes": (lambda v: isinstance(v, list), "a list of dtype names"),
+        "shapes": (lambda v: isinstance(v, list), "a list of shapes"),
+        "group_name": TEXT, "weight_version": (lambda v: v is None or _text(v),
+                                               "a non-empty string (or null)"),
+        "load_format": (lambda v: v in (None, "flattened_bucket"),
+                        'null (one broadcast per tensor) or "flattened_bucket"')},
+    "destroy_weights_update_group": {"group_name": TEXT},
 }
-REQUIRED = {"update_weights": ("path",), "abort": ("rid",)}
+REQUIRED = {"update_weights": ("path",), "abort": ("rid",),
+            "init_weights_update_group": ("master_address", "master_port", "rank_offset",
+                                          "world_size", "group_name"),
+            "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name"),
+            "destroy_weights_update_group": ("group_name",)}
 
 
 def check_args(command: str, args: dict) -> None:

@@ -79,6 +79,7 @@ class RouterServer:
         self.inflight: dict[str, InFlight] = {}
         self.paused: str | None = None
         self.queued: dict[str, tuple[bytes, Generate]] = {}     # arrived while paused
+        self.updating = False       # a weight push is under way: queue new requests too
         self.admin = RouterAdmin(self)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
@@ -174,8 +175,8 @@ class RouterServer:
             log.info("rid=%s from client %r refused: %d %s", rid, client[:32], *refused)
             self.to_client(client, Tokens.abort(rid, *refused))
             return
-        if self.paused is not None:
-            self.queued[rid] = (client, msg)     # runs after continue
+        if self.paused is not None or self.updating:
+            self.queued[rid] = (client, msg)     # runs after continue (or the weight push)
             return
         self.route(client, msg, rid)
 

@@ -31,6 +31,7 @@ from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import WeightsAndMemory
 from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
+from zpd.worker.weight_sync import WeightSync
 
 log = logging.getLogger("zpd.worker.core")
 
@@ -60,6 +61,7 @@ class WorkerCore:
         self.loop = loop or Loop()
         self.compat_hash = compat_hash(self.model, self.layout)
         self.memory = WeightsAndMemory(self)
+        self.weight_sync = WeightSync(self)
         self.paused: str | None = None            # None or the pause mode
         self.pause_waiters: list[Respond] = []
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
@@ -71,7 +73,7 @@ class WorkerCore:
             Ping: self._on_ping, Admin: self._on_admin}
         self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
             "pause": self.pause, "continue": self.resume, "status": self.status,
-            **self.memory.commands()}
+            **self.memory.commands(), **self.weight_sync.commands()}
         self.loop.add_socket(self.sock, self._on_socket)
         self.loop.every(cfg.deadlines.heartbeat, self._check_peers)
         # Pings are answered during forwards longer than this, so a busy worker stays alive.
@@ -253,7 +255,8 @@ class WorkerCore:
                 "memory": self.memory.state,
                 "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
                              "fenced": pages["fenced"]},
-                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | fields
+                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \
+            | fields
 
     # --- requests --------------------------------------------------------------------
 
@@ -292,6 +295,7 @@ class WorkerCore:
     # --- process ---------------------------------------------------------------------
 
     def close(self) -> None:
+        self.weight_sync.close()
         self.responder.close()
         self.backend.close()
         self.sock.close()

@@ -1,0 +1,104 @@
+"""A worker's torch.distributed group with a trainer: joined from the trainer's
+address, our rank and the world size, never as this process's default group, and
+received from with broadcasts rooted at the trainer (rank 0).
+
+The group is built from torch's public classes (the store from `rendezvous`, a
+`PrefixStore`, `ProcessGroupGloo` or `ProcessGroupNCCL`). Every rank of a group must
+use the same store keys, and the trainer decides them by how it creates its side:
+
+- "init_process_group": the trainer calls `torch.distributed.init_process_group(
+  backend, init_method="tcp://A:P", world_size=W, rank=0)` (shared/DESIGN.md).
+  Torch keys that group "default_pg/0/<device>/".
+- "init_custom_process_group": the trainer creates a named group as SGLang's
+  `init_custom_process_group(..., group_name=G)` does (slime, AReaL and verl ship a
+  copy): keys "G/G/<device>/".
+
+tests/unit/test_trainer_group.py joins a real trainer of each kind, so a torch
+release that keys its groups differently fails there, not in a user's cluster.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("zpd.worker.trainer_group")
+
+BACKENDS = {"gloo": "cpu", "nccl": "cuda"}     # backend -> the device its keys name
+TRAINER_INITS = ("init_process_group", "init_custom_process_group")
+
+
+class GroupError(RuntimeError):
+    """Joining or receiving failed (trainer gone, timeout, bad address)."""
+
+
+def _store_prefix(store: dist.Store, trainer_init: str, name: str, device: str) -> dist.Store:
+    if trainer_init == "init_process_group":
+        group = dist.PrefixStore("0/", dist.PrefixStore("default_pg", store))
+    else:
+        group = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+    return dist.PrefixStore(f"{device}/", group)
+
+
+class TrainerGroup:
+    """One joined group; `receive` runs off the scheduler thread."""
+
+    def __init__(self, name: str, backend: str, rank: int, world_size: int,
+                 pg: dist.ProcessGroup, store: dist.Store) -> None:
+        self.name, self.backend, self.rank, self.world_size = name, backend, rank, world_size
+        self._pg, self._store = pg, store     # the store must live as long as the group
+        self.device = torch.device(BACKENDS[backend])
+
+    @classmethod
+    def join(cls, name: str, backend: str, master_address: str, master_port: int, rank: int,
+             world_size: int, trainer_init: str, timeout_s: float) -> "TrainerGroup":
+        """Block until every rank, the trainer included, has joined, or `timeout_s`."""
+        if backend not in BACKENDS:
+            raise GroupError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise GroupError("backend nccl needs CUDA and a torch built with NCCL; use gloo")
+        host = f"[{master_address}]" if ":" in master_address else master_address
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            store, _, _ = next(dist.rendezvous(f"tcp://{host}:{master_port}", rank, world_size,
+                                               timeout=timeout))
+            store.set_timeout(timeout)
+            keys = _store_prefix(store, trainer_init, name, BACKENDS[backend])
+            if backend == "gloo":
+                pg = dist.ProcessGroupGloo(keys, rank, world_size, timeout)
+            else:
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                pg = dist.ProcessGroupNCCL(keys, rank, world_size, opts)
+        except (RuntimeError, ValueError, OSError) as e:     # DistStoreError is a RuntimeError
+            raise GroupError(f"could not join group {name!r} at {host}:{master_port} as rank "
+                             f"{rank}/{world_size}: {e}") from None
+        log.warning("joined weight group %r (%s) at %s:%d as rank %d of %d",
+                    name, backend, host, master_port, rank, world_size)
+        return cls(name, backend, rank, world_size, pg, store)
+
+    def receive(self, tensor: torch.Tensor, deadline: float) -> None:
+        """Fill `tensor` from the trainer's next broadcast, by monotonic `deadline`."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = timedelta(seconds=max(0.5, deadline - time.monotonic()))
+        try:
+            self._pg.broadcast([tensor], opts).wait()
+            if tensor.is_cuda:
+                torch.cuda.current_stream().synchronize()
+        except RuntimeError as e:
+            raise GroupError(f"broadcast in group {self.name!r} failed: {e}") from None
+
+    def close(self) -> None:
+        """Tear the group down (its connections close with it)."""
+        pg, self._pg, self._store = self._pg, None, None
+        shutdown = getattr(pg, "shutdown", None) if self.backend == "nccl" else None
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError as e:
+                log.warning("closing weight group %r: %s", self.name, e)
+        log.warning("weight group %r closed", self.name)

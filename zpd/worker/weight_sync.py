@@ -1,0 +1,296 @@
+"""Trainer weight sync on a worker, the worker's half of a two-phase update that the
+router drives (zpd/router/weight_sync.py):
+
+- `join_weights_group`: join a trainer's torch.distributed group as the rank the
+  router gives (off the scheduler thread: heartbeats keep flowing).
+- `stage_weights`: check the announced names, shapes and dtypes against the model,
+  then receive every broadcast into staging memory, on a thread. A push the model
+  refuses is still received (and dropped) so the trainer's broadcasts complete,
+  then answered 400; the model is not touched either way.
+- `commit_weights` / `discard_weights`: the router commits only once every worker
+  has staged everything, else discards everywhere; a commit is a local copy.
+- `destroy_weights_update_group`: leave the group.
+
+One background job (a join or a receive) runs at a time.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from engines.config import ModelError
+from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from engines.weight_push import (Announced, announce, apply_pushed, bucket_dtype, push_limit,
+                                 sizes, unflatten)
+from zpd.worker.scheduler import Respond
+from zpd.worker.trainer_group import BACKENDS, TRAINER_INITS, GroupError, TrainerGroup
+
+if TYPE_CHECKING:
+    from zpd.worker.core import WorkerCore
+
+log = logging.getLogger("zpd.worker.weight_sync")
+
+LOAD_FORMATS = (None, "flattened_bucket")
+
+
+@dataclass(eq=False)
+class Staged:
+    """A push received in full, waiting for the router's commit or discard."""
+    update_id: str
+    group: str
+    tensors: list[tuple[Announced, torch.Tensor]]
+    nbytes: int
+
+
+def _text(args: dict, name: str, limit: int = 256) -> str:
+    value = args.get(name)
+    if not isinstance(value, str) or not value or len(value) > limit or not value.isprintable():
+        raise StatusError(BAD_REQUEST, f"{name!r} must be a printable string of 1 to {limit} "
+                                       f"characters, not {value!r:.60}")
+    return value
+
+
+def _int(args: dict, name: str, low: int, high: int) -> int:
+    value = args.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise StatusError(BAD_REQUEST, f"{name!r} must be an integer in [{low}, {high}], "
+                                       f"not {value!r:.40}")
+    return value
+
+
+def _seconds(args: dict, name: str, default: float) -> float:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+        raise StatusError(BAD_REQUEST, f"{name!r} must be a number of seconds in (0, 86400]")
+    return float(value)
+
+
+class WeightSync:
+    """The trainer groups this worker belongs to, and at most one staged push."""
+
+    def __init__(self, core: "WorkerCore") -> None:
+        self.core = core
+        self.groups: dict[str, TrainerGroup] = {}
+        self.job: str | None = None              # what the background thread is doing
+        self.job_group: str | None = None
+        self.staged: Staged | None = None
+        self.abandoned: set[str] = set()         # update ids discarded while receiving
+        self.doomed: set[str] = set()            # groups to close once the job ends
+
+    def commands(self) -> dict[str, Callable[[dict, Respond], None]]:
+        return {"join_weights_group": self.join, "stage_weights": self.stage,
+                "commit_weights": self.commit, "discard_weights": self.discard,
+                "destroy_weights_update_group": self.destroy}
+
+    def status(self) -> dict:
+        return {"weight_groups": sorted(self.groups), "weights_staged": self.staged is not None,
+                "weight_sync_job": self.job}
+
+    # --- commands --------------------------------------------------------------
+
+    def join(self, args: dict, respond: Respond) -> None:
+        name = _text(args, "group_name")
+        # Left out: what the trainer would use with a worker like this one.
+        backend = args.get("backend") or ("nccl" if self.core.model.device.type == "cuda" else "gloo")
+        if backend not in BACKENDS:
+            raise StatusError(BAD_REQUEST, f"'backend' must be one of {', '.join(BACKENDS)}")
+        trainer_init = args.get("trainer_init", "init_process_group")
+        if trainer_init not in TRAINER_INITS:
+            raise StatusError(BAD_REQUEST, f"'trainer_init' must be one of {', '.join(TRAINER_INITS)}")
+        address = _text(args, "master_address")
+        port = _int(args, "master_port", 1, 65535)
+        world = _int(args, "world_size", 2, 1 << 16)
+        rank = _int(args, "rank", 1, world - 1)
+        timeout = _seconds(args, "timeout_s", 60.0)
+        if name in self.groups:
+            raise StatusError(CONFLICT, f"already in weight group {name!r}: destroy it first")
+        self._idle_or_409()
+
+        def done(group: TrainerGroup | None, error: Exception | None) -> None:
+            if group is not None and name in self.doomed:
+                self.doomed.discard(name)
+                group.close()
+                respond(False, {"status": 409, "error": f"group {name!r} was destroyed "
+                                                        "while joining"})
+            elif group is not None:
+                self.groups[name] = group
+                respond(True, {"group_name": name, "rank": rank, "world_size": world})
+            else:
+                self.doomed.discard(name)
+                respond(False, {"status": 500, "error": str(error)})
+
+        self._background(f"joining {name}", name, done, lambda: TrainerGroup.join(
+            name, backend, address, port, rank, world, trainer_init, timeout))
+
+    def stage(self, args: dict, respond: Respond) -> None:
+        """Receive one push into staging memory; answered once all of it arrived."""
+        core = self.core
+        name = _text(args, "group_name")
+        update_id = _text(args, "update_id")
+        load_format = args.get("load_format")
+        if load_format not in LOAD_FORMATS:
+            raise StatusError(BAD_REQUEST, "'load_format' must be null (one broadcast per "
+                                           "tensor) or \"flattened_bucket\"")
+        deadline = time.monotonic() + _seconds(args, "timeout_s", 600.0)
+        group = self.groups.get(name)
+        if group is None:
+            raise StatusError(BAD_REQUEST, f"no weight group {name!r} here: "
+                                           "init_weights_update_group first")
+        self._idle_or_409()
+        if core.paused is None and core.scheduler.busy():
+            raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
+        names, dtypes, shapes = (args.get(k) for k in ("names", "dtypes", "shapes"))
+        if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
+            raise StatusError(BAD_REQUEST, "'names', 'dtypes' and 'shapes' must be lists")
+        try:
+            parsed = sizes(names, dtypes, shapes)
+        except ModelError as e:           # no sizes: we cannot even drain it
+            raise StatusError(BAD_REQUEST, str(e)) from None
+        refusal = None
+        try:
+            items = announce(core.model.net, names, dtypes, shapes)
+        except ModelError as e:
+            refusal = str(e)
+            items = [Announced(str(n), d, s, None) for n, (d, s) in zip(names, parsed)]
+        total = sum(a.nbytes for a in items)
+        if total > push_limit(core.model.net):
+            raise StatusError(BAD_REQUEST, f"the push announces {total} bytes, more than this "
+                                           f"model could take ({push_limit(core.model.net)})")
+        self.staged = None                # a newer push replaces one never committed
+        device = group.device if group.backend == "nccl" else torch.device("cpu")
+        bucket = load_format == "flattened_bucket"
+        log.warning("receiving %d tensors (%d bytes%s) from group %r%s", len(items), total,
+                    ", one bucket" if bucket else "", name, f"; refused: {refusal}" if refusal else "")
+
+        def receive() -> list[torch.Tensor] | None:
+            started = time.monotonic()
+            tensors = _receive(group, items, bucket, device, deadline, keep=refusal is None)
+            log.warning("received %d bytes from group %r in %.3f s", total, name,
+                        time.monotonic() - started)
+            return tensors
+
+        def done(tensors: list[torch.Tensor] | None, error: Exception | None) -> None:
+            if error is not None:         # the group is broken (trainer gone, timeout)
+                self._close(name)
+                respond(False, {"status": 504 if "imeout" in str(error) else 500,
+                                "error": f"{error}; group {name!r} closed, weights unchanged"})
+            elif update_id in self.abandoned:
+                self.abandoned.discard(update_id)
+                respond(False, {"status": 409, "error": "discarded while receiving"})
+            elif refusal is not None:
+                respond(False, {"status": 400, "error": f"{refusal}; nothing applied"})
+            else:
+                self.staged = Staged(update_id, name, list(zip(items, tensors)), total)
+                respond(True, {"staged_tensors": len(items), "staged_bytes": total})
+            if name in self.doomed:
+                self.doomed.discard(name)
+                self._close(name)
+
+        self._background(f"receiving {name}", name, done, receive)
+
+    def commit(self, args: dict, respond: Respond) -> None:
+        core = self.core
+        update_id = _text(args, "update_id")
+        version = _text(args, "version")
+        staged = self.staged
+        if staged is None or staged.update_id != update_id:
+            raise StatusError(CONFLICT, f"no staged push {update_id!r} to commit")
+        if core.paused is None and core.scheduler.busy():
+            raise StatusError(CONFLICT, "requests started since the push was staged: pause first")
+        started = time.monotonic()
+        try:
+            with core.long_call():
+                written = apply_pushed(core.model.net, staged.tensors)
+        except RuntimeError as e:        # shapes were checked: this is a real fault
+            raise StatusError(INTERNAL, f"applying the pushed weights failed: {e}") from None
+        finally:
+            self.staged = None
+        core.model.version = version
+        log.warning("weights from group %r committed: version %r (%d elements, %.3f s)",
+                    staged.group, version, written, time.monotonic() - started)
+        respond(True, {"weight_version": version})
+
+    def discard(self, args: dict, respond: Respond) -> None:
+        """Drop a staged (or still arriving) push; with `destroy`, leave its group too."""
+        update_id = _text(args, "update_id")
+        if self.staged is not None and self.staged.update_id == update_id:
+            self.staged = None
+        elif self.job is not None and self.job.startswith("receiving"):
+            self.abandoned.add(update_id)
+        group = args.get("destroy")
+        if isinstance(group, str) and group:
+            self._close(group)
+        respond(True, {"discarded": update_id})
+
+    def destroy(self, args: dict, respond: Respond) -> None:
+        name = _text(args, "group_name")
+        if name not in self.groups and self.job_group != name:
+            raise StatusError(BAD_REQUEST, f"no weight group {name!r} here")
+        self._close(name)
+        respond(True, {"group_name": name, "destroyed": True})
+
+    # --- helpers ---------------------------------------------------------------
+
+    def _close(self, name: str) -> None:
+        """Leave group `name` now, or once the job using it ends."""
+        if self.job_group == name:
+            self.doomed.add(name)
+            return
+        if self.staged is not None and self.staged.group == name:
+            self.staged = None
+        group = self.groups.pop(name, None)
+        if group is not None:
+            group.close()
+
+    def _idle_or_409(self) -> None:
+        if self.job is not None:
+            raise StatusError(CONFLICT, f"busy {self.job}: one weight-sync step at a time")
+
+    def _background(self, job: str, group: str, done: Callable[[Any, Exception | None], None],
+                    work: Callable[[], Any]) -> None:
+        """Run `work` on a thread; `done(result, error)` runs on the scheduler's loop."""
+        self.job, self.job_group = job, group
+
+        def finish(result: Any, error: Exception | None) -> None:
+            self.job = self.job_group = None
+            done(result, error)
+
+        def run() -> None:
+            try:
+                result, error = work(), None
+            except (GroupError, RuntimeError, ValueError, OSError) as e:
+                result, error = None, e
+            self.core.loop.call_soon_threadsafe(finish, result, error)
+
+        threading.Thread(target=run, name=f"zpd-weights-{group}", daemon=True).start()
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self.groups.pop(name).close()
+
+
+def _receive(group: TrainerGroup, items: list[Announced], bucket: bool, device: torch.device,
+             deadline: float, keep: bool) -> list[torch.Tensor] | None:
+    """Every announced tensor from `group`, in order; with `keep` False they land in
+    one scratch buffer and are dropped."""
+    if bucket:
+        dtype = bucket_dtype(items)
+        flat = torch.empty(sum(a.nbytes for a in items) // dtype.itemsize, dtype=dtype,
+                           device=device)
+        group.receive(flat, deadline)
+        return unflatten(flat, items) if keep else None
+    if not keep:
+        scratch = torch.empty(max(a.nbytes for a in items), dtype=torch.uint8, device=device)
+        for a in items:
+            group.receive(scratch[:a.nbytes].view(a.dtype).view(a.shape), deadline)
+        return None
+    tensors = []
+    for a in items:
+        tensors.append(torch.empty(a.shape, dtype=a.dtype, device=device))
+        group.receive(tensors[-1], deadline)
+    return tensors
