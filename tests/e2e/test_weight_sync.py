@@ -1,0 +1,226 @@
+"""Trainer weight sync end to end: `zpd launch --http-port` clusters (1P1D and 2P2D,
+float64) and real trainer processes, rank 0 of a gloo group on loopback:
+examples/push_weights.py (the calls a trainer makes, pause and continue included)
+and tests/e2e/trainer_proc.py (a trainer the test can stall, feed a bad tensor or kill)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from engines.loader import load_model
+from engines.tiny import tiny_state_dict
+from tests.e2e.cluster import ROOT, Cluster, assert_all_pages_free
+from tests.e2e.test_retract import Collector, _greedy, _pause_midway, _workload, check_exact
+from tests.unit.trainer_side import free_port
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
+
+GROUP = "weight_update_group"
+
+
+def _cluster(tmp_path_factory, prefill: int, decode: int):
+    # KV writes take 0.4 s longer, so a pause reliably lands mid-output (as in test_retract)
+    return Cluster(tmp_path_factory.mktemp(f"sync{prefill}{decode}"), prefill=prefill,
+                   decode=decode, extra=("--max-batch", "64", "--http-port", "0"),
+                   env={"ZPD_TRANSPORT_FAULT": "delay:seconds=0.4"})
+
+
+@pytest.fixture(scope="module")
+def one_one(tmp_path_factory):
+    with _cluster(tmp_path_factory, 1, 1) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def two_two(tmp_path_factory):
+    with _cluster(tmp_path_factory, 2, 2) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"tiny": load_model("tiny", dtype="float64"), "v2": load_model("tiny:7", dtype="float64")}
+
+
+def post(cluster: Cluster, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://{cluster.info['http']}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def versions(cluster: Cluster) -> set[str]:
+    with urllib.request.urlopen(f"http://{cluster.info['http']}/get_weight_version") as r:
+        return set(json.loads(r.read())["weight_versions"].values())
+
+
+class InThread:
+    """One HTTP call on a thread: `.result()` waits for its answer."""
+
+    def __init__(self, fn, *args) -> None:
+        self.value = None
+        self.thread = threading.Thread(target=lambda: setattr(self, "value", fn(*args)), daemon=True)
+        self.thread.start()
+
+    def result(self, timeout: float = 120):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "no HTTP answer"
+        return self.value
+
+
+class TrainerProc:
+    """tests/e2e/trainer_proc.py, joined to the cluster's workers."""
+
+    def __init__(self, cluster: Cluster, *flags: str) -> None:
+        self.port, world = free_port(), len(cluster.info["workers"]) + 1
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.trainer_proc", str(self.port),
+                                      str(world), "7", *flags], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        status, answer = post(cluster, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1,
+            "world_size": world, "group_name": GROUP, "backend": "gloo"})
+        assert status == 200 and answer["success"], answer
+        assert self.proc.stdout.readline().strip() == "joined"
+
+    def push(self) -> None:
+        self.proc.stdin.write("push\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, line: str) -> None:
+        while (got := self.proc.stdout.readline().strip()) != line:
+            assert got, f"the trainer ended before {line!r}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def announce(tensors: dict) -> dict:
+    return {"names": list(tensors), "dtypes": ["float32"] * len(tensors),
+            "shapes": [list(t.shape) for t in tensors.values()], "group_name": GROUP}
+
+
+# --- the RL cycle --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["one_one", "two_two"])
+def test_retract_push_continue_is_exact(request, shape, models):
+    """Requests running; pause(retract); a trainer process joins and pushes tiny:7;
+    continue: tokens before the pause are W1's greedy, after it W2's continuation of
+    the whole prefix; a fresh request is W2's greedy output."""
+    cluster = request.getfixturevalue(shape)
+    work = _workload(12, seed=3)
+    with cluster.client() as client:
+        col = Collector(client)
+        for i, (ids, n) in enumerate(work):
+            col.submit(ids, n, f"s{i}")
+        col.start()
+        _pause_midway(cluster, client, col, "retract")
+        done = subprocess.run([sys.executable, "examples/push_weights.py", "--url",
+                               f"http://{cluster.info['http']}", "--weights", "tiny:7",
+                               "--version", "v2", "--pause", "retract"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "/continue_generation: continued" in done.stdout
+        outs = col.wait()
+        switched = 0
+        for i, (ids, _) in enumerate(work):
+            check_exact(ids, outs[f"s{i}"], models)
+            switched += {"tiny", "v2"} <= set(outs[f"s{i}"]["weight_versions"])
+        assert switched >= 1, "no request was paused in the middle of its output"
+        fresh = client.generate(input_ids=[9, 8, 7, 6], sampling_params={
+            "temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+        assert fresh["output_ids"] == _greedy(models["v2"], [9, 8, 7, 6], 12)
+        assert fresh["weight_versions"] == ["v2"] * 12
+        assert_all_pages_free(client)
+    assert versions(cluster) == {"v2"}
+
+
+# --- failures: every worker keeps what it had -----------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["shape", "name"])
+def test_a_bad_push_is_400_and_changes_nothing(one_one, bad):
+    before = versions(one_one)
+    tensors = tiny_state_dict(7)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    flags = ("--bad-shape", name) if bad == "shape" else ()
+    body = announce(tensors) | {"weight_version": "never"}
+    if bad == "shape":
+        body["shapes"][list(tensors).index(name)][0] += 1
+    else:
+        body["names"][list(tensors).index(name)] = "model.layers.0.self_attn.nope.weight"
+    trainer = TrainerProc(one_one, *flags)
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed", body)
+        trainer.push()
+        status, got = answer.result()
+        assert status == 400 and not got["success"], got
+        assert ("has shape" if bad == "shape" else "does not belong") in got["message"]
+        trainer.wait_for("done")              # every broadcast was taken
+        assert versions(one_one) == before
+    finally:
+        trainer.close()
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+
+
+def test_a_trainer_killed_mid_push_leaves_the_old_weights(one_one):
+    before = versions(one_one)
+    trainer = TrainerProc(one_one, "--sleep-after", "3", "--sleep", "600")
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "never"})
+        trainer.push()
+        trainer.wait_for("sent 3")
+        killed = time.monotonic()
+        os.kill(trainer.proc.pid, signal.SIGKILL)
+        status, got = answer.result(timeout=60)
+        assert not got["success"] and status in (500, 504), got
+        assert time.monotonic() - killed < 30
+        assert versions(one_one) == before
+    finally:
+        trainer.close()
+    # the group is gone everywhere: a new trainer joins and pushes
+    again = TrainerProc(one_one)
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "after-kill"})
+        again.push()
+        status, got = answer.result()
+        assert status == 200 and got["success"], got
+        assert versions(one_one) == {"after-kill"}
+    finally:
+        again.close()
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+    with one_one.client() as client:
+        assert_all_pages_free(client)
+
+
+def test_heartbeats_flow_during_a_long_broadcast(one_one):
+    """The trainer stalls for longer than the router's peer timeout mid-push: no
+    worker is declared dead, and the push lands."""
+    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "5")
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "slow"})
+        trainer.push()
+        status, got = answer.result()
+        assert status == 200 and got["success"], got
+    finally:
+        trainer.close()
+    assert versions(one_one) == {"slow"}
+    assert "marked dead" not in one_one.log.read_text()
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
