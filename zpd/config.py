@@ -144,7 +144,7 @@ class HttpConfig:
     connect_timeout: float = 5.0     # the router must acknowledge each request within this
     router_silence: float = 10.0     # with requests in flight, a router silent this long is gone
     admin_timeout: float = 30.0      # seconds an admin command may take (update: weights_timeout)
-    weights_timeout: float = 600.0   # seconds update_weights_from_disk may take
+    weights_timeout: float = 600.0   # seconds a weight update (disk or a trainer's push) may take
     max_body_bytes: int = 64 << 20   # a request body larger than this is refused (413)
 
 

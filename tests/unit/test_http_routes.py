@@ -206,3 +206,61 @@ def test_a_stream_that_breaks_ends_its_request_with_500():
     status, body = call(front(FakeBackend(script)), "POST", "/generate", {"input_ids": [1]})
     assert status == 200 and body["meta_info"]["finish_reason"]["status_code"] == 500
     assert "lost" in body["meta_info"]["finish_reason"]["message"] and body["output_ids"] == [72]
+
+
+def test_weight_sync_routes_send_what_sglang_clients_send():
+    f = front(FakeBackend(replies={"init_weights_update_group": {"ok": True, "workers": [],
+                                                                 "ranks": {"p:1": 1, "d:1": 2}}}))
+    status, body = call(f, "POST", "/init_weights_update_group", {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+        "group_name": "g", "backend": "gloo"})
+    assert status == 200 and body["success"] and body["ranks"] == {"p:1": 1, "d:1": 2}
+    call(f, "POST", "/init_weights_update_group", {"master_address": "h", "master_port": 1,
+                                                   "world_size": 2})
+    spec = {"names": ["model.norm.weight"], "dtypes": ["bfloat16"], "shapes": [[64]]}
+    call(f, "POST", "/update_weights_from_distributed", spec | {
+        "group_name": "g", "weight_version": "s3", "load_format": "flattened_bucket",
+        "flush_cache": True})
+    call(f, "POST", "/destroy_weights_update_group", {"group_name": "g"})
+    call(f, "POST", "/destroy_weights_update_group")
+    assert f.backend.admins == [
+        ("init_weights_update_group", {"master_address": "10.0.0.1", "master_port": 29500,
+                                       "rank_offset": 1, "world_size": 3, "group_name": "g",
+                                       "backend": "gloo"}),
+        # SGLang's defaults: rank_offset 1, group "weight_update_group"; the backend is
+        # the workers' (nccl on CUDA, gloo on CPU)
+        ("init_weights_update_group", {"master_address": "h", "master_port": 1, "rank_offset": 1,
+                                       "world_size": 2, "group_name": "weight_update_group"}),
+        ("update_weights_from_distributed", spec | {"group_name": "g", "weight_version": "s3",
+                                                    "load_format": "flattened_bucket"}),
+        ("destroy_weights_update_group", {"group_name": "g"}),
+        ("destroy_weights_update_group", {"group_name": "weight_update_group"})]
+
+
+@pytest.mark.parametrize("path, body, why", [
+    ("/init_weights_update_group", {"master_port": 1, "world_size": 2}, "master_address"),
+    ("/init_weights_update_group", {"master_address": "h", "master_port": 0, "world_size": 2},
+     "master_port"),
+    ("/init_weights_update_group", {"master_address": "h", "master_port": 1, "world_size": 2,
+                                    "backend": "mpi"}, "backend"),
+    ("/init_weights_update_group", {"master_address": "h", "master_port": 1, "world_size": 2,
+                                    "surprise": 1}, "surprise"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"]}, "shapes"),
+    ("/update_weights_from_distributed", {"names": "a", "dtypes": [], "shapes": []}, "names"),
+    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
+                                          "load_format": "direct"}, "load_format"),
+])
+def test_weight_sync_routes_refuse_bad_bodies(path, body, why):
+    f = front()
+    status, got = call(f, "POST", path, body)
+    assert status == 400 and why in got["error"]["message"], got
+    assert f.backend.admins == []
+
+
+def test_weight_sync_routes_need_the_admin_key():
+    f = front(api_key="user", admin_api_key="boss")
+    body = {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}
+    for headers in (None, {"Authorization": "Bearer user"}):
+        assert call(f, "POST", "/update_weights_from_distributed", body, headers=headers)[0] == 401
+    assert call(f, "POST", "/update_weights_from_distributed", body,
+                headers={"Authorization": "Bearer boss"})[0] == 200

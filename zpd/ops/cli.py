@@ -188,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("http", parents=[common], help="serve SGLang's and OpenAI's HTTP APIs",
                        description="Serve SGLang's native routes (/generate, /pause_generation, "
-                                   "/update_weights_from_disk, ...) and OpenAI's (/v1/models, "
-                                   "/v1/completions, /v1/chat/completions) over HTTP, as a "
-                                   "client of a running router.")
+                                   "/update_weights_from_disk, a trainer's /init_weights_update_group and "
+                                   "/update_weights_from_distributed, ...) and OpenAI's "
+                                   "(/v1/models, /v1/completions, /v1/chat/completions) over "
+                                   "HTTP, as a client of a running router.")
     add_http_options(h)
     h.set_defaults(func=_cmd_http)
 

@@ -167,6 +167,10 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--ready-file", HttpConfig, "write {role, endpoint, pid} here once serving")
     add_default(p, "--connect-timeout", HttpConfig, "seconds within which the router must "
                 "acknowledge each request, else it fails with 503 (default {default})", type=float)
+    add_default(p, "--weights-timeout", HttpConfig, "seconds a weight update may take: "
+                "update_weights_from_disk, or a trainer's push from its first broadcast to the "
+                "commit (a stalled trainer fails the push after this; default {default})",
+                type=float)
 
 
 def add_http_key_options(g: argparse._ActionsContainer) -> None:
@@ -184,7 +188,7 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
                       api_key=args.api_key or env_key,
                       admin_api_key=args.admin_api_key or env_admin, insecure=args.insecure,
                       curve_keys=args.curve_keys, ready_file=args.ready_file,
-                      connect_timeout=args.connect_timeout)
+                      connect_timeout=args.connect_timeout, weights_timeout=args.weights_timeout)
 
 
 def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
