@@ -265,3 +265,44 @@ def test_a_dtype_that_is_not_floating_is_refused_before_any_broadcast(cluster, t
     reply = cluster.admin("update_weights_from_distributed", group_name="g", **body)
     assert {w["status"] for w in reply["workers"]} == {400}
     assert all("int64" in w["error"] for w in reply["workers"])
+
+
+@pytest.mark.parametrize("command, args, status", [
+    ("join_weights_group", {"group_name": "g", "master_address": "127.0.0.1", "master_port": 1,
+                            "world_size": 3, "rank": 0}, 400),             # rank 0 is the trainer's
+    ("join_weights_group", {"group_name": "g", "master_address": "127.0.0.1", "master_port": 0,
+                            "world_size": 3, "rank": 1}, 400),
+    ("join_weights_group", {"group_name": "g\n", "master_address": "127.0.0.1",
+                            "master_port": 1, "world_size": 3, "rank": 1}, 400),
+    ("join_weights_group", {"group_name": "g", "master_address": "127.0.0.1", "master_port": 1,
+                            "world_size": 3, "rank": 1, "backend": "mpi"}, 400),
+    ("join_weights_group", {"group_name": "g", "master_address": "127.0.0.1", "master_port": 1,
+                            "world_size": 3, "rank": 1, "timeout_s": float("inf")}, 400),
+    ("stage_weights", {"group_name": "g", "update_id": "u", "names": ["a"], "dtypes": ["float32"],
+                       "shapes": [[1]]}, 400),                             # no such group
+    ("commit_weights", {"update_id": "u", "version": "v"}, 409),          # nothing staged
+    ("destroy_weights_update_group", {"group_name": "g"}, 400),
+    ("destroy_weights_update_group", {"group_name": ["g"]}, 400),
+])
+def test_hostile_worker_commands_change_nothing(cluster, command, args, status):
+    """Sent straight to the workers (the router passes commands it does not know on)."""
+    reply = cluster.admin(command, **args)     # refused by the router, or by both workers
+    assert not reply["ok"] and {w["status"] for w in reply.get("workers") or [reply]} == {status}
+    for core in (cluster.prefill, cluster.decode):
+        assert core.weight_sync.status() == {"weight_groups": [], "weights_staged": False,
+                                             "weight_sync_job": None}
+    assert versions(cluster) == ["tiny", "tiny"]
+    cluster.serves_again()
+
+
+def test_stage_with_garbage_tensors_is_400_before_any_broadcast(cluster, trainer):
+    assert join(cluster, trainer)["ok"]
+    for spec in ({"names": "x", "dtypes": [], "shapes": []},
+                 {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]},
+                 {"names": ["a"], "dtypes": ["float32"], "shapes": [[2**39] * 8]},
+                 {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]}):
+        reply = cluster.admin("stage_weights", group_name="g", update_id="u", **spec)
+        assert {w["status"] for w in reply["workers"]} == {400}, (spec, reply)
+    for core in (cluster.prefill, cluster.decode):
+        assert core.weight_sync.job is None and core.weight_sync.groups.keys() == {"g"}
+    assert push(cluster, trainer, W2)["ok"]     # the group is still in step with the trainer
