@@ -134,7 +134,7 @@ def wait_idle(admin: Client, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         st = admin.admin("status")
-        idle = all(w["kv_pages"]["free"] == w["kv_pages"]["total"] and not any(w["queues"].values())
+        idle = all(w["kv_pages"]["free"] + w["kv_pages"].get("cached", 0) == w["kv_pages"]["total"] and not any(w["queues"].values())
                    for w in st["workers"]) and not st.get("inflight")
         if idle:
             return

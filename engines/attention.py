@@ -15,9 +15,13 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillMeta:
-    """A packed batch of whole prompts: tokens of sequence i are seq_lens[i] long."""
+    """A packed batch of prompts: sequence i computes seq_lens[i] tokens. With a cached
+    prefix (starts[i] > 0) its tokens also attend to the KV of positions
+    0..starts[i]-1, already in the pool at context_rows[i]."""
     seq_lens: list[int]
     write_rows: torch.Tensor      # [T] pool row of each token for layer 0, K
+    starts: list[int] | None = None                       # None: no sequence has a prefix
+    context_rows: list[torch.Tensor | None] | None = None  # [starts[i]] rows, layer 0, K
 
 
 @dataclass
@@ -48,15 +52,25 @@ class PagedKV:
         return flat.view(*index.shape, self.head_dim)                 # [B, kv_heads, S, head_dim]
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      meta: PrefillMeta, scale: float) -> torch.Tensor:
-    """Causal attention within each packed sequence. q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PrefillMeta,
+                      scale: float, kv: PagedKV | None = None, layer: int = 0) -> torch.Tensor:
+    """Causal attention within each packed sequence (and over its cached prefix, read
+    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]."""
     out, start = torch.empty_like(q), 0
-    for n in meta.seq_lens:
+    for i, n in enumerate(meta.seq_lens):
         end = start + n
-        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                           enable_gqa=True)
+        ks, vs, mask = k[start:end], v[start:end], None
+        cached = meta.starts[i] if meta.starts else 0
+        if cached:
+            rows = meta.context_rows[i]
+            ks = torch.cat([kv.rows.index_select(0, rows + kv.offset(layer, 0)), ks])
+            vs = torch.cat([kv.rows.index_select(0, rows + kv.offset(layer, 1)), vs])
+            # query j sits at position cached + j and sees keys 0..cached + j
+            mask = (torch.arange(cached + n, device=q.device)[None, :]
+                    <= cached + torch.arange(n, device=q.device)[:, None])
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[start:end], ks, vs))  # [1, H, *, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
         start = end
     return out

@@ -20,10 +20,12 @@ class Compute:
         self.stop = StopChecker(() if model.cfg.eos_token_ids is None else model.cfg.eos_token_ids,
                                 model.tokenizer)
 
-    def prefill(self, reqs: list[Request]) -> None:
-        """Write the KV of each cached prefix; sample a first token for fresh requests."""
+    def prefill(self, reqs: list[Request], starts: list[int] | None = None) -> None:
+        """Write the KV of each cached prefix (from position starts[i] on: what comes
+        before is in the request's pages already); sample a first token for fresh
+        requests."""
         prefixes = [r.prompt + r.output[:-1] for r in reqs]
-        logits = self.runner.prefill(prefixes, [r.pages for r in reqs])
+        logits = self.runner.prefill(prefixes, [r.pages for r in reqs], starts)
         fresh = [i for i, r in enumerate(reqs) if not r.output]
         if fresh:
             self._sample(logits[fresh], [reqs[i] for i in fresh])

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         kv.write(layer, meta.write_rows, k, v)
         if isinstance(meta, PrefillMeta):
-            o = prefill_attention(q, k, v, meta, self.scale)          # [T, Hq, D]
+            o = prefill_attention(q, k, v, meta, self.scale, kv, layer)   # [T, Hq, D]
         else:
             o = decode_attention(q, kv, layer, meta, self.scale)
         return F.linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)

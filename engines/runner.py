@@ -25,14 +25,24 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prefill(self, prompts: list[list[int]], page_tables: list[list[int]]) -> torch.Tensor:
-        """Compute and store the KV of each whole prompt; logits of each prompt's last token."""
-        positions = [torch.arange(len(p), device=self.device) for p in prompts]
-        rows = torch.cat([self._rows(self._tensor(pt), pos) for pt, pos in zip(page_tables, positions)])
-        meta = PrefillMeta([len(p) for p in prompts], rows)
-        ids = self._tensor([t for p in prompts for t in p])
+    def prefill(self, prompts: list[list[int]], page_tables: list[list[int]],
+                starts: list[int] | None = None) -> torch.Tensor:
+        """Compute and store the KV of each prompt from position starts[i] on (the KV
+        before it is in its pages already: a cached prefix); logits of each prompt's
+        last token."""
+        starts = starts or [0] * len(prompts)
+        tables = [self._tensor(pt) for pt in page_tables]
+        positions = [torch.arange(s, len(p), device=self.device) for p, s in zip(prompts, starts)]
+        rows = torch.cat([self._rows(t, pos) for t, pos in zip(tables, positions)])
+        lens = [len(p) - s for p, s in zip(prompts, starts)]
+        meta = PrefillMeta(lens, rows)
+        if any(starts):
+            meta.starts = starts
+            meta.context_rows = [self._rows(t, torch.arange(s, device=self.device)) if s else None
+                                 for t, s in zip(tables, starts)]
+        ids = self._tensor([t for p, s in zip(prompts, starts) for t in p[s:]])
         hidden = self.model.net(ids, torch.cat(positions), self.pool.kv, meta)
-        last = torch.cumsum(self._tensor([len(p) for p in prompts]), 0) - 1
+        last = torch.cumsum(self._tensor(lens), 0) - 1
         return self.model.net.logits(hidden[last])
 
     def decode(self, tokens: list[int], positions: list[int],

@@ -97,6 +97,7 @@ class WorkerConfig:
     page_size: int = 16
     kv_cache_mb: float = 256
     clear_freed_pages: bool = False  # zero each KV page as it is freed (README, "Security")
+    prefix_cache: bool = True        # a prefill keeps computed prompt pages for reuse
     max_batch: int = 64
     max_prefill_tokens: int = 8192
     transport: str = "mooncake"

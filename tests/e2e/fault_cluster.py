@@ -162,8 +162,9 @@ class FaultCluster:
         for w in workers or [w for w in self.workers if w.alive]:
             while True:
                 pages = self.worker_status(w)["kv_pages"]
-                assert pages["free"] + pages["held"] + pages["fenced"] == pages["total"], (w.name, pages)
-                if pages["free"] == pages["total"]:
+                assert pages["free"] + pages["held"] + pages["fenced"] + pages["cached"] == \
+                    pages["total"], (w.name, pages)
+                if pages["free"] + pages["cached"] == pages["total"]:
                     break
                 assert time.monotonic() - started < timeout, f"{w.name} pages not free: {pages}"
                 time.sleep(0.1)

@@ -60,13 +60,14 @@ class InprocCluster:
 
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
                  max_batch: int = 8, clear_freed_pages: bool = False,
-                 router_args: dict | None = None, model: str = "tiny") -> None:
+                 router_args: dict | None = None, model: str = "tiny",
+                 prefix_cache: bool = True) -> None:
         self.ctx = zmq.Context()
         self.model = model
         self.clock = Clock()
         self.fabric = transport.FakeFabric()
         tag = next(_names)
-        self.clear_freed_pages = clear_freed_pages
+        self.clear_freed_pages, self.prefix_cache = clear_freed_pages, prefix_cache
         self.prefill = self._worker("prefill", f"inproc://p{tag}", complete_after_polls, fault_plan,
                                     kv_cache_mb, max_batch)
         self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
@@ -84,7 +85,7 @@ class InprocCluster:
     def _worker(self, role: str, host: str, polls: int, plan, kv_mb: float, max_batch: int) -> WorkerCore:
         cfg = WorkerConfig(role=role, model=self.model, host=host, dtype="float64", kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
-                           clear_freed_pages=self.clear_freed_pages)
+                           clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
@@ -181,12 +182,13 @@ class InprocCluster:
         return core.status_fields()["kv_pages"]
 
     def check_pages(self, idle: bool = True) -> None:
-        """free + held + fenced == total on both workers; with `idle`, all free."""
+        """free + held + fenced + cached == total on both workers; with `idle`, every
+        page free or in the prefill's prefix cache (no request's, no fence's)."""
         for core in (self.prefill, self.decode):
             p = self.pages(core)
-            assert p["free"] + p["held"] + p["fenced"] == p["total"], (core.cfg.role, p)
+            assert p["free"] + p["held"] + p["fenced"] + p["cached"] == p["total"], (core.cfg.role, p)
             if idle:
-                assert p["free"] == p["total"], (core.cfg.role, p)
+                assert p["free"] + p["cached"] == p["total"], (core.cfg.role, p)
 
     def close(self) -> None:
         self.client.close()

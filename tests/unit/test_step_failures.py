@@ -23,11 +23,11 @@ def fail_once(monkeypatch, compute, name: str) -> list[int]:
     """Make `compute.<name>` raise on its first call; the batch sizes it was called with."""
     real, calls = getattr(compute, name), []
 
-    def broken(reqs):
+    def broken(reqs, *rest):
         calls.append(len(reqs))
         if len(calls) == 1:
             raise RuntimeError("injected model failure")
-        return real(reqs)
+        return real(reqs, *rest)
     monkeypatch.setattr(compute, name, broken)
     return calls
 

@@ -117,6 +117,12 @@ class ClusterCollector:
                                   labels=labels)
         counters = {key: CounterMetricFamily(f"zpd:{name}", doc, labels=labels) for key, name, doc in (
             ("prompt_tokens_computed", "prefill_tokens_computed", "Prompt tokens a prefill computed."),
+            ("prefill_forward_seconds", "prefill_forward_time_seconds",
+             "Time a prefill spent in forward passes."),
+            ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens",
+             "Prompt tokens a prefill took from its prefix cache."),
+            ("prefix_cache_query_tokens", "prefix_cache_query_tokens",
+             "Prompt tokens a prefill looked up in its prefix cache."),
             ("kv_bytes_written", "kv_transfer_bytes", "KV bytes a prefill wrote to decodes."),
             ("kv_transfer_seconds", "kv_transfer_time_seconds", "Time a prefill's KV writes took."),
             ("kv_transfer_failures", "kv_transfer_failures", "KV writes that failed."))}

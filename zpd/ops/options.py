@@ -127,6 +127,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 "no request's KV outlives it in memory (Mooncake lets any engine that reaches its "
                 "port read registered memory; README, Security); costs a memset per freed page",
                 action="store_true")
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not keep computed prompt "
+                   "pages for reuse (by default a prefill reuses the KV of a prompt prefix it "
+                   "computed before under the same weights; README, Prefix cache)")
     add_default(g, "--insecure", WorkerConfig, INSECURE_HELP, action="store_true")
     add_prompt_limit_options(g)
 
@@ -239,7 +242,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
-        prompt_limits=prompt_limits(args))
+        prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args))
 
 
 def prompt_limits(args: argparse.Namespace) -> PromptLimits:
@@ -273,7 +276,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root",
-                      "clear_freed_pages", "insecure",
+                      "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")
 # What `zpd launch` hands its router, besides the flags every launch sets.
 ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",

@@ -249,12 +249,12 @@ class WorkerCore:
         fields = self.scheduler.status()
         pages = fields.pop("kv_pages")
         a = self.pool.allocator
-        # Counted from the scheduler's own records, so free + held + fenced == total
+        # Counted from the scheduler's own records, so free + held + fenced + cached == total
         # is a real check: a page allocated to no live request or fence breaks it.
         return {"weight_version": self.model.version, "paused": self.paused,
                 "memory": self.memory.state,
                 "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
-                             "fenced": pages["fenced"]},
+                             "fenced": pages["fenced"], "cached": pages.get("cached", 0)},
                 "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \
             | fields
 

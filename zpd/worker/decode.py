@@ -325,6 +325,12 @@ class DecodeScheduler:
     def on_memory_resumed(self) -> None:
         self.links.rehello(self._hello())       # prefills must learn our pool's new address
 
+    def on_weights_changed(self) -> None:
+        pass                                     # a decode keeps no KV past its request
+
+    def flush_cache(self) -> int:
+        return 0
+
     def status(self) -> dict:
         phases = [j.phase for j in self.jobs.values()]
         return {"kv_pages": {"held": sum(len(j.req.pages) for j in self.jobs.values()),

@@ -41,6 +41,8 @@ class PrefillJob:
     notice: tuple[int, str] | None = None    # kv_failed to send once the write is over
     marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
     early_to: bytes | None = None        # a streaming client's router: send it the first token
+    prefix_keys: tuple[str, list] | None = None   # (weight version, prefix-cache page keys)
+    skip: int = 0                        # leading pages that came from the prefix cache
 
 
 class DecodePhase(enum.Enum):

@@ -75,12 +75,18 @@ class WeightsAndMemory:
                 new = load_new_weights(core.model, source, version)
         except (ModelError, ValueError) as e:
             raise StatusError(BAD_REQUEST, str(e)) from None
+        core.scheduler.on_weights_changed()
         log.warning("weights updated from %r: version %r", path, new)
         respond(True, {"weight_version": new})
 
     def flush_cache(self, args: dict, respond: Respond) -> None:
-        # zpd keeps no prefix cache: KV lives only as long as its request.
-        respond(True, {"flushed_pages": 0, "note": "no prefix cache; nothing to flush"})
+        """Drop the prefix cache; refused while requests run (as SGLang does)."""
+        if self.core.scheduler.busy():
+            raise StatusError(CONFLICT, "flush_cache while requests are running: pause or "
+                                        "wait for them first")
+        freed = self.core.scheduler.flush_cache()
+        log.warning("prefix cache flushed: %d pages freed", freed)
+        respond(True, {"flushed_pages": freed})
 
     def release_memory(self, args: dict, respond: Respond) -> None:
         """Drop the KV pool and its transport registration (e.g. to update weights in
@@ -88,6 +94,8 @@ class WeightsAndMemory:
         while some request's KV, or a write into it, may still be there."""
         pool = self.core.pool
         if not self.released:
+            if not self.core.scheduler.busy():
+                self.core.scheduler.flush_cache()      # cached pages are no one's
             in_use = pool.allocator.allocated
             if in_use:
                 raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "

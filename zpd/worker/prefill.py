@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 import transport
+from engines.prefix_cache import PrefixCache
 from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
                              validate_prefix)
 from engines.sampler import SamplingParams
@@ -64,9 +65,14 @@ class PrefillScheduler:
         self.peers = DecodePeers(core.layout.page_bytes, core.backend.session_id, core.send)
         self.dests = KvDests(self)                            # hellos and kv_dests
         self.transfer_ids = itertools.count(1)
+        self.page_size = self.pool.layout.page_size
+        # --clear-freed-pages asks that no request's KV outlive it: nothing is cached then
+        self.cache = PrefixCache(self.pool.allocator, self.page_size) \
+            if core.cfg.prefix_cache and not core.cfg.clear_freed_pages else None
         # cumulative, reported in status for /metrics
-        self.counters = {"prompt_tokens_computed": 0, "kv_bytes_written": 0,
-                         "kv_transfer_seconds": 0.0, "kv_transfer_failures": 0}
+        self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0,
+                         "kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
+                         "kv_transfer_failures": 0}
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
                          Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
                          KvFailed: self.on_kv_failed, Abort: self.on_abort}
@@ -103,9 +109,21 @@ class PrefillScheduler:
     def has_work(self) -> bool:
         return self._fits(self.pending[0]) if self.pending else False
 
+    def _keys(self, job: PrefillJob) -> list[bytes]:
+        """The prefix-cache keys of the job's prompt under the current weights."""
+        version = self.core.model.version
+        if job.prefix_keys is None or job.prefix_keys[0] != version:
+            job.prefix_keys = (version, self.cache.keys(job.req.prompt, version))
+        return job.prefix_keys[1]
+
     def _fits(self, job: PrefillJob) -> bool:
-        return self.core.schedulable() and \
-            self.pool.allocator.can_alloc(self.pool.pages_for(len(job.req.prompt)))
+        n = len(job.req.prompt)
+        need, room = self.pool.pages_for(n), self.pool.allocator.free
+        if self.cache is not None:
+            hit = self.cache.peek(self._keys(job), n)
+            need -= hit
+            room += max(0, self.cache.evictable - hit)     # its own hits are not room
+        return self.core.schedulable() and need <= room
 
     def step(self) -> None:
         batch = self.take_batch()
@@ -114,28 +132,59 @@ class PrefillScheduler:
         started = time.monotonic()
         try:
             with self.core.long_call():
-                self.core.compute.prefill([j.req for j in batch])
+                self.core.compute.prefill([j.req for j in batch],
+                                          [j.skip * self.page_size for j in batch])
         except Exception as e:    # one bad batch must not take every other request down
             self.compute_failed(batch, e)
             return
+        done = time.monotonic()
         for job in batch:
-            job.marks |= {"forward": started, "computed": time.monotonic()}
-        self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) for j in batch)
+            job.marks |= {"forward": started, "computed": done}
+            if self.cache is not None:
+                self.cache.insert(self._keys(job), job.req.pages, job.skip)
+        self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) - j.skip * self.page_size
+                                                       for j in batch)
+        self.counters["prefill_forward_seconds"] += done - started
         self.after_compute(batch)
 
     def take_batch(self) -> list[PrefillJob]:
-        """FIFO: give queued jobs their pages while pages and the token budget allow."""
-        batch, tokens = [], 0
-        while self.pending and self._fits(self.pending[0]):
-            job = self.pending[0]
-            n = len(job.req.prompt)
-            if batch and tokens + n > self.core.cfg.max_prefill_tokens:
+        """FIFO: give queued jobs their pages (the cached prefix's, then new ones) while
+        pages and the token budget allow. A job whose next page to compute is being
+        computed by a job already in the batch waits one step, then takes it from the
+        cache: eight samples of one prompt compute it once."""
+        batch, tokens, computing = [], 0, set()
+        for job in list(self.pending):
+            if not self._fits(job):
                 break
-            job.req.pages = self.pool.allocator.alloc(self.pool.pages_for(n))
+            n = len(job.req.prompt)
+            keys = self._keys(job) if self.cache is not None else []
+            hit = self.cache.peek(keys, n) if self.cache is not None else 0
+            if hit < len(keys) and keys[hit] in computing:
+                continue
+            if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
+                break
+            job.req.pages, job.skip = self._pages(keys, n), hit
             self.move(job, JobPhase.COMPUTING)
             batch.append(job)
-            tokens += n
+            tokens += n - hit * self.page_size
+            computing.update(keys[hit:])
         return batch
+
+    def _pages(self, keys: list[bytes], n: int) -> list[int]:
+        """A prompt's pages: its cached prefix's (referenced), then new ones (evicting
+        idle cached pages for room). `_fits` said they are there."""
+        if self.cache is None:
+            return self.pool.allocator.alloc(self.pool.pages_for(n))
+        cached = self.cache.match(keys, n)
+        rest = self.pool.pages_for(n) - len(cached)
+        self.cache.make_room(rest)
+        return cached + self.pool.allocator.alloc(rest)
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Give a job's pages back: the cache's are released to it, the rest freed."""
+        own = self.cache.release(pages) if self.cache is not None else pages
+        if own:
+            self.pool.allocator.free_pages(own)
 
     def after_compute(self, batch: list[PrefillJob]) -> None:
         for job in batch:
@@ -155,7 +204,7 @@ class PrefillScheduler:
                 self.end(job, INTERNAL, reason)
                 continue
             # Its decode is not known until its kv_dest comes: refused, as at admission.
-            self.pool.allocator.free_pages(job.req.pages)
+            self.free_pages(job.req.pages)
             job.req.pages, job.failure = [], (INTERNAL, reason)
             self.move(job, JobPhase.REJECTED)
 
@@ -316,7 +365,7 @@ class PrefillScheduler:
         if job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req is not None and job.req.pages:
-            self.pool.allocator.free_pages(job.req.pages)
+            self.free_pages(job.req.pages)
             job.req.pages = []
 
     # --- pause, continue, status (the core's admin commands call these) ---------------
@@ -349,16 +398,34 @@ class PrefillScheduler:
     def on_peer_silent(self, identity: bytes) -> None:
         pass                                     # a job ends by its deadline or its decode
 
+    def on_weights_changed(self) -> None:
+        """KV computed under the old weights must never be used again."""
+        if self.cache is not None:
+            freed = self.cache.invalidate()
+            log.info("prefix cache invalidated (new weights): %d pages freed", freed)
+
+    def flush_cache(self) -> int:
+        """Drop every cached page (the caller checked no request runs)."""
+        return self.cache.invalidate() if self.cache is not None else 0
+
     def status(self) -> dict:
         jobs = list(self.jobs.values())
         owners = {j for j in jobs + list(self.by_transfer.values()) if j.req is not None}
         phases = [j.phase for j in jobs]
-        return {"kv_pages": {"held": sum(len(j.req.pages) for j in owners), "fenced": 0},
+        held = {p for j in owners for p in j.req.pages}       # shared cached pages once
+        cache = self.cache.stats() if self.cache is not None else {}
+        hits, asked = cache.get("hit_tokens", 0), cache.get("query_tokens", 0)
+        return {"kv_pages": {"held": len(held), "fenced": 0,
+                             "cached": cache.get("cached_pages", 0)},
+                "prefix_cache": {"enabled": self.cache is not None,
+                                 "hit_rate": round(hits / asked, 4) if asked else 0.0},
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
                            "stashed": phases.count(JobPhase.STASHED)},
-                "peers": len(self.peers), "counters": dict(self.counters)}
+                "peers": len(self.peers),
+                "counters": self.counters | {"prefix_cache_hit_tokens": hits,
+                                             "prefix_cache_query_tokens": asked}}
 
     def close(self) -> None:
         self.loop.remove_fd(self.core.backend.fileno())

@@ -52,9 +52,15 @@ class Scheduler(Protocol):
     def on_peer_silent(self, identity: bytes) -> None:
         """A peer that used to ping us (a router) stopped."""
 
+    def on_weights_changed(self) -> None:
+        """New weights are in: KV kept from the old ones (a prefix cache) must go."""
+
+    def flush_cache(self) -> int:
+        """Drop cached KV no request uses (the caller checked none runs); pages freed."""
+
     def status(self) -> dict:
-        """Queues and peers for `status`, with kv_pages {"held", "fenced"} counted
-        from the scheduler's own records."""
+        """Queues and peers for `status`, with kv_pages {"held", "fenced", "cached"}
+        counted from the scheduler's own records."""
 
     def close(self) -> None:
         """Close what the scheduler opened itself (sockets to peers)."""

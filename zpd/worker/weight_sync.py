@@ -211,6 +211,7 @@ class WeightSync:
         finally:
             self.staged = None
         core.model.version = version
+        core.scheduler.on_weights_changed()
         log.warning("weights from group %r committed: version %r (%d elements, %.3f s)",
                     staged.group, version, written, time.monotonic() - started)
         respond(True, {"weight_version": version})
