@@ -225,3 +225,27 @@ def test_retract_and_continue_stay_exact_with_a_cached_prefix(cluster):
     got = cluster.run(rid)
     assert got.token_ids == continuation(load_model("tiny:7", dtype="float64"), prompt, before, 24)
     cluster.check_pages()
+
+
+# --- cache-aware routing -------------------------------------------------------------------
+
+
+def test_requests_that_begin_alike_go_to_the_same_prefill_unless_it_is_much_busier():
+    from types import SimpleNamespace as W
+
+    from zpd.router.affinity import PrefixAffinity
+    from zpd.wire.protocol import Generate
+    a, b = W(endpoint="a", load=0), W(endpoint="b", load=0)
+    aff = PrefixAffinity(max_entries=4)
+    first = aff.pick(Generate("r", SYSTEM + [1], {}), [a, b])
+    first.load += 1
+    for i in range(2):                                   # same beginning, other endings
+        assert aff.pick(Generate("r", SYSTEM + [i, 2], {}), [a, b]) is first
+        first.load += 1
+    assert aff.pick(Generate("r", SYSTEM, {}), [a, b]) is not first   # 3 > 2 * 0 + 2
+    other = Generate("r", [5] * 70, {})
+    assert aff.pick(other, [a, b]) is aff.pick(other, [a, b])
+    for i in range(5):                                   # the table stays bounded
+        aff.pick(Generate("r", [i] * 3, {}), [a, b])
+    assert len(aff.last) == 4
+    assert aff.pick(Generate("r", [], {}, text="hello"), [a]) is a

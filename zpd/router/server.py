@@ -16,6 +16,7 @@ import zmq
 from zpd.config import RouterConfig
 from zpd.ops.ready import write_ready_file
 from zpd.router.admin import RouterAdmin
+from zpd.router.affinity import PrefixAffinity
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
@@ -80,6 +81,7 @@ class RouterServer:
         self.paused: str | None = None
         self.queued: dict[str, tuple[bytes, Generate]] = {}     # arrived while paused
         self.updating = False       # a weight push is under way: queue new requests too
+        self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
@@ -93,6 +95,12 @@ class RouterServer:
             return None
         least = min(w.load for w in candidates)
         return random.choice([w for w in candidates if w.load == least])
+
+    def pick_prefill(self, msg: Generate) -> Worker | None:
+        """A prefill whose prefix cache likely has the prompt's beginning, unless it is
+        much busier than the least loaded one (zpd/router/affinity.py)."""
+        candidates = [w for w in self.workers if w.role == "prefill" and w.alive]
+        return self.affinity.pick(msg, candidates) if candidates else None
 
     # --- liveness ----------------------------------------------------------------
 
@@ -189,7 +197,7 @@ class RouterServer:
         return self.shares.take(client, rid, request_tokens(msg))
 
     def route(self, client: bytes, msg: Generate, rid: str) -> None:
-        prefill, decode = self.pick("prefill"), self.pick("decode")
+        prefill, decode = self.pick_prefill(msg), self.pick("decode")
         if prefill is None or decode is None:
             self.shares.release(rid)
             self.to_client(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
