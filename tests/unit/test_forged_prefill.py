@@ -93,7 +93,11 @@ def test_kv_dest_from_a_peer_without_hello_is_refused(cluster):
 
 
 BAD_PAGES = {
-    "negative": lambda pages, n: [-1] + pages[1:],
+    "negative": lambda pages, n: [-2] + pages[1:],
+    # -1 only means "held already" (a decode's prefix cache) as a leading run, and
+    # never for the last page: the prefill always writes something
+    "skip_not_leading": lambda pages, n: pages[:1] + [-1] + pages[2:],
+    "skip_everything": lambda pages, n: [-1] * len(pages),
     "past_the_end": lambda pages, n: pages[:-1] + [n],
     "duplicated": lambda pages, n: [pages[0]] * len(pages),
     "too_few": lambda pages, n: pages[:-1],

@@ -198,9 +198,10 @@ def test_flush_cache_is_refused_while_requests_run_and_frees_pages_after(cluster
     cluster.pump()
     reply = cluster.admin("flush_cache")
     assert reply["ok"] and {w["endpoint"]: w["flushed_pages"] for w in reply["workers"]} == {
-        cluster.prefill.endpoint: 3, cluster.decode.endpoint: 0}
-    pages = cluster.prefill.status_fields()["kv_pages"]
-    assert pages["cached"] == 0 and pages["free"] == pages["total"]
+        cluster.prefill.endpoint: 3, cluster.decode.endpoint: 3}      # both keep the prompt
+    for core in (cluster.prefill, cluster.decode):
+        pages = core.status_fields()["kv_pages"]
+        assert pages["cached"] == 0 and pages["free"] == pages["total"]
 
 
 def test_release_memory_drops_the_cache_first(cluster):
@@ -249,3 +250,55 @@ def test_requests_that_begin_alike_go_to_the_same_prefill_unless_it_is_much_busi
         aff.pick(Generate("r", [i] * 3, {}), [a, b])
     assert len(aff.last) == 4
     assert aff.pick(Generate("r", [], {}, text="hello"), [a]) is a
+
+
+# --- the decode's side: pages it holds are not sent again --------------------------------
+
+
+def written(c: InprocCluster) -> int:
+    return c.prefill.status_fields()["counters"]["kv_bytes_written"]
+
+
+def test_a_decode_holding_the_prefix_receives_only_the_rest(cluster):
+    page_bytes = cluster.decode.layout.page_bytes
+    first = SYSTEM + [1, 2, 3]                                # 51 tokens: 4 pages
+    cluster.run(cluster.submit(first, 4))
+    assert written(cluster) == 4 * page_bytes
+    again = SYSTEM + [9, 9]
+    got = cluster.run(cluster.submit(again, 6)).token_ids
+    assert got == reference(cluster, again, 6)
+    assert written(cluster) == 5 * page_bytes                # its 3 shared pages stayed put
+    assert cluster.decode.status_fields()["prefix_cache"]["hit_rate"] > 0
+    cluster.check_pages()
+
+
+def test_an_abort_mid_transfer_fences_only_the_pages_being_written(cluster):
+    cluster.run(cluster.submit(SYSTEM + [1], 2))              # 3 pages cached on both sides
+    cluster.silent.add("prefill")
+    rid = cluster.submit(SYSTEM + [5, 6], 8)
+    cluster.until(lambda: any(j.asked == 0 for j in cluster.decode.scheduler.jobs.values()))
+    (job,) = cluster.decode.scheduler.jobs.values()
+    assert job.skip == 3
+    cluster.abort(rid)
+    cluster.pump(3)
+    fenced = cluster.decode.status_fields()["kv_pages"]["fenced"]
+    assert fenced == cluster.decode.pool.pages_for(job.req.max_context) - 3
+    cluster.check_pages(idle=False)
+    cluster.silent.clear()
+    assert cluster.run(rid).status == 499
+    cluster.pump(5)
+    cluster.check_pages()
+    cluster.serves_again(SYSTEM + [5, 6])
+
+
+def test_off_means_off_on_both_sides():
+    c = InprocCluster(kv_cache_mb=2.0, prefix_cache=False)
+    try:
+        for _ in range(2):
+            c.run(c.submit(SYSTEM + [4], 3))
+        for core in (c.prefill, c.decode):
+            f = core.status_fields()
+            assert f["kv_pages"]["cached"] == 0 and f["prefix_cache"]["enabled"] is False
+        assert written(c) == 2 * 4 * c.decode.layout.page_bytes
+    finally:
+        c.close()

@@ -101,8 +101,10 @@ class HelloAck(Message):
 
 @dataclass(frozen=True, slots=True)
 class KvDest(Message):
-    """Decode → prefill: where to write this request's KV pages. ``aux_slot``
-    is the decode's auxiliary-buffer slot for the request (-1: none)."""
+    """Decode → prefill: where to write this request's KV pages, one id per page of
+    the prefix; a leading run of -1 are pages the decode holds already (its prefix
+    cache), not written. ``aux_slot`` is the decode's auxiliary-buffer slot for the
+    request (-1: none)."""
 
     TYPE: ClassVar[str] = "kv_dest"
     room: int

@@ -14,6 +14,7 @@ import zmq
 
 from engines.allocator import PoolFull
 from engines.batch import DecodeBatch
+from engines.prefix_cache import PrefixCache
 from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE,
                              Request, response)
 from zpd.wire.deadline import Deadline
@@ -47,6 +48,10 @@ class DecodeScheduler:
                                   core.security.client_options(), self.deadlines.heartbeat,
                                   self.deadlines.peer_timeout, core.drops)
         self.handlers = {Generate: self.on_generate, Abort: self.on_abort}
+        # Full prefix pages kept after their requests end: a request whose prefix is
+        # here asks its prefill for the other pages only (page id -1 in its kv_dest).
+        self.cache = PrefixCache(self.pool.allocator, self.pool.layout.page_size) \
+            if core.cfg.prefix_cache and not core.cfg.clear_freed_pages else None
 
     def _hello(self) -> Hello:
         core = self.core
@@ -109,15 +114,45 @@ class DecodeScheduler:
     def _can_admit(self) -> bool:
         # Admitted is as good as running: kv_done moves a job into the batch unchecked.
         in_batch = len(self.batch) + self.transferring
-        return bool(self.waiting) and in_batch < self.batch.max_batch and self.core.schedulable() \
-            and self.pool.allocator.can_alloc(self.pool.pages_for(self.waiting[0].req.max_context))
+        if not (self.waiting and in_batch < self.batch.max_batch and self.core.schedulable()):
+            return False
+        job = self.waiting[0]
+        need, room = self.pool.pages_for(job.req.max_context), self.pool.allocator.free
+        if self.cache is not None:
+            prefix = job.req.prompt + job.req.output[:-1]
+            hit = self.cache.peek(self._keys(job), len(prefix))
+            need -= hit
+            room += max(0, self.cache.evictable - hit)     # its own hits are not room
+        return need <= room
+
+    def _keys(self, job: DecodeJob) -> list[bytes]:
+        """The prefix-cache keys of the job's prefix (prompt + output[:-1]) under the
+        current weights."""
+        version = self.core.model.version
+        prefix = job.req.prompt + job.req.output[:-1]
+        if job.prefix_keys is None or job.prefix_keys[:2] != (version, len(prefix)):
+            job.prefix_keys = (version, len(prefix), self.cache.keys(prefix, version))
+        return job.prefix_keys[2]
+
+    def _reserve(self, job: DecodeJob) -> list[int]:
+        """Pages for prompt + max_new_tokens: the cached ones of its prefix first."""
+        total = self.pool.pages_for(job.req.max_context)
+        if self.cache is None:
+            job.skip = 0
+            return self.pool.allocator.alloc(total)
+        cached = self.cache.match(self._keys(job), len(job.req.prompt) + len(job.req.output[:-1]))
+        job.skip = len(cached)
+        if not self.cache.make_room(total - len(cached)):
+            self.cache.release(cached)
+            raise PoolFull("no room after eviction")
+        return cached + self.pool.allocator.alloc(total - len(cached))
 
     def admit(self) -> None:
         """FIFO: reserve pages for prompt + max_new_tokens, then ask for the KV."""
         while self._can_admit():
             job = self.waiting[0]
             try:
-                job.req.pages = self.pool.allocator.alloc(self.pool.pages_for(job.req.max_context))
+                job.req.pages = self._reserve(job)
             except PoolFull:
                 return
             link = self.links.get(self.retraction.prefill_for(job))
@@ -137,7 +172,9 @@ class DecodeScheduler:
         prefix = req.prompt + req.output[:-1]
         if epoch > 0:      # the prefill forgot this request when it was retracted
             link.send(Recompute(req.rid, job.room, epoch, prefix, req.params.to_dict()))
-        link.send(KvDest(job.room, epoch, req.rid, req.pages[:self.pool.pages_for(len(prefix))]))
+        # -1: a page of the prefix this decode holds already (its prefix cache)
+        dest = [-1] * job.skip + req.pages[job.skip:self.pool.pages_for(len(prefix))]
+        link.send(KvDest(job.room, epoch, req.rid, dest))
         job.asked = epoch
 
     # --- from the router -----------------------------------------------------------
@@ -218,6 +255,8 @@ class DecodeScheduler:
                 return
             req.finish = self.core.compute.stop(req)
         log.info("rid=%r room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
+        if self.cache is not None:          # its prefix's full pages are complete now
+            self.cache.insert(self._keys(job), req.pages, job.skip)
         self.move(job, DecodePhase.FINISHED if req.finished else DecodePhase.RUNNING)
         self.emit(job)
 
@@ -293,12 +332,15 @@ class DecodeScheduler:
         self.emit(job)
 
     def release(self, job: DecodeJob, fence: bool) -> None:
-        """Give back the request's pages, or fence them if a prefill write may still land."""
+        """Give back the request's pages, or fence them if a prefill write may still land.
+        Pages of the prefix cache go back to it: no write ever targets them (a cached
+        page is skipped in the kv_dest; one is adopted only once its write is done)."""
         req = job.req
-        if req.pages and fence:
-            self.fences.add((job.room, job.epoch), req.pages, job.prefill)
-        elif req.pages:
-            self.pool.allocator.free_pages(req.pages)
+        own = self.cache.release(req.pages) if self.cache is not None and req.pages else req.pages
+        if own and fence:
+            self.fences.add((job.room, job.epoch), own, job.prefill)
+        elif own:
+            self.pool.allocator.free_pages(own)
         req.pages = []
 
     def _forget(self, job: DecodeJob) -> None:
@@ -326,15 +368,23 @@ class DecodeScheduler:
         self.links.rehello(self._hello())       # prefills must learn our pool's new address
 
     def on_weights_changed(self) -> None:
-        pass                                     # a decode keeps no KV past its request
+        if self.cache is not None:
+            freed = self.cache.invalidate()
+            log.info("prefix cache invalidated (new weights): %d pages freed", freed)
 
     def flush_cache(self) -> int:
-        return 0
+        return self.cache.invalidate() if self.cache is not None else 0
 
     def status(self) -> dict:
         phases = [j.phase for j in self.jobs.values()]
-        return {"kv_pages": {"held": sum(len(j.req.pages) for j in self.jobs.values()),
-                             "fenced": self.fences.pages},
+        held = {p for j in self.jobs.values() for p in j.req.pages}   # shared pages once
+        cache = self.cache.stats() if self.cache is not None else {}
+        hits, asked = cache.get("hit_tokens", 0), cache.get("query_tokens", 0)
+        return {"kv_pages": {"held": len(held), "fenced": self.fences.pages,
+                             "cached": cache.get("cached_pages", 0)},
+                "prefix_cache": {"enabled": self.cache is not None,
+                                 "hit_rate": round(hits / asked, 4) if asked else 0.0},
+                "counters": {"prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": asked},
                 "queues": {"waiting_pages": phases.count(DecodePhase.WAITING),
                            "waiting_kv": phases.count(DecodePhase.TRANSFERRING),
                            "running": len(self.batch), "held": phases.count(DecodePhase.HELD)},

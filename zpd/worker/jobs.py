@@ -68,6 +68,8 @@ class DecodeJob:
     phase: DecodePhase = DecodePhase.NEW
     sent: int = 0            # output tokens already sent to the client
     asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
+    skip: int = 0            # leading prefix pages from the prefix cache (not transferred)
+    prefix_keys: tuple | None = None     # (weight version, prefix length, page keys)
 
     @property
     def write_may_land(self) -> bool:

@@ -67,15 +67,29 @@ def pool_problem(msg: Hello, page_bytes: int, own_session: str) -> str:
 
 
 def pages_problem(pages: list[int], need: int, num_pages: int) -> str:
-    """Why `pages` cannot hold a prefix of `need` pages in a pool of `num_pages`, or ""."""
+    """Why `pages` cannot hold a prefix of `need` pages in a pool of `num_pages`, or "".
+    A leading run of -1 names pages the decode holds already (its prefix cache);
+    at least the last page is written."""
     if len(pages) != need:
         return f"decode gave {len(pages)} pages for {need}"
+    skip = skipped(pages)
+    if skip >= need:
+        return "decode skipped every page of the prefix"
+    pages = pages[skip:]
     outside = next((p for p in pages if not 0 <= p < num_pages), None)
     if outside is not None:
         return f"page id {outside} is outside the decode's pool of {num_pages} pages"
     if len(set(pages)) != len(pages):
         return "decode gave the same page twice"
     return ""
+
+
+def skipped(pages: list[int]) -> int:
+    """How many leading pages of a kv_dest the decode holds already (-1)."""
+    n = 0
+    while n < len(pages) and pages[n] == -1:
+        n += 1
+    return n
 
 
 class DecodePeers:

@@ -27,7 +27,7 @@ from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.parts import first_logprob_fields, token_part
-from zpd.worker.peers import DecodePeers
+from zpd.worker.peers import DecodePeers, skipped
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
 
@@ -313,8 +313,9 @@ class PrefillScheduler:
             return
         peer, tid = self.peers.get(job.decode), next(self.transfer_ids)
         try:
-            runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages[:len(job.dest)],
-                                           peer.base_addr, job.dest, self.pool.layout.page_bytes)
+            skip = skipped(job.dest)        # pages the decode holds already
+            runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages[skip:len(job.dest)],
+                                           peer.base_addr, job.dest[skip:], self.pool.layout.page_bytes)
             self.core.backend.write(tid, peer.session, runs)
         except transport.TransportError as e:
             self.end(job, INTERNAL, f"KV transfer refused: {e}")
