@@ -32,6 +32,14 @@ RUNS = {
     "bench_http.py": (["--requests", "5", "--warmup", "1", "--streams", "4", "--stream-tokens", "4",
                        "--rounds", "1"],
                       [r"HTTP stream\s+[\d.]+\s+[\d.]+", r"tok/s ratio HTTP/zpd.Client [\d.]+"]),
+    "bench_weight_sync.py": (["--hidden", "64", "--layers", "2", "--intermediate", "128",
+                              "--vocab", "512", "--heads", "4", "--kv-heads", "2", "--rounds", "1",
+                              "--bucket-mb", "0.05", "--quiet-wait", "0"],
+                             [r"push buckets(\s+[\d.]+){7}",
+                              r"from disk(\s+[\d.]+){4}",
+                              r"ratio push/raw bytes/s: [\d.]+",
+                              r"ratio push buckets/raw bytes/s: [\d.]+",
+                              r"weights check: PASS"]),
 }
 
 

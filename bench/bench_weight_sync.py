@@ -1,0 +1,400 @@
+"""Trainer weight sync: the time to push the weights of a random ~125M-parameter
+float32 Llama (~500 MB) into a 1P1D `zpd launch --http-port` cluster, next to a raw
+torch.distributed broadcast of the same bytes to as many ranks, and next to
+update_weights_from_disk of the same checkpoint, all in one run.
+
+    python bench/bench_weight_sync.py [--hidden 768] [--layers 12] [--intermediate 2048]
+                                      [--vocab 32000] [--heads 12] [--kv-heads 4]
+                                      [--rounds 3] [--bucket-mb 64] [--quiet-wait 10]
+
+Methods, run in a rotated order each round; seconds are medians over rounds:
+- raw / raw buckets: this process (gloo rank 0) broadcasts every tensor (or the same
+  flat buckets the bucketed push sends) to one receiver process per cluster worker,
+  into buffers they allocated and touched once up front; from the first broadcast to
+  the receivers' acknowledgement (a one-element allreduce).
+- raw fresh: as raw, but the receivers allocate a new tensor for each broadcast, as a
+  worker's staging does: what receiving into untouched memory costs.
+- push: POST /update_weights_from_distributed with one broadcast per tensor, from just
+  before the first broadcast to the HTTP answer, which the front sends as soon as the
+  router has the commit from every worker (so it also holds one HTTP reply).
+- push buckets: the same with load_format "flattened_bucket", one call per
+  --bucket-mb bucket (built before timing), from the first broadcast to the last answer.
+- from disk: POST /update_weights_from_disk of the checkpoint directory (just
+  written, so read from the page cache).
+Each cluster update loads the checkpoint the cluster does not hold (two random
+ones, alternating), and the cluster's greedy output afterwards must equal that
+checkpoint's reference output. MB are 10^6 bytes of weights (each sent once per
+receiver). Target: push >= 0.8x the raw broadcast's bytes/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import log_step, make_model, med, wait_quiet  # noqa: E402
+from tests.e2e.cluster import Cluster  # noqa: E402
+
+GROUP = "bench_weight_sync"
+STOP, TENSORS, BUCKETS, FRESH = 0, 1, 2, 3           # raw receivers' commands
+METHODS = ("raw", "raw fresh", "raw buckets", "push", "push buckets", "from disk")
+RECEIVED = re.compile(r"received \d+ bytes from group .* in ([\d.]+) s")
+COMMITTED = re.compile(r"committed: version .* \(\d+ elements, ([\d.]+) s\)")
+Weights = dict[str, torch.Tensor]
+Buckets = list[tuple[list[str], torch.Tensor]]      # names and their flat uint8 bucket
+
+
+# --- HTTP -------------------------------------------------------------------------------
+
+def post(url: str, path: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read()) | {"http_status": e.code}
+
+
+def get(url: str, path: str, timeout: float = 30) -> dict:
+    with urllib.request.urlopen(url + path, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def ok(path: str, answer: dict) -> dict:
+    if not answer.get("success"):
+        raise RuntimeError(f"{path} failed: {answer}")
+    return answer
+
+
+def greedy(url: str, tokens: int = 4) -> list[int]:
+    body = {"input_ids": [1, 5, 9, 13], "sampling_params": {"temperature": 0, "ignore_eos": True,
+                                                            "max_new_tokens": tokens}}
+    answer = post(url, "/generate", body, 120)
+    if "output_ids" not in answer:
+        raise RuntimeError(f"/generate failed: {answer}")
+    return answer["output_ids"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the weights ------------------------------------------------------------------------
+
+def config(args: argparse.Namespace) -> dict:
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads)
+
+
+def buckets(tensors: Weights, bucket_mb: float) -> Buckets:
+    """Names in groups of about `bucket_mb`, each with its flat uint8 bucket."""
+    groups, size = [[]], 0
+    for name, t in tensors.items():
+        if groups[-1] and size + t.nbytes > bucket_mb * 1e6:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += t.nbytes
+    return [(g, torch.cat([tensors[n].view(-1).view(torch.uint8) for n in g])) for g in groups]
+
+
+# --- the raw baseline -----------------------------------------------------------------------
+
+def raw_group(port: int, rank: int, world: int, timeout_s: float) -> tuple[dist.ProcessGroup, dist.Store]:
+    """A gloo group of its own (not the default one, which the cluster push uses)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    return dist.ProcessGroupGloo(dist.PrefixStore("raw", store), rank, world, timeout), store
+
+
+def broadcast(pg: dist.ProcessGroup, t: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    pg.broadcast([t], opts).wait()
+
+
+def receiver(port: int, rank: int, world: int, specs: list[tuple[list[int], torch.dtype]],
+             bucket_bytes: list[int], timeout_s: float) -> None:
+    """A raw rank: receive into preallocated (touched) buffers until told to stop."""
+    torch.set_num_threads(1)
+    pg, _store = raw_group(port, rank, world, timeout_s)
+    bufs = [torch.zeros(shape, dtype=dtype) for shape, dtype in specs]
+    flat = torch.zeros(max(bucket_bytes), dtype=torch.uint8)
+    cmd, ack = torch.zeros(1, dtype=torch.int64), torch.zeros(1)
+    while True:
+        broadcast(pg, cmd)
+        kind, kept = cmd.item(), []
+        if kind == STOP:
+            return
+        if kind == FRESH:            # kept until the ack, as staging is until the commit
+            for shape, dtype in specs:
+                kept.append(torch.empty(shape, dtype=dtype))
+                broadcast(pg, kept[-1])
+        else:
+            for t in bufs if kind == TENSORS else [flat[:n] for n in bucket_bytes]:
+                broadcast(pg, t)
+        pg.allreduce([ack]).wait()
+
+
+class RawBaseline:
+    """This process as rank 0 of a gloo group with `receivers` receiver processes."""
+
+    def __init__(self, receivers: int, tensors: Weights, bucket_bytes: list[int],
+                 timeout_s: float) -> None:
+        port, world = free_port(), receivers + 1
+        specs = [(list(t.shape), t.dtype) for t in tensors.values()]
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=receiver, daemon=True,
+                                  args=(port, r, world, specs, bucket_bytes, timeout_s))
+                      for r in range(1, world)]
+        self.pg, self.store = None, None
+        for p in self.procs:
+            p.start()
+        try:
+            self.pg, self.store = raw_group(port, 0, world, timeout_s)
+        except RuntimeError:
+            self.close()
+            raise
+
+    def send(self, parts: list[torch.Tensor], kind: int) -> float:
+        """Seconds from the first broadcast of `parts` to every receiver's ack."""
+        broadcast(self.pg, torch.tensor([kind], dtype=torch.int64))
+        started = time.perf_counter()
+        for t in parts:
+            broadcast(self.pg, t)
+        self.pg.allreduce([torch.zeros(1)]).wait()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        try:
+            if self.pg is not None:
+                broadcast(self.pg, torch.tensor([STOP], dtype=torch.int64))
+        except RuntimeError:          # a receiver gone: the ones left are killed below
+            pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# --- the cluster ------------------------------------------------------------------------------
+
+class Trainer:
+    """Rank 0 of the cluster's weight group, pushing over HTTP + torch.distributed."""
+
+    def __init__(self, url: str, workers: int, logs: Path, timeout_s: float) -> None:
+        self.url, self.timeout, self.logs = url, timeout_s, logs
+        self.pool = ThreadPoolExecutor(1)
+        self.offsets: dict[Path, int] = {}
+        self.log_breakdown()                     # skip what the start logged
+        port = free_port()
+        answer = self.pool.submit(post, url, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": workers + 1, "group_name": GROUP, "backend": "gloo"}, timeout_s)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                world_size=workers + 1, rank=0,
+                                timeout=timedelta(seconds=timeout_s))
+        ok("/init_weights_update_group", answer.result(timeout_s))
+
+    def push(self, tensors: Weights, flats: Buckets | None, version: str) -> tuple[float, float]:
+        """Seconds from the first broadcast to the last answer, and the router's own
+        seconds (stage start to commit) summed over calls."""
+        calls = flats or [(list(tensors), None)]
+        started, router = None, 0.0
+        for names, flat in calls:
+            part = [tensors[n] for n in names]
+            body = {"names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in part],
+                    "shapes": [list(t.shape) for t in part], "group_name": GROUP,
+                    "weight_version": version} | ({"load_format": "flattened_bucket"} if flats else {})
+            answer = self.pool.submit(post, self.url, "/update_weights_from_distributed", body,
+                                      self.timeout)
+            started = started or time.perf_counter()
+            for t in [flat] if flats else part:
+                dist.broadcast(t, src=0)
+            router += ok("/update_weights_from_distributed", answer.result(self.timeout))["seconds"]
+        return time.perf_counter() - started, router
+
+    def from_disk(self, path: Path, version: str) -> float:
+        started = time.perf_counter()
+        ok("/update_weights_from_disk", post(self.url, "/update_weights_from_disk",
+                                             {"model_path": str(path), "weight_version": version},
+                                             self.timeout))
+        return time.perf_counter() - started
+
+    def log_breakdown(self) -> tuple[float, float]:
+        """Receive and commit seconds the workers logged since the last call (summed
+        over calls, the slower worker's)."""
+        recv, commit = [0.0], [0.0]
+        for f in sorted(self.logs.glob("prefill*.log")) + sorted(self.logs.glob("decode*.log")):
+            with open(f, errors="replace") as text:
+                text.seek(self.offsets.get(f, 0))
+                new = text.read()
+                self.offsets[f] = text.tell()
+            recv.append(sum(float(s) for s in RECEIVED.findall(new)))
+            commit.append(sum(float(s) for s in COMMITTED.findall(new)))
+        return max(recv), max(commit)
+
+    def close(self) -> None:
+        post(self.url, "/destroy_weights_update_group", {"group_name": GROUP}, 60)
+        dist.destroy_process_group()
+        self.pool.shutdown()
+
+
+# --- the rounds -------------------------------------------------------------------------------
+
+@dataclass
+class Bench:
+    """The two checkpoints (a, b), the cluster's trainer and the raw baseline; `held`:
+    the checkpoint the cluster holds, `times`: per method, one row per round."""
+    args: argparse.Namespace
+    dirs: list[Path]
+    weights: list[Weights]
+    flats: list[Buckets]
+    refs: list[list[int]]                     # each checkpoint's greedy output
+    trainer: Trainer
+    raw: RawBaseline
+    held: int = 1
+    updates: int = 0
+    times: dict[str, list[tuple[float, ...]]] = field(
+        default_factory=lambda: {m: [] for m in METHODS})
+
+    def run(self, method: str) -> float:
+        wait_quiet(self.args.quiet_wait)
+        target = 1 - self.held
+        if method.startswith("raw"):
+            kind, parts = (BUCKETS, [f for _, f in self.flats[target]]) if "buckets" in method \
+                else (FRESH if "fresh" in method else TENSORS, list(self.weights[target].values()))
+            took, router = self.raw.send(parts, kind), float("nan")
+        else:
+            self.updates += 1
+            version = f"bench-{self.updates}-{'ab'[target]}"
+            if method == "from disk":
+                took, router = self.trainer.from_disk(self.dirs[target], version), float("nan")
+            else:
+                flats = self.flats[target] if "buckets" in method else None
+                took, router = self.trainer.push(self.weights[target], flats, version)
+            self.check(target, version)
+        self.times[method].append((took, router, *self.trainer.log_breakdown()))
+        return took
+
+    def check(self, target: int, version: str) -> None:
+        got = get(self.trainer.url, "/get_weight_version")["weight_version"]
+        out = greedy(self.trainer.url)
+        if got != version or out != self.refs[target]:
+            raise RuntimeError(f"after loading checkpoint {'ab'[target]}: version {got!r} "
+                               f"(want {version!r}), output {out} (want {self.refs[target]})")
+        self.held = target
+
+
+def report(bench: Bench, nbytes: int, rounds: int) -> None:
+    print(f"\nmedian of {rounds} rounds (best: the fastest round); MB = 10^6 bytes of weights; "
+          "breakdown: router stage->commit, worker receive, worker commit (the slower worker's, "
+          "summed over calls)")
+    print(f"{'method':<14}{'seconds':>9}{'best s':>8}{'MB/s':>9}{'x raw':>7}{'router s':>10}"
+          f"{'recv s':>8}{'commit s':>10}")
+    med_s = {m: [med([r[i] for r in rows]) for i in range(4)] for m, rows in bench.times.items()}
+    raw = med_s["raw"][0]
+    for m, (s, router, recv, commit) in med_s.items():
+        best = min(r[0] for r in bench.times[m])
+        extra = f"{router:>10.3f}{recv:>8.3f}{commit:>10.3f}" if m.startswith("push") else ""
+        print(f"{m:<14}{s:>9.3f}{best:>8.3f}{nbytes / s / 1e6:>9.1f}{raw / s:>7.2f}{extra}")
+    print(f"ratio push/raw bytes/s: {raw / med_s['push'][0]:.2f} (target >= 0.8)")
+    print(f"ratio push buckets/raw bytes/s: {raw / med_s['push buckets'][0]:.2f} "
+          f"(vs raw buckets: {med_s['raw buckets'][0] / med_s['push buckets'][0]:.2f})")
+    print(f"ratio from disk/raw bytes/s: {raw / med_s['from disk'][0]:.2f}")
+
+
+def rounds(bench: Bench, n: int) -> None:
+    for r in range(n):
+        order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
+        took = {m: bench.run(m) for m in order}
+        log_step(f"round {r + 1}: " + ", ".join(f"{m} {took[m]:.3f} s" for m in METHODS))
+
+
+def build(args: argparse.Namespace, tmp: Path) -> tuple[list[Path], list[Weights], list[Buckets]]:
+    c = config(args)
+    dirs = [make_model(tmp / name, c, seed, max_position=2048) for seed, name in enumerate("ab")]
+    weights = [load_file(str(d / "model.safetensors")) for d in dirs]
+    return dirs, weights, [buckets(w, args.bucket_mb) for w in weights]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--quiet-wait", type=float, default=10.0,
+                   help="wait at most this long for an idle machine before each timed step")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any one step may take")
+    args = p.parse_args()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")    # loopback only, here and in children
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="zpd-wsync-") as name:
+        tmp = Path(name)
+        log_step("writing the two checkpoints")
+        dirs, weights, flats = build(args, tmp)
+        nbytes = sum(t.nbytes for t in weights[0].values())
+        log_step("starting the cluster")
+        with Cluster(tmp, model=str(dirs[0]), dtype="float32",
+                     extra=("--http-port", "0", "--log-dir", str(tmp / "logs"),
+                            "--log-level", "WARNING")) as cluster:
+            url = f"http://{cluster.info['http']}"
+            workers = len(get(url, "/get_server_info")["workers"])
+            refs = [greedy(url)]
+            ok("/update_weights_from_disk", post(url, "/update_weights_from_disk",
+                                                 {"model_path": str(dirs[1])}, args.timeout))
+            refs.append(greedy(url))
+            if refs[0] == refs[1]:
+                raise RuntimeError(f"both checkpoints give the same output {refs[0]}: no check")
+            print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}, "
+                  f"intermediate {args.intermediate}, vocab {args.vocab}, "
+                  f"{nbytes // 4 / 1e6:.1f} M float32 parameters, {nbytes / 1e6:.1f} MB in "
+                  f"{len(weights[0])} tensors, {len(flats[0])} buckets of <= {args.bucket_mb:g} MB; "
+                  f"cluster 1P1D ({workers} workers, --threads 1), {os.cpu_count()} CPUs")
+            log_step("starting the raw receivers and joining the cluster's group")
+            raw = RawBaseline(workers, weights[0], [f.numel() for _, f in flats[0]], args.timeout)
+            trainer = None
+            try:
+                trainer = Trainer(url, workers, tmp / "logs", args.timeout)
+                bench = Bench(args, dirs, weights, flats, refs, trainer, raw)
+                rounds(bench, args.rounds)
+            finally:
+                if trainer is not None:
+                    trainer.close()
+                raw.close()
+    report(bench, nbytes, args.rounds)
+    print("weights check: PASS (every update gave its checkpoint's greedy output)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
