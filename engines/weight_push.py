@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
-
 import torch
 from torch import nn
 
@@ -115,17 +113,44 @@ def unflatten(flat: torch.Tensor, items: list[Announced]) -> list[torch.Tensor]:
     return out
 
 
-@torch.inference_mode()
-def apply_pushed(model: nn.Module, staged: Iterable[tuple[Announced, torch.Tensor]]) -> int:
-    """Copy staged tensors into the model (converted to its dtype and device);
-    returns the elements written. Called only after every tensor has arrived."""
-    params = dict(model.named_parameters())
-    written = 0
-    for a, tensor in staged:
+class Shadow:
+    """A second copy of the model's parameters that pushes are received into, so a
+    push neither touches the model before its commit nor allocates memory each time.
+    Committing swaps each fully written parameter with the model's own (the old
+    weights become the next push's staging area) and copies the rows of a partly
+    written one. Made once per trainer group, on `device` (the model's, unless the
+    group's backend cannot reach it)."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.params = dict(model.named_parameters())
+        with torch.no_grad():
+            self.copy = {n: p.detach().to(device, copy=True) for n, p in self.params.items()}
+        self.nbytes = sum(t.nbytes for t in self.copy.values())
+
+    def target(self, a: Announced) -> torch.Tensor | None:
+        """Where announced tensor `a` lands (a contiguous view), None if it is dropped."""
         if a.where is None:
-            continue
+            return None
         pname, start, rows = a.where
-        target = params[pname] if rows < 0 else params[pname][start:start + rows]
-        target.copy_(tensor)
-        written += tensor.numel()
-    return written
+        full = self.copy[pname]
+        return full if rows < 0 else full[start:start + rows]
+
+    @torch.inference_mode()
+    def commit(self, written: list[Announced]) -> int:
+        """Make the written tensors the model's; returns the elements they hold."""
+        rows: dict[str, int] = {}
+        for a in written:
+            if a.where is not None:
+                pname, _, n = a.where
+                rows[pname] = rows.get(pname, 0) + (n if n >= 0 else self.params[pname].shape[0])
+        for pname, covered in rows.items():
+            param, staged = self.params[pname], self.copy[pname]
+            if covered == param.shape[0] and staged.device == param.device:
+                self.copy[pname], param.data = param.data, staged     # swap: no copy
+            else:
+                for a in written:
+                    if a.where is not None and a.where[0] == pname:
+                        _, start, n = a.where
+                        sl = slice(None) if n < 0 else slice(start, start + n)
+                        param[sl].copy_(staged[sl])
+        return sum(math.prod(a.shape) for a in written if a.where is not None)

@@ -8,7 +8,11 @@ router drives (zpd/router/weight_sync.py):
   refuses is still received (and dropped) so the trainer's broadcasts complete,
   then answered 400; the model is not touched either way.
 - `commit_weights` / `discard_weights`: the router commits only once every worker
-  has staged everything, else discards everywhere; a commit is a local copy.
+  has staged everything, else discards everywhere.
+
+The staging memory is a second copy of the weights (engines/weight_push.Shadow),
+made when the first group is joined and kept while any group is: a push lands in
+place, and its commit swaps each fully pushed parameter with the model's.
 - `destroy_weights_update_group`: leave the group.
 
 One background job (a join or a receive) runs at a time.
@@ -25,8 +29,8 @@ import torch
 
 from engines.config import ModelError
 from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
-from engines.weight_push import (Announced, announce, apply_pushed, bucket_dtype, push_limit,
-                                 sizes, unflatten)
+from engines.weight_push import (Announced, Shadow, announce, bucket_dtype, push_limit, sizes,
+                                 unflatten)
 from zpd.worker.scheduler import Respond
 from zpd.worker.trainer_group import BACKENDS, TRAINER_INITS, GroupError, TrainerGroup
 
@@ -40,10 +44,11 @@ LOAD_FORMATS = (None, "flattened_bucket")
 
 @dataclass(eq=False)
 class Staged:
-    """A push received in full, waiting for the router's commit or discard."""
+    """A push received in full (into the shadow), waiting for the router's commit or
+    discard."""
     update_id: str
     group: str
-    tensors: list[tuple[Announced, torch.Tensor]]
+    written: list[Announced]
     nbytes: int
 
 
@@ -79,6 +84,8 @@ class WeightSync:
         self.job: str | None = None              # what the background thread is doing
         self.job_group: str | None = None
         self.staged: Staged | None = None
+        self.shadow: Shadow | None = None        # staging: a second copy of the weights
+        self.scratch: torch.Tensor | None = None     # bytes for what cannot land in place
         self.abandoned: set[str] = set()         # update ids discarded while receiving
         self.doomed: set[str] = set()            # groups to close once the job ends
 
@@ -124,8 +131,16 @@ class WeightSync:
                 self.doomed.discard(name)
                 respond(False, {"status": 500, "error": str(error)})
 
-        self._background(f"joining {name}", name, done, lambda: TrainerGroup.join(
-            name, backend, address, port, rank, world, trainer_init, timeout))
+        def work() -> TrainerGroup:
+            group = TrainerGroup.join(name, backend, address, port, rank, world, trainer_init,
+                                      timeout)
+            if self.shadow is None:          # made here, off the loop: it copies the weights
+                device = group.device if backend == "nccl" else torch.device("cpu")
+                self.shadow = Shadow(self.core.model.net, device)
+                log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)
+            return group
+
+        self._background(f"joining {name}", name, done, work)
 
     def stage(self, args: dict, respond: Respond) -> None:
         """Receive one push into staging memory; answered once all of it arrived."""
@@ -164,17 +179,17 @@ class WeightSync:
         self.staged = None                # a newer push replaces one never committed
         device = group.device if group.backend == "nccl" else torch.device("cpu")
         bucket = load_format == "flattened_bucket"
+        shadow, keep = self.shadow, refusal is None
         log.warning("receiving %d tensors (%d bytes%s) from group %r%s", len(items), total,
                     ", one bucket" if bucket else "", name, f"; refused: {refusal}" if refusal else "")
 
-        def receive() -> list[torch.Tensor] | None:
+        def receive() -> None:
             started = time.monotonic()
-            tensors = _receive(group, items, bucket, device, deadline, keep=refusal is None)
+            self._receive(group, items, bucket, shadow if keep else None, device, deadline)
             log.warning("received %d bytes from group %r in %.3f s", total, name,
                         time.monotonic() - started)
-            return tensors
 
-        def done(tensors: list[torch.Tensor] | None, error: Exception | None) -> None:
+        def done(_: None, error: Exception | None) -> None:
             if error is not None:         # the group is broken (trainer gone, timeout)
                 self._close(name)
                 respond(False, {"status": 504 if "imeout" in str(error) else 500,
@@ -185,7 +200,7 @@ class WeightSync:
             elif refusal is not None:
                 respond(False, {"status": 400, "error": f"{refusal}; nothing applied"})
             else:
-                self.staged = Staged(update_id, name, list(zip(items, tensors)), total)
+                self.staged = Staged(update_id, name, items, total)
                 respond(True, {"staged_tensors": len(items), "staged_bytes": total})
             if name in self.doomed:
                 self.doomed.discard(name)
@@ -205,7 +220,7 @@ class WeightSync:
         started = time.monotonic()
         try:
             with core.long_call():
-                written = apply_pushed(core.model.net, staged.tensors)
+                written = self.shadow.commit(staged.written)
         except RuntimeError as e:        # shapes were checked: this is a real fault
             raise StatusError(INTERNAL, f"applying the pushed weights failed: {e}") from None
         finally:
@@ -247,6 +262,8 @@ class WeightSync:
         group = self.groups.pop(name, None)
         if group is not None:
             group.close()
+        if not self.groups and self.job is None:
+            self.shadow = self.scratch = None     # the staging memory goes with the last group
 
     def _idle_or_409(self) -> None:
         if self.job is not None:
@@ -274,24 +291,33 @@ class WeightSync:
         for name in list(self.groups):
             self.groups.pop(name).close()
 
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """`nbytes` of scratch (kept: a bucket or a converted tensor lands here)."""
+        if self.scratch is None or self.scratch.numel() < nbytes or self.scratch.device != device:
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.scratch[:nbytes]
 
-def _receive(group: TrainerGroup, items: list[Announced], bucket: bool, device: torch.device,
-             deadline: float, keep: bool) -> list[torch.Tensor] | None:
-    """Every announced tensor from `group`, in order; with `keep` False they land in
-    one scratch buffer and are dropped."""
-    if bucket:
-        dtype = bucket_dtype(items)
-        flat = torch.empty(sum(a.nbytes for a in items) // dtype.itemsize, dtype=dtype,
-                           device=device)
-        group.receive(flat, deadline)
-        return unflatten(flat, items) if keep else None
-    if not keep:
-        scratch = torch.empty(max(a.nbytes for a in items), dtype=torch.uint8, device=device)
+    def _receive(self, group: TrainerGroup, items: list[Announced], bucket: bool,
+                 shadow: Shadow | None, device: torch.device, deadline: float) -> None:
+        """Every announced tensor from `group`, in order, into `shadow` (None: a refused
+        push, received and dropped). A tensor of the parameter's dtype and device
+        lands in place; any other goes through scratch and is converted."""
+        if bucket:
+            dtype = bucket_dtype(items)
+            flat = self._buffer(sum(a.nbytes for a in items), device).view(dtype)
+            group.receive(flat, deadline)
+            if shadow is not None:
+                for a, part in zip(items, unflatten(flat, items)):
+                    target = shadow.target(a)
+                    if target is not None:
+                        target.copy_(part)
+            return
         for a in items:
-            group.receive(scratch[:a.nbytes].view(a.dtype).view(a.shape), deadline)
-        return None
-    tensors = []
-    for a in items:
-        tensors.append(torch.empty(a.shape, dtype=a.dtype, device=device))
-        group.receive(tensors[-1], deadline)
-    return tensors
+            target = shadow.target(a) if shadow is not None else None
+            if target is not None and target.dtype == a.dtype and target.device == device:
+                group.receive(target, deadline)
+                continue
+            landing = self._buffer(a.nbytes, device).view(a.dtype).view(a.shape)
+            group.receive(landing, deadline)
+            if target is not None:
+                target.copy_(landing)
