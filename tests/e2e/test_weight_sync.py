@@ -224,3 +224,45 @@ def test_heartbeats_flow_during_a_long_broadcast(one_one):
     assert versions(one_one) == {"slow"}
     assert "marked dead" not in one_one.log.read_text()
     assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+
+
+# --- the prefix cache, across a push ---------------------------------------------------
+
+
+def _counters(client, role: str) -> dict[str, dict]:
+    return {w["endpoint"]: w["counters"] for w in client.admin("status")["workers"]
+            if w["role"] == role}
+
+
+def test_samples_share_a_prompt_and_a_push_never_meets_old_kv(two_two, models):
+    """Eight greedy samples of one prompt on 2P2D: one prefill computes it (the router
+    sends all eight there), every sample equals `zpd run`; after a push of other
+    weights, the same prompt is computed again under them."""
+    prompt = [(5 * i + 1) % 250 for i in range(60)]
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with two_two.client() as client:
+        before = _counters(client, "prefill")
+        col = Collector(client)
+        for i in range(8):
+            col.submit(prompt, 8, f"g{i}")
+        col.start()
+        outs = col.wait()
+        (version,) = versions(two_two)            # tiny, or v2 after the test above
+        want = _greedy(models[version], prompt, 8)
+        assert all(outs[f"g{i}"]["output_ids"] == want for i in range(8)), (want, outs)
+        after = _counters(client, "prefill")
+        asked = {ep: after[ep]["prefix_cache_query_tokens"] - before[ep]["prefix_cache_query_tokens"]
+                 for ep in after}
+        hits = sum(after[ep]["prefix_cache_hit_tokens"] - before[ep]["prefix_cache_hit_tokens"]
+                   for ep in after)
+        assert sorted(asked.values()) == [0, 8 * 60]         # one prefill took them all
+        assert hits >= 7 * 48                                 # computed once, reused 7 times
+        done = subprocess.run([sys.executable, "examples/push_weights.py", "--url",
+                               f"http://{two_two.info['http']}", "--weights", "tiny:3",
+                               "--version", "v3"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        again = client.generate(input_ids=prompt, sampling_params=greedy)
+        assert again["output_ids"] == _greedy(load_model("tiny:3", dtype="float64"), prompt, 8)
+        assert again["weight_versions"] == ["v3"] * 8
+        assert_all_pages_free(client)

@@ -234,21 +234,25 @@ def test_retract_and_continue_stay_exact_with_a_cached_prefix(cluster):
 def test_requests_that_begin_alike_go_to_the_same_prefill_unless_it_is_much_busier():
     from types import SimpleNamespace as W
 
-    from zpd.router.affinity import PrefixAffinity
+    from zpd.router.affinity import SLACK, PrefixAffinity
     from zpd.wire.protocol import Generate
     a, b = W(endpoint="a", load=0), W(endpoint="b", load=0)
-    aff = PrefixAffinity(max_entries=4)
-    first = aff.pick(Generate("r", SYSTEM + [1], {}), [a, b])
-    first.load += 1
-    for i in range(2):                                   # same beginning, other endings
-        assert aff.pick(Generate("r", SYSTEM + [i, 2], {}), [a, b]) is first
+    aff = PrefixAffinity(max_entries=40)
+    prompt = SYSTEM + [1, 2, 3]
+    first = aff.pick(Generate("r", prompt, {}), [a, b])
+    other = b if first is a else a
+    for _ in range(SLACK):                      # GRPO: the samples follow the first
         first.load += 1
-    assert aff.pick(Generate("r", SYSTEM, {}), [a, b]) is not first   # 3 > 2 * 0 + 2
-    other = Generate("r", [5] * 70, {})
-    assert aff.pick(other, [a, b]) is aff.pick(other, [a, b])
-    for i in range(5):                                   # the table stays bounded
-        aff.pick(Generate("r", [i] * 3, {}), [a, b])
-    assert len(aff.last) == 4
+        assert aff.pick(Generate("r", prompt, {}), [a, b]) is first
+    first.load += 1                             # SLACK + 1 > 2 * 0 + SLACK: too busy now
+    assert aff.pick(Generate("r", prompt, {}), [a, b]) is other
+    first.load = other.load = 0
+    turn = aff.pick(Generate("r", SYSTEM + [1, 2, 3, 50, 51, 52], {}), [a, b])
+    assert turn is other                        # the next turn: where the prompt went last
+    stranger = Generate("r", [9] * 40 + SYSTEM, {})
+    picks = {aff.pick(stranger, [a, b]).endpoint for _ in range(20)}
+    assert picks <= {"a", "b"}                  # nothing shared: by load
+    assert len(aff.last) <= 40
     assert aff.pick(Generate("r", [], {}, text="hello"), [a]) is a
 
 

@@ -1,10 +1,13 @@
-"""Cache-aware routing: requests that begin alike go to the prefill that computed
-that beginning last, where its prefix cache has it, unless that prefill is much
-busier than the least loaded one (then load wins, and the new one is remembered).
+"""Cache-aware routing: a request goes to the prefill that last computed most of its
+prompt, where that prefill's prefix cache likely still holds it, unless that prefill
+is much busier than the least loaded one; otherwise to the least loaded.
 
-A prompt's beginning is its first AFFINITY_TOKENS token ids (a text prompt: its first
-AFFINITY_CHARS characters; a chat: its first message), enough to tell GRPO's samples
-of one prompt, or one conversation's turns, from other prompts."""
+The router remembers, for each 16-token page of the prompts it routed (a hash chain,
+as the workers' caches key them, without the weight version), the prefill it chose;
+a new prompt's longest remembered chain says where its prefix was computed. That
+serves GRPO's samples of one prompt (all of it matches) and a conversation's next
+turn (the previous prompt is its prefix). Text and chat prompts, whose token ids the
+router does not see, match only when their text (or first message) is the same."""
 from __future__ import annotations
 
 import hashlib
@@ -19,42 +22,54 @@ if TYPE_CHECKING:
     from zpd.router.server import Worker
     from zpd.wire.protocol import Generate
 
-AFFINITY_TOKENS = 32          # two pages of the default page size
-AFFINITY_CHARS = 256
-MAX_ENTRIES = 1 << 16
+PAGE = 16                   # tokens per remembered page (the workers' default page size)
+MAX_PAGES = 64              # pages of one prompt remembered (the first 1,024 tokens)
+MIN_SHARE = 0.5             # follow a remembered prefix only if it is this much of the prompt
+SLACK = 16                  # ... and its prefill has at most 2 * least + SLACK requests
+MAX_ENTRIES = 1 << 18
 
 
-def prefix_key(msg: "Generate") -> bytes | None:
+def prompt_keys(msg: "Generate") -> tuple[list[bytes], int]:
+    """The hash chain of the prompt's pages (the last one may be partial), and how
+    many tokens each key covers (for the share matched)."""
     if msg.input_ids:
-        raw = b"i" + array("q", msg.input_ids[:AFFINITY_TOKENS]).tobytes()
-    elif msg.text:
-        raw = b"t" + msg.text[:AFFINITY_CHARS].encode("utf-8", "replace")
-    elif msg.chat:
-        messages = msg.chat.get("messages") if isinstance(msg.chat, dict) else None
-        raw = b"c" + orjson.dumps(messages[:1] if isinstance(messages, list) else None)
+        ids = msg.input_ids[:PAGE * MAX_PAGES]
+        keys, prev = [], b"i"
+        for start in range(0, len(ids), PAGE):
+            prev = hashlib.blake2b(prev + array("q", ids[start:start + PAGE]).tobytes(),
+                                   digest_size=16).digest()
+            keys.append(prev)
+        return keys, PAGE
+    if msg.text:
+        raw = b"t" + msg.text.encode("utf-8", "replace")
+    elif isinstance(msg.chat, dict) and isinstance(msg.chat.get("messages"), list):
+        raw = b"c" + orjson.dumps(msg.chat["messages"][:1])
     else:
-        return None
-    return hashlib.blake2b(raw, digest_size=16).digest()
+        return [], PAGE
+    return [hashlib.blake2b(raw, digest_size=16).digest()], 0
 
 
 class PrefixAffinity:
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
-        self.last: OrderedDict[bytes, str] = OrderedDict()     # prefix key -> prefill endpoint
+        self.last: OrderedDict[bytes, str] = OrderedDict()     # page key -> prefill endpoint
         self.max_entries = max_entries
 
     def pick(self, msg: "Generate", candidates: Sequence["Worker"]) -> "Worker":
         """The prefill for `msg` among live `candidates` (not empty)."""
-        key = prefix_key(msg)
+        keys, per_key = prompt_keys(msg)
         least = min(w.load for w in candidates)
-        if key is not None and key in self.last:
-            warm = next((w for w in candidates if w.endpoint == self.last[key]), None)
-            if warm is not None and warm.load <= 2 * least + 2:
-                self.last.move_to_end(key)
-                return warm
-        chosen = random.choice([w for w in candidates if w.load == least])
-        if key is not None:
+        chosen = None
+        matched = next((i for i in range(len(keys), 0, -1) if keys[i - 1] in self.last), 0)
+        share = 1.0 if per_key == 0 else matched * per_key / max(1, len(msg.input_ids))
+        if matched and share >= MIN_SHARE:
+            warm = next((w for w in candidates if w.endpoint == self.last[keys[matched - 1]]), None)
+            if warm is not None and warm.load <= 2 * least + SLACK:
+                chosen = warm
+        if chosen is None:
+            chosen = random.choice([w for w in candidates if w.load == least])
+        for key in keys:
             self.last[key] = chosen.endpoint
             self.last.move_to_end(key)
-            if len(self.last) > self.max_entries:
-                self.last.popitem(last=False)
+        while len(self.last) > self.max_entries:
+            self.last.popitem(last=False)
         return chosen

@@ -38,7 +38,7 @@ class Worker:
     endpoint: str
     dealer: Dealer
     clock: PeerClock
-    load: int = 0
+    load: int = 0            # requests routed here and not done with this worker's part
     alive: bool = True
 
 
@@ -52,6 +52,7 @@ class InFlight:
     sent: int = 0                        # output tokens passed on to the client
     from_decode: int = 0                 # output tokens the decode has sent
     early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
+    prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load
 
 
 class RouterServer:
@@ -307,6 +308,9 @@ class RouterServer:
             return None, None
         start, n = flight.from_decode, len(part.token_ids)
         flight.from_decode += n
+        if n and not flight.prefilled:           # the decode has the KV: prefill's part is done
+            flight.prefilled = True
+            flight.prefill.load -= 1
         skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
         flight.sent = max(flight.sent, start + n)
         if skip:
@@ -314,7 +318,8 @@ class RouterServer:
         if part.finished:
             del self.inflight[part.rid]
             self.shares.release(part.rid)
-            flight.prefill.load -= 1
+            if not flight.prefilled:
+                flight.prefill.load -= 1
             flight.decode.load -= 1
         return flight, (part if part.token_ids or part.finished else None)
 
