@@ -306,3 +306,15 @@ def test_off_means_off_on_both_sides():
         assert written(c) == 2 * 4 * c.decode.layout.page_bytes
     finally:
         c.close()
+
+
+def test_release_memory_while_retracted_drops_the_cache_too(cluster):
+    cluster.run(cluster.submit(SYSTEM + [4], 3))
+    rid = cluster.submit(SYSTEM + [5], 30)
+    cluster.until(lambda: rid in cluster.answers and cluster.answers[rid].token_ids)
+    assert cluster.admin("pause", mode="retract")["ok"]     # held: the decode is busy
+    assert cluster.admin("release_memory")["ok"]
+    assert cluster.admin("resume_memory")["ok"]
+    assert cluster.admin("continue")["ok"]
+    assert cluster.run(rid).token_ids == reference(cluster, SYSTEM + [5], 30)
+    cluster.check_pages()

@@ -94,8 +94,7 @@ class WeightsAndMemory:
         while some request's KV, or a write into it, may still be there."""
         pool = self.core.pool
         if not self.released:
-            if not self.core.scheduler.busy():
-                self.core.scheduler.flush_cache()      # cached pages are no one's
+            self.core.scheduler.flush_cache()      # cached pages no request uses go first
             in_use = pool.allocator.allocated
             if in_use:
                 raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "
