@@ -318,3 +318,17 @@ def test_release_memory_while_retracted_drops_the_cache_too(cluster):
     assert cluster.admin("continue")["ok"]
     assert cluster.run(rid).token_ids == reference(cluster, SYSTEM + [5], 30)
     cluster.check_pages()
+
+
+def test_samples_of_a_page_aligned_prompt_all_run_in_the_second_step(cluster):
+    """48 tokens: the third page holds the last token, always computed, so no sample
+    waits for another's third page: one step computes the prompt, the next all others."""
+    steps = []
+    real = cluster.prefill.compute.prefill
+    cluster.prefill.compute.prefill = lambda reqs, starts=None: (steps.append(len(reqs)),
+                                                                 real(reqs, starts))
+    rids = [cluster.submit(SYSTEM, 4) for _ in range(6)]
+    for rid in rids:
+        assert cluster.run(rid).token_ids == reference(cluster, SYSTEM, 4)
+    assert steps == [1, 5]
+    assert computed_tokens(cluster) == 48 + 5 * 16

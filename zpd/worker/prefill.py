@@ -159,7 +159,9 @@ class PrefillScheduler:
             n = len(job.req.prompt)
             keys = self._keys(job) if self.cache is not None else []
             hit = self.cache.peek(keys, n) if self.cache is not None else 0
-            if hit < len(keys) and keys[hit] in computing:
+            # wait for a batch-mate only for a page this prompt could take from the cache
+            # (the page of its last token is always computed)
+            if keys and hit < (n - 1) // self.page_size and keys[hit] in computing:
                 continue
             if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
                 break
