@@ -38,6 +38,11 @@ def pair():
 
 
 def wait_one(backend: transport.Backend, timeout: float = 10.0) -> transport.Completion:
+    """The next completion, in the order the backend reported them (two that finish
+    together on a loaded machine come in one poll; the second waits here)."""
+    kept = vars(backend).setdefault("_completions_not_taken", [])
+    if kept:
+        return kept.pop(0)
     poller = zmq.Poller()
     poller.register(backend.fileno(), zmq.POLLIN)
     deadline = time.monotonic() + timeout
@@ -45,7 +50,7 @@ def wait_one(backend: transport.Backend, timeout: float = 10.0) -> transport.Com
         if poller.poll(int((deadline - time.monotonic()) * 1000) + 1):
             done = backend.poll_completions()
             if done:
-                assert len(done) == 1, done
+                kept.extend(done[1:])
                 return done[0]
     raise AssertionError(f"no completion within {timeout} s")
 
