@@ -153,6 +153,13 @@ class PrefixCache:
             self.allocator.free_pages(freed)
         return len(freed)
 
-    def stats(self) -> dict:
-        return {"cached_pages": self.cached, "hit_tokens": self.hit_tokens,
-                "query_tokens": self.query_tokens}
+
+
+def cache_status(cache: PrefixCache | None) -> dict:
+    """A worker's status fields for its cache (None: turned off): the cached pages
+    (merged into kv_pages), enabled and hit rate, and the counters /metrics exports."""
+    hits, asked = (cache.hit_tokens, cache.query_tokens) if cache is not None else (0, 0)
+    return {"cached": cache.cached if cache is not None else 0,
+            "prefix_cache": {"enabled": cache is not None,
+                             "hit_rate": round(hits / asked, 4) if asked else 0.0},
+            "counters": {"prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": asked}}

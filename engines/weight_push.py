@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engines.config import ModelError
-from engines.weights import Placement, placement
+from engines.weights import Placement, checked_placement
 
 # Names a trainer may give a dtype ("torch.bfloat16" as str(torch.bfloat16) prints too).
 PUSH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
@@ -76,19 +76,7 @@ def announce(model: nn.Module, names: list, dtypes: list, shapes: list) -> list[
         if name in seen:
             raise ModelError(f"tensor {name!r:.200} is named twice")
         seen.add(name)
-        try:
-            where = placement(model, name)
-        except AttributeError:
-            raise ModelError(f"tensor {name!r:.200} does not belong to this model") from None
-        if where is not None:
-            pname, _, rows = where
-            if pname not in params:
-                raise ModelError(f"tensor {name!r:.200} does not belong to this model")
-            want = params[pname].shape if rows < 0 else (rows, *params[pname].shape[1:])
-            if tuple(shape) != tuple(want):
-                raise ModelError(f"tensor {name!r:.200} has shape {tuple(shape)}, the model "
-                                 f"expects {tuple(want)}")
-        out.append(Announced(name, dtype, shape, where))
+        out.append(Announced(name, dtype, shape, checked_placement(model, params, name, shape)))
     return out
 
 

@@ -77,6 +77,26 @@ def placement(model: nn.Module, name: str) -> Placement | None:
     return name, 0, -1
 
 
+def checked_placement(model: nn.Module, params: dict[str, nn.Parameter], name: str,
+                      shape) -> Placement | None:
+    """`placement` of tensor `name`, refused (ModelError) unless it is one of the
+    model's parameters, or rows of one, of exactly that shape."""
+    try:
+        where = placement(model, name)
+    except AttributeError:
+        raise ModelError(f"tensor {name!r:.200} does not belong to this model") from None
+    if where is None:
+        return None
+    pname, _, rows = where
+    if pname not in params:
+        raise ModelError(f"tensor {name!r:.200} does not belong to this model")
+    want = params[pname].shape if rows < 0 else (rows, *params[pname].shape[1:])
+    if tuple(shape) != tuple(want):
+        raise ModelError(f"tensor {name!r:.200} has shape {tuple(shape)}, "
+                         f"the model expects {tuple(want)}")
+    return where
+
+
 def read_checkpoint(model: nn.Module, tensors: Iterable[LazyTensor],
                     path: str) -> list[tuple[Placement, Callable[[], torch.Tensor]]]:
     """Every tensor of a checkpoint, validated against `model`'s parameters;
@@ -86,18 +106,12 @@ def read_checkpoint(model: nn.Module, tensors: Iterable[LazyTensor],
     plan: list[tuple[Placement, Callable[[], torch.Tensor]]] = []
     for name, shape, read in tensors:
         try:
-            where = placement(model, name)
-        except AttributeError:
-            raise ModelError(f"{path}: tensor {name!r} does not belong to this model") from None
+            where = checked_placement(model, params, name, shape)
+        except ModelError as e:
+            raise ModelError(f"{path}: {e}") from None
         if where is None:
             continue
         pname, start, rows = where
-        if pname not in params:
-            raise ModelError(f"{path}: tensor {name!r} does not belong to this model")
-        want = params[pname].shape if rows < 0 else (rows, *params[pname].shape[1:])
-        if tuple(shape) != tuple(want):
-            raise ModelError(f"{path}: tensor {name!r} has shape {tuple(shape)}, "
-                             f"the model expects {tuple(want)}")
         covered[pname] = covered.get(pname, 0) + (shape[0] if rows >= 0 else params[pname].shape[0])
         plan.append(((pname, start, rows), read))
     missing = [n for n, p in params.items() if covered.get(n, 0) != (p.shape[0] if p.dim() else 1)]

@@ -14,7 +14,7 @@ import zmq
 
 from engines.allocator import PoolFull
 from engines.batch import DecodeBatch
-from engines.prefix_cache import PrefixCache
+from engines.prefix_cache import PrefixCache, cache_status
 from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE,
                              Request, response)
 from zpd.wire.deadline import Deadline
@@ -119,8 +119,7 @@ class DecodeScheduler:
         job = self.waiting[0]
         need, room = self.pool.pages_for(job.req.max_context), self.pool.allocator.free
         if self.cache is not None:
-            prefix = job.req.prompt + job.req.output[:-1]
-            hit = self.cache.peek(self._keys(job), len(prefix))
+            hit = self.cache.peek(self._keys(job), self._prefix_len(job))
             need -= hit
             room += max(0, self.cache.evictable - hit)     # its own hits are not room
         return need <= room
@@ -128,11 +127,16 @@ class DecodeScheduler:
     def _keys(self, job: DecodeJob) -> list[bytes]:
         """The prefix-cache keys of the job's prefix (prompt + output[:-1]) under the
         current weights."""
-        version = self.core.model.version
-        prefix = job.req.prompt + job.req.output[:-1]
-        if job.prefix_keys is None or job.prefix_keys[:2] != (version, len(prefix)):
-            job.prefix_keys = (version, len(prefix), self.cache.keys(prefix, version))
+        version, n = self.core.model.version, self._prefix_len(job)
+        if job.prefix_keys is None or job.prefix_keys[:2] != (version, n):   # built once per epoch
+            prefix = job.req.prompt + job.req.output[:-1]
+            job.prefix_keys = (version, n, self.cache.keys(prefix, version))
         return job.prefix_keys[2]
+
+    @staticmethod
+    def _prefix_len(job: DecodeJob) -> int:
+        """Tokens whose KV the prefill sends: prompt + output[:-1]."""
+        return len(job.req.prompt) + max(0, len(job.req.output) - 1)
 
     def _reserve(self, job: DecodeJob) -> list[int]:
         """Pages for prompt + max_new_tokens: the cached ones of its prefix first."""
@@ -140,7 +144,7 @@ class DecodeScheduler:
         if self.cache is None:
             job.skip = 0
             return self.pool.allocator.alloc(total)
-        cached = self.cache.match(self._keys(job), len(job.req.prompt) + len(job.req.output[:-1]))
+        cached = self.cache.match(self._keys(job), self._prefix_len(job))
         job.skip = len(cached)
         if not self.cache.make_room(total - len(cached)):
             self.cache.release(cached)
@@ -378,13 +382,10 @@ class DecodeScheduler:
     def status(self) -> dict:
         phases = [j.phase for j in self.jobs.values()]
         held = {p for j in self.jobs.values() for p in j.req.pages}   # shared pages once
-        cache = self.cache.stats() if self.cache is not None else {}
-        hits, asked = cache.get("hit_tokens", 0), cache.get("query_tokens", 0)
+        cache = cache_status(self.cache)
         return {"kv_pages": {"held": len(held), "fenced": self.fences.pages,
-                             "cached": cache.get("cached_pages", 0)},
-                "prefix_cache": {"enabled": self.cache is not None,
-                                 "hit_rate": round(hits / asked, 4) if asked else 0.0},
-                "counters": {"prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": asked},
+                             "cached": cache["cached"]},
+                "prefix_cache": cache["prefix_cache"], "counters": cache["counters"],
                 "queues": {"waiting_pages": phases.count(DecodePhase.WAITING),
                            "waiting_kv": phases.count(DecodePhase.TRANSFERRING),
                            "running": len(self.batch), "held": phases.count(DecodePhase.HELD)},

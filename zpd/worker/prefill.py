@@ -17,7 +17,7 @@ import time
 from collections import deque
 
 import transport
-from engines.prefix_cache import PrefixCache
+from engines.prefix_cache import PrefixCache, cache_status
 from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
                              validate_prefix)
 from engines.sampler import SamplingParams
@@ -416,19 +416,15 @@ class PrefillScheduler:
         owners = {j for j in jobs + list(self.by_transfer.values()) if j.req is not None}
         phases = [j.phase for j in jobs]
         held = {p for j in owners for p in j.req.pages}       # shared cached pages once
-        cache = self.cache.stats() if self.cache is not None else {}
-        hits, asked = cache.get("hit_tokens", 0), cache.get("query_tokens", 0)
-        return {"kv_pages": {"held": len(held), "fenced": 0,
-                             "cached": cache.get("cached_pages", 0)},
-                "prefix_cache": {"enabled": self.cache is not None,
-                                 "hit_rate": round(hits / asked, 4) if asked else 0.0},
+        cache = cache_status(self.cache)
+        return {"kv_pages": {"held": len(held), "fenced": 0, "cached": cache["cached"]},
+                "prefix_cache": cache["prefix_cache"],
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
                            "stashed": phases.count(JobPhase.STASHED)},
                 "peers": len(self.peers),
-                "counters": self.counters | {"prefix_cache_hit_tokens": hits,
-                                             "prefix_cache_query_tokens": asked}}
+                "counters": self.counters | cache["counters"]}
 
     def close(self) -> None:
         self.loop.remove_fd(self.core.backend.fileno())
