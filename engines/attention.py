@@ -25,11 +25,34 @@ class PrefillMeta:
 
 
 @dataclass
+class DecodeGroup:
+    """Sequences of similar length, padded to the longest of them."""
+    members: torch.Tensor | None  # [b] their rows in the batch (None: the whole batch)
+    read_index: torch.Tensor      # [b, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
+    mask: torch.Tensor            # [b, 1, 1, S] True where the position is in the context
+
+
+@dataclass
 class DecodeMeta:
-    """One new token per sequence, attending to its whole context through its pages."""
+    """One new token per sequence, attending to its whole context through its pages.
+    Sequences are grouped by length (`group_by_length`), so one long context does not
+    make every short one's attention as long."""
     write_rows: torch.Tensor      # [B] pool row of the new token for layer 0, K
-    read_index: torch.Tensor      # [B, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
-    mask: torch.Tensor            # [B, 1, 1, S] True where the position is in the context
+    groups: list[DecodeGroup]
+
+
+def group_by_length(lengths: list[int]) -> list[list[int]]:
+    """Batch rows in groups, longest first: each group holds the rows at least half as
+    long as its longest, so padding at most doubles a group's work, and there are at
+    most log2(longest / shortest) + 1 groups."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and 2 * lengths[i] >= lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 class PagedKV:
@@ -79,12 +102,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: P
 def decode_attention(q: torch.Tensor, kv: PagedKV, layer: int, meta: DecodeMeta,
                      scale: float) -> torch.Tensor:
     """q: [B, Hq, D] -> [B, Hq, D], reading K/V of the whole context from the pool."""
+    if len(meta.groups) == 1:
+        return _attend(q, kv, layer, meta.groups[0], scale)
+    out = torch.empty_like(q)
+    for group in meta.groups:
+        out.index_copy_(0, group.members, _attend(q.index_select(0, group.members), kv, layer,
+                                                  group, scale))
+    return out
+
+
+def _attend(q: torch.Tensor, kv: PagedKV, layer: int, group: DecodeGroup, scale: float) -> torch.Tensor:
     b, hq, d = q.shape
-    k = kv.gather(layer, 0, meta.read_index)                         # [B, Hkv, S, D]
-    v = kv.gather(layer, 1, meta.read_index)
-    groups = hq // kv.kv_heads
-    qg = q.view(b, kv.kv_heads, groups, d)                           # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [B, Hkv, G, S]
-    scores = scores.masked_fill(~meta.mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)             # [B, Hkv, G, D]
+    k = kv.gather(layer, 0, group.read_index)                        # [b, Hkv, S, D]
+    v = kv.gather(layer, 1, group.read_index)
+    qg = q.view(b, kv.kv_heads, hq // kv.kv_heads, d)                # [b, Hkv, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [b, Hkv, G, S]
+    scores = scores.masked_fill(~group.mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)             # [b, Hkv, G, D]
     return out.view(b, hq, d)

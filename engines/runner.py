@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.attention import DecodeMeta, PrefillMeta
+from engines.attention import DecodeGroup, DecodeMeta, PrefillMeta, group_by_length
 from engines.kv_pool import KVPool
 from engines.loader import LoadedModel
 
@@ -48,20 +48,27 @@ class ModelRunner:
     def decode(self, tokens: list[int], positions: list[int],
                page_tables: list[list[int]]) -> torch.Tensor:
         """Feed token i at position i of its sequence; it attends to positions 0..pos."""
-        span = max(positions) + 1
-        width = -(-span // self.page_size)
-        table = self._tensor([pt[:width] + [pt[0]] * (width - len(pt[:width])) for pt in page_tables])
         pos = self._tensor(positions)
-        steps = torch.arange(span, device=self.device)
-        read_rows = self._rows_batched(table, steps)                      # [B, S]
-        heads = torch.arange(self.kv_heads, device=self.device)
-        meta = DecodeMeta(
-            write_rows=read_rows.gather(1, pos[:, None]).squeeze(1),
-            read_index=read_rows[:, None, :] * self.kv_heads + heads[None, :, None],  # [B, Hkv, S]
-            mask=(steps[None, :] <= pos[:, None])[:, None, None, :])             # [B, 1, 1, S]
+        own = self._tensor([pt[p // self.page_size] for pt, p in zip(page_tables, positions)])
+        groups = group_by_length(positions)
+        meta = DecodeMeta(write_rows=own * self.page_stride + pos % self.page_size,
+                          groups=[self._group(rows, positions, page_tables, len(groups) == 1)
+                                  for rows in groups])
         hidden = self.model.net(self._tensor(tokens), pos, self.pool.kv, meta)
         return self.model.net.logits(hidden)
 
-    def _rows_batched(self, table: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        pages = table[:, steps // self.page_size]                          # [B, S]
-        return pages * self.page_stride + steps % self.page_size
+    def _group(self, rows: list[int], positions: list[int], page_tables: list[list[int]],
+               whole: bool) -> DecodeGroup:
+        """Read rows and mask of batch rows `rows`, padded to the longest of them."""
+        span = max(positions[i] for i in rows) + 1
+        width = -(-span // self.page_size)
+        table = self._tensor([page_tables[i][:width] + [page_tables[i][0]] * (width - len(page_tables[i][:width]))
+                              for i in rows])
+        steps = torch.arange(span, device=self.device)
+        read_rows = table[:, steps // self.page_size] * self.page_stride + steps % self.page_size  # [b, S]
+        heads = torch.arange(self.kv_heads, device=self.device)
+        pos = self._tensor([positions[i] for i in rows])
+        return DecodeGroup(
+            members=None if whole else self._tensor(rows),
+            read_index=read_rows[:, None, :] * self.kv_heads + heads[None, :, None],  # [b, Hkv, S]
+            mask=(steps[None, :] <= pos[:, None])[:, None, None, :])             # [b, 1, 1, S]

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from engines.attention import group_by_length
 from engines.config import ModelError
 from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams
@@ -168,3 +169,26 @@ def test_dtypes_run(tmp_path):
         assert len(out["output_ids"]) == 12
         assert all(0 <= t < model.cfg.vocab_size for t in out["output_ids"])
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_group_by_length_bounds_padding():
+    assert group_by_length([10, 300, 160, 12, 150, 5]) == [[1, 2, 4], [3, 0], [5]]
+    assert group_by_length([7, 7, 7]) == [[0, 1, 2]]
+    groups = group_by_length([1, 3, 7, 15, 31, 63])
+    assert all(len(g) == 1 for g in groups) and len(groups) == 6    # each more than twice the next
+
+
+def test_decode_of_mixed_lengths_equals_each_alone(tiny64):
+    """Logits of one decode step over contexts of 3, 40 and 300 tokens (three length
+    groups) equal each sequence's step alone."""
+    engine = OfflineEngine(tiny64, max_batch=3)
+    runner, pool = engine.compute.runner, engine.compute.pool
+    lengths = [3, 300, 40]
+    tables = [pool.allocator.alloc(pool.pages_for(n + 1)) for n in lengths]
+    prompts = [[(7 * n + i) % 200 + 1 for i in range(n)] for n in lengths]
+    runner.prefill(prompts, tables)
+    tokens, positions = [5, 6, 7], lengths
+    together = runner.decode(tokens, positions, tables)
+    for i in range(3):
+        alone = runner.decode([tokens[i]], [positions[i]], [tables[i]])
+        torch.testing.assert_close(together[i], alone[0], rtol=1e-12, atol=1e-12)
