@@ -8,6 +8,7 @@ import pytest
 
 from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
 from zpd.ops.cli import build_parser
+from zpd.ops.launch import split_cores
 from zpd.ops.options import ROUTER_ENDPOINT, router_argv, router_config, worker_argv, worker_config
 
 
@@ -100,3 +101,31 @@ def test_limit_flags_reach_router_and_workers_through_launch() -> None:
 def test_a_prompt_cap_past_one_wire_frame_is_refused() -> None:
     with pytest.raises(ValueError, match="max_text_bytes"):
         worker_config(parse("prefill", "--model", "m", "--max-text-bytes", str(1 << 30)), "prefill")
+
+
+# --- zpd launch: the default split of the host's cores among its workers -------------
+
+def test_launch_splits_the_cores_and_binds_each_worker_to_its_own() -> None:
+    none = {"prefill": None, "decode": None}
+    assert split_cores([0, 1], ["prefill", "decode"], none, bind=True) == [(1, [0]), (1, [1])]
+    assert split_cores(list(range(16)), ["prefill", "decode"], none, bind=True) == \
+        [(8, list(range(8))), (8, list(range(8, 16)))]
+    # cores that do not divide evenly: equal whole shares, the rest left to the router
+    assert split_cores([0, 1, 2, 3, 4], ["prefill", "decode"], none, bind=False) == \
+        [(2, None), (2, None)]
+    # only an affinity subset may be used
+    assert split_cores([4, 6], ["prefill", "decode"], none, bind=True) == [(1, [4]), (1, [6])]
+
+
+def test_launch_split_with_more_workers_than_cores_gives_one_thread_each_unbound() -> None:
+    plan = split_cores([0, 1], ["prefill"] * 2 + ["decode"] * 2, {"prefill": None, "decode": None},
+                       bind=True)
+    assert plan == [(1, None)] * 4
+
+
+def test_launch_split_respects_an_explicit_thread_count() -> None:
+    plan = split_cores(list(range(8)), ["prefill", "decode", "decode"], {"prefill": 4, "decode": None},
+                       bind=True)
+    assert plan == [(4, None), (2, [4, 5]), (2, [6, 7])]
+    too_many = split_cores([0, 1], ["prefill", "decode"], {"prefill": 3, "decode": None}, bind=True)
+    assert too_many == [(3, None), (1, None)]

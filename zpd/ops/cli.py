@@ -170,9 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     la.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     la.add_argument("--prefill-threads", type=int, default=None,
-                    help="torch threads of each prefill worker (default: --threads)")
+                    help="torch threads of each prefill worker (default: --threads, else a "
+                         "share of the cores, below)")
     la.add_argument("--decode-threads", type=int, default=None,
-                    help="torch threads of each decode worker (default: --threads)")
+                    help="torch threads of each decode worker (default: --threads, else a "
+                         "share of the cores, below)")
+    la.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
+                    help="by default the workers without a thread count split this process's "
+                         "CPUs equally (at least one thread each) and each is bound to its own "
+                         "CPUs while there are enough; this keeps the split but does not bind")
     add_default(la, "--host", RouterConfig, "interface for every process (default {default})")
     add_default(la, "--port", RouterConfig, "router port (default {default}; 0 = any)", type=int)
     la.add_argument("--ready-file", default=None,

@@ -7,6 +7,7 @@ stops every child on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -24,13 +25,34 @@ from zpd.ops.ready import write_ready_file
 log = logging.getLogger("zpd.ops.launch")
 
 
+def split_cores(cores: list[int], workers: list[str], explicit: dict[str, int | None],
+                bind: bool) -> list[tuple[int, list[int] | None]]:
+    """(torch threads, CPUs to bind or None) for each local worker, in order. Workers
+    whose role has no explicit thread count share the cores the others leave: each
+    gets an equal whole number of them (at least one), and with `bind`, while there
+    are enough, its own disjoint set, so no worker's OpenMP threads wait on another's.
+    A worker with an explicit count is not bound (its threads may exceed its share)."""
+    taken = sum(explicit[r] for r in workers if explicit[r])
+    auto = [r for r in workers if not explicit[r]]
+    share = max(1, (len(cores) - taken) // len(auto)) if auto else 0
+    free, plan = iter(cores[taken:] if taken + share * len(auto) <= len(cores) else ()), []
+    for role in workers:
+        if explicit[role]:
+            plan.append((explicit[role], None))
+            continue
+        own = [c for _, c in zip(range(share), free)]
+        plan.append((share, own if bind and len(own) == share else None))
+    return plan
+
+
 class Child:
     def __init__(self, role: str, argv: list[str], ready: Path, log_file: Path | None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cpus: list[int] | None = None) -> None:
         self.role, self.ready = role, ready
         out = open(log_file, "ab") if log_file else None
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, env=env)
+                                     start_new_session=True, env=env,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         if out:
             out.close()
         self.info: dict | None = None
@@ -83,13 +105,18 @@ def launch(args, worker_flags: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
-        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-            for i in range(count):
-                ready = tmp / f"{role}{i}.json"
-                threads = getattr(args, f"{role}_threads", None)
-                argv = py + [role, "--host", args.host, "--port", "0", "--ready-file", str(ready)] \
-                    + worker_flags + (["--threads", str(threads)] if threads else [])
-                children.append(Child(role, argv, ready, log_dir / f"{role}{i}.log" if log_dir else None))
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+        explicit = {r: getattr(args, f"{r}_threads", None) or args.threads for r in ("prefill", "decode")}
+        plan = split_cores(sorted(os.sched_getaffinity(0)), roles, explicit, args.cpu_bind)
+        for i, (role, (threads, cpus)) in enumerate(zip(roles, plan)):
+            n = i if role == "prefill" else i - args.prefill
+            ready = tmp / f"{role}{n}.json"
+            argv = py + [role, "--host", args.host, "--port", "0", "--ready-file", str(ready)] \
+                + worker_flags + ["--threads", str(threads)]
+            log.info("%s worker %d: %d torch thread(s)%s", role, n, threads,
+                     f", bound to CPUs {','.join(map(str, cpus))}" if cpus else "")
+            children.append(Child(role, argv, ready, log_dir / f"{role}{n}.log" if log_dir else None,
+                                  cpus=cpus))
         _wait_ready(children, args.startup_timeout)
         eps = {r: ",".join(c.info["endpoint"] for c in children if c.role == r)
                for r in ("prefill", "decode")}
