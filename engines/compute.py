@@ -29,6 +29,7 @@ class Compute:
         fresh = [i for i, r in enumerate(reqs) if not r.output]
         if fresh:
             self._sample(logits[fresh], [reqs[i] for i in fresh])
+        self.pool.synchronize()     # the KV is complete before a transfer engine reads it
 
     def decode(self, reqs: list[Request]) -> None:
         logits = self.runner.decode([r.output[-1] for r in reqs], [r.context_len - 1 for r in reqs],

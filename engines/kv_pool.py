@@ -65,6 +65,13 @@ class KVPool:
             return                                   # released: nothing left to read
         for start, length in page_runs(sorted(pages)):
             self.buffer[start:start + length].zero_()
+        self.synchronize()          # zeroed before the page is handed out and written again
+
+    def synchronize(self) -> None:
+        """Wait for queued GPU work on the pool (kernels are asynchronous; a transfer
+        engine reading or writing pages does not wait for them). Nothing to do on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def allocate_memory(self) -> None:
         L = self.layout

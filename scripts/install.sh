@@ -4,7 +4,8 @@
 #                                         # and the SmolLM2-135M-Instruct model file
 #   bash scripts/install.sh --test        # also the test tools (pytest, transformers as reference)
 #   bash scripts/install.sh --no-smollm2  # without the model file (--model tiny still works)
-# Environment: ZPD_MOONCAKE=cpu|cuda (default cpu: mooncake-transfer-engine-non-cuda),
+# Environment: ZPD_MOONCAKE=cpu|cuda|cuda13 (default cpu: mooncake-transfer-engine-non-cuda;
+#              cuda13 for torch's PyPI CUDA wheel, which is CUDA 13),
 #              ZPD_TORCH (default 2.13.0; pinned because an unpinned torch can pull a
 #              multi-GB CUDA build), PYTHON (default python3).
 set -euo pipefail

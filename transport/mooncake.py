@@ -48,8 +48,9 @@ TIMEOUT_ENV_VARS = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 # 0.3.13.post1); newer sources return -1, which pybind shows as 2**64 - 1.
 _REFUSED = {0, -1, 2**64 - 1}
 
-INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU) or "
-                "mooncake-transfer-engine (CUDA), never both")
+INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU), "
+                "mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 "
+                "(CUDA 13), exactly one")
 LIBS_HINT = "apt-get install -y libibverbs1 librdmacm1 libnuma1"
 
 

@@ -24,3 +24,9 @@ def test_status_counts_what_was_served(cluster):
     assert prefill["counters"]["prompt_tokens_computed"] == 7
     assert prefill["counters"]["kv_bytes_written"] > 0
     assert prefill["counters"]["kv_transfer_failures"] == 0
+
+
+def test_status_names_each_workers_device(cluster):
+    workers = cluster.admin("status")["workers"]
+    assert sorted(w["role"] for w in workers) == ["decode", "prefill"]
+    assert all(w["device"] == "cpu" for w in workers)

@@ -252,7 +252,7 @@ class WorkerCore:
         # Counted from the scheduler's own records, so free + held + fenced + cached == total
         # is a real check: a page allocated to no live request or fence breaks it.
         return {"weight_version": self.model.version, "paused": self.paused,
-                "memory": self.memory.state,
+                "memory": self.memory.state, "device": str(self.pool.device),
                 "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
                              "fenced": pages["fenced"], "cached": pages.get("cached", 0)},
                 "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \
@@ -332,9 +332,9 @@ def serve(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler], cfg: W
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: (stop.set(), core.loop.stop()))
     write_ready_file(cfg.ready_file, {"role": cfg.role, "endpoint": core.endpoint, "pid": os.getpid()})
-    log.warning("%s worker ready on %s (model %s, %d KV pages of %d bytes, transport session %s)",
-                cfg.role, core.endpoint, cfg.model, core.pool.num_pages, core.layout.page_bytes,
-                core.backend.session_id)
+    log.warning("%s worker ready on %s (model %s on %s, %d KV pages of %d bytes, transport "
+                "session %s)", cfg.role, core.endpoint, cfg.model, core.pool.device,
+                core.pool.num_pages, core.layout.page_bytes, core.backend.session_id)
     try:
         core.run(stop)
     finally:
