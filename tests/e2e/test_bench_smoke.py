@@ -3,6 +3,8 @@ CI does not judge their targets, which need a quiet machine and full-size loads;
 this only keeps the scripts from rotting unseen."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -31,8 +33,11 @@ RUNS = {
     "bench_retract.py": (["--requests", "16", "--cycles", "1", "--repeats", "1", "--quiet-wait", "0"],
                          [r"pause\(retract\) round trip\s+[\d.]+ ms",
                           r"ratio recompute/fresh time, median of per-repeat ratios: [\d.]+"]),
+    "bench_threads.py": (["--sizes", "8,16", "--repeats", "1", "--quiet-wait", "0"],
+                         [r"\s16\s+1\s+[\d.]+\s+[\d.]+", r"split: spread max/min [\d.]+"]),
     "bench_transfer.py": (["--repeats", "1", "--tokens", "256"], [r"ratio"]),
     "bench_loop.py": (["--quick"], [r"ratio"]),
+    "bench_peer.py": (["--smoke"], [r"float32\s+zpd [\d.]+\s+zpd [\d.]+\s+zpd [\d.]+"]),
     "bench_models.py": (["--repeats", "1", "--new-tokens", "4", "--batches", "2",
                          "--dtypes", "float32", "--no-hf-load"],
                         [r"float32\s+[\d.]+\s+\d+\s+nan\s+nan",
@@ -60,3 +65,33 @@ def test_benchmark_runs(script: str) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for pattern in wanted:
         assert re.search(pattern, done.stdout), (pattern, done.stdout[-3000:])
+
+
+def test_interference_runs(tmp_path) -> None:
+    png = tmp_path / "itl.png"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_interference.py"), "--smoke",
+                           "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for pattern in (r"SLOs:\s+TTFT <= \d+ ms", r"ITL p99 ms(\s+[\d.]+){2}", r"ITL p99/p50(\s+[\d.]+){2}",
+                    r"TTFT long p50 ms(\s+[\d.]+){2}", r"goodput(\s+[\d.]+){2}"):
+        assert re.search(pattern, done.stdout), (pattern, done.stdout[-3000:])
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_gpu_check_cpu_dry_run(tmp_path) -> None:
+    """scripts/gpu_check.sh (issue #16) as CI can run it: every check on shrunk models on
+    the CPU, one table, written to $OUT."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu",
+                           "--skip-install", "--time-limit", "300", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=330,
+                          env=os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    table = (tmp_path / "gpu_check.txt").read_text()
+    reference = "PASS" if importlib.util.find_spec("transformers") else "SKIP"
+    for row, result in (("env", "PASS"), ("parity fp32 logits", reference),
+                        ("parity bf16 greedy", reference), ("cluster 1P1D", "PASS"),
+                        ("llama1m prefill", "PASS"), ("llama1m decode b1", "PASS"),
+                        ("llama1m decode b16", "PASS"), ("smollm2 speed", "SKIP")):
+        assert re.search(rf"^{re.escape(row)}\s+{result}\s", table, re.M), (row, table)
+    assert re.search(r"^overall: PASS: \d+/\d+ passed", table, re.M), table
+    assert table.strip() in done.stdout
