@@ -122,7 +122,8 @@ def test_import_transport_without_mooncake(monkeypatch) -> None:
     with pytest.raises(fresh.BackendUnavailableError) as err:
         fresh.create_backend("mooncake")
     assert "pip install mooncake-transfer-engine-non-cuda" in str(err.value)
-    assert "mooncake-transfer-engine (CUDA)" in str(err.value)
+    assert "mooncake-transfer-engine (CUDA 12)" in str(err.value)
+    assert "mooncake-transfer-engine-cuda13 (CUDA 13)" in str(err.value)
     assert isinstance(err.value, ImportError) and isinstance(err.value, fresh.TransportError)
 
 
