@@ -52,11 +52,12 @@ class Attention(nn.Module):
                 layer: int, meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
+        qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
+        qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            qk = torch.cat([self.q_norm(qk[:, :self.hq]), self.k_norm(qk[:, self.hq:])], dim=1)
+        qk = apply_rotary(qk, *rope)                     # queries and keys in one pass
+        q, k = qk[:, :self.hq], qk[:, self.hq:]
         kv.write(layer, meta.write_rows, k, v)
         if isinstance(meta, PrefillMeta):
             o = prefill_attention(q, k, v, meta, self.scale, kv, layer)   # [T, Hq, D]

@@ -30,15 +30,17 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position. The sin table's first
+    half is negated: rotating is then x * cos + roll(x) * sin (`apply_rotary`)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype, device: torch.device) -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)                      # [max_pos, head_dim]
+        sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * sign).to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token: [T, 1, head_dim], broadcast over heads."""
@@ -46,7 +48,7 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] rotated in the half-split convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x: [T, heads, head_dim] rotated in the half-split convention: x * cos +
+    (-x2, x1) * sin, with the sign in the table (roll(x) is (x2, x1)): the same
+    products, bit for bit, in four operations instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

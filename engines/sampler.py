@@ -121,6 +121,11 @@ class SamplingParams:
         return self.return_logprob or self.top_logprobs_num > 0
 
     @property
+    def filtered(self) -> bool:
+        """Top-k, top-p or min-p cut the distribution (they need it sorted)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
 
@@ -259,21 +264,40 @@ class Sampler:
         return Sampled(chosen, *token_logprobs(logits, params, chosen))
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> list[int]:
+        """Inverse CDF, one uniform per row from its own generator: over the sorted,
+        filtered distribution for rows with top-k/top-p/min-p, over the vocabulary in
+        id order for the others (sorting the whole vocabulary is most of a plain
+        temperature draw's cost, and the order does not change the distribution)."""
         dev, vocab = logits.device, logits.shape[1]
 
         def column(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=logits.dtype, device=dev)
-
-        probs, ids = filter_probs(
-            logits, column([p.temperature for p in params]),
-            torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev),
-            column([p.top_p for p in params]), column([p.min_p for p in params]))
-        # Inverse CDF on the sorted distribution: one uniform per row from its own generator.
         u = column([torch.rand(1, generator=torch.Generator().manual_seed(s), dtype=torch.float64).item()
                     for s in seeds])
-        cdf = torch.cumsum(probs, dim=-1)
-        pick = torch.searchsorted(cdf, u[:, None].to(cdf.dtype), right=True).clamp_(max=vocab - 1)
-        # never land on a zeroed tail entry because of rounding in the cumulative sum
-        last_kept = (probs > 0).sum(-1, keepdim=True) - 1
-        pick = torch.minimum(pick, last_kept)
-        return ids.gather(1, pick).squeeze(1).tolist()
+        tokens = [0] * len(params)
+        plain = [i for i, p in enumerate(params) if not p.filtered]
+        if plain:
+            rows = torch.tensor(plain, device=dev)
+            probs = torch.softmax(logits[rows] / column([params[i].temperature for i in plain])[:, None], -1)
+            cdf = torch.cumsum(probs, dim=-1)
+            # scaled by the row's total, so rounding in the sum does not run past the end;
+            # and never past the last token that has any probability
+            pick = torch.searchsorted(cdf, (u[rows] * cdf[:, -1])[:, None], right=True)
+            last = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
+            for i, t in zip(plain, torch.minimum(pick, last).squeeze(1).tolist()):
+                tokens[i] = t
+        cut = [i for i, p in enumerate(params) if p.filtered]
+        if cut:
+            rows = torch.tensor(cut, device=dev)
+            probs, ids = filter_probs(
+                logits[rows], column([params[i].temperature for i in cut]),
+                torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in cut], device=dev),
+                column([params[i].top_p for i in cut]), column([params[i].min_p for i in cut]))
+            cdf = torch.cumsum(probs, dim=-1)
+            pick = torch.searchsorted(cdf, u[rows][:, None].to(cdf.dtype), right=True).clamp_(max=vocab - 1)
+            # never land on a zeroed tail entry because of rounding in the cumulative sum
+            last_kept = (probs > 0).sum(-1, keepdim=True) - 1
+            pick = torch.minimum(pick, last_kept)
+            for i, t in zip(cut, ids.gather(1, pick).squeeze(1).tolist()):
+                tokens[i] = t
+        return tokens

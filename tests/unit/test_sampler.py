@@ -181,3 +181,13 @@ def test_penalties_leave_the_models_inference_tensor_alone(dtype):
     p = SamplingParams(temperature=0, repetition_penalty=4.0)
     assert Sampler()(logits, [p], [1], [0], [[0]], [[]]) == [1]       # 2.0 / 4 < 1.0
     assert logits.tolist() == LOGITS.tolist()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(top_p=0.999)])
+def test_a_token_without_probability_is_never_drawn(params):
+    """Both draws (vocabulary order without filters, sorted with them): -inf logits,
+    including the last ones, whose ids a uniform near 1 would reach by rounding."""
+    logits = torch.tensor([[0.0, float("-inf"), 3.0, float("-inf"), float("-inf")]])
+    sampler = Sampler()
+    drawn = {sampler(logits.clone(), [params], [seed], [0], [[]], [[]])[0] for seed in range(400)}
+    assert drawn == {0, 2}
