@@ -20,6 +20,7 @@ class Deadlines:
     kv_wait: float = 60.0            # --kv-wait-timeout: every wait on the peer or on pages
     transfer: float = 20.0           # --transfer-timeout: one KV write (Mooncake's own timeout is lower)
     heartbeat: float = 0.5           # every peer pair pings this often, both ways
+    busy_poll_us: float = 0.0        # --busy-poll-us: the loop spins this long after a message
     peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
     dead_fence: float = 300.0        # decode: longest pages stay fenced for a silent prefill
 
@@ -119,6 +120,7 @@ class RouterConfig:
     port: int = 5757                 # the well-known port clients dial; 0: any free port
     admin_timeout_s: float = 30.0
     heartbeat: float = 0.5           # ping every worker this often
+    busy_poll_us: float = 0.0        # --busy-poll-us: the loop spins this long after a message
     peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext

@@ -16,6 +16,9 @@ from tests.e2e.cluster import ROOT
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
 RUNS = {
+    "bench_busy_poll.py": (["--settings", "0,500", "--requests", "4", "--rounds", "1", "--idle-s", "0.5",
+                            "--quiet-wait", "0"],
+                           [r"(?m)^\s+0(\s+[\d.]+){4}$", r"(?m)^\s+500(\s+[\d.]+){4}$"]),
     "bench_e2e.py": (["--requests", "8", "--prompt-len", "64", "--new-tokens", "8",
                       "--concurrency", "4", "--rounds", "1", "--isolated", "2", "--repeats", "1",
                       "--rtt-samples", "50", "--quiet-wait", "0"],

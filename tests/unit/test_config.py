@@ -95,7 +95,15 @@ def test_limit_flags_reach_router_and_workers_through_launch() -> None:
         (PromptLimits(100, 50), 7, 900)
     assert router_argv(parse("launch", "--model", "tiny")) == [
         "--max-text-bytes", str(1 << 20), "--max-input-ids", str(1 << 20),
-        "--max-client-requests", "1024", "--max-client-tokens", str(1 << 22)]
+        "--max-client-requests", "1024", "--max-client-tokens", str(1 << 22),
+        "--busy-poll-us", str(default_of(RouterConfig, "busy_poll_us"))]
+
+
+def test_busy_poll_reaches_the_router_and_workers_through_launch() -> None:
+    la = parse("launch", "--model", "tiny", "--busy-poll-us", "250")
+    assert worker_config(parse("decode", *worker_argv(la)), "decode").deadlines.busy_poll_us == 250
+    r = router_config(parse("router", "--prefill", "a:1", "--decode", "b:2", *router_argv(la)))
+    assert r.busy_poll_us == 250
 
 
 def test_a_prompt_cap_past_one_wire_frame_is_refused() -> None:

@@ -272,3 +272,28 @@ def test_max_late_is_the_worst_lateness_of_any_timer(loop: Loop, clock: FakeCloc
     clock.now += 0.80                      # the second, 0.05 s late: the maximum stays
     loop.run_once(max_wait=0)
     assert loop.max_late == pytest.approx(0.25)
+
+
+def test_busy_poll_spins_only_within_its_window_after_activity(clock: FakeClock) -> None:
+    """After a message the loop polls without sleeping for `busy_poll` s (of its clock);
+    then it sleeps again until something happens. Idle from the start, it sleeps."""
+    lp = Loop(clock=clock, busy_poll=0.01)
+    r, w = os.pipe()
+    lp.add_fd(r, lambda: os.read(r, 100))
+
+    def wall(max_wait: float) -> float:
+        started = time.monotonic()
+        lp.run_once(max_wait=max_wait)
+        return time.monotonic() - started
+    try:
+        assert wall(0.2) >= 0.19                     # idle: sleeps the whole wait
+        os.write(w, b"x")
+        lp.run_once(max_wait=1.0)                    # activity at clock 1000.0
+        clock.now += 0.005
+        assert wall(5.0) < 1.0                       # within the window: no sleep
+        clock.now += 0.006
+        assert wall(0.2) >= 0.19                     # window over: sleeps again
+    finally:
+        lp.close()
+        os.close(r)
+        os.close(w)

@@ -218,6 +218,10 @@ def add_liveness_options(g: argparse._ActionsContainer, config: type) -> None:
     add_default(g, "--peer-timeout", config, "a peer silent this long is dead: its requests fail "
                 "with 503 and no new ones go to it until it answers again (default {default})",
                 type=float)
+    add_default(g, "--busy-poll-us", config, "after each message the loop polls without sleeping "
+                "for this many microseconds, so the next hop of a request (usually within a "
+                "millisecond) finds it awake; costs up to that much CPU per message burst "
+                "(default {default})", type=float)
 
 
 def add_default(g: argparse._ActionsContainer, flag: str, config: type, text: str,
@@ -252,7 +256,7 @@ def prompt_limits(args: argparse.Namespace) -> PromptLimits:
 def deadlines(args: argparse.Namespace) -> Deadlines:
     return Deadlines(kv_wait=args.kv_wait_timeout, transfer=args.transfer_timeout,
                      heartbeat=args.heartbeat, peer_timeout=args.peer_timeout,
-                     dead_fence=args.dead_fence)
+                     dead_fence=args.dead_fence, busy_poll_us=args.busy_poll_us)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -261,7 +265,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
     return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
-                        peer_timeout=args.peer_timeout, ready_file=args.ready_file,
+                        peer_timeout=args.peer_timeout, busy_poll_us=args.busy_poll_us,
+                        ready_file=args.ready_file,
                         curve_keys=args.curve_keys, insecure=args.insecure,
                         prompt_limits=prompt_limits(args),
                         max_client_requests=args.max_client_requests,
@@ -275,12 +280,13 @@ def _endpoints(text: str) -> tuple[str, ...]:
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
-                      "heartbeat", "peer_timeout", "log_level", "curve_keys", "weights_root",
+                      "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
+                      "weights_root",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")
 # What `zpd launch` hands its router, besides the flags every launch sets.
 ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",
-                      "max_client_tokens")
+                      "max_client_tokens", "busy_poll_us")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

@@ -60,7 +60,7 @@ class RouterServer:
     a decode, relays their tokens to the client, fails requests of dead workers."""
 
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
-        self.cfg, self.loop = cfg, loop or Loop()
+        self.cfg, self.loop = cfg, loop or Loop(busy_poll=cfg.busy_poll_us / 1e6)
         self.shares = ClientShares(cfg.max_client_requests, cfg.max_client_tokens)  # checks them
         self.tally = Tally()                             # what clients got, for /metrics
         self.security = Security(cfg.curve_keys, ctx)

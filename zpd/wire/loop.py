@@ -89,10 +89,15 @@ class Loop:
     drive timers deterministically (then call ``run_once(max_wait=0)``)."""
 
     def __init__(self, clock: Clock = time.monotonic, *, max_batch: int = 64,
-                 max_poll: float = 1.0, compact_min: int = 256) -> None:
+                 max_poll: float = 1.0, compact_min: int = 256, busy_poll: float = 0.0) -> None:
         self.time = clock
         self.max_batch = max_batch  # messages drained per socket per iteration
         self.max_poll = max_poll  # longest single sleep, so stop_event is seen
+        # Seconds after a message (or fd, or cross-thread call) during which the loop
+        # polls without sleeping: the next hop of a request usually follows within
+        # a millisecond, and waking a thread that slept costs more than that.
+        self.busy_poll = busy_poll
+        self._active_at = -math.inf
         self._compact_min = compact_min
         self._poller = zmq.Poller()
         self._sockets: dict[zmq.Socket, Callable[[], None]] = {}
@@ -204,7 +209,12 @@ class Loop:
     def run_once(self, max_wait: Optional[float] = None) -> None:
         """One iteration: poll, dispatch ready sources, fire due timers."""
         timeout = self._poll_timeout(max_wait)
-        for source, _ in self._poller.poll(math.ceil(timeout * 1000)):
+        if timeout and self.busy_poll and self.time() - self._active_at < self.busy_poll:
+            timeout = 0.0
+        events = self._poller.poll(math.ceil(timeout * 1000))
+        if events:
+            self._active_at = self.time()
+        for source, _ in events:
             if source == self._wake_r:
                 self._run_ready()
             elif isinstance(source, zmq.Socket):

@@ -58,7 +58,7 @@ class WorkerCore:
         # Our one ROUTER socket: the router process, decode peers and admins connect to it.
         self.sock = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
         self.endpoint = self.sock.endpoint
-        self.loop = loop or Loop()
+        self.loop = loop or Loop(busy_poll=cfg.deadlines.busy_poll_us / 1e6)
         self.compat_hash = compat_hash(self.model, self.layout)
         self.memory = WeightsAndMemory(self)
         self.weight_sync = WeightSync(self)
