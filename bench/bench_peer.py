@@ -101,10 +101,12 @@ def work(args, vocab: int) -> dict:
 
 
 def zpd_side(model_path: str, dtype: str, w: dict) -> dict:
+    from engines.allocator_tuning import tune_allocator
     from engines.loader import load_model
     from engines.offline import OfflineEngine
     from engines.request import Request
     from engines.sampler import SamplingParams
+    tune_allocator()                                     # as `zpd run` and the workers do
     model = load_model(model_path, dtype=dtype)
     engine = OfflineEngine(model, kv_cache_mb=1024, max_batch=max(w["batch"]))
 

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from engines.allocator_tuning import tune_allocator
 from engines.attention import group_by_length
 from engines.config import ModelError
 from engines.loader import load_model, update_weights
@@ -192,3 +193,10 @@ def test_decode_of_mixed_lengths_equals_each_alone(tiny64):
     for i in range(3):
         alone = runner.decode([tokens[i]], [positions[i]], [tables[i]])
         torch.testing.assert_close(together[i], alone[0], rtol=1e-12, atol=1e-12)
+
+
+def test_the_allocator_settings_apply_on_glibc():
+    import platform
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert tune_allocator()

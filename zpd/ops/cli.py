@@ -23,12 +23,14 @@ from engines.request import StatusError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from engines.allocator_tuning import tune_allocator
     from engines.loader import load_model
     from engines.sampler import SamplingParams
     from engines.offline import OfflineEngine
     from engines.request import Request
 
     params = SamplingParams.from_dict(sampling_dict(args))
+    tune_allocator()
     model = load_model(args.model, args.device, args.dtype, args.weight_version)
     inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
     if not inputs:

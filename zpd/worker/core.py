@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import zmq
 
 import transport
+from engines.allocator_tuning import tune_allocator
 from engines.compute import Compute
 from engines.kv_pool import KVLayout, KVPool
 from engines.loader import load_model
@@ -325,6 +326,7 @@ def compat_hash(model, layout: KVLayout) -> str:
 
 def serve(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler], cfg: WorkerConfig) -> int:
     """Run a worker until SIGINT/SIGTERM."""
+    tune_allocator()
     ctx = zmq.Context()
     core = WorkerCore(cfg, ctx)
     core.attach(make_scheduler(core, ctx))
