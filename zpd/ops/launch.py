@@ -113,7 +113,7 @@ def launch(args, worker_flags: list[str]) -> int:
             ready = tmp / f"{role}{n}.json"
             argv = py + [role, "--host", args.host, "--port", "0", "--ready-file", str(ready)] \
                 + worker_flags + ["--threads", str(threads)]
-            log.info("%s worker %d: %d torch thread(s)%s", role, n, threads,
+            log.warning("%s worker %d: %d torch thread(s)%s", role, n, threads,
                      f", bound to CPUs {','.join(map(str, cpus))}" if cpus else "")
             children.append(Child(role, argv, ready, log_dir / f"{role}{n}.log" if log_dir else None,
                                   cpus=cpus))
