@@ -51,9 +51,11 @@ class ModelRunner:
         pos = self._tensor(positions)
         own = self._tensor([pt[p // self.page_size] for pt, p in zip(page_tables, positions)])
         groups = group_by_length(positions)
+        whole = len(groups) == 1
+        if whole:                                  # one group: the batch's own row order
+            groups = [list(range(len(positions)))]
         meta = DecodeMeta(write_rows=own * self.page_stride + pos % self.page_size,
-                          groups=[self._group(rows, positions, page_tables, len(groups) == 1)
-                                  for rows in groups])
+                          groups=[self._group(rows, positions, page_tables, whole) for rows in groups])
         hidden = self.model.net(self._tensor(tokens), pos, self.pool.kv, meta)
         return self.model.net.logits(hidden)
 

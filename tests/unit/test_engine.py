@@ -179,12 +179,13 @@ def test_group_by_length_bounds_padding():
     assert all(len(g) == 1 for g in groups) and len(groups) == 6    # each more than twice the next
 
 
-def test_decode_of_mixed_lengths_equals_each_alone(tiny64):
-    """Logits of one decode step over contexts of 3, 40 and 300 tokens (three length
-    groups) equal each sequence's step alone."""
+@pytest.mark.parametrize("lengths", [[3, 300, 40], [20, 30, 25]], ids=["three groups", "one group"])
+def test_decode_of_mixed_lengths_equals_each_alone(tiny64, lengths):
+    """Logits of one decode step over contexts of different lengths (in three length
+    groups, or in one whose rows are not in length order) equal each sequence's step
+    alone."""
     engine = OfflineEngine(tiny64, max_batch=3)
     runner, pool = engine.compute.runner, engine.compute.pool
-    lengths = [3, 300, 40]
     tables = [pool.allocator.alloc(pool.pages_for(n + 1)) for n in lengths]
     prompts = [[(7 * n + i) % 200 + 1 for i in range(n)] for n in lengths]
     runner.prefill(prompts, tables)
