@@ -5,23 +5,35 @@ client in this process (what `zpd http` adds before HTTP), and through `zpd http
 --http-port` cluster.
 
     python bench/bench_http.py [--model tiny] [--requests 200] [--new-tokens 1]
-                               [--streams 64] [--stream-tokens 64] [--rounds 3]
+                               [--streams 64] [--stream-tokens 64] [--duration 5]
+                               [--rounds 3]
 
 Requests alternate between the paths, so a burst of other work on a shared machine
 skews both. Latency: submit to the last byte of the answer, per request; the
 table gives medians and p90 and the median difference, which is the front's cost
 (parse, one more ZeroMQ hop, detokenize, format, HTTP).
 
-Then load: --streams concurrent streamed requests of --stream-tokens each, all at once,
-through `zpd.Client` and through HTTP (`POST /generate`, SSE), --rounds times each,
-alternating: time to first token per request (p50, p99) and output tokens per second
-over the round; the table gives medians over rounds, the TTFT the front adds, and the
-ratio of throughputs.
+Then load, in steady state: --streams concurrent streams for --duration seconds, each
+sending its next streamed request as soon as its last one ends (a closed loop, as an
+RL rollout or a pooled OpenAI client keeps its concurrency), through `zpd.Client` and
+through HTTP (`POST /generate`, SSE, one kept-alive connection per stream),
+alternating, --rounds times each. Time to first token per request, from its own
+send (requests sent in the first --warmup-s seconds of a round are left out: they
+queue behind the burst that opens it), and output tokens per second over the round.
+The table gives medians over rounds, the TTFT the front adds, and the ratio of
+throughputs. Prompts are random ids, fresh for every request, so the prefix cache
+does not favour either path.
+
+The HTTP client reads answers in its transport's callback (an asyncio Protocol, no
+task switch per event), as lean as the `zpd.Client` loop on the other side: on this
+machine the client shares the cores with the cluster, and a heavier client would be
+counted against the front.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import sys
 import tempfile
@@ -109,61 +121,160 @@ async def run(cluster: Cluster, args: argparse.Namespace) -> dict[str, list[floa
     return times
 
 
-def zmq_round(cluster: Cluster, prompts: list[list[int]], sampling: dict) -> tuple[list[float], float]:
-    """TTFTs (ms) and output tok/s of every prompt streamed at once through zpd.Client."""
+class SSEConnection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection whose streamed (chunked) answers are parsed in
+    `data_received`: each event costs the client a callback, not a task switch."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.state, self.size = "head", 0
+        self.on_event = None
+        self.done: asyncio.Future | None = None
+
+    @classmethod
+    async def open(cls, endpoint: str) -> "SSEConnection":
+        host, port = endpoint.rsplit(":", 1)
+        _, conn = await asyncio.get_running_loop().create_connection(cls, host, int(port))
+        return conn
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the front closed the connection"))
+
+    async def post(self, path: str, body: bytes, on_event) -> None:
+        """Send one request; `on_event(data)` per chunk of its answer until the last."""
+        self.on_event, self.done = on_event, asyncio.get_running_loop().create_future()
+        self.transport.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        await self.done
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while self._step():
+            pass
+
+    def _step(self) -> bool:
+        """Take one piece of the answer off the buffer; False when more is needed."""
+        if self.state == "head":
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return False
+            if b"transfer-encoding: chunked" not in self.buf[:end].lower():
+                raise RuntimeError(f"not a streamed answer: {self.buf[:end]!r}")
+            self.buf, self.state = self.buf[end + 4:], "size"
+        elif self.state == "size":
+            end = self.buf.find(b"\r\n")
+            if end < 0:
+                return False
+            self.size, self.buf, self.state = int(self.buf[:end], 16), self.buf[end + 2:], "data"
+        else:
+            if len(self.buf) < self.size + 2:
+                return False
+            data, self.buf, self.state = self.buf[:self.size], self.buf[self.size + 2:], "size"
+            if not self.size:
+                self.state = "head"
+                self.done.set_result(None)
+            else:
+                self.on_event(data)
+        return True
+
+
+class Tally:
+    """One round's figures: TTFT per request (ms; only requests sent after the warm-up),
+    and output tokens over the round."""
+
+    def __init__(self, warmup_s: float, duration: float, seed: int, prompt_len: int) -> None:
+        self.t0 = time.perf_counter()
+        self.warm_at, self.stop_at = self.t0 + warmup_s, self.t0 + duration
+        self.rng, self.prompt_len = random.Random(seed), prompt_len
+        self.ttfts: list[float] = []
+        self.tokens = 0
+
+    def prompt(self) -> list[int]:
+        return [self.rng.randrange(250) for _ in range(self.prompt_len)]
+
+    def first(self, sent: float, now: float) -> None:
+        if sent >= self.warm_at:
+            self.ttfts.append((now - sent) * 1e3)
+
+    def result(self) -> tuple[list[float], float]:
+        return self.ttfts, self.tokens / (time.perf_counter() - self.t0)
+
+
+def zmq_round(cluster: Cluster, args: argparse.Namespace, sampling: dict,
+              seed: int) -> tuple[list[float], float]:
+    """Closed-loop streams through zpd.Client: TTFTs (ms) and output tok/s."""
     with cluster.client() as client:
-        t0 = time.perf_counter()
-        rids = {client.submit(input_ids=p, sampling_params=sampling, stream=True): i
-                for i, p in enumerate(prompts)}
-        first: dict[str, float] = {}
-        tokens, left = 0, len(rids)
-        while left:
+        tally = Tally(args.warmup_s, args.duration, seed, args.prompt_len)
+        sent: dict[str, float] = {}
+        first: set[str] = set()
+
+        def send() -> None:
+            sent[client.submit(input_ids=tally.prompt(), sampling_params=sampling,
+                               stream=True)] = time.perf_counter()
+        for _ in range(args.streams):
+            send()
+        while sent:
             chunk = client.receive()
-            if chunk["rid"] not in rids:
+            rid = chunk["rid"]
+            if rid not in sent:
                 continue
-            tokens += len(chunk["token_ids"])
-            if chunk["token_ids"] and chunk["rid"] not in first:
-                first[chunk["rid"]] = time.perf_counter() - t0
-            left -= chunk["finished"]
-        took = time.perf_counter() - t0
-    return [t * 1e3 for t in first.values()], tokens / took
+            tally.tokens += len(chunk["token_ids"])
+            if chunk["token_ids"] and rid not in first:
+                first.add(rid)
+                tally.first(sent[rid], time.perf_counter())
+            if chunk["finished"]:
+                del sent[rid]
+                first.discard(rid)
+                if time.perf_counter() < tally.stop_at:
+                    send()
+        return tally.result()
 
 
-async def http_round(endpoint: str, prompts: list[list[int]], sampling: dict) -> tuple[list[float], float]:
-    """The same through HTTP: streamed POST /generate, every request at once, one
-    connection each."""
-    async def one(ids: list[int], t0: float) -> tuple[float, int]:
-        http, first, last = RawHTTP(endpoint), [], [b""]
+async def http_round(endpoint: str, args: argparse.Namespace, sampling: dict,
+                     seed: int) -> tuple[list[float], float]:
+    """The same through HTTP: streamed POST /generate, one connection per stream."""
+    tally = Tally(args.warmup_s, args.duration, seed, args.prompt_len)
 
-        def on_event(event: bytes) -> None:
-            if event.startswith(b"data: {"):
-                if not first:
-                    first.append(time.perf_counter() - t0)
-                last[0] = event
-        body = orjson.dumps({"input_ids": ids, "sampling_params": sampling, "stream": True})
-        try:
-            await http.post("/generate", body, on_event)
-        finally:
-            http.close()
-        return first[0] * 1e3, len(orjson.loads(last[0][6:])["output_ids"])   # cumulative
+    async def stream(conn: SSEConnection) -> None:
+        while time.perf_counter() < tally.stop_at:
+            sent, last = time.perf_counter(), [b""]
 
-    t0 = time.perf_counter()
-    got = await asyncio.gather(*(one(p, t0) for p in prompts))
-    took = time.perf_counter() - t0
-    return [t for t, _ in got], sum(n for _, n in got) / took
+            def on_event(data: bytes) -> None:         # one event per chunk
+                if data.startswith(b"data: {"):
+                    if not last[0]:
+                        tally.first(sent, time.perf_counter())
+                    last[0] = data
+            body = orjson.dumps({"input_ids": tally.prompt(), "sampling_params": sampling,
+                                 "stream": True})
+            await conn.post("/generate", body, on_event)
+            tally.tokens += len(orjson.loads(last[0][len(b"data: "):])["output_ids"])  # cumulative
+        conn.transport.close()
+
+    conns = [await SSEConnection.open(endpoint) for _ in range(args.streams)]
+    tally.t0 = time.perf_counter()        # connections are open, as a pooled client's are
+    tally.warm_at, tally.stop_at = tally.t0 + args.warmup_s, tally.t0 + args.duration
+    await asyncio.gather(*(stream(c) for c in conns))
+    return tally.result()
 
 
 def load(cluster: Cluster, args: argparse.Namespace) -> None:
     sampling = {"temperature": 0, "max_new_tokens": args.stream_tokens, "ignore_eos": True}
-    prompts = [[(i * 13 + j) % 250 for j in range(args.prompt_len)] for i in range(args.streams)]
     rows: dict[str, list[tuple[float, float, float]]] = {"zpd.Client": [], "HTTP": []}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name in rows:
-            ttfts, rate = zmq_round(cluster, prompts, sampling) if name == "zpd.Client" else \
-                asyncio.run(http_round(cluster.info["http"], prompts, sampling))
+            seed = 2 * r + (name == "HTTP")
+            ttfts, rate = zmq_round(cluster, args, sampling, seed) if name == "zpd.Client" else \
+                asyncio.run(http_round(cluster.info["http"], args, sampling, seed))
             rows[name].append((statistics.median(ttfts), percentile(ttfts, 0.99), rate))
-    print(f"\n{args.streams} concurrent streams x {args.stream_tokens} tokens, "
-          f"median of {args.rounds} rounds")
+            print(f"  round {r + 1} {name:<11} TTFT p50 {rows[name][-1][0]:7.2f} ms  "
+                  f"p99 {rows[name][-1][1]:7.2f} ms  {rate:9.1f} tok/s ({len(ttfts)} requests)")
+    print(f"\n{args.streams} concurrent streams (closed loop, {args.duration:g} s) x "
+          f"{args.stream_tokens} tokens, median of {args.rounds} rounds")
     print(f"{'path':<12}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}{'out tok/s':>11}")
     med = {name: [statistics.median(col) for col in zip(*r)] for name, r in rows.items()}
     for name, (p50, p99, rate) in med.items():
@@ -182,8 +293,14 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=1)
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--stream-tokens", type=int, default=64)
+    p.add_argument("--duration", type=float, default=5.0,
+                   help="seconds each load round keeps sending (default 5)")
+    p.add_argument("--warmup-s", type=float, default=0.5,
+                   help="TTFTs of requests sent this early in a round are left out")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
+    if args.streams and not 0 <= args.warmup_s < args.duration:
+        p.error("--warmup-s must be at least 0 and less than --duration")
     with tempfile.TemporaryDirectory() as tmp, \
             Cluster(Path(tmp), model=args.model, dtype="float32",
                     extra=("--http-port", "0", "--log-level", "WARNING")) as cluster:

@@ -47,7 +47,7 @@ RUNS = {
                          r"float32\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x"]),
     "bench_clear.py": (["--repeats", "1", "--tokens", "64"], [r"8B-class bf16\s+64\s+[\d.]+"]),
     "bench_http.py": (["--requests", "5", "--warmup", "1", "--streams", "4", "--stream-tokens", "4",
-                       "--rounds", "1"],
+                       "--rounds", "1", "--duration", "1", "--warmup-s", "0.2"],
                       [r"HTTP stream\s+[\d.]+\s+[\d.]+", r"tok/s ratio HTTP/zpd.Client [\d.]+"]),
     "bench_weight_sync.py": (["--hidden", "64", "--layers", "2", "--intermediate", "128",
                               "--vocab", "512", "--heads", "4", "--kv-heads", "2", "--rounds", "1",

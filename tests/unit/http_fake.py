@@ -49,20 +49,28 @@ class FakeBackend:
         self.closed: list[str] = []          # rids whose stream was closed before the end
         self.n = 0
 
-    async def stream(self, req: GenRequest):
+    def open(self, req: GenRequest, sink: Callable[[dict], None]) -> Callable[[], None]:
+        """The router client's interface: the script's chunks go to `sink`, one per
+        turn of the loop; `close()` before the end records the rid in `closed`."""
         self.requests.append(req)
         rid, self.n = req.rid or f"r{self.n}", self.n + 1
         finished = False
-        try:
+
+        async def feed() -> None:
+            nonlocal finished
             for i, c in enumerate(self.script(req, rid)):
                 if self.block_after is not None and i >= self.block_after:
                     await asyncio.Event().wait()
                 await asyncio.sleep(0)
                 finished = c["finished"]
-                yield c
-        finally:
-            if not finished:
+                sink(c)
+        task = asyncio.ensure_future(feed())
+
+        def close() -> None:
+            task.cancel()
+            if not finished and rid not in self.closed:
                 self.closed.append(rid)
+        return close
 
     async def admin(self, command: str, timeout: float | None = None, **args) -> dict:
         self.admins.append((command, args))

@@ -118,3 +118,46 @@ def test_a_rid_already_in_flight_is_refused_409():
         assert again[-1]["finish_reason"]["status_code"] == 409
         first.cancel()
     run(test)
+
+
+def test_a_sink_that_fails_ends_its_request_with_500_and_the_others_go_on():
+    async def test(router, client):
+        bad: list[dict] = []
+
+        def fragile(chunk: dict) -> None:
+            bad.append(chunk)
+            if len(bad) == 1:
+                raise RuntimeError("broken sink")
+        client.open(GenRequest({}, input_ids=[1], rid="bad"), fragile)
+        good = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[2], rid="ok"))))
+        who, _ = await router.recv()
+        await router.recv()
+        await router.send(who, Tokens.pack([TokenPart("bad", [5], ["v"]), TokenPart("ok", [6], ["v"])]))
+        _, msg = await router.recv()
+        assert isinstance(msg, Abort) and msg.rid == "bad"
+        await router.send(who, Tokens.pack([TokenPart("ok", [7], ["v"], {"type": "length"}, {})]))
+        assert [c["token_ids"] for c in await asyncio.wait_for(good, 5)] == [[6], [7]]
+        assert bad[-1]["finished"] and bad[-1]["finish_reason"]["status_code"] == 500
+        assert "broken sink" in bad[-1]["finish_reason"]["message"]
+    run(test)
+
+
+def test_open_hands_every_chunk_to_its_sink_and_close_after_the_end_sends_nothing():
+    async def test(router, client):
+        got: list[dict] = []
+        close = client.open(GenRequest({}, input_ids=[1], rid="s"), got.append)
+        who, _ = await router.recv()
+        await router.send(who, Tokens.pack([TokenPart("s", [5], ["v"])]))
+        await router.send(who, Tokens.pack([TokenPart("s", [], [], {"type": "stop"}, {})]))
+        for _ in range(100):
+            if got and got[-1]["finished"]:
+                break
+            await asyncio.sleep(0.01)
+        assert [c["token_ids"] for c in got] == [[5], []] and got[-1]["finished"]
+        close()                              # after the end: no abort goes out
+        status = asyncio.create_task(client.admin("status"))
+        _, msg = await router.recv()
+        assert isinstance(msg, Admin)
+        await router.send(who, AdminReply(msg.req_id, True, {}))
+        await status
+    run(test)

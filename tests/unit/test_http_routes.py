@@ -199,13 +199,16 @@ def test_launch_hands_the_keys_to_its_http_child_through_the_environment():
     assert env == {"PATH": "/bin", "ZPD_API_KEY": "k"} and http_keys(env) == ("k", None)
 
 
-def test_a_stream_that_breaks_ends_its_request_with_500():
-    def script(req, rid):
-        yield chunk(rid, [72])
-        raise RuntimeError("lost")
-    status, body = call(front(FakeBackend(script)), "POST", "/generate", {"input_ids": [1]})
-    assert status == 200 and body["meta_info"]["finish_reason"]["status_code"] == 500
-    assert "lost" in body["meta_info"]["finish_reason"]["message"] and body["output_ids"] == [72]
+def test_a_request_the_backend_cannot_take_ends_with_500_and_the_batch_goes_on():
+    class Refusing(FakeBackend):
+        def open(self, req, sink):
+            if req.input_ids == [2]:
+                raise RuntimeError("lost")
+            return super().open(req, sink)
+    status, body = call(front(Refusing()), "POST", "/generate", {"input_ids": [[1], [2]]})
+    assert status == 200 and body[0]["output_ids"] == [72, 105, 33]
+    assert body[1]["meta_info"]["finish_reason"]["status_code"] == 500
+    assert "lost" in body[1]["meta_info"]["finish_reason"]["message"]
 
 
 def test_weight_sync_routes_send_what_sglang_clients_send():

@@ -11,8 +11,7 @@ by reason and status code, retractions, KV bytes written, transfer time and fail
 from __future__ import annotations
 
 import time
-from contextlib import aclosing
-from typing import AsyncIterator, Iterator
+from typing import Callable, Iterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -55,25 +54,27 @@ class MeteredBackend:
     def __init__(self, inner: Backend, metrics: RequestMetrics) -> None:
         self.inner, self.metrics = inner, metrics
 
-    async def stream(self, req: GenRequest) -> AsyncIterator[dict]:
+    def open(self, req: GenRequest, sink: Callable[[dict], None]) -> Callable[[], None]:
         m, start = self.metrics, time.perf_counter()
         last = None
-        async with aclosing(self.inner.stream(req)) as chunks:
-            async for chunk in chunks:
-                now, n = time.perf_counter(), len(chunk["token_ids"])
-                if n:
-                    if last is None:
-                        m.ttft.observe(now - start)
-                    else:
-                        for _ in range(n):        # a chunk of n tokens: n gaps of equal share
-                            m.itl.observe((now - last) / n)
-                    last = now
-                if chunk["finished"]:
-                    m.e2e.observe(now - start)
-                    queued = chunk.get("meta", {}).get("timings", {}).get("prefill_queue")
-                    if isinstance(queued, (int, float)):
-                        m.queue.observe(queued / 1e3)
-                yield chunk
+
+        def timed(chunk: dict) -> None:
+            nonlocal last
+            now, n = time.perf_counter(), len(chunk["token_ids"])
+            if n:
+                if last is None:
+                    m.ttft.observe(now - start)
+                else:
+                    for _ in range(n):        # a chunk of n tokens: n gaps of equal share
+                        m.itl.observe((now - last) / n)
+                last = now
+            if chunk["finished"]:
+                m.e2e.observe(now - start)
+                queued = chunk.get("meta", {}).get("timings", {}).get("prefill_queue")
+                if isinstance(queued, (int, float)):
+                    m.queue.observe(queued / 1e3)
+            sink(chunk)
+        return self.inner.open(req, timed)
 
     async def admin(self, command: str, timeout: float | None = None, **args) -> dict:
         return await self.inner.admin(command, timeout, **args)

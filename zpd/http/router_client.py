@@ -1,7 +1,8 @@
 """The HTTP front's connection to the router: one asyncio DEALER for every request.
 
 One reader task takes each message off the socket and hands it on: a request's
-token chunks to that request's queue, an admin reply to the future waiting for it.
+token chunks to that request's sink (a plain function, called in the reader task, so
+a token costs no task switch here), an admin reply to the future waiting for it.
 A request the router does not acknowledge within `connect_timeout`, or any request
 in flight once the router has been silent for `router_silence` (it pings every
 client with requests in flight, so silence means it is gone), ends with a 503
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -26,6 +27,8 @@ from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Message, Prot
 log = logging.getLogger("zpd.http.router_client")
 
 UNAVAILABLE = 503
+
+Sink = Callable[[dict], None]       # takes each chunk of one request; the last is finished
 
 
 def abort_chunk(rid: str, status: int, message: str) -> dict:
@@ -42,7 +45,7 @@ class RouterClient:
         self.endpoint, self.curve = endpoint, curve
         self.connect_timeout, self.router_silence = connect_timeout, router_silence
         self.admin_timeout = admin_timeout
-        self._queues: dict[str, asyncio.Queue] = {}     # rid -> its chunks
+        self._sinks: dict[str, Sink] = {}               # rid -> where its chunks go
         self._asked: dict[str, tuple[bool, bool]] = {}  # rid -> (logprobs, top) it asked for
         self._unacked: set[str] = set()
         self._replies: dict[str, asyncio.Future] = {}   # admin req_id -> its reply
@@ -65,42 +68,65 @@ class RouterClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for rid in list(self._queues):
+        for rid in list(self._sinks):
             self.abort(rid, "the HTTP server is shutting down")
+            self._end(rid, abort_chunk(rid, UNAVAILABLE, "the HTTP server is shutting down"))
         if self._sock is not None:
             self._sock.close(linger=100)
             self._ctx.term()
 
     # --- requests ---------------------------------------------------------------
 
+    def open(self, req: GenRequest, sink: Sink) -> Callable[[], None]:
+        """Submit `req`; every chunk of it goes to `sink(chunk)` as it arrives, ending
+        with exactly one finished chunk, whatever happens to the router. Returns
+        `close()`: called before the end, it aborts the request (the router answers
+        499) and no more chunks come."""
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self._sinks:
+            sink(abort_chunk(rid, 409, f"rid {rid!r} is already in flight"))
+            return lambda: None
+        self._sinks[rid] = sink
+        self._asked[rid] = asks_logprobs(req.sampling)
+        self._submit(rid, req)
+
+        def close() -> None:
+            if self._sinks.get(rid) is sink:
+                self._forget(rid)
+                self.abort(rid, "the HTTP client went away")
+        return close
+
     async def stream(self, req: GenRequest) -> AsyncIterator[dict]:
         """Chunks of one request (zpd.Client.stream's), always ending with a finished one.
         Closed or cancelled before that, it aborts the request (the router answers 499)."""
-        rid = req.rid or uuid.uuid4().hex
-        if rid in self._queues:
-            yield abort_chunk(rid, 409, f"rid {rid!r} is already in flight")
-            return
-        queue = self._queues[rid] = asyncio.Queue()
-        self._asked[rid] = asks_logprobs(req.sampling)
-        finished = False
+        queue: asyncio.Queue[dict] = asyncio.Queue()
+        close = self.open(req, queue.put_nowait)
         try:
-            self._submit(rid, req)
-            while not finished:
+            while True:
                 chunk = await queue.get()
-                finished = chunk["finished"]
                 yield chunk
+                if chunk["finished"]:
+                    return
         finally:
-            del self._queues[rid]
-            self._asked.pop(rid, None)
-            self._unacked.discard(rid)
-            if not finished:
-                self.abort(rid, "the HTTP client went away")
+            close()
+
+    def _forget(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+        self._asked.pop(rid, None)
+        self._unacked.discard(rid)
+
+    def _end(self, rid: str, chunk: dict) -> None:
+        """Hand `rid`'s sink its last chunk, one made here."""
+        sink = self._sinks.get(rid)
+        if sink is not None:
+            self._forget(rid)
+            sink(chunk)
 
     def _submit(self, rid: str, req: GenRequest) -> None:
         msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages)
         if not self._send(msg):
-            self._queues[rid].put_nowait(abort_chunk(rid, UNAVAILABLE, "cannot reach the router "
-                                                     f"{self.endpoint}: its send queue is full"))
+            self._end(rid, abort_chunk(rid, UNAVAILABLE, f"cannot reach the router "
+                                       f"{self.endpoint}: its send queue is full"))
             return
         self._unacked.add(rid)
         loop = asyncio.get_running_loop()
@@ -108,12 +134,11 @@ class RouterClient:
         loop.call_later(self.connect_timeout, self._check_acked, rid)
 
     def _check_acked(self, rid: str) -> None:
-        if rid in self._unacked and rid in self._queues:
-            self._unacked.discard(rid)
+        if rid in self._unacked and rid in self._sinks:
             self.abort(rid, "not acknowledged in time")      # in case it arrives late
-            self._queues[rid].put_nowait(abort_chunk(
-                rid, UNAVAILABLE, f"no answer from the router {self.endpoint} within "
-                                  f"{self.connect_timeout:g} s: is it running?"))
+            self._end(rid, abort_chunk(rid, UNAVAILABLE, f"no answer from the router "
+                                       f"{self.endpoint} within {self.connect_timeout:g} s: "
+                                       "is it running?"))
 
     def abort(self, rid: str, reason: str) -> None:
         """Ask the router to end `rid` (one of ours) with 499."""
@@ -157,21 +182,41 @@ class RouterClient:
                 self._dispatch(decode(frames))
             except ProtocolError as e:
                 log.warning("dropped a malformed message from the router: %s", e.reason)
+            except Exception:       # a bug here must not stop every other request's reader
+                log.exception("handing on a message from the router failed")
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Accepted):
             self._unacked.discard(msg.rid)
         elif isinstance(msg, Tokens):
             for part in msg.unpack():
+                sink = self._sinks.get(part.rid)
+                if sink is None:
+                    continue
                 self._unacked.discard(part.rid)
-                queue = self._queues.get(part.rid)
-                if queue is not None:
-                    queue.put_nowait(chunk_of(part, self._asked.get(part.rid, (False, False))))
+                chunk = chunk_of(part, self._asked[part.rid])
+                if chunk["finished"]:
+                    self._forget(part.rid)
+                try:
+                    sink(chunk)
+                except Exception as e:      # that request ends; the others go on
+                    log.exception("request %s: taking a chunk failed", part.rid)
+                    if not chunk["finished"]:
+                        self.abort(part.rid, "the HTTP front failed")
+                        self._forget(part.rid)
+                        self._call_quietly(sink, abort_chunk(part.rid, 500, f"{type(e).__name__}: {e}"))
         elif isinstance(msg, AdminReply):
             reply = self._replies.get(msg.req_id)
             if reply is not None and not reply.done():
                 reply.set_result({"ok": msg.ok} | msg.result)
         # anything else (the router's pings) only says it is alive
+
+    @staticmethod
+    def _call_quietly(sink: Sink, chunk: dict) -> None:
+        try:
+            sink(chunk)
+        except Exception:
+            log.exception("request %s: its sink failed again; dropping it", chunk["rid"])
 
     async def _watch(self) -> None:
         """End every request in flight once the router has been silent too long."""
@@ -179,10 +224,10 @@ class RouterClient:
         while True:
             await asyncio.sleep(min(1.0, self.router_silence / 4))
             silent = loop.time() - self._heard
-            if self._queues and silent > self.router_silence:
+            if self._sinks and silent > self.router_silence:
                 log.error("router %s silent for %.1f s: ending %d requests", self.endpoint,
-                          silent, len(self._queues))
-                for rid, queue in list(self._queues.items()):
-                    queue.put_nowait(abort_chunk(rid, UNAVAILABLE, f"the router {self.endpoint} "
-                                                 f"has not answered for {silent:.0f} s"))
+                          silent, len(self._sinks))
+                for rid in list(self._sinks):
+                    self._end(rid, abort_chunk(rid, UNAVAILABLE, f"the router {self.endpoint} "
+                                               f"has not answered for {silent:.0f} s"))
                 self._heard = loop.time()

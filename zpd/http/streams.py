@@ -1,16 +1,18 @@
 """Running a route's requests and streaming their answers as server-sent events.
 
 `follow` runs every request of one HTTP call at once (a batch, or n copies) and
-yields each Output as a chunk of it arrives. Leaving it early, by an error or by
-the handler's cancellation when the HTTP client disconnects, closes every stream,
-and each closed stream aborts its request at the router (499).
+yields each Output as a chunk of it arrives. The backend hands chunks to a sink that
+queues them for the route's task, so a token costs one task switch, the route's.
+Leaving `follow` early, by an error or by the handler's cancellation when the HTTP
+client disconnects, closes every request, and each closed one is aborted at the
+router (499).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 import orjson
 from aiohttp import web
@@ -30,7 +32,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 class Backend(Protocol):
     """What the routes need of the router: RouterClient, or a fake in unit tests."""
 
-    def stream(self, req: GenRequest) -> AsyncIterator[dict]: ...
+    def open(self, req: GenRequest, sink: Callable[[dict], None]) -> Callable[[], None]: ...
 
     async def admin(self, command: str, timeout: float | None = None, **args) -> dict: ...
 
@@ -40,25 +42,10 @@ async def follow(backend: Backend, items: list[GenRequest],
     """Each request's Output whenever a chunk of it arrives, until all have finished."""
     outputs = [Output(i, req, tokenizer) for i, req in enumerate(items)]
     queue: asyncio.Queue[tuple[Output, dict]] = asyncio.Queue()
-
-    async def pump(req: GenRequest, out: Output) -> None:
-        finished = False
-        try:
-            async with aclosing(backend.stream(req)) as chunks:
-                async for chunk in chunks:
-                    finished = chunk["finished"]
-                    queue.put_nowait((out, chunk))
-        except Exception as e:      # a broken stream still ends its output, never hangs it
-            log.exception("request %s: its stream failed", out.rid or "?")
-            finished = False
-            why = f"{type(e).__name__}: {e}"
-        else:
-            why = "the stream ended without a final answer"
-        if not finished:
-            queue.put_nowait((out, abort_chunk(out.rid, 500, why)))
-
-    tasks = [asyncio.ensure_future(pump(req, out)) for req, out in zip(items, outputs)]
+    closers: list[Callable[[], None]] = []
     try:
+        for req, out in zip(items, outputs):
+            closers.append(_open(backend, req, out, queue))
         left = len(outputs)
         while left:
             # Every chunk already waiting is taken at once and each Output yielded once:
@@ -76,9 +63,21 @@ async def follow(backend: Backend, items: list[GenRequest],
             for out in touched.values():
                 yield out
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for close in closers:
+            close()
+
+
+def _open(backend: Backend, req: GenRequest, out: Output, queue: asyncio.Queue) -> Callable[[], None]:
+    """Submit one request, its chunks queued with its Output; a backend that fails to
+    take it ends the Output with a 500 instead of failing the others."""
+    def sink(chunk: dict) -> None:
+        queue.put_nowait((out, chunk))
+    try:
+        return backend.open(req, sink)
+    except Exception as e:
+        log.exception("request %s: submitting it failed", req.rid or "?")
+        sink(abort_chunk(req.rid or "", 500, f"{type(e).__name__}: {e}"))
+        return lambda: None
 
 
 async def run_all(backend: Backend, items: list[GenRequest],
