@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engines.allocator_tuning import tune_allocator
+from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.attention import group_by_length
 from engines.config import ModelError
 from engines.loader import load_model, update_weights
@@ -201,3 +201,14 @@ def test_the_allocator_settings_apply_on_glibc():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert tune_allocator()
+
+
+def test_start_up_objects_are_frozen_out_of_the_collector():
+    import gc
+    before = gc.get_freeze_count()
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen == gc.get_freeze_count() and frozen > before
+        assert len(gc.get_objects()) < frozen      # what is left to scan is what came after
+    finally:
+        gc.unfreeze()

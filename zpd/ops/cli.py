@@ -23,7 +23,7 @@ from engines.request import StatusError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from engines.allocator_tuning import tune_allocator
+    from engines.allocator_tuning import freeze_startup_objects, tune_allocator
     from engines.loader import load_model
     from engines.sampler import SamplingParams
     from engines.offline import OfflineEngine
@@ -36,6 +36,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not inputs:
         raise StatusError(400, "give at least one --prompt or --input-ids")
     engine = OfflineEngine(model, args.kv_cache_mb, args.page_size, args.max_batch)
+    freeze_startup_objects()
     reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
     for out in engine.run(reqs):
         _print_response(out, args.json)

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import zmq
 
 import transport
-from engines.allocator_tuning import tune_allocator
+from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.compute import Compute
 from engines.kv_pool import KVLayout, KVPool
 from engines.loader import load_model
@@ -330,6 +330,7 @@ def serve(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler], cfg: W
     ctx = zmq.Context()
     core = WorkerCore(cfg, ctx)
     core.attach(make_scheduler(core, ctx))
+    freeze_startup_objects()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: (stop.set(), core.loop.stop()))
