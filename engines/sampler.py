@@ -239,6 +239,16 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
     return logprobs, top
 
 
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B] column of each row of `probs` where its cumulative sum first passes u times
+    the row's total (so rounding in the sum cannot run past the end), never past the
+    last column that has any probability."""
+    cdf = torch.cumsum(probs, dim=-1)
+    pick = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)
+    last = probs.shape[1] - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
+    return torch.minimum(pick, last).squeeze(1)
+
+
 class Sampler:
     """Picks one token per row. `steps[i]` is how many tokens row i has emitted so far."""
 
@@ -279,12 +289,7 @@ class Sampler:
         if plain:
             rows = torch.tensor(plain, device=dev)
             probs = torch.softmax(logits[rows] / column([params[i].temperature for i in plain])[:, None], -1)
-            cdf = torch.cumsum(probs, dim=-1)
-            # scaled by the row's total, so rounding in the sum does not run past the end;
-            # and never past the last token that has any probability
-            pick = torch.searchsorted(cdf, (u[rows] * cdf[:, -1])[:, None], right=True)
-            last = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1, keepdim=True)
-            for i, t in zip(plain, torch.minimum(pick, last).squeeze(1).tolist()):
+            for i, t in zip(plain, _inverse_cdf(probs, u[rows]).tolist()):
                 tokens[i] = t
         cut = [i for i, p in enumerate(params) if p.filtered]
         if cut:
@@ -293,11 +298,7 @@ class Sampler:
                 logits[rows], column([params[i].temperature for i in cut]),
                 torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in cut], device=dev),
                 column([params[i].top_p for i in cut]), column([params[i].min_p for i in cut]))
-            cdf = torch.cumsum(probs, dim=-1)
-            pick = torch.searchsorted(cdf, u[rows][:, None].to(cdf.dtype), right=True).clamp_(max=vocab - 1)
-            # never land on a zeroed tail entry because of rounding in the cumulative sum
-            last_kept = (probs > 0).sum(-1, keepdim=True) - 1
-            pick = torch.minimum(pick, last_kept)
-            for i, t in zip(cut, ids.gather(1, pick).squeeze(1).tolist()):
+            pick = _inverse_cdf(probs, u[rows])
+            for i, t in zip(cut, ids.gather(1, pick[:, None]).squeeze(1).tolist()):
                 tokens[i] = t
         return tokens

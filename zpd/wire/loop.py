@@ -212,7 +212,7 @@ class Loop:
         if timeout and self.busy_poll and self.time() - self._active_at < self.busy_poll:
             timeout = 0.0
         events = self._poller.poll(math.ceil(timeout * 1000))
-        if events:
+        if events and self.busy_poll:
             self._active_at = self.time()
         for source, _ in events:
             if source == self._wake_r:
