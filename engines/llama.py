@@ -116,6 +116,25 @@ class LlamaForCausalLM(nn.Module):
                                else _param(cfg.vocab_size, cfg.hidden_size))
         self.rotary: RotaryEmbedding | None = None
 
+    def linears(self) -> list[nn.Parameter]:
+        """The weights `F.linear` multiplies by: every projection and the head."""
+        out = [self.lm_head.weight]
+        for layer in self.model.layers:
+            out += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                    layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+        return out
+
+    def column_major_float32(self) -> None:
+        """Hold the float32 projection and head weights column-major: still [out, in]
+        parameters, now transposed views of contiguous [in, out] memory, so `F.linear`
+        runs as x @ W^T without a transposed operand, which MKL does faster here
+        (decode steps of SmolLM2 on 2 threads: 6% at batch 1, 25% at batch 16). Loading
+        and weight updates copy into the parameters and keep the layout. In bfloat16
+        the row-major layout is the faster one, so other dtypes are left as they are."""
+        for w in self.linears():
+            if w.dtype == torch.float32 and w.is_contiguous():
+                w.data = w.data.t().contiguous().t()
+
     def setup_rotary(self, dtype: torch.dtype, device: torch.device) -> None:
         c = self.cfg
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling,

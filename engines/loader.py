@@ -150,6 +150,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
     src = _source(path, text=True)
     with torch.device(dev):
         net = LlamaForCausalLM(src.cfg).to(dt)
+    net.column_major_float32()
     apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
     net.setup_rotary(dt, dev)
     net.eval()

@@ -116,7 +116,8 @@ class Shadow:
         self.nbytes = sum(t.nbytes for t in self.copy.values())
 
     def target(self, a: Announced) -> torch.Tensor | None:
-        """Where announced tensor `a` lands (a contiguous view), None if it is dropped."""
+        """Where announced tensor `a` lands (a view in the parameter's layout), None if it
+        is dropped."""
         if a.where is None:
             return None
         pname, start, rows = a.where

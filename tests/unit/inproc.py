@@ -61,8 +61,9 @@ class InprocCluster:
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
                  max_batch: int = 8, clear_freed_pages: bool = False,
                  router_args: dict | None = None, model: str = "tiny",
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, dtype: str = "float64") -> None:
         self.ctx = zmq.Context()
+        self.dtype = dtype
         self.model = model
         self.clock = Clock()
         self.fabric = transport.FakeFabric()
@@ -83,7 +84,7 @@ class InprocCluster:
         self.rids = itertools.count()
 
     def _worker(self, role: str, host: str, polls: int, plan, kv_mb: float, max_batch: int) -> WorkerCore:
-        cfg = WorkerConfig(role=role, model=self.model, host=host, dtype="float64", kv_cache_mb=kv_mb,
+        cfg = WorkerConfig(role=role, model=self.model, host=host, dtype=self.dtype, kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
                            clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)

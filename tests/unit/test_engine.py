@@ -97,6 +97,19 @@ def test_weight_update_equals_fresh_load(tmp_path):
     assert after[0]["weight_versions"] == ["v2"] * 12
 
 
+def test_float32_projections_are_column_major_through_updates(tmp_path):
+    """float32 projection and head weights are held column-major (faster matmuls); a
+    weight update copies into them and keeps that; bfloat16 keeps them row-major."""
+    model = load_model("tiny", dtype="float32")
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in model.net.linears())
+    new_dir = save_tiny(tmp_path / "w2", seed=5)
+    update_weights(model, str(new_dir), "v2")
+    fresh = dict(load_model(str(new_dir), dtype="float32").net.named_parameters())
+    assert all(torch.equal(p, fresh[n]) for n, p in model.net.named_parameters())
+    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in model.net.linears())
+    assert all(w.is_contiguous() for w in load_model("tiny", dtype="bfloat16").net.linears())
+
+
 def test_mismatched_checkpoint_keeps_old_weights(tmp_path):
     model = load_model("tiny", dtype="float64")
     _, before = _run(model, PROMPTS)

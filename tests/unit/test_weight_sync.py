@@ -112,6 +112,25 @@ def test_push_while_idle_moves_every_worker(cluster, trainer, bucket):
     cluster.check_pages()
 
 
+@pytest.mark.parametrize("bucket", [False, True])
+def test_a_push_keeps_column_major_float32_projections(trainer, bucket):
+    """float32 projections are held column-major (LlamaForCausalLM.column_major_float32):
+    a push cannot land in them as raw row-major bytes, goes through scratch, and leaves
+    both the values and the layout right."""
+    c = InprocCluster(kv_cache_mb=2.0, dtype="float32")
+    try:
+        assert join(c, trainer)["ok"]
+        assert push(c, trainer, W2, bucket=bucket)["ok"]
+        want = dict(load_model("tiny:7", dtype="float32").net.named_parameters())
+        for core in (c.prefill, c.decode):
+            net = core.model.net
+            assert all(torch.equal(p, want[n]) for n, p in net.named_parameters())
+            assert not any(w.is_contiguous() for w in net.linears())
+            assert all(w.t().is_contiguous() for w in net.linears())
+    finally:
+        c.close()
+
+
 def test_retract_push_continue_is_old_then_new_weights(cluster, trainer):
     assert join(cluster, trainer)["ok"]
     rid = cluster.submit(PROMPT, 24)

@@ -301,7 +301,9 @@ class WeightSync:
                  shadow: Shadow | None, device: torch.device, deadline: float) -> None:
         """Every announced tensor from `group`, in order, into `shadow` (None: a refused
         push, received and dropped). A tensor of the parameter's dtype and device
-        lands in place; any other goes through scratch and is converted."""
+        lands in place where its memory is row-major; any other (a column-major float32
+        projection: LlamaForCausalLM.column_major_float32) goes through scratch and is
+        converted or copied."""
         if bucket:
             dtype = bucket_dtype(items)
             flat = self._buffer(sum(a.nbytes for a in items), device).view(dtype)
@@ -314,7 +316,8 @@ class WeightSync:
             return
         for a in items:
             target = shadow.target(a) if shadow is not None else None
-            if target is not None and target.dtype == a.dtype and target.device == device:
+            if (target is not None and target.dtype == a.dtype and target.device == device
+                    and target.is_contiguous()):
                 group.receive(target, deadline)
                 continue
             landing = self._buffer(a.nbytes, device).view(a.dtype).view(a.shape)
