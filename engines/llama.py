@@ -7,6 +7,7 @@ from torch import nn
 
 from engines.attention import DecodeMeta, PagedKV, PrefillMeta, decode_attention, prefill_attention
 from engines.config import ModelConfig
+from engines.linear import linear
 from engines.rope import RotaryEmbedding, apply_rotary
 
 # checkpoint name suffix -> (our parameter suffix, shard) for fused projections
@@ -51,7 +52,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: PagedKV,
                 layer: int, meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
         qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
@@ -63,7 +64,7 @@ class Attention(nn.Module):
             o = prefill_attention(q, k, v, meta, self.scale, kv, layer)   # [T, Hq, D]
         else:
             o = decode_attention(q, kv, layer, meta, self.scale)
-        return F.linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
+        return linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -77,8 +78,8 @@ class MLP(nn.Module):
         self.down_proj.weight = _param(cfg.hidden_size, self.inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = linear(x, self.gate_up_proj.weight).split(self.inter, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -152,4 +153,4 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.model.norm(hidden), self.lm_head.weight)
+        return linear(self.model.norm(hidden), self.lm_head.weight)

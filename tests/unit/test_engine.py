@@ -9,6 +9,7 @@ import torch
 from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.attention import group_by_length
 from engines.config import ModelError
+from engines.linear import PACKED
 from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams
 from engines.tiny import save_tiny
@@ -108,6 +109,33 @@ def test_float32_projections_are_column_major_through_updates(tmp_path):
     assert all(torch.equal(p, fresh[n]) for n, p in model.net.named_parameters())
     assert all(w.t().is_contiguous() and not w.is_contiguous() for w in model.net.linears())
     assert all(w.is_contiguous() for w in load_model("tiny", dtype="bfloat16").net.linears())
+
+
+def test_bfloat16_packed_weights_follow_every_update(tmp_path):
+    """The oneDNN-packed copies (engines/linear.py) are rebuilt after a weight update:
+    the updated model answers as a fresh load of the new weights does."""
+    model = load_model("tiny", dtype="bfloat16")
+    _, before = _run(model, PROMPTS)
+    assert all(PACKED.packed(w) for w in model.net.linears()) == PACKED.enabled
+    new_dir = save_tiny(tmp_path / "w2", seed=5)
+    update_weights(model, str(new_dir), "v2")
+    assert not any(PACKED.packed(w) for w in model.net.linears())     # stale: not used
+    _, after = _run(model, PROMPTS)
+    _, fresh = _run(load_model(str(new_dir), dtype="bfloat16"), PROMPTS)
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in fresh]
+    assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256, 257])
+def test_packed_products_equal_plain_ones(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.nn.Parameter((torch.randn(96, 64, generator=g) * 0.1).bfloat16(), requires_grad=False)
+    x, b = torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    for bias in (None, b):
+        got = PACKED.linear(x, w, bias).double()
+        assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
+    assert PACKED.packed(w) == (PACKED.enabled and rows <= 256)
 
 
 def test_mismatched_checkpoint_keeps_old_weights(tmp_path):

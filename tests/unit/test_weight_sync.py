@@ -11,7 +11,7 @@ import torch
 from engines.loader import load_model
 from engines.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster, reference
-from tests.unit.test_handoff import PROMPT, continuation, reference_tiny
+from tests.unit.test_handoff import PROMPT, continuation, reference_tiny, reference_tiny_model
 from tests.unit.trainer_side import Trainer, announce
 from zpd.worker.trainer_group import TrainerGroup
 
@@ -113,20 +113,25 @@ def test_push_while_idle_moves_every_worker(cluster, trainer, bucket):
 
 
 @pytest.mark.parametrize("bucket", [False, True])
-def test_a_push_keeps_column_major_float32_projections(trainer, bucket):
-    """float32 projections are held column-major (LlamaForCausalLM.column_major_float32):
-    a push cannot land in them as raw row-major bytes, goes through scratch, and leaves
-    both the values and the layout right."""
-    c = InprocCluster(kv_cache_mb=2.0, dtype="float32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, bucket):
+    """float32 projections are held column-major (LlamaForCausalLM.column_major_float32),
+    so a push cannot land in them as raw row-major bytes and goes through scratch;
+    bfloat16 ones carry oneDNN-packed copies (engines/linear.py), rebuilt after the
+    push swaps their storage. Either way the values, the layout and the answers after
+    the push are those of a fresh load of the new weights."""
+    c = InprocCluster(kv_cache_mb=2.0, dtype=dtype)
     try:
+        c.run(c.submit(PROMPT, 4))                      # packed copies of the old weights
         assert join(c, trainer)["ok"]
         assert push(c, trainer, W2, bucket=bucket)["ok"]
-        want = dict(load_model("tiny:7", dtype="float32").net.named_parameters())
+        fresh = load_model("tiny:7", dtype=dtype)
+        want = dict(fresh.net.named_parameters())
         for core in (c.prefill, c.decode):
             net = core.model.net
             assert all(torch.equal(p, want[n]) for n, p in net.named_parameters())
-            assert not any(w.is_contiguous() for w in net.linears())
-            assert all(w.t().is_contiguous() for w in net.linears())
+            assert all(w.is_contiguous() == (dtype == "bfloat16") for w in net.linears())
+        assert c.run(c.submit(PROMPT, 8)).token_ids == reference_tiny_model(fresh, PROMPT, 8)
     finally:
         c.close()
 
