@@ -29,7 +29,7 @@ class DecodeGroup:
     """Sequences of similar length, padded to the longest of them."""
     members: torch.Tensor | None  # [b] their rows in the batch (None: the whole batch)
     read_index: torch.Tensor      # [b, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
-    mask: torch.Tensor            # [b, 1, 1, S] True where the position is in the context
+    padding: torch.Tensor | None  # [b, 1, 1, S] True past a row's context; None: no row is padded
 
 
 @dataclass
@@ -62,16 +62,26 @@ class PagedKV:
         _, self.num_layers, _, self.page_size, self.kv_heads, self.head_dim = buffer.shape
         self.rows = buffer.view(-1, self.kv_heads, self.head_dim)     # [R, kv_heads, head_dim]
         self.elems = buffer.view(-1, self.head_dim)                   # [R * kv_heads, head_dim]
+        # views starting at each (layer, K/V), so layer-0 rows index them without an
+        # addition per layer and step
+        self._rows = [[self.rows[self.offset(i, kv):] for kv in (0, 1)] for i in range(self.num_layers)]
+        self._elems = [[self.elems[self.offset(i, kv) * self.kv_heads:] for kv in (0, 1)]
+                       for i in range(self.num_layers)]
 
     def offset(self, layer: int, kv: int) -> int:
         return (layer * 2 + kv) * self.page_size
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.rows.index_copy_(0, rows + self.offset(layer, 0), k)
-        self.rows.index_copy_(0, rows + self.offset(layer, 1), v)
+        k_rows, v_rows = self._rows[layer]
+        k_rows.index_copy_(0, rows, k)
+        v_rows.index_copy_(0, rows, v)
+
+    def read(self, layer: int, kv: int, rows: torch.Tensor) -> torch.Tensor:
+        """K (kv=0) or V of layer-0 pool rows `rows`: [len(rows), kv_heads, head_dim]."""
+        return self._rows[layer][kv].index_select(0, rows)
 
     def gather(self, layer: int, kv: int, index: torch.Tensor) -> torch.Tensor:
-        flat = self.elems.index_select(0, (index + self.offset(layer, kv) * self.kv_heads).view(-1))
+        flat = self._elems[layer][kv].index_select(0, index.view(-1))
         return flat.view(*index.shape, self.head_dim)                 # [B, kv_heads, S, head_dim]
 
 
@@ -86,8 +96,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: P
         cached = meta.starts[i] if meta.starts else 0
         if cached:
             rows = meta.context_rows[i]
-            ks = torch.cat([kv.rows.index_select(0, rows + kv.offset(layer, 0)), ks])
-            vs = torch.cat([kv.rows.index_select(0, rows + kv.offset(layer, 1)), vs])
+            ks = torch.cat([kv.read(layer, 0, rows), ks])
+            vs = torch.cat([kv.read(layer, 1, rows), vs])
             # query j sits at position cached + j and sees keys 0..cached + j
             mask = (torch.arange(cached + n, device=q.device)[None, :]
                     <= cached + torch.arange(n, device=q.device)[:, None])
@@ -117,6 +127,7 @@ def _attend(q: torch.Tensor, kv: PagedKV, layer: int, group: DecodeGroup, scale:
     v = kv.gather(layer, 1, group.read_index)
     qg = q.view(b, kv.kv_heads, hq // kv.kv_heads, d)                # [b, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [b, Hkv, G, S]
-    scores = scores.masked_fill(~group.mask, float("-inf"))
+    if group.padding is not None:
+        scores = scores.masked_fill(group.padding, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v)             # [b, Hkv, G, D]
     return out.view(b, hq, d)

@@ -69,8 +69,9 @@ class ModelRunner:
         steps = torch.arange(span, device=self.device)
         read_rows = table[:, steps // self.page_size] * self.page_stride + steps % self.page_size  # [b, S]
         heads = torch.arange(self.kv_heads, device=self.device)
-        pos = self._tensor([positions[i] for i in rows])
+        padded = any(positions[i] + 1 < span for i in rows)
+        pos = self._tensor([positions[i] for i in rows]) if padded else None
         return DecodeGroup(
             members=None if whole else self._tensor(rows),
             read_index=read_rows[:, None, :] * self.kv_heads + heads[None, :, None],  # [b, Hkv, S]
-            mask=(steps[None, :] <= pos[:, None])[:, None, None, :])             # [b, 1, 1, S]
+            padding=(steps[None, :] > pos[:, None])[:, None, None, :] if padded else None)  # [b, 1, 1, S]
