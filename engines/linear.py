@@ -1,51 +1,113 @@
-"""The model's matrix products, with bfloat16 weights prepacked for oneDNN on CPU.
+"""The model's matrix products, multiplying by packed copies of the weights on CPU.
 
-A bfloat16 `F.linear` on CPU re-blocks its weight on every call. oneDNN can keep each
-weight in its own blocked layout instead (the layout torch's compiler uses for frozen
-CPU graphs). Over SmolLM2's 121 products on two threads here (6 alternating rounds,
-median ms): 1 row 30.9 -> 24.4, 16 rows 33.3 -> 25.4, 64 rows 52.1 -> 33.7, 256 rows
-102 -> 92, but 1,024 rows 588 -> 652; so inputs of up to PACK_MAX_ROWS rows (decode
-steps, short prompts) use the packed copy and longer ones the plain weight. In the
-engine a batch-1 decode step of SmolLM2 measured 12-18% faster. The packed copy is derived
-from the parameter and rebuilt when the parameter changes (a weight update copies into
-it, a trainer push swaps its storage), so every writer of weights stays as it is. The
-cost is memory: a second copy of each bfloat16 projection and the head.
+`F.linear` on CPU hands its weight to the BLAS as it is, in every call. Both of
+torch's CPU backends can keep a weight in their own blocked layout instead:
+oneDNN for bfloat16 (the layout torch's compiler uses for frozen CPU graphs), MKL's
+packed GEMM for float32. Over SmolLM2's 121 products on two threads here
+(alternating rounds, median ms):
 
-Other dtypes and devices call `F.linear` unchanged: float32 weights are held
-column-major instead (LlamaForCausalLM.column_major_float32), which was faster there.
+    bfloat16, plain -> oneDNN-packed: 1 row 30.9 -> 24.4, 16 rows 33.3 -> 25.4,
+        64 rows 52.1 -> 33.7, 256 rows 102 -> 92, but 1,024 rows 588 -> 652
+    float32, column-major (below) -> MKL-packed: 1 row 24.0 -> 27.3, 2 rows 33.0 -> 29.2,
+        8 rows 57.3 -> 39.0, 16 rows 67.0 -> 47.6, but 24 rows 65.4 -> 70.8
+
+so each dtype uses its packed copy for the input sizes of its `rows` (decode steps,
+short prompts) and the plain weight otherwise. A packed copy is derived from its
+parameter and rebuilt when the parameter changes (a weight update copies into it, a
+trainer push swaps its storage), so every writer of weights stays as it is. The cost
+is memory: a second copy of each projection and the head, made on first use.
+
+Each packing is checked once per process against `F.linear` before it is used, and a
+torch whose ops are missing or disagree gets plain products (with a warning). Other
+dtypes and devices always call `F.linear`; float32 weights are also held
+column-major (LlamaForCausalLM.column_major_float32), faster at 1 row and past 16.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger("zpd.engine")
 
-PACK_BATCH_HINT = 16          # the batch oneDNN picks its blocking for; any batch runs
-PACK_MAX_ROWS = 256           # longer inputs measured faster with the plain weight
+PACK_BATCH_HINT = 16          # the batch both libraries pick their blocking for
 
 
-def _supported() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return False
+@dataclass(frozen=True)
+class Packing:
+    """How one dtype's weights are packed and multiplied by."""
+    name: str
+    rows: tuple[int, int]                                      # input rows that use it
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+PACKINGS = {
+    torch.bfloat16: Packing(
+        "oneDNN", (1, 256),
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT),
+        lambda x, p, w, b: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")),
+    # MKL's packed B does not depend on the batch it was packed for; the op runs the
+    # packed GEMM when told the input's own batch (and checks it against F.linear below)
+    torch.float32: Packing(
+        "MKL", (2, 16),
+        lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT),
+        lambda x, p, w, b: torch.ops.mkl._mkl_linear(x, p, w, b, x.shape[0])),
+}
+
+
+def _agrees(packing: Packing, dtype: torch.dtype) -> bool:
+    """Whether `packing` gives F.linear's products on this machine's torch, at the
+    ends and middle of its rows, with and without a bias."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g).to(dtype).t().contiguous().t()   # column-major too
+    b = torch.randn(40, generator=g).to(dtype)
+    p = packing.pack(w)
+    lo, hi = packing.rows
+    for n in sorted({lo, (lo + hi) // 2, hi}):
+        x = torch.randn(n, 24, generator=g).to(dtype)
+        for bias in (None, b):
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            if not torch.allclose(packing.mul(x, p, w, bias).double(), want, rtol=0.02, atol=0.05):
+                return False
+    return True
 
 
 class PackedWeights:
-    """oneDNN-packed copies of bfloat16 CPU weights, each held on its parameter with the
-    storage and in-place version it was packed from, so a stale copy is never used."""
+    """Packed copies of CPU weights, each held on its parameter with the storage and
+    in-place version it was packed from, so a stale copy is never used."""
 
-    ATTR = "_zpd_onednn"
+    ATTR = "_zpd_packed"
 
     def __init__(self) -> None:
-        self.enabled = _supported()
+        self.enabled = True
+        self._usable: dict[torch.dtype, Packing | None] = {}
+
+    def usable(self, dtype: torch.dtype) -> Packing | None:
+        """The packing of `dtype`, checked on first call; None: plain products."""
+        if dtype not in self._usable:
+            packing = PACKINGS.get(dtype)
+            try:
+                ok = packing is not None and torch.backends.mkldnn.is_available() and _agrees(packing, dtype)
+            except (AttributeError, RuntimeError) as e:
+                log.warning("%s packing of %s weights unavailable (%s); using F.linear",
+                            packing.name, dtype, e)
+                ok = False
+            else:
+                if packing is not None and not ok:
+                    log.warning("%s packing of %s weights disagrees with F.linear; using F.linear",
+                                packing.name, dtype)
+            self._usable[dtype] = packing if ok else None
+        return self._usable[dtype]
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.enabled or w.dtype != torch.bfloat16 or w.device.type != "cpu" \
-                or x.dim() != 2 or x.shape[0] > PACK_MAX_ROWS:
+        if not self.enabled or w.device.type != "cpu" or x.dim() != 2:
+            return F.linear(x, w, bias)
+        packing = self.usable(w.dtype)
+        if packing is None or not packing.rows[0] <= x.shape[0] <= packing.rows[1]:
             return F.linear(x, w, bias)
         try:
             key = (w.data_ptr(), w._version)
@@ -53,14 +115,9 @@ class PackedWeights:
             return F.linear(x, w, bias)
         got = getattr(w, self.ATTR, None)
         if got is None or got[0] != key:
-            try:
-                got = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT))
-            except RuntimeError as e:          # a torch without the op: plain products from now on
-                log.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
-                self.enabled = False
-                return F.linear(x, w, bias)
+            got = (key, packing.pack(w.detach()))
             setattr(w, self.ATTR, got)
-        return torch.ops.mkldnn._linear_pointwise(x, got[1], bias, "none", [], "")
+        return packing.mul(x, got[1], w, bias)
 
     def packed(self, w: torch.Tensor) -> bool:
         """Whether `w` holds a packed copy of its current values."""

@@ -111,31 +111,41 @@ def test_float32_projections_are_column_major_through_updates(tmp_path):
     assert all(w.is_contiguous() for w in load_model("tiny", dtype="bfloat16").net.linears())
 
 
-def test_bfloat16_packed_weights_follow_every_update(tmp_path):
-    """The oneDNN-packed copies (engines/linear.py) are rebuilt after a weight update:
-    the updated model answers as a fresh load of the new weights does."""
-    model = load_model("tiny", dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_follow_every_update(tmp_path, dtype):
+    """The packed copies (engines/linear.py) are rebuilt after a weight update: the
+    updated model answers as a fresh load of the new weights does. Five prompts make
+    decode batches of up to five rows, which both dtypes multiply packed."""
+    model = load_model("tiny", dtype=dtype)
     _, before = _run(model, PROMPTS)
-    assert all(PACKED.packed(w) for w in model.net.linears()) == PACKED.enabled
+    usable = PACKED.usable(model.dtype) is not None
+    assert all(PACKED.packed(w) for w in model.net.linears()) == usable
     new_dir = save_tiny(tmp_path / "w2", seed=5)
     update_weights(model, str(new_dir), "v2")
     assert not any(PACKED.packed(w) for w in model.net.linears())     # stale: not used
     _, after = _run(model, PROMPTS)
-    _, fresh = _run(load_model(str(new_dir), dtype="bfloat16"), PROMPTS)
+    _, fresh = _run(load_model(str(new_dir), dtype=dtype), PROMPTS)
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in fresh]
     assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
 
 
-@pytest.mark.parametrize("rows", [1, 16, 256, 257])
-def test_packed_products_equal_plain_ones(rows):
+@pytest.mark.parametrize("dtype,rows", [(torch.bfloat16, 1), (torch.bfloat16, 16),
+                                        (torch.bfloat16, 256), (torch.bfloat16, 257),
+                                        (torch.float32, 1), (torch.float32, 2),
+                                        (torch.float32, 7), (torch.float32, 16), (torch.float32, 17)])
+def test_packed_products_equal_plain_ones(dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    w = torch.nn.Parameter((torch.randn(96, 64, generator=g) * 0.1).bfloat16(), requires_grad=False)
-    x, b = torch.randn(rows, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    w = torch.nn.Parameter((torch.randn(96, 64, generator=g) * 0.1).to(dtype), requires_grad=False)
+    if dtype == torch.float32:
+        w.data = w.data.t().contiguous().t()          # as the model holds it
+    x, b = torch.randn(rows, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     for bias in (None, b):
         got = PACKED.linear(x, w, bias).double()
         assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
-    assert PACKED.packed(w) == (PACKED.enabled and rows <= 256)
+    packing = PACKED.usable(dtype)
+    assert PACKED.packed(w) == (packing is not None and packing.rows[0] <= rows <= packing.rows[1])
+    assert PACKED.usable(torch.float64) is None
 
 
 def test_mismatched_checkpoint_keeps_old_weights(tmp_path):

@@ -117,12 +117,14 @@ def test_push_while_idle_moves_every_worker(cluster, trainer, bucket):
 def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, bucket):
     """float32 projections are held column-major (LlamaForCausalLM.column_major_float32),
     so a push cannot land in them as raw row-major bytes and goes through scratch;
-    bfloat16 ones carry oneDNN-packed copies (engines/linear.py), rebuilt after the
-    push swaps their storage. Either way the values, the layout and the answers after
+    both dtypes' projections carry packed copies (engines/linear.py), rebuilt after
+    the push swaps their storage. Either way the values, the layout and the answers after
     the push are those of a fresh load of the new weights."""
     c = InprocCluster(kv_cache_mb=2.0, dtype=dtype)
     try:
-        c.run(c.submit(PROMPT, 4))                      # packed copies of the old weights
+        first = [c.submit(PROMPT, 4), c.submit(PROMPT[1:], 4)]   # packed copies of the old weights
+        for rid in first:
+            c.run(rid)
         assert join(c, trainer)["ok"]
         assert push(c, trainer, W2, bucket=bucket)["ok"]
         fresh = load_model("tiny:7", dtype=dtype)
@@ -131,7 +133,9 @@ def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, bucket):
             net = core.model.net
             assert all(torch.equal(p, want[n]) for n, p in net.named_parameters())
             assert all(w.is_contiguous() == (dtype == "bfloat16") for w in net.linears())
-        assert c.run(c.submit(PROMPT, 8)).token_ids == reference_tiny_model(fresh, PROMPT, 8)
+        rids = [c.submit(PROMPT, 8), c.submit(PROMPT[1:], 8)]   # decode batches of 2: packed
+        assert c.run(rids[0]).token_ids == reference_tiny_model(fresh, PROMPT, 8)
+        assert c.run(rids[1]).token_ids == reference_tiny_model(fresh, PROMPT[1:], 8)
     finally:
         c.close()
 
