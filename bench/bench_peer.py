@@ -233,8 +233,10 @@ def compare(args, model: str, dtype: str, w: dict, peer: bool) -> tuple[dict, di
     if not got["vllm"]:
         return mine, None, None
     peer_rates = {k: med([g[k] for g in got["vllm"]]) for k in mine}
-    ratios = {k: med([a[k] / b[k] for a, b in zip(got["zpd"], got["vllm"])]) for k in mine}
-    return mine, peer_rates, ratios
+    per_round = {k: [a[k] / b[k] for a, b in zip(got["zpd"], got["vllm"])] for k in mine}
+    log_step(f"{dtype}: zpd/vLLM per round: " + "; ".join(
+        f"{k} " + " ".join(f"{r:.2f}" for r in rs) for k, rs in per_round.items()))
+    return mine, peer_rates, {k: med(rs) for k, rs in per_round.items()}
 
 
 def main() -> None:

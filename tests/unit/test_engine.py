@@ -230,19 +230,20 @@ def test_group_by_length_bounds_padding():
     assert all(len(g) == 1 for g in groups) and len(groups) == 6    # each more than twice the next
 
 
-@pytest.mark.parametrize("lengths", [[3, 300, 40], [20, 30, 25]], ids=["three groups", "one group"])
+@pytest.mark.parametrize("lengths", [[3, 300, 40], [20, 30, 25], [20 + i for i in range(12)]],
+                         ids=["three groups", "one group", "a group past the fused kernel's rows"])
 def test_decode_of_mixed_lengths_equals_each_alone(tiny64, lengths):
     """Logits of one decode step over contexts of different lengths (in three length
-    groups, or in one whose rows are not in length order) equal each sequence's step
-    alone."""
-    engine = OfflineEngine(tiny64, max_batch=3)
+    groups, or in one whose rows are not in length order, or in one of more rows than
+    attend with the fused kernel) equal each sequence's step alone."""
+    engine = OfflineEngine(tiny64, max_batch=len(lengths))
     runner, pool = engine.compute.runner, engine.compute.pool
     tables = [pool.allocator.alloc(pool.pages_for(n + 1)) for n in lengths]
     prompts = [[(7 * n + i) % 200 + 1 for i in range(n)] for n in lengths]
     runner.prefill(prompts, tables)
-    tokens, positions = [5, 6, 7], lengths
+    tokens, positions = [5 + i for i in range(len(lengths))], lengths
     together = runner.decode(tokens, positions, tables)
-    for i in range(3):
+    for i in range(len(lengths)):
         alone = runner.decode([tokens[i]], [positions[i]], [tables[i]])
         torch.testing.assert_close(together[i], alone[0], rtol=1e-12, atol=1e-12)
 
