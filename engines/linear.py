@@ -61,18 +61,25 @@ PACKINGS = {
 
 def _agrees(packing: Packing, dtype: torch.dtype) -> bool:
     """Whether `packing` gives F.linear's products on this machine's torch, at the
-    ends and middle of its rows, with and without a bias."""
+    ends and middle of its rows, with and without a bias (False, with a warning, if
+    not or if its ops are missing)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 24, generator=g).to(dtype).t().contiguous().t()   # column-major too
     b = torch.randn(40, generator=g).to(dtype)
-    p = packing.pack(w)
     lo, hi = packing.rows
-    for n in sorted({lo, (lo + hi) // 2, hi}):
-        x = torch.randn(n, 24, generator=g).to(dtype)
-        for bias in (None, b):
-            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-            if not torch.allclose(packing.mul(x, p, w, bias).double(), want, rtol=0.02, atol=0.05):
-                return False
+    try:
+        p = packing.pack(w)
+        for n in sorted({lo, (lo + hi) // 2, hi}):
+            x = torch.randn(n, 24, generator=g).to(dtype)
+            for bias in (None, b):
+                want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                if not torch.allclose(packing.mul(x, p, w, bias).double(), want, rtol=0.02, atol=0.05):
+                    log.warning("%s packing of %s weights disagrees with F.linear; using F.linear",
+                                packing.name, dtype)
+                    return False
+    except (AttributeError, RuntimeError) as e:
+        log.warning("%s packing of %s weights unavailable (%s); using F.linear", packing.name, dtype, e)
+        return False
     return True
 
 
@@ -83,28 +90,18 @@ class PackedWeights:
     ATTR = "_zpd_packed"
 
     def __init__(self) -> None:
-        self.enabled = True
         self._usable: dict[torch.dtype, Packing | None] = {}
 
     def usable(self, dtype: torch.dtype) -> Packing | None:
         """The packing of `dtype`, checked on first call; None: plain products."""
         if dtype not in self._usable:
             packing = PACKINGS.get(dtype)
-            try:
-                ok = packing is not None and torch.backends.mkldnn.is_available() and _agrees(packing, dtype)
-            except (AttributeError, RuntimeError) as e:
-                log.warning("%s packing of %s weights unavailable (%s); using F.linear",
-                            packing.name, dtype, e)
-                ok = False
-            else:
-                if packing is not None and not ok:
-                    log.warning("%s packing of %s weights disagrees with F.linear; using F.linear",
-                                packing.name, dtype)
+            ok = packing is not None and torch.backends.mkldnn.is_available() and _agrees(packing, dtype)
             self._usable[dtype] = packing if ok else None
         return self._usable[dtype]
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.enabled or w.device.type != "cpu" or x.dim() != 2:
+        if w.device.type != "cpu" or x.dim() != 2:
             return F.linear(x, w, bias)
         packing = self.usable(w.dtype)
         if packing is None or not packing.rows[0] <= x.shape[0] <= packing.rows[1]:

@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None
 
     def linears(self) -> list[nn.Parameter]:
-        """The weights `F.linear` multiplies by: every projection and the head."""
+        """The weights `linear` multiplies by: every projection and the head."""
         out = [self.lm_head.weight]
         for layer in self.model.layers:
             out += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,

@@ -148,6 +148,26 @@ def test_packed_products_equal_plain_ones(dtype, rows):
     assert PACKED.usable(torch.float64) is None
 
 
+def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, caplog):
+    """A torch whose packed product is wrong, or whose ops are missing, is found out by
+    the first-use check: products stay F.linear's, with a warning."""
+    import engines.linear as lin
+
+    def missing(w):
+        raise RuntimeError("no such op")
+    wrong = lin.Packing("wrong", (1, 16), lambda w: w, lambda x, p, w, b: torch.zeros(x.shape[0], w.shape[0]))
+    broken = lin.Packing("broken", (1, 16), missing, lambda x, p, w, b: x)
+    monkeypatch.setattr(lin, "PACKINGS", {torch.float32: wrong, torch.bfloat16: broken})
+    packed = lin.PackedWeights()
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
+        x = torch.randn(2, 4).to(dtype)
+        assert torch.equal(packed.linear(x, w), torch.nn.functional.linear(x, w))
+        assert packed.usable(dtype) is None and not packed.packed(w)
+    assert "wrong packing" in caplog.text and "disagrees" in caplog.text
+    assert "broken packing" in caplog.text and "no such op" in caplog.text
+
+
 def test_mismatched_checkpoint_keeps_old_weights(tmp_path):
     model = load_model("tiny", dtype="float64")
     _, before = _run(model, PROMPTS)
