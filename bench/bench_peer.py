@@ -144,7 +144,11 @@ class Vllm:
         args = {"model": model_path, "dtype": dtype, "max_seqs": max(16, *w["batch"])}
         self.proc = subprocess.Popen([python, self.script.name, json.dumps(args)], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors)
-        self._expect("READY")
+        try:
+            self._expect("READY")
+        except RuntimeError:
+            self.close()                  # the script file and the error log go too
+            raise
 
     def _expect(self, tag: str) -> str:
         for line in self.proc.stdout:
