@@ -8,9 +8,13 @@ as flat rows of [kv_heads, head_dim]: row(page, layer, kv, offset) =
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engines.paged_decode import PagedDecode
 
 
 @dataclass
@@ -35,10 +39,15 @@ class DecodeGroup:
 @dataclass
 class DecodeMeta:
     """One new token per sequence, attending to its whole context through its pages.
-    Sequences are grouped by length (`group_by_length`), so one long context does not
-    make every short one's attention as long."""
+    With a `kernel` (engines/paged_decode.py, CPU) each sequence reads its first
+    lengths[b] `read_rows` in place. Otherwise sequences are grouped by length
+    (`group_by_length`), so one long context does not make every short one's gathered
+    attention as long."""
     write_rows: torch.Tensor      # [B] pool row of the new token for layer 0, K
     groups: list[DecodeGroup]
+    kernel: PagedDecode | None = None
+    read_rows: torch.Tensor | None = None   # [B, S] layer-0 K rows of each context (kernel)
+    lengths: torch.Tensor | None = None     # [B] context lengths (kernel)
 
 
 def group_by_length(lengths: list[int]) -> list[list[int]]:
@@ -76,6 +85,11 @@ class PagedKV:
         k_rows.index_copy_(0, rows, k)
         v_rows.index_copy_(0, rows, v)
 
+    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows of `layer`, indexed by layer-0 K rows: [R', kv_heads, head_dim] each."""
+        k_rows, v_rows = self._rows[layer]
+        return k_rows, v_rows
+
     def read(self, layer: int, kv: int, rows: torch.Tensor) -> torch.Tensor:
         """K (kv=0) or V of layer-0 pool rows `rows`: [len(rows), kv_heads, head_dim]."""
         return self._rows[layer][kv].index_select(0, rows)
@@ -112,6 +126,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: P
 def decode_attention(q: torch.Tensor, kv: PagedKV, layer: int, meta: DecodeMeta,
                      scale: float) -> torch.Tensor:
     """q: [B, Hq, D] -> [B, Hq, D], reading K/V of the whole context from the pool."""
+    if meta.kernel is not None:
+        return meta.kernel(q.contiguous(), *kv.layer_rows(layer), meta.read_rows, meta.lengths, scale)
     if len(meta.groups) == 1:
         return _attend(q, kv, layer, meta.groups[0], scale)
     out = torch.empty_like(q)

@@ -6,6 +6,7 @@ import torch
 from engines.attention import DecodeGroup, DecodeMeta, PrefillMeta, group_by_length
 from engines.kv_pool import KVPool
 from engines.loader import LoadedModel
+from engines.paged_decode import kernel_for
 
 
 class ModelRunner:
@@ -17,6 +18,7 @@ class ModelRunner:
         L = pool.layout
         self.page_size, self.kv_heads = L.page_size, L.num_kv_heads
         self.page_stride = L.num_layers * 2 * L.page_size     # pool rows per page
+        self.kernel = kernel_for(pool.dtype, pool.device.type)   # None: torch's attention
 
     def _rows(self, page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         pages = page_table[positions // self.page_size]
@@ -50,24 +52,38 @@ class ModelRunner:
         """Feed token i at position i of its sequence; it attends to positions 0..pos."""
         pos = self._tensor(positions)
         own = self._tensor([pt[p // self.page_size] for pt, p in zip(page_tables, positions)])
-        groups = group_by_length(positions)
-        whole = len(groups) == 1
-        if whole:                                  # one group: the batch's own row order
-            groups = [list(range(len(positions)))]
-        meta = DecodeMeta(write_rows=own * self.page_stride + pos % self.page_size,
-                          groups=[self._group(rows, positions, page_tables, whole) for rows in groups])
+        write_rows = own * self.page_stride + pos % self.page_size
+        if self.kernel is not None:
+            everyone = list(range(len(positions)))
+            meta = DecodeMeta(write_rows, [], self.kernel, self._read_rows(everyone, positions, page_tables),
+                              pos + 1)
+        else:
+            groups = group_by_length(positions)
+            whole = len(groups) == 1
+            if whole:                              # one group: the batch's own row order
+                groups = [list(range(len(positions)))]
+            meta = DecodeMeta(write_rows, [self._group(rows, positions, page_tables, whole)
+                                           for rows in groups])
         hidden = self.model.net(self._tensor(tokens), pos, self.pool.kv, meta)
         return self.model.net.logits(hidden)
 
-    def _group(self, rows: list[int], positions: list[int], page_tables: list[list[int]],
-               whole: bool) -> DecodeGroup:
-        """Read rows and mask of batch rows `rows`, padded to the longest of them."""
+    def _read_rows(self, rows: list[int], positions: list[int],
+                   page_tables: list[list[int]]) -> torch.Tensor:
+        """[b, S]: the layer-0 K pool row of each position 0..S-1 of batch rows `rows`, S
+        the longest context; a shorter one is padded with rows of its first page."""
         span = max(positions[i] for i in rows) + 1
         width = -(-span // self.page_size)
         table = self._tensor([page_tables[i][:width] + [page_tables[i][0]] * (width - len(page_tables[i][:width]))
                               for i in rows])
         steps = torch.arange(span, device=self.device)
-        read_rows = table[:, steps // self.page_size] * self.page_stride + steps % self.page_size  # [b, S]
+        return table[:, steps // self.page_size] * self.page_stride + steps % self.page_size
+
+    def _group(self, rows: list[int], positions: list[int], page_tables: list[list[int]],
+               whole: bool) -> DecodeGroup:
+        """Read rows and mask of batch rows `rows`, padded to the longest of them."""
+        span = max(positions[i] for i in rows) + 1
+        read_rows = self._read_rows(rows, positions, page_tables)       # [b, S]
+        steps = torch.arange(span, device=self.device)
         heads = torch.arange(self.kv_heads, device=self.device)
         padded = any(positions[i] + 1 < span for i in rows)
         pos = self._tensor([positions[i] for i in rows]) if padded else None

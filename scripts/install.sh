@@ -23,8 +23,10 @@ for arg in "$@"; do
   esac
 done
 
-# Mooncake's engine links libibverbs and libnuma even when it only uses TCP.
-libs="libibverbs1 librdmacm1 libnuma1 iproute2 procps"
+# Mooncake's engine links libibverbs and libnuma even when it only uses TCP. g++ builds
+# the CPU decode-attention kernel on first use (engines/paged_decode.py; without a
+# compiler decode attention runs on torch's slower path).
+libs="libibverbs1 librdmacm1 libnuma1 iproute2 procps g++"
 missing=$(for p in $libs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
