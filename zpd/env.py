@@ -24,6 +24,17 @@ its HTTP server this way, so they never show in a process list):
 A malformed value raises ValueError naming the variable, its value and what is
 expected, so the worker stops at start-up. The ZPD_* variables of scripts/*.sh
 are the launch scripts' own (they become flags) and are not read here.
+
+The engine (engines/, also used without zpd's workers) reads three of its own, for
+its CPU fast paths, once per process (for the two switches, any value but "0"
+leaves the path on):
+
+    ZPD_CPU_KERNELS      "0": decode attention on torch's path instead of the
+                         compiled kernel (engines/paged_decode.py)
+    ZPD_KERNEL_CACHE     where that kernel is built and kept (default
+                         ~/.cache/zpd/kernels)
+    ZPD_PACKED_WEIGHTS   "0": no packed weight copies (engines/linear.py), for a
+                         host short of memory
 """
 from __future__ import annotations
 

@@ -168,6 +168,25 @@ def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, cap
     assert "broken packing" in caplog.text and "no such op" in caplog.text
 
 
+def test_packed_copies_can_be_turned_off(monkeypatch, caplog):
+    """ZPD_PACKED_WEIGHTS=0 (a memory-tight host): no copy is made, products are F.linear's."""
+    import engines.linear as lin
+    monkeypatch.setenv(lin.ENABLE_ENV, "0")
+    packed = lin.PackedWeights()
+    with caplog.at_level("INFO", "zpd.engine"):
+        for dtype in (torch.float32, torch.bfloat16):
+            w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
+            x = torch.randn(4, 4).to(dtype)
+            assert torch.equal(packed.linear(x, w), torch.nn.functional.linear(x, w))
+            assert packed.usable(dtype) is None and not packed.packed(w)
+    assert "ZPD_PACKED_WEIGHTS=0" in caplog.text
+    monkeypatch.delenv(lin.ENABLE_ENV)
+    on = lin.PackedWeights()                                  # on by default
+    w = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False)
+    on.linear(torch.randn(4, 4), w)
+    assert on.packed(w) == (on.usable(torch.float32) is not None)
+
+
 def test_mismatched_checkpoint_keeps_old_weights(tmp_path):
     model = load_model("tiny", dtype="float64")
     _, before = _run(model, PROMPTS)
