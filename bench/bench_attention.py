@@ -14,7 +14,6 @@ alternating rounds, and the largest difference of each side from float64.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402,F401  (puts the repository on sys.path)
+from common import med  # noqa: E402  (also puts the repository on sys.path)
 
 from engines.attention import DecodeGroup, PagedKV, _attend  # noqa: E402
 from engines.paged_decode import kernel_for, reference  # noqa: E402
@@ -88,7 +87,7 @@ def main() -> None:
                         times.setdefault(name, []).append((time.perf_counter() - t) / layers * 1e6)
                 want = reference(c["q"], *c["pool"].layer_rows(1), c["rows"], c["lengths"], c["scale"])
                 err = {n: (f(1).double() - want).abs().max().item() for n, f in fns.items()}
-                us = {n: statistics.median(t) for n, t in times.items()}
+                us = {n: med(t) for n, t in times.items()}
                 if "kernel" in us:
                     k, ratio = f"{us['kernel']:.1f}", f"{us['torch'] / us['kernel']:.2f}x"
                     kerr = f"{err['kernel']:.1e}"

@@ -16,7 +16,7 @@ short prompts) and the plain weight otherwise. A packed copy is derived from its
 parameter and rebuilt when the parameter changes (a weight update copies into it, a
 trainer push swaps its storage), so every writer of weights stays as it is. The cost
 is memory: a second copy of each projection and the head, made on first use;
-ZPD_PACKED_WEIGHTS=0 in a worker's environment turns the copies off (plain products).
+`PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
 Each packing is checked once per process against `F.linear` before it is used, and a
 torch whose ops are missing or disagree gets plain products (with a warning). Other
@@ -26,7 +26,6 @@ column-major (LlamaForCausalLM.column_major_float32), faster at 1 row and past 1
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,7 +35,6 @@ import torch.nn.functional as F
 log = logging.getLogger("zpd.engine")
 
 PACK_BATCH_HINT = 16          # the batch both libraries pick their blocking for
-ENABLE_ENV = "ZPD_PACKED_WEIGHTS"
 
 
 @dataclass(frozen=True)
@@ -92,15 +90,22 @@ class PackedWeights:
 
     ATTR = "_zpd_packed"
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._usable: dict[torch.dtype, Packing | None] = {}
+
+    def configure(self, enabled: bool) -> None:
+        """With False, products use the plain weights and no copy is made from now on
+        (copies already made are dropped as their parameters change)."""
+        self.enabled = enabled
+        self._usable.clear()
 
     def usable(self, dtype: torch.dtype) -> Packing | None:
         """The packing of `dtype`, checked on first call; None: plain products."""
         if dtype not in self._usable:
             packing = PACKINGS.get(dtype)
-            if packing is not None and os.environ.get(ENABLE_ENV, "1") == "0":
-                log.info("%s=0: %s products use the plain weights (no packed copies)", ENABLE_ENV, dtype)
+            if packing is not None and not self.enabled:
+                log.info("packed weights are switched off: %s products use the plain weights", dtype)
                 packing = None
             ok = packing is not None and torch.backends.mkldnn.is_available() and _agrees(packing, dtype)
             self._usable[dtype] = packing if ok else None

@@ -14,12 +14,9 @@ for this CPU (-march=native), about a second, and kept in a cache directory keye
 the source, the flags, the compiler and the CPU, so workers after the first load it.
 It is loaded with ctypes (no Python headers needed, and the call lets go of the GIL).
 Before first use it is checked against a float64 reference once per process and
-dtype. Without a compiler, with a build that fails or disagrees, or with
-ZPD_CPU_KERNELS=0, decode attention stays on torch's path, with a warning.
-
-    ZPD_CPU_KERNELS    "0" turns the kernel off; unset or "1", on
-    ZPD_KERNEL_CACHE   where built libraries are kept (default
-                       $XDG_CACHE_HOME/zpd/kernels or ~/.cache/zpd/kernels)
+dtype. Without a compiler, with a build that fails or disagrees, or switched off
+(`configure`; zpd's commands read ZPD_CPU_KERNELS and ZPD_KERNEL_CACHE for it, see
+zpd/env.py), decode attention stays on torch's path, with a warning.
 """
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +41,6 @@ SOURCE = Path(__file__).with_name("paged_decode.cpp")
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see the source's header
 LIBS = ["-lmvec", "-lm"]
-ENABLE_ENV, CACHE_ENV = "ZPD_CPU_KERNELS", "ZPD_KERNEL_CACHE"
 BUILD_TIMEOUT_S = 120
 
 _C_INT64 = ctypes.c_int64
@@ -54,9 +51,26 @@ _ERRORS = {-1: "bad shape", -2: "out of memory", -3: "a pool row out of range"}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+@dataclass
+class Settings:
+    enabled: bool = True
+    cache_dir: Path | None = None       # None: $XDG_CACHE_HOME/zpd/kernels or ~/.cache/zpd/kernels
+
+
+SETTINGS = Settings()
+
+
+def configure(enabled: bool = True, cache_dir: Path | None = None) -> None:
+    """Switch the kernel on or off and say where it is built; runners made after this
+    call follow it."""
+    SETTINGS.enabled, SETTINGS.cache_dir = enabled, cache_dir
+    _kernel.cache_clear()
+    kernel_for.cache_clear()
+
+
 def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    if SETTINGS.cache_dir is not None:
+        return SETTINGS.cache_dir
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "zpd" / "kernels"
 
@@ -182,8 +196,8 @@ def _agrees(kernel: PagedDecode, dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel() -> PagedDecode | None:
-    if os.environ.get(ENABLE_ENV, "1") == "0":
-        log.info("%s=0: decode attention runs on torch's path", ENABLE_ENV)
+    if not SETTINGS.enabled:
+        log.info("the CPU decode-attention kernel is switched off: torch's attention")
         return None
     try:
         return PagedDecode(build())

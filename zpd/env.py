@@ -25,22 +25,22 @@ A malformed value raises ValueError naming the variable, its value and what is
 expected, so the worker stops at start-up. The ZPD_* variables of scripts/*.sh
 are the launch scripts' own (they become flags) and are not read here.
 
-The engine (engines/, also used without zpd's workers) reads three of its own, for
-its CPU fast paths, once per process (for the two switches, any value but "0"
-leaves the path on):
+The engine reads no environment (it is also used without zpd, from Python); `zpd
+run` and every worker hand it these before their model loads (`configure_engine`):
 
     ZPD_CPU_KERNELS      "0": decode attention on torch's path instead of the
                          compiled kernel (engines/paged_decode.py)
-    ZPD_KERNEL_CACHE     where that kernel is built and kept (default
+    ZPD_KERNEL_CACHE     a directory: where that kernel is built and kept (default
                          ~/.cache/zpd/kernels)
     ZPD_PACKED_WEIGHTS   "0": no packed weight copies (engines/linear.py), for a
-                         host short of memory
+                         host that cannot spare their memory
 """
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from transport import FaultPlan
@@ -50,6 +50,10 @@ SLOW_ENV = "ZPD_SLOW_CALLS"
 DROP_ENV = "ZPD_DROP_MESSAGES"
 FAULT_ENV = "ZPD_TRANSPORT_FAULT"
 MAX_SLOW_S = 3600.0
+
+CPU_KERNELS_ENV = "ZPD_CPU_KERNELS"
+KERNEL_CACHE_ENV = "ZPD_KERNEL_CACHE"
+PACKED_WEIGHTS_ENV = "ZPD_PACKED_WEIGHTS"
 
 API_KEY_ENV = "ZPD_API_KEY"
 ADMIN_API_KEY_ENV = "ZPD_ADMIN_API_KEY"
@@ -88,6 +92,26 @@ def _seconds(environ: Mapping[str, str], name: str) -> float:
 def _fault_plan(environ: Mapping[str, str]) -> FaultPlan | None:
     text = environ.get(FAULT_ENV, "")
     return FaultPlan.parse(text, source=f"${FAULT_ENV}") if text.strip() else None
+
+
+def configure_engine(environ: Mapping[str, str] = os.environ) -> None:
+    """Hand the engine its CPU switches (ZPD_CPU_KERNELS, ZPD_KERNEL_CACHE,
+    ZPD_PACKED_WEIGHTS); ValueError on a malformed one, before anything changes."""
+    from engines import paged_decode
+    from engines.linear import PACKED
+    kernels, packed = _switch(environ, CPU_KERNELS_ENV), _switch(environ, PACKED_WEIGHTS_ENV)
+    cache = environ.get(KERNEL_CACHE_ENV, "").strip()
+    paged_decode.configure(kernels, Path(cache) if cache else None)
+    PACKED.configure(packed)
+
+
+def _switch(environ: Mapping[str, str], name: str) -> bool:
+    raw = environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"${name}={raw!r}: want 1 (on, the default) or 0 (off)")
+    if raw == "0":
+        log.info("$%s=0: switched off", name)
+    return raw != "0"
 
 
 def http_keys(environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:

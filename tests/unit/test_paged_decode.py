@@ -20,14 +20,13 @@ if shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """The kernel looked up again under the test's environment, and forgotten after."""
-    pd._kernel.cache_clear()
-    pd.kernel_for.cache_clear()
+def fresh(monkeypatch, tmp_path):
+    """The kernel looked up again under the test's settings (built in a cache of its
+    own), and the default settings back after."""
+    pd.configure(True, tmp_path / "kernels")
     yield monkeypatch
     monkeypatch.undo()
-    pd._kernel.cache_clear()
-    pd.kernel_for.cache_clear()
+    pd.configure()
 
 
 def kernel() -> pd.PagedDecode:
@@ -110,7 +109,6 @@ def test_float64_and_other_devices_use_torch_attention():
 
 
 def test_built_once_then_loaded_from_the_cache(fresh, tmp_path):
-    fresh.setenv(pd.CACHE_ENV, str(tmp_path / "kernels"))
     path = pd.build()
     assert path.parent == tmp_path / "kernels" and path.exists()
     assert oct((tmp_path / "kernels").stat().st_mode & 0o777) == "0o700"
@@ -126,7 +124,7 @@ def test_a_cache_others_can_write_to_is_not_used(fresh, tmp_path, caplog):
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
-    fresh.setenv(pd.CACHE_ENV, str(shared))
+    pd.configure(True, shared)
     with caplog.at_level(logging.WARNING, "zpd.engine"):
         path = pd.build()
     assert path.parent != shared and not list(shared.iterdir())
@@ -135,18 +133,17 @@ def test_a_cache_others_can_write_to_is_not_used(fresh, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("why", ["no compiler", "switched off", "build fails"])
-def test_without_a_kernel_decode_stays_on_torch_with_a_warning(fresh, tmp_path, caplog, why):
-    fresh.setenv(pd.CACHE_ENV, str(tmp_path))
+def test_without_a_kernel_decode_stays_on_torch_with_a_warning(fresh, caplog, why):
     if why == "no compiler":
         fresh.setenv("CXX", "no-such-compiler-zpd")
     elif why == "switched off":
-        fresh.setenv(pd.ENABLE_ENV, "0")
+        pd.configure(False)
     else:
         fresh.setattr(pd, "COMPILE_FLAGS", pd.COMPILE_FLAGS + ["-include", "no/such.h"])
     with caplog.at_level(logging.INFO, "zpd.engine"):
         engine = OfflineEngine(load_model("tiny", dtype="float32"))
     assert engine.compute.runner.kernel is None
-    assert {"no compiler": "no C++ compiler", "switched off": "ZPD_CPU_KERNELS=0",
+    assert {"no compiler": "no C++ compiler", "switched off": "switched off",
             "build fails": "no/such.h"}[why] in caplog.text
     from engines.request import Request
     from engines.sampler import SamplingParams

@@ -12,7 +12,7 @@ from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_bind, check_http_bind
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
-from zpd.env import http_keys
+from zpd.env import configure_engine, http_keys
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
                              add_http_key_options, add_http_options, add_model_options,
                              add_prompt_options, http_config,
@@ -31,6 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     params = SamplingParams.from_dict(sampling_dict(args))
     tune_allocator()
+    configure_engine()
     model = load_model(args.model, args.device, args.dtype, args.weight_version)
     inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
     if not inputs:

@@ -23,7 +23,7 @@ from engines.loader import load_model
 from engines.request import BAD_REQUEST, CONFLICT, StatusError, validate
 from engines.sampler import SamplingParams
 from zpd.config import WorkerConfig
-from zpd.env import Knobs
+from zpd.env import Knobs, configure_engine
 from zpd.ops.ready import write_ready_file
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
@@ -46,6 +46,7 @@ class WorkerCore:
                  loop: Loop | None = None) -> None:
         self.cfg = cfg
         knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
+        configure_engine()
         self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
