@@ -108,9 +108,9 @@ def _compile(compiler: str, out: Path) -> None:
         os.replace(lib, out)
 
 
-def build() -> Path:
-    """The compiled library's path, building it if the cache lacks it. Raises
-    RuntimeError where there is no compiler or the build fails."""
+def build(directory: Path) -> Path:
+    """The compiled library's path in `directory`, building it there if it is not
+    there yet. Raises RuntimeError where there is no compiler or the build fails."""
     compiler = shutil.which(os.environ.get("CXX") or "g++")
     if compiler is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
@@ -118,20 +118,28 @@ def build() -> Path:
                              timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS + LINK_FLAGS + LIBS),
                                     version, _cpu_identity()]).encode()).hexdigest()[:20]
-    directory = cache_dir()
-    try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError:
-        pass
-    if not _private(directory):
-        log.warning("kernel cache %s is missing or writable by others; building in a "
-                    "private temporary directory", directory)
-        directory = Path(tempfile.mkdtemp(prefix="zpd-kernels-"))
     out = directory / f"paged_decode-{key}.so"
     if not out.exists():
         log.info("building the CPU decode-attention kernel into %s", out)
         _compile(compiler, out)
     return out
+
+
+def load() -> "PagedDecode":
+    """The kernel, from the cache directory (built there once), or, where that cannot
+    be made private to this user, built in a temporary directory that is removed once
+    the library is loaded."""
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        pass
+    if _private(directory):
+        return PagedDecode(build(directory))
+    log.warning("kernel cache %s is missing or writable by others; building in a "
+                "temporary directory", directory)
+    with tempfile.TemporaryDirectory(prefix="zpd-kernels-") as tmp:
+        return PagedDecode(build(Path(tmp)))          # stays mapped after its file goes
 
 
 class PagedDecode:
@@ -200,7 +208,7 @@ def _kernel() -> PagedDecode | None:
         log.info("the CPU decode-attention kernel is switched off: torch's attention")
         return None
     try:
-        return PagedDecode(build())
+        return load()
     except (RuntimeError, OSError, subprocess.SubprocessError, AttributeError) as e:
         log.warning("CPU decode-attention kernel unavailable (%s); using torch's attention", e)
         return None

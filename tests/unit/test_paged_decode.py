@@ -109,14 +109,15 @@ def test_float64_and_other_devices_use_torch_attention():
 
 
 def test_built_once_then_loaded_from_the_cache(fresh, tmp_path):
-    path = pd.build()
+    pd.load()
+    (path,) = (tmp_path / "kernels").iterdir()
     assert path.parent == tmp_path / "kernels" and path.exists()
     assert oct((tmp_path / "kernels").stat().st_mode & 0o777) == "0o700"
 
     def no_compiling(*a):
         raise AssertionError("compiled again")
     fresh.setattr(pd, "_compile", no_compiling)
-    assert pd.build() == path
+    assert pd.build(tmp_path / "kernels") == path
     assert pd.kernel_for(torch.bfloat16, "cpu") is not None
 
 
@@ -125,11 +126,17 @@ def test_a_cache_others_can_write_to_is_not_used(fresh, tmp_path, caplog):
     shared.mkdir(mode=0o777)
     shared.chmod(0o777)
     pd.configure(True, shared)
+    built, real = [], pd.build
+    fresh.setattr(pd, "build", lambda directory: built.append(directory) or real(directory))
     with caplog.at_level(logging.WARNING, "zpd.engine"):
-        path = pd.build()
-    assert path.parent != shared and not list(shared.iterdir())
+        kernel = pd.load()
     assert "writable by others" in caplog.text
-    shutil.rmtree(path.parent)
+    assert not list(shared.iterdir())
+    (temporary,) = built
+    assert temporary != shared and not temporary.exists()        # removed once loaded
+    q, k, v, rows, lens = _case(torch.float32, 2, 6, 2, 32, [10, 20])
+    torch.testing.assert_close(kernel(q, k, v, rows, lens, 0.2).double(),
+                               pd.reference(q, k, v, rows, lens, 0.2), rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("why", ["no compiler", "switched off", "build fails"])
@@ -153,10 +160,10 @@ def test_without_a_kernel_decode_stays_on_torch_with_a_warning(fresh, caplog, wh
 
 
 def test_a_kernel_that_disagrees_is_not_used(fresh, caplog):
-    class Wrong(pd.PagedDecode):
+    class Wrong:                            # a build whose arithmetic is off
         def __call__(self, q, *args):
             return torch.zeros_like(q)
-    fresh.setattr(pd, "_kernel", lambda: Wrong(pd.build()))
+    fresh.setattr(pd, "_kernel", Wrong)
     with caplog.at_level(logging.WARNING, "zpd.engine"):
         assert pd.kernel_for(torch.float32, "cpu") is None
     assert "disagrees" in caplog.text
