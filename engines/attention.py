@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.paged_decode import PagedDecode
+    from engines.cpu_kernels import PagedDecode
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DecodeGroup:
 @dataclass
 class DecodeMeta:
     """One new token per sequence, attending to its whole context through its pages.
-    With a `kernel` (engines/paged_decode.py, CPU) each sequence reads its first
+    With a `kernel` (engines/cpu_kernels.py, CPU) each sequence reads its first
     lengths[b] `read_rows` in place. Otherwise sequences are grouped by length
     (`group_by_length`), so one long context does not make every short one's gathered
     attention as long."""

@@ -6,7 +6,7 @@ import torch
 from engines.attention import DecodeGroup, DecodeMeta, PrefillMeta, group_by_length
 from engines.kv_pool import KVPool
 from engines.loader import LoadedModel
-from engines.paged_decode import kernel_for
+from engines.cpu_kernels import kernel_for
 
 
 class ModelRunner:

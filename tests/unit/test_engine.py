@@ -144,7 +144,10 @@ def test_packed_products_equal_plain_ones(dtype, rows):
         got = PACKED.linear(x, w, bias).double()
         assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
     packing = PACKED.usable(dtype)
-    assert PACKED.packed(w) == (packing is not None and packing.rows[0] <= rows <= packing.rows[1])
+    from engines.cpu_kernels import gemv
+    kernel = dtype == torch.bfloat16 and rows == 1 and gemv() is not None   # no copy needed
+    assert PACKED.packed(w) == (packing is not None and packing.rows[0] <= rows <= packing.rows[1]
+                                and not kernel)
     assert PACKED.usable(torch.float64) is None
 
 

@@ -78,28 +78,28 @@ def test_no_other_module_names_or_reads_a_zpd_variable() -> None:
 
 
 def test_engine_switches_reach_the_engine(tmp_path) -> None:
-    from engines import paged_decode
+    from engines import cpu_kernels
     from engines.linear import PACKED
     from zpd.env import CPU_KERNELS_ENV, KERNEL_CACHE_ENV, PACKED_WEIGHTS_ENV, configure_engine
     try:
         configure_engine({CPU_KERNELS_ENV: "0", PACKED_WEIGHTS_ENV: " 0", KERNEL_CACHE_ENV: str(tmp_path)})
-        assert paged_decode.SETTINGS == paged_decode.Settings(False, tmp_path)
-        assert paged_decode.kernel_for(paged_decode.torch.float32, "cpu") is None
-        assert not PACKED.enabled and PACKED.usable(paged_decode.torch.float32) is None
+        assert cpu_kernels.SETTINGS == cpu_kernels.Settings(False, tmp_path)
+        assert cpu_kernels.kernel_for(cpu_kernels.torch.float32, "cpu") is None
+        assert not PACKED.enabled and PACKED.usable(cpu_kernels.torch.float32) is None
         configure_engine({})                                    # unset: both on, default cache
-        assert paged_decode.SETTINGS == paged_decode.Settings() and PACKED.enabled
+        assert cpu_kernels.SETTINGS == cpu_kernels.Settings() and PACKED.enabled
     finally:
         configure_engine({})
 
 
 @pytest.mark.parametrize("name", ["ZPD_CPU_KERNELS", "ZPD_PACKED_WEIGHTS"])
 def test_a_malformed_engine_switch_changes_nothing(name) -> None:
-    from engines import paged_decode
+    from engines import cpu_kernels
     from engines.linear import PACKED
     from zpd.env import configure_engine
     with pytest.raises(ValueError, match=rf"\${name}='off': want 1 \(on, the default\) or 0"):
         configure_engine({"ZPD_CPU_KERNELS": "0", name: "off"})
-    assert paged_decode.SETTINGS.enabled and PACKED.enabled
+    assert cpu_kernels.SETTINGS.enabled and PACKED.enabled
 
 
 def test_zpd_run_refuses_a_malformed_switch(capsys, monkeypatch) -> None:

@@ -1,6 +1,7 @@
-"""The CPU decode-attention kernel (engines/paged_decode.py): its attention against a
-float64 reference and torch's path, its refusal of rows outside the pool, and how it
-is built, cached and given up on."""
+"""The CPU kernels (engines/cpu_kernels.py): decode attention against a float64
+reference and torch's path, its refusal of rows outside the pool, the bfloat16
+one-row product against float64, and how the library is built, cached and given up
+on."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-import engines.paged_decode as pd
+import engines.cpu_kernels as pd
 from engines.loader import load_model
 from engines.offline import OfflineEngine
 
@@ -129,7 +130,7 @@ def test_a_cache_others_can_write_to_is_not_used(fresh, tmp_path, caplog):
     built, real = [], pd.build
     fresh.setattr(pd, "build", lambda directory: built.append(directory) or real(directory))
     with caplog.at_level(logging.WARNING, "zpd.engine"):
-        kernel = pd.load()
+        kernel = pd.PagedDecode(pd.load())
     assert "writable by others" in caplog.text
     assert not list(shared.iterdir())
     (temporary,) = built
@@ -167,3 +168,50 @@ def test_a_kernel_that_disagrees_is_not_used(fresh, caplog):
     with caplog.at_level(logging.WARNING, "zpd.engine"):
         assert pd.kernel_for(torch.float32, "cpu") is None
     assert "disagrees" in caplog.text
+
+
+def _avx512_bf16() -> bool:
+    try:
+        return " avx512_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (8, 576), (13, 70), (3072, 576), (1, 31), (576, 1536)])
+def test_one_row_bfloat16_products_equal_float64(n, k):
+    """Row counts in and out of 8-row blocks, lengths in and out of 32-element steps."""
+    kernel = pd.gemv()
+    if not _avx512_bf16():
+        assert kernel is None                      # the CPU lacks the instructions
+        return
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    x, b = torch.randn(1, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
+    for bias in (None, b):
+        want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = kernel(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+        # float32 sums, then one rounding to bfloat16 (2^-8 relative)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+
+
+def test_one_row_bfloat16_products_go_to_the_kernel(monkeypatch):
+    """The model's bfloat16 products of one row call the kernel (where the CPU has it),
+    and a decode step at batch 1 gives the tokens torch's products give."""
+    from engines.linear import PACKED
+    if pd.gemv() is None:
+        assert not _avx512_bf16()
+        return
+    calls = []
+    real = pd.Gemv.__call__
+    monkeypatch.setattr(pd.Gemv, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    model = load_model("tiny", dtype="bfloat16")
+    from engines.request import Request
+    from engines.sampler import SamplingParams
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    (with_kernel,) = OfflineEngine(model).run([Request("a", [5, 6, 7], params)])
+    assert len(calls) >= 7 * len(model.net.linears())    # 7 decode steps of one row
+    monkeypatch.setattr(pd, "gemv", lambda: None)
+    (with_torch,) = OfflineEngine(model).run([Request("b", [5, 6, 7], params)])
+    assert with_kernel["output_ids"] == with_torch["output_ids"]
+    assert PACKED.usable(torch.bfloat16) is not None     # rows 2-256 still packed

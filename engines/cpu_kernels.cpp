@@ -1,11 +1,13 @@
-// Decode attention read straight from the paged KV pool, for CPU tensors.
+// CPU kernels of the engine, built and loaded by engines/cpu_kernels.py:
+// - decode attention read straight from the paged KV pool;
+// - the product of one bfloat16 row by a bfloat16 weight (AVX512-BF16 dot products).
 //
+// Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
 // multiplies; here each (sequence, KV head) pair walks its own pool rows once for the
 // scores and once for the weighted sum of V, in float32 whatever the storage dtype, and
 // the pairs are shared among OpenMP threads (torch's own runtime: the library links the
-// libgomp.so.1 torch has loaded). Built and loaded by engines/paged_decode.py; see there
-// for the layout of the arguments.
+// libgomp.so.1 torch has loaded). See engines/cpu_kernels.py for the arguments.
 //
 // Compiled with -ffast-math (at compile time only, so the library does not switch the
 // process's denormals off): the reductions below are reordered and vectorised, and the
@@ -15,13 +17,16 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kAhead = 4;          // positions to prefetch ahead
 
-enum Status { kOk = 0, kBadShape = -1, kNoMemory = -2, kBadRow = -3 };
+enum Status { kOk = 0, kBadShape = -1, kNoMemory = -2, kBadRow = -3, kUnsupported = -4 };
 
 struct BF16 { uint16_t bits; };
 
@@ -149,6 +154,57 @@ int decode_attention(const T *q, const T *k, const T *v, int64_t pool_rows, cons
     return status;
 }
 
+#if defined(__AVX512BF16__)
+// Rows [n, n + R) of y = w x (+ bias): each row's dot product accumulates 32 pairs per
+// instruction, R rows at once (independent chains), while the next R rows are
+// prefetched. K's last K % 32 elements are read through a mask.
+template <int R>
+inline void gemv_rows(const uint16_t *x, const uint16_t *w, const BF16 *bias, BF16 *y, int64_t n,
+                      int64_t N, int64_t K) {
+    __m512 acc[R];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    const uint16_t *base = w + n * K;
+    const bool ahead = n + 2 * R <= N;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+        for (int i = 0; i < R; i++) {
+            if (ahead) _mm_prefetch(reinterpret_cast<const char *>(base + (R + i) * K + k), _MM_HINT_T0);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(base + i * K + k), xv);
+        }
+    }
+    if (k < K) {
+        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, base + i * K + k), xv);
+    }
+    for (int i = 0; i < R; i++)
+        store(y + n + i, _mm512_reduce_add_ps(acc[i]) + (bias ? to_float(bias[n + i]) : 0.f));
+}
+#endif
+
+int gemv_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t N, int64_t K,
+                  int threads) {
+#if defined(__AVX512BF16__)
+    if (N < 0 || K < 1 || threads < 1) return kBadShape;
+    constexpr int64_t R = 8;
+    const uint16_t *xs = &x->bits, *ws = &w->bits;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n += R) {
+        if (n + R <= N) {
+            gemv_rows<R>(xs, ws, bias, y, n, N, K);
+        } else {
+            for (int64_t i = n; i < N; i++) gemv_rows<1>(xs, ws, bias, y, i, N, K);
+        }
+    }
+    return kOk;
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)threads;
+    return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -167,6 +223,11 @@ int zpd_decode_attention_bfloat16(const BF16 *q, const BF16 *k, const BF16 *v,
                                   int64_t head_dim, float scale, BF16 *out, int threads) {
     return decode_attention(q, k, v, pool_rows, rows, lengths, batch, width, q_heads, kv_heads,
                             head_dim, scale, out, threads);
+}
+
+int zpd_gemv_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t N, int64_t K,
+                      int threads) {
+    return gemv_bfloat16(x, w, bias, y, N, K, threads);
 }
 
 }  // extern "C"
