@@ -1,6 +1,6 @@
 // CPU kernels of the engine, built and loaded by engines/cpu_kernels.py:
 // - decode attention read straight from the paged KV pool;
-// - the product of one bfloat16 row by a bfloat16 weight (AVX512-BF16 dot products).
+// - products of up to 8 bfloat16 rows by a bfloat16 weight (AVX512-BF16 dot products).
 //
 // Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
@@ -155,52 +155,78 @@ int decode_attention(const T *q, const T *k, const T *v, int64_t pool_rows, cons
 }
 
 #if defined(__AVX512BF16__)
-// Rows [n, n + R) of y = w x (+ bias): each row's dot product accumulates 32 pairs per
-// instruction, R rows at once (independent chains), while the next R rows are
-// prefetched. K's last K % 32 elements are read through a mask.
-template <int R>
-inline void gemv_rows(const uint16_t *x, const uint16_t *w, const BF16 *bias, BF16 *y, int64_t n,
-                      int64_t N, int64_t K) {
-    __m512 acc[R];
-    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+// Outputs [n, n + R) of y = x w^T (+ bias) for the M rows of x: each weight row is loaded
+// once per 32 elements and multiplied into all M rows (R * M independent accumulator
+// chains of 32 pairs per instruction), while the next R weight rows are prefetched.
+// K's last K % 32 elements are read through a mask.
+template <int R, int M>
+inline void product_block(const uint16_t *x, const uint16_t *w, const BF16 *bias, BF16 *y,
+                          int64_t n, int64_t N, int64_t K) {
+    __m512 acc[R][M];
+    for (int i = 0; i < R; i++)
+        for (int m = 0; m < M; m++) acc[i][m] = _mm512_setzero_ps();
     const uint16_t *base = w + n * K;
     const bool ahead = n + 2 * R <= N;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+        __m512bh wv[R];
         for (int i = 0; i < R; i++) {
             if (ahead) _mm_prefetch(reinterpret_cast<const char *>(base + (R + i) * K + k), _MM_HINT_T0);
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(base + i * K + k), xv);
+            wv[i] = (__m512bh)_mm512_loadu_si512(base + i * K + k);
+        }
+        for (int m = 0; m < M; m++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+            for (int i = 0; i < R; i++) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], wv[i], xv);
         }
     }
     if (k < K) {
         const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-        for (int i = 0; i < R; i++)
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_maskz_loadu_epi16(mask, base + i * K + k), xv);
+        for (int m = 0; m < M; m++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+            for (int i = 0; i < R; i++)
+                acc[i][m] = _mm512_dpbf16_ps(acc[i][m], (__m512bh)_mm512_maskz_loadu_epi16(mask, base + i * K + k), xv);
+        }
     }
-    for (int i = 0; i < R; i++)
-        store(y + n + i, _mm512_reduce_add_ps(acc[i]) + (bias ? to_float(bias[n + i]) : 0.f));
+    for (int i = 0; i < R; i++) {
+        const float b = bias ? to_float(bias[n + i]) : 0.f;
+        for (int m = 0; m < M; m++) store(y + m * N + n + i, _mm512_reduce_add_ps(acc[i][m]) + b);
+    }
 }
-#endif
 
-int gemv_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t N, int64_t K,
-                  int threads) {
-#if defined(__AVX512BF16__)
-    if (N < 0 || K < 1 || threads < 1) return kBadShape;
-    constexpr int64_t R = 8;
-    const uint16_t *xs = &x->bits, *ws = &w->bits;
+template <int M>
+void product(const uint16_t *x, const uint16_t *w, const BF16 *bias, BF16 *y, int64_t N,
+             int64_t K, int threads) {
+    constexpr int R = M <= 2 ? 8 : 16 / M > 1 ? 16 / M : 1;      // R * M <= 16 accumulators
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n += R) {
         if (n + R <= N) {
-            gemv_rows<R>(xs, ws, bias, y, n, N, K);
+            product_block<R, M>(x, w, bias, y, n, N, K);
         } else {
-            for (int64_t i = n; i < N; i++) gemv_rows<1>(xs, ws, bias, y, i, N, K);
+            for (int64_t i = n; i < N; i++) product_block<1, M>(x, w, bias, y, i, N, K);
         }
+    }
+}
+#endif
+
+// y[M, N] = x[M, K] w[N, K]^T (+ bias[N]), all bfloat16, for 1 <= M <= 8.
+int linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t M,
+                    int64_t N, int64_t K, int threads) {
+#if defined(__AVX512BF16__)
+    if (M < 1 || M > 8 || N < 0 || K < 1 || threads < 1) return kBadShape;
+    const uint16_t *xs = &x->bits, *ws = &w->bits;
+    switch (M) {
+        case 1: product<1>(xs, ws, bias, y, N, K, threads); break;
+        case 2: product<2>(xs, ws, bias, y, N, K, threads); break;
+        case 3: product<3>(xs, ws, bias, y, N, K, threads); break;
+        case 4: product<4>(xs, ws, bias, y, N, K, threads); break;
+        case 5: product<5>(xs, ws, bias, y, N, K, threads); break;
+        case 6: product<6>(xs, ws, bias, y, N, K, threads); break;
+        case 7: product<7>(xs, ws, bias, y, N, K, threads); break;
+        default: product<8>(xs, ws, bias, y, N, K, threads); break;
     }
     return kOk;
 #else
-    (void)x, (void)w, (void)bias, (void)y, (void)N, (void)K, (void)threads;
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
 #endif
 }
@@ -225,9 +251,9 @@ int zpd_decode_attention_bfloat16(const BF16 *q, const BF16 *k, const BF16 *v,
                             head_dim, scale, out, threads);
 }
 
-int zpd_gemv_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t N, int64_t K,
-                      int threads) {
-    return gemv_bfloat16(x, w, bias, y, N, K, threads);
+int zpd_linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t M,
+                        int64_t N, int64_t K, int threads) {
+    return linear_bfloat16(x, w, bias, y, M, N, K, threads);
 }
 
 }  // extern "C"

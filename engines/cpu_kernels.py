@@ -65,7 +65,7 @@ def configure(enabled: bool = True, cache_dir: Path | None = None) -> None:
     """Switch the kernel on or off and say where it is built; runners made after this
     call follow it."""
     SETTINGS.enabled, SETTINGS.cache_dir = enabled, cache_dir
-    for cached in (_library, _kernel, kernel_for, gemv):
+    for cached in (_library, _kernel, kernel_for, small_linear):
         cached.cache_clear()
 
 
@@ -235,46 +235,56 @@ def kernel_for(dtype: torch.dtype, device_type: str) -> PagedDecode | None:
     return kernel if kernel is not None and _agrees(kernel, dtype) else None
 
 
-class Gemv:
-    """y = x w^T (+ bias) for one bfloat16 row x and a row-major bfloat16 weight w: a
-    decode step's products at batch 1, by AVX512-BF16 dot products with float32 sums.
-    SmolLM2's 121 products on 2 threads (alternating rounds): 22.2 / 25.3 / 14.4 ms by
-    oneDNN's packed weights -> 17.8 / 14.3 / 11.9 ms, with no packed copy needed."""
+class SmallLinear:
+    """y = x w^T (+ bias) for 1-8 bfloat16 rows x and a row-major bfloat16 weight w
+    (decode steps of small batches) by AVX512-BF16 dot products with float32 sums,
+    each weight row read once for all rows. SmolLM2's 121 products on 2 threads
+    against oneDNN's packed copies (median of 7 alternating rounds): 1 row 25.1 ->
+    14.1 ms, 2 rows 25.1 -> 14.9, 3 rows 25.6 -> 15.7, 4 rows 25.4 -> 16.7, 6 rows
+    28.2 -> 19.8, 8 rows 29.3 -> 24.0; a first version at 16 rows took 41.5 against
+    28.2, so more rows stay with oneDNN."""
+
+    ROWS = 8
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.fn = lib.zpd_gemv_bfloat16
+        self.fn = lib.zpd_linear_bfloat16
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                            _C_INT64, _C_INT64, ctypes.c_int]
+                            _C_INT64, _C_INT64, _C_INT64, ctypes.c_int]
         self.fn.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [1, K]; w: [N, K] contiguous; bias: [N] -> [1, N]."""
-        assert x.dtype == w.dtype == torch.bfloat16 and x.shape[0] == 1 and x.shape[1] == w.shape[1]
-        assert w.is_contiguous() and (bias is None or bias.is_contiguous())
+        """x: [M <= 8, K]; w: [N, K] contiguous; bias: [N] -> [M, N]."""
+        assert x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == w.shape[1]
+        assert 1 <= x.shape[0] <= self.ROWS and w.is_contiguous()
+        assert bias is None or (bias.is_contiguous() and bias.dtype == w.dtype)
         x = x.contiguous()
-        y = torch.empty(1, w.shape[0], dtype=w.dtype)
+        y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
         status = self.fn(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                         w.shape[0], w.shape[1], torch.get_num_threads())
+                         x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"bfloat16 product kernel: {_ERRORS.get(status, status)}")
         return y
 
 
-def _gemv_agrees(gemv: Gemv) -> bool:
-    """Whether the product kernel gives float64's products (to bfloat16's rounding),
-    with and without a bias, for lengths that are and are not multiples of its
-    32-element steps and row counts that are and are not multiples of its 8-row
-    blocks (False, with a warning where not, or where this CPU lacks AVX512-BF16)."""
+def _products_agree(kernel: SmallLinear) -> bool:
+    """Whether the product kernel gives float64's products (to bfloat16's rounding) at
+    1 to 8 rows, with and without a bias, for lengths in and out of its 32-element
+    steps and weight rows in and out of its blocks (False, with a warning where not,
+    or where this CPU lacks AVX512-BF16)."""
     g = torch.Generator().manual_seed(0)
     try:
         for n, k in ((40, 64), (13, 70), (8, 5)):
             w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-            x, b = torch.randn(1, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
-            for bias in (None, b):
-                want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
-                if not torch.allclose(gemv(x, w, bias).double(), want, rtol=1e-2, atol=2e-2):
-                    log.warning("the bfloat16 product kernel disagrees with float64; using torch's products")
-                    return False
+            b = torch.randn(n, generator=g).to(torch.bfloat16)
+            for rows in range(1, kernel.ROWS + 1):
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                for bias in (None, b):
+                    want = torch.nn.functional.linear(x.double(), w.double(),
+                                                      None if bias is None else bias.double())
+                    if not torch.allclose(kernel(x, w, bias).double(), want, rtol=1e-2, atol=2e-2):
+                        log.warning("the bfloat16 product kernel disagrees with float64; "
+                                    "using torch's products")
+                        return False
     except RuntimeError as e:
         log.info("bfloat16 product kernel not used (%s)", e)
         return False
@@ -282,12 +292,12 @@ def _gemv_agrees(gemv: Gemv) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def gemv() -> Gemv | None:
-    """The bfloat16 one-row product kernel, checked once; None: torch's products."""
+def small_linear() -> SmallLinear | None:
+    """The bfloat16 product kernel for 1-8 rows, checked once; None: torch's products."""
     lib = _library()
     try:
-        kernel = None if lib is None else Gemv(lib)
+        kernel = None if lib is None else SmallLinear(lib)
     except AttributeError as e:
         log.warning("bfloat16 product kernel unavailable (%s); using torch's products", e)
         return None
-    return kernel if kernel is not None and _gemv_agrees(kernel) else None
+    return kernel if kernel is not None and _products_agree(kernel) else None

@@ -18,9 +18,9 @@ trainer push swaps its storage), so every writer of weights stays as it is. The 
 is memory: a second copy of each projection and the head, made on first use;
 `PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
-A bfloat16 product of one row (a decode step at batch 1) goes to the compiled kernel
-of engines/cpu_kernels.py instead where the CPU has AVX512-BF16: faster than the
-packed copy, and it needs none.
+bfloat16 products of 1-8 rows (decode steps of small batches) go to the compiled
+kernel of engines/cpu_kernels.py instead where the CPU has AVX512-BF16: faster there
+than the packed copy, and it needs none.
 
 Each packing is checked once per process against `F.linear` before it is used, and a
 torch whose ops are missing or disagree gets plain products (with a warning). Other
@@ -120,10 +120,10 @@ class PackedWeights:
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if w.device.type != "cpu" or x.dim() != 2:
             return F.linear(x, w, bias)
-        if x.shape[0] == 1 and w.dtype == torch.bfloat16 and w.is_contiguous():
-            one_row = cpu_kernels.gemv()
-            if one_row is not None:
-                return one_row(x, w, bias)
+        if w.dtype == torch.bfloat16 and x.shape[0] <= cpu_kernels.SmallLinear.ROWS and w.is_contiguous():
+            kernel = cpu_kernels.small_linear()
+            if kernel is not None and x.shape[0] >= 1:
+                return kernel(x, w, bias)
         packing = self.usable(w.dtype)
         if packing is None or not packing.rows[0] <= x.shape[0] <= packing.rows[1]:
             return F.linear(x, w, bias)

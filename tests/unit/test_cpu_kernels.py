@@ -177,41 +177,45 @@ def _avx512_bf16() -> bool:
         return False
 
 
-@pytest.mark.parametrize("n,k", [(40, 64), (8, 576), (13, 70), (3072, 576), (1, 31), (576, 1536)])
-def test_one_row_bfloat16_products_equal_float64(n, k):
-    """Row counts in and out of 8-row blocks, lengths in and out of 32-element steps."""
-    kernel = pd.gemv()
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("n,k", [(40, 64), (13, 70), (1, 31), (576, 1536), (3072, 576)])
+def test_small_bfloat16_products_equal_float64(rows, n, k):
+    """1-8 rows; weight rows in and out of the kernel's blocks, lengths in and out of
+    its 32-element steps."""
+    kernel = pd.small_linear()
     if not _avx512_bf16():
         assert kernel is None                      # the CPU lacks the instructions
         return
-    g = torch.Generator().manual_seed(n * k)
+    g = torch.Generator().manual_seed(n * k + rows)
     w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
-    x, b = torch.randn(1, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
+    x, b = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
     for bias in (None, b):
         want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
         got = kernel(x, w, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         # float32 sums, then one rounding to bfloat16 (2^-8 relative)
         torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
 
 
-def test_one_row_bfloat16_products_go_to_the_kernel(monkeypatch):
-    """The model's bfloat16 products of one row call the kernel (where the CPU has it),
-    and a decode step at batch 1 gives the tokens torch's products give."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_small_bfloat16_products_go_to_the_kernel(monkeypatch, batch):
+    """The model's bfloat16 products of up to 8 rows call the kernel (where the CPU
+    has it), and decode steps give the tokens torch's products give."""
     from engines.linear import PACKED
-    if pd.gemv() is None:
+    if pd.small_linear() is None:
         assert not _avx512_bf16()
         return
     calls = []
-    real = pd.Gemv.__call__
-    monkeypatch.setattr(pd.Gemv, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    real = pd.SmallLinear.__call__
+    monkeypatch.setattr(pd.SmallLinear, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
     model = load_model("tiny", dtype="bfloat16")
     from engines.request import Request
     from engines.sampler import SamplingParams
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-    (with_kernel,) = OfflineEngine(model).run([Request("a", [5, 6, 7], params)])
-    assert len(calls) >= 7 * len(model.net.linears())    # 7 decode steps of one row
-    monkeypatch.setattr(pd, "gemv", lambda: None)
-    (with_torch,) = OfflineEngine(model).run([Request("b", [5, 6, 7], params)])
-    assert with_kernel["output_ids"] == with_torch["output_ids"]
-    assert PACKED.usable(torch.bfloat16) is not None     # rows 2-256 still packed
+    prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]][:batch]
+    with_kernel = OfflineEngine(model).run([Request(f"a{i}", p, params) for i, p in enumerate(prompts)])
+    assert calls.count(batch) >= 7 * len(model.net.linears())    # 7 decode steps of `batch` rows
+    monkeypatch.setattr(pd, "small_linear", lambda: None)
+    with_torch = OfflineEngine(model).run([Request(f"b{i}", p, params) for i, p in enumerate(prompts)])
+    assert [o["output_ids"] for o in with_kernel] == [o["output_ids"] for o in with_torch]
+    assert PACKED.usable(torch.bfloat16) is not None     # more rows still packed

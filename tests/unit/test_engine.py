@@ -114,17 +114,19 @@ def test_float32_projections_are_column_major_through_updates(tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_weights_follow_every_update(tmp_path, dtype):
     """The packed copies (engines/linear.py) are rebuilt after a weight update: the
-    updated model answers as a fresh load of the new weights does. Five prompts make
-    decode batches of up to five rows, which both dtypes multiply packed."""
+    updated model answers as a fresh load of the new weights does. Ten prompts make
+    decode batches of ten rows, which both dtypes multiply packed (bfloat16's of up to
+    8 rows go to engines/cpu_kernels.py instead)."""
+    prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
     model = load_model("tiny", dtype=dtype)
-    _, before = _run(model, PROMPTS)
+    _, before = _run(model, prompts)
     usable = PACKED.usable(model.dtype) is not None
     assert all(PACKED.packed(w) for w in model.net.linears()) == usable
     new_dir = save_tiny(tmp_path / "w2", seed=5)
     update_weights(model, str(new_dir), "v2")
     assert not any(PACKED.packed(w) for w in model.net.linears())     # stale: not used
-    _, after = _run(model, PROMPTS)
-    _, fresh = _run(load_model(str(new_dir), dtype=dtype), PROMPTS)
+    _, after = _run(model, prompts)
+    _, fresh = _run(load_model(str(new_dir), dtype=dtype), prompts)
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in fresh]
     assert [o["output_ids"] for o in after] != [o["output_ids"] for o in before]
 
@@ -144,8 +146,8 @@ def test_packed_products_equal_plain_ones(dtype, rows):
         got = PACKED.linear(x, w, bias).double()
         assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
     packing = PACKED.usable(dtype)
-    from engines.cpu_kernels import gemv
-    kernel = dtype == torch.bfloat16 and rows == 1 and gemv() is not None   # no copy needed
+    from engines.cpu_kernels import SmallLinear, small_linear
+    kernel = dtype == torch.bfloat16 and rows <= SmallLinear.ROWS and small_linear() is not None  # no copy
     assert PACKED.packed(w) == (packing is not None and packing.rows[0] <= rows <= packing.rows[1]
                                 and not kernel)
     assert PACKED.usable(torch.float64) is None
