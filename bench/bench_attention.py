@@ -1,7 +1,7 @@
 """Decode attention per layer: torch's path (gather the context, then multiply) vs the
 compiled kernel that reads the pool in place (engines/cpu_kernels.py), side by side.
 
-    python bench/bench_attention.py [--batches 1,16,64] [--contexts 256,2048]
+    python bench/bench_attention.py [--batches 1,4,16,64] [--contexts 256,1024]
                                     [--dtypes float32,bfloat16] [--rounds 5] [--smoke]
 
 SmolLM2-135M's shapes (30 layers, 9 query heads over 3 KV heads of 64) on a pool
@@ -53,8 +53,9 @@ def sides(c: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--contexts", default="256,2048")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--contexts", default="256,1024")
+    ap.add_argument("--max-pool-gb", type=float, default=2.0, help="skip cases whose pool is larger")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -73,6 +74,12 @@ def main() -> None:
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for context in [int(x) for x in args.contexts.split(",")]:
             for batch in [int(x) for x in args.batches.split(",")]:
+                gb = batch * -(-context // PAGE) * layers * 2 * PAGE * kv_heads * head_dim \
+                    * torch.empty((), dtype=dtype).element_size() / 1e9
+                if gb > args.max_pool_gb:
+                    print(f"{str(dtype)[6:]:10} {batch:6d} {context:8d}   skipped: a {gb:.1f} GB pool "
+                          f"(--max-pool-gb {args.max_pool_gb:g})")
+                    continue
                 c = case(dtype, batch, context, layers, kv_heads, group, head_dim)
                 fns, times = sides(c), {}
                 for f in fns.values():

@@ -1,6 +1,7 @@
 // CPU kernels of the engine, built and loaded by engines/cpu_kernels.py:
 // - decode attention read straight from the paged KV pool;
-// - products of up to 8 bfloat16 rows by a bfloat16 weight (AVX512-BF16 dot products).
+// - products of up to 8 rows by a row-major weight, float32 (AVX-512) or bfloat16
+//   (AVX512-BF16).
 //
 // Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
@@ -17,7 +18,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -154,37 +155,62 @@ int decode_attention(const T *q, const T *k, const T *v, int64_t pool_rows, cons
     return status;
 }
 
+// Small-batch products: y[M, N] = x[M, K] w[N, K]^T (+ bias[N]) for 1 <= M <= 8, w
+// row-major. Each weight row is loaded once per vector of K and multiplied into all M
+// rows (R x M independent accumulator chains), while the next R weight rows are
+// prefetched; K's last elements are read through a mask. float32 by AVX-512 FMAs,
+// bfloat16 by AVX512-BF16 dot products (32 pairs per instruction) with float32 sums.
+#if defined(__AVX512F__)
+struct Float32Lanes {
+    using T = float;
+    using Vec = __m512;
+    static constexpr int64_t kStep = 16;
+    static Vec load(const float *p) { return _mm512_loadu_ps(p); }
+    static Vec load_first(const float *p, int64_t n) {
+        return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+    }
+    static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+#endif
 #if defined(__AVX512BF16__)
-// Outputs [n, n + R) of y = x w^T (+ bias) for the M rows of x: each weight row is loaded
-// once per 32 elements and multiplied into all M rows (R * M independent accumulator
-// chains of 32 pairs per instruction), while the next R weight rows are prefetched.
-// K's last K % 32 elements are read through a mask.
-template <int R, int M>
-inline void product_block(const uint16_t *x, const uint16_t *w, const BF16 *bias, BF16 *y,
-                          int64_t n, int64_t N, int64_t K) {
+struct BFloat16Lanes {
+    using T = BF16;
+    using Vec = __m512bh;
+    static constexpr int64_t kStep = 32;
+    static Vec load(const BF16 *p) { return (__m512bh)_mm512_loadu_si512(p); }
+    static Vec load_first(const BF16 *p, int64_t n) {
+        return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), p);
+    }
+    static __m512 madd(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+#endif
+
+#if defined(__AVX512F__)
+template <class L, int R, int M>
+inline void product_block(const typename L::T *x, const typename L::T *w, const typename L::T *bias,
+                          typename L::T *y, int64_t n, int64_t N, int64_t K) {
     __m512 acc[R][M];
     for (int i = 0; i < R; i++)
         for (int m = 0; m < M; m++) acc[i][m] = _mm512_setzero_ps();
-    const uint16_t *base = w + n * K;
+    const typename L::T *base = w + n * K;
     const bool ahead = n + 2 * R <= N;
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[R];
+    for (; k + L::kStep <= K; k += L::kStep) {
+        typename L::Vec wv[R];
         for (int i = 0; i < R; i++) {
             if (ahead) _mm_prefetch(reinterpret_cast<const char *>(base + (R + i) * K + k), _MM_HINT_T0);
-            wv[i] = (__m512bh)_mm512_loadu_si512(base + i * K + k);
+            wv[i] = L::load(base + i * K + k);
         }
         for (int m = 0; m < M; m++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-            for (int i = 0; i < R; i++) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], wv[i], xv);
+            const typename L::Vec xv = L::load(x + m * K + k);
+            for (int i = 0; i < R; i++) acc[i][m] = L::madd(acc[i][m], wv[i], xv);
         }
     }
     if (k < K) {
-        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
         for (int m = 0; m < M; m++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+            const typename L::Vec xv = L::load_first(x + m * K + k, K - k);
             for (int i = 0; i < R; i++)
-                acc[i][m] = _mm512_dpbf16_ps(acc[i][m], (__m512bh)_mm512_maskz_loadu_epi16(mask, base + i * K + k), xv);
+                acc[i][m] = L::madd(acc[i][m], L::load_first(base + i * K + k, K - k), xv);
         }
     }
     for (int i = 0; i < R; i++) {
@@ -193,43 +219,37 @@ inline void product_block(const uint16_t *x, const uint16_t *w, const BF16 *bias
     }
 }
 
-template <int M>
-void product(const uint16_t *x, const uint16_t *w, const BF16 *bias, BF16 *y, int64_t N,
-             int64_t K, int threads) {
+template <class L, int M>
+void product(const typename L::T *x, const typename L::T *w, const typename L::T *bias,
+             typename L::T *y, int64_t N, int64_t K, int threads) {
     constexpr int R = M <= 2 ? 8 : 16 / M > 1 ? 16 / M : 1;      // R * M <= 16 accumulators
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n += R) {
         if (n + R <= N) {
-            product_block<R, M>(x, w, bias, y, n, N, K);
+            product_block<L, R, M>(x, w, bias, y, n, N, K);
         } else {
-            for (int64_t i = n; i < N; i++) product_block<1, M>(x, w, bias, y, i, N, K);
+            for (int64_t i = n; i < N; i++) product_block<L, 1, M>(x, w, bias, y, i, N, K);
         }
     }
 }
-#endif
 
-// y[M, N] = x[M, K] w[N, K]^T (+ bias[N]), all bfloat16, for 1 <= M <= 8.
-int linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t M,
-                    int64_t N, int64_t K, int threads) {
-#if defined(__AVX512BF16__)
+template <class L>
+int linear(const typename L::T *x, const typename L::T *w, const typename L::T *bias,
+           typename L::T *y, int64_t M, int64_t N, int64_t K, int threads) {
     if (M < 1 || M > 8 || N < 0 || K < 1 || threads < 1) return kBadShape;
-    const uint16_t *xs = &x->bits, *ws = &w->bits;
     switch (M) {
-        case 1: product<1>(xs, ws, bias, y, N, K, threads); break;
-        case 2: product<2>(xs, ws, bias, y, N, K, threads); break;
-        case 3: product<3>(xs, ws, bias, y, N, K, threads); break;
-        case 4: product<4>(xs, ws, bias, y, N, K, threads); break;
-        case 5: product<5>(xs, ws, bias, y, N, K, threads); break;
-        case 6: product<6>(xs, ws, bias, y, N, K, threads); break;
-        case 7: product<7>(xs, ws, bias, y, N, K, threads); break;
-        default: product<8>(xs, ws, bias, y, N, K, threads); break;
+        case 1: product<L, 1>(x, w, bias, y, N, K, threads); break;
+        case 2: product<L, 2>(x, w, bias, y, N, K, threads); break;
+        case 3: product<L, 3>(x, w, bias, y, N, K, threads); break;
+        case 4: product<L, 4>(x, w, bias, y, N, K, threads); break;
+        case 5: product<L, 5>(x, w, bias, y, N, K, threads); break;
+        case 6: product<L, 6>(x, w, bias, y, N, K, threads); break;
+        case 7: product<L, 7>(x, w, bias, y, N, K, threads); break;
+        default: product<L, 8>(x, w, bias, y, N, K, threads); break;
     }
     return kOk;
-#else
-    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
-    return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
-#endif
 }
+#endif
 
 }  // namespace
 
@@ -251,9 +271,24 @@ int zpd_decode_attention_bfloat16(const BF16 *q, const BF16 *k, const BF16 *v,
                             head_dim, scale, out, threads);
 }
 
+int zpd_linear_float32(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int threads) {
+#if defined(__AVX512F__)
+    return linear<Float32Lanes>(x, w, bias, y, M, N, K, threads);
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return kUnsupported;         // this CPU (or compiler) lacks AVX-512
+#endif
+}
+
 int zpd_linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y, int64_t M,
                         int64_t N, int64_t K, int threads) {
-    return linear_bfloat16(x, w, bias, y, M, N, K, threads);
+#if defined(__AVX512BF16__)
+    return linear<BFloat16Lanes>(x, w, bias, y, M, N, K, threads);
+#else
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
+#endif
 }
 
 }  // extern "C"

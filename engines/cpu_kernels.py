@@ -236,25 +236,28 @@ def kernel_for(dtype: torch.dtype, device_type: str) -> PagedDecode | None:
 
 
 class SmallLinear:
-    """y = x w^T (+ bias) for 1-8 bfloat16 rows x and a row-major bfloat16 weight w
-    (decode steps of small batches) by AVX512-BF16 dot products with float32 sums,
-    each weight row read once for all rows. SmolLM2's 121 products on 2 threads
-    against oneDNN's packed copies (median of 7 alternating rounds): 1 row 25.1 ->
-    14.1 ms, 2 rows 25.1 -> 14.9, 3 rows 25.6 -> 15.7, 4 rows 25.4 -> 16.7, 6 rows
-    28.2 -> 19.8, 8 rows 29.3 -> 24.0; a first version at 16 rows took 41.5 against
-    28.2, so more rows stay with oneDNN."""
+    """y = x w^T (+ bias) for 1-8 rows x and a row-major weight w of one dtype (decode
+    steps of small batches), each weight row read once for all rows: float32 by
+    AVX-512 FMAs, bfloat16 by AVX512-BF16 dot products, both with float32 sums.
+    SmolLM2's 121 products on 2 threads (median of 7 alternating rounds), bfloat16
+    against oneDNN's packed copies: 1 row 25.1 -> 14.1 ms, 2 rows 25.1 -> 14.9, 4 rows
+    25.4 -> 16.7, 8 rows 29.3 -> 24.0 (at 16 rows a first version took 41.5 against
+    28.2, so more rows stay with oneDNN); float32: 1 row 21.9 ms column-major with
+    F.linear -> 23.5 ms row-major here, 2 rows 24.4 (MKL-packed) -> 19.2, 4 rows
+    28.0 -> 21.8."""
 
     ROWS = 8
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.fn = lib.zpd_linear_bfloat16
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.fn = getattr(lib, f"zpd_linear_{str(dtype).removeprefix('torch.')}")
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                             _C_INT64, _C_INT64, _C_INT64, ctypes.c_int]
         self.fn.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [M <= 8, K]; w: [N, K] contiguous; bias: [N] -> [M, N]."""
-        assert x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == w.shape[1]
+        assert x.dtype == w.dtype == self.dtype and x.dim() == 2 and x.shape[1] == w.shape[1]
         assert 1 <= x.shape[0] <= self.ROWS and w.is_contiguous()
         assert bias is None or (bias.is_contiguous() and bias.dtype == w.dtype)
         x = x.contiguous()
@@ -262,42 +265,44 @@ class SmallLinear:
         status = self.fn(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                          x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"bfloat16 product kernel: {_ERRORS.get(status, status)}")
+            raise RuntimeError(f"{self.dtype} product kernel: {_ERRORS.get(status, status)}")
         return y
 
 
 def _products_agree(kernel: SmallLinear) -> bool:
-    """Whether the product kernel gives float64's products (to bfloat16's rounding) at
-    1 to 8 rows, with and without a bias, for lengths in and out of its 32-element
-    steps and weight rows in and out of its blocks (False, with a warning where not,
-    or where this CPU lacks AVX512-BF16)."""
+    """Whether the product kernel gives float64's products (to its dtype's rounding)
+    at 1 to 8 rows, with and without a bias, for lengths in and out of its vector
+    steps and weight rows in and out of its blocks (False, with a warning where not;
+    False where this CPU lacks the instructions)."""
     g = torch.Generator().manual_seed(0)
+    tol = 1e-4 if kernel.dtype == torch.float32 else 2e-2
     try:
         for n, k in ((40, 64), (13, 70), (8, 5)):
-            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-            b = torch.randn(n, generator=g).to(torch.bfloat16)
+            w = torch.randn(n, k, generator=g).to(kernel.dtype)
+            b = torch.randn(n, generator=g).to(kernel.dtype)
             for rows in range(1, kernel.ROWS + 1):
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                x = torch.randn(rows, k, generator=g).to(kernel.dtype)
                 for bias in (None, b):
                     want = torch.nn.functional.linear(x.double(), w.double(),
                                                       None if bias is None else bias.double())
-                    if not torch.allclose(kernel(x, w, bias).double(), want, rtol=1e-2, atol=2e-2):
-                        log.warning("the bfloat16 product kernel disagrees with float64; "
-                                    "using torch's products")
+                    if not torch.allclose(kernel(x, w, bias).double(), want, rtol=tol, atol=tol):
+                        log.warning("the %s product kernel disagrees with float64; using torch's "
+                                    "products", kernel.dtype)
                         return False
     except RuntimeError as e:
-        log.info("bfloat16 product kernel not used (%s)", e)
+        log.info("%s product kernel not used (%s)", kernel.dtype, e)
         return False
     return True
 
 
 @functools.lru_cache(maxsize=None)
-def small_linear() -> SmallLinear | None:
-    """The bfloat16 product kernel for 1-8 rows, checked once; None: torch's products."""
-    lib = _library()
+def small_linear(dtype: torch.dtype) -> SmallLinear | None:
+    """The product kernel of 1-8 rows for `dtype` (float32, bfloat16), checked once;
+    None: torch's products."""
+    lib = _library() if dtype in DTYPES else None
     try:
-        kernel = None if lib is None else SmallLinear(lib)
+        kernel = None if lib is None else SmallLinear(lib, dtype)
     except AttributeError as e:
-        log.warning("bfloat16 product kernel unavailable (%s); using torch's products", e)
+        log.warning("%s product kernel unavailable (%s); using torch's products", dtype, e)
         return None
     return kernel if kernel is not None and _products_agree(kernel) else None

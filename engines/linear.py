@@ -18,14 +18,15 @@ trainer push swaps its storage), so every writer of weights stays as it is. The 
 is memory: a second copy of each projection and the head, made on first use;
 `PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
-bfloat16 products of 1-8 rows (decode steps of small batches) go to the compiled
-kernel of engines/cpu_kernels.py instead where the CPU has AVX512-BF16: faster there
-than the packed copy, and it needs none.
+Products of 1-8 rows (decode steps of small batches) go to the compiled kernel of
+engines/cpu_kernels.py instead where the CPU has it (AVX-512 for float32, AVX512-BF16
+for bfloat16): faster there than the packed copies, and it needs none.
 
 Each packing is checked once per process against `F.linear` before it is used, and a
 torch whose ops are missing or disagree gets plain products (with a warning). Other
-dtypes and devices always call `F.linear`; float32 weights are also held
-column-major (LlamaForCausalLM.column_major_float32), faster at 1 row and past 16.
+dtypes and devices always call `F.linear`. Without the float32 kernel, float32
+weights are held column-major (LlamaForCausalLM.column_major_float32), faster with
+F.linear at 1 row and past 16.
 """
 from __future__ import annotations
 
@@ -120,9 +121,9 @@ class PackedWeights:
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if w.device.type != "cpu" or x.dim() != 2:
             return F.linear(x, w, bias)
-        if w.dtype == torch.bfloat16 and x.shape[0] <= cpu_kernels.SmallLinear.ROWS and w.is_contiguous():
-            kernel = cpu_kernels.small_linear()
-            if kernel is not None and x.shape[0] >= 1:
+        if 1 <= x.shape[0] <= cpu_kernels.SmallLinear.ROWS and w.is_contiguous():
+            kernel = cpu_kernels.small_linear(w.dtype)
+            if kernel is not None:
                 return kernel(x, w, bias)
         packing = self.usable(w.dtype)
         if packing is None or not packing.rows[0] <= x.shape[0] <= packing.rows[1]:

@@ -170,52 +170,54 @@ def test_a_kernel_that_disagrees_is_not_used(fresh, caplog):
     assert "disagrees" in caplog.text
 
 
-def _avx512_bf16() -> bool:
+def _has(flag: str) -> bool:
     try:
-        return " avx512_bf16" in open("/proc/cpuinfo").read()
+        return f" {flag}" in open("/proc/cpuinfo").read()
     except OSError:
         return False
 
 
+# float32 sums: float32's rounding; bfloat16: then one rounding to bfloat16 (2^-8 relative)
+@pytest.mark.parametrize("dtype,flag,tol", [(torch.float32, "avx512f", 1e-5), (torch.bfloat16, "avx512_bf16", 2 ** -8)])
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("n,k", [(40, 64), (13, 70), (1, 31), (576, 1536), (3072, 576)])
-def test_small_bfloat16_products_equal_float64(rows, n, k):
+def test_small_products_equal_float64(dtype, flag, tol, rows, n, k):
     """1-8 rows; weight rows in and out of the kernel's blocks, lengths in and out of
-    its 32-element steps."""
-    kernel = pd.small_linear()
-    if not _avx512_bf16():
+    its vector steps."""
+    kernel = pd.small_linear(dtype)
+    if not _has(flag):
         assert kernel is None                      # the CPU lacks the instructions
         return
     g = torch.Generator().manual_seed(n * k + rows)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
-    x, b = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x, b = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     for bias in (None, b):
         want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
         got = kernel(x, w, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        # float32 sums, then one rounding to bfloat16 (2^-8 relative)
-        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_small_bfloat16_products_go_to_the_kernel(monkeypatch, batch):
-    """The model's bfloat16 products of up to 8 rows call the kernel (where the CPU
-    has it), and decode steps give the tokens torch's products give."""
+def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
+    """The model's products of up to 8 rows call the kernel (where the CPU has it),
+    and decode steps give the tokens torch's products give."""
     from engines.linear import PACKED
-    if pd.small_linear() is None:
-        assert not _avx512_bf16()
+    if pd.small_linear(dtype) is None:
+        assert not _has("avx512f" if dtype == torch.float32 else "avx512_bf16")
         return
     calls = []
     real = pd.SmallLinear.__call__
     monkeypatch.setattr(pd.SmallLinear, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
-    model = load_model("tiny", dtype="bfloat16")
+    model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     from engines.request import Request
     from engines.sampler import SamplingParams
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]][:batch]
     with_kernel = OfflineEngine(model).run([Request(f"a{i}", p, params) for i, p in enumerate(prompts)])
     assert calls.count(batch) >= 7 * len(model.net.linears())    # 7 decode steps of `batch` rows
-    monkeypatch.setattr(pd, "small_linear", lambda: None)
+    monkeypatch.setattr(pd, "small_linear", lambda dtype: None)
     with_torch = OfflineEngine(model).run([Request(f"b{i}", p, params) for i, p in enumerate(prompts)])
     assert [o["output_ids"] for o in with_kernel] == [o["output_ids"] for o in with_torch]
-    assert PACKED.usable(torch.bfloat16) is not None     # more rows still packed
+    assert PACKED.usable(dtype) is not None              # more rows still packed

@@ -98,16 +98,26 @@ def test_weight_update_equals_fresh_load(tmp_path):
     assert after[0]["weight_versions"] == ["v2"] * 12
 
 
-def test_float32_projections_are_column_major_through_updates(tmp_path):
-    """float32 projection and head weights are held column-major (faster matmuls); a
-    weight update copies into them and keeps that; bfloat16 keeps them row-major."""
+def test_float32_layout_is_kept_through_updates(tmp_path):
+    """float32 projection and head weights are row-major where the float32 product
+    kernel runs (engines/cpu_kernels.py) and column-major where it does not (faster
+    with F.linear); a weight update copies into them and keeps either layout, with
+    the values of a fresh load. bfloat16 is row-major."""
+    from engines.cpu_kernels import small_linear
     model = load_model("tiny", dtype="float32")
-    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in model.net.linears())
+    kernel = small_linear(torch.float32) is not None
+    assert all(w.is_contiguous() == kernel for w in model.net.linears())
+    other = load_model("tiny", dtype="float32")
+    if kernel:
+        other.net.column_major_float32()             # the layout without the kernel
     new_dir = save_tiny(tmp_path / "w2", seed=5)
-    update_weights(model, str(new_dir), "v2")
     fresh = dict(load_model(str(new_dir), dtype="float32").net.named_parameters())
-    assert all(torch.equal(p, fresh[n]) for n, p in model.net.named_parameters())
-    assert all(w.t().is_contiguous() and not w.is_contiguous() for w in model.net.linears())
+    for m in (model, other):
+        before = [w.is_contiguous() for w in m.net.linears()]
+        update_weights(m, str(new_dir), "v2")
+        assert all(torch.equal(p, fresh[n]) for n, p in m.net.named_parameters())
+        assert [w.is_contiguous() for w in m.net.linears()] == before
+    assert not any(w.is_contiguous() for w in other.net.linears())
     assert all(w.is_contiguous() for w in load_model("tiny", dtype="bfloat16").net.linears())
 
 
@@ -115,7 +125,7 @@ def test_float32_projections_are_column_major_through_updates(tmp_path):
 def test_packed_weights_follow_every_update(tmp_path, dtype):
     """The packed copies (engines/linear.py) are rebuilt after a weight update: the
     updated model answers as a fresh load of the new weights does. Ten prompts make
-    decode batches of ten rows, which both dtypes multiply packed (bfloat16's of up to
+    decode batches of ten rows, which both dtypes multiply packed (products of up to
     8 rows go to engines/cpu_kernels.py instead)."""
     prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
     model = load_model("tiny", dtype=dtype)
@@ -147,7 +157,7 @@ def test_packed_products_equal_plain_ones(dtype, rows):
         assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
     packing = PACKED.usable(dtype)
     from engines.cpu_kernels import SmallLinear, small_linear
-    kernel = dtype == torch.bfloat16 and rows <= SmallLinear.ROWS and small_linear() is not None  # no copy
+    kernel = rows <= SmallLinear.ROWS and small_linear(dtype) is not None and w.is_contiguous()  # no copy
     assert PACKED.packed(w) == (packing is not None and packing.rows[0] <= rows <= packing.rows[1]
                                 and not kernel)
     assert PACKED.usable(torch.float64) is None
@@ -166,7 +176,7 @@ def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, cap
     packed = lin.PackedWeights()
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
-        x = torch.randn(2, 4).to(dtype)
+        x = torch.randn(12, 4).to(dtype)     # past the small-batch kernel's rows
         assert torch.equal(packed.linear(x, w), torch.nn.functional.linear(x, w))
         assert packed.usable(dtype) is None and not packed.packed(w)
     assert "wrong packing" in caplog.text and "disagrees" in caplog.text
@@ -183,13 +193,13 @@ def test_packed_copies_can_be_turned_off(caplog):
     with caplog.at_level("INFO", "zpd.engine"):
         for dtype in (torch.float32, torch.bfloat16):
             w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
-            x = torch.randn(4, 4).to(dtype)
+            x = torch.randn(12, 4).to(dtype)         # rows that packings take
             assert torch.equal(packed.linear(x, w), torch.nn.functional.linear(x, w))
             assert packed.usable(dtype) is None and not packed.packed(w)
     assert "switched off" in caplog.text
     on = lin.PackedWeights()                                  # on by default
     w = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False)
-    on.linear(torch.randn(4, 4), w)
+    on.linear(torch.randn(12, 4), w)
     assert on.packed(w) == (on.usable(torch.float32) is not None)
 
 

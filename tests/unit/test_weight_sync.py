@@ -113,13 +113,19 @@ def test_push_while_idle_moves_every_worker(cluster, trainer, bucket):
 
 
 @pytest.mark.parametrize("bucket", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, bucket):
-    """float32 projections are held column-major (LlamaForCausalLM.column_major_float32),
-    so a push cannot land in them as raw row-major bytes and goes through scratch;
-    both dtypes' projections carry packed copies (engines/linear.py), rebuilt after
-    the push swaps their storage. Either way the values, the layout and the answers after
-    the push are those of a fresh load of the new weights."""
+@pytest.mark.parametrize("dtype,kernel", [("float32", True), ("float32", False), ("bfloat16", True)],
+                         ids=["float32", "float32-column-major", "bfloat16"])
+def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, kernel, bucket, monkeypatch):
+    """Without the float32 product kernel, float32 projections are held column-major
+    (LlamaForCausalLM.column_major_float32), so a push cannot land in them as raw
+    row-major bytes and goes through scratch; both dtypes' projections carry packed
+    copies (engines/linear.py), rebuilt after the push swaps their storage. Either way
+    the values, the layout and the answers after the push are those of a fresh load
+    of the new weights."""
+    import functools
+    from engines import cpu_kernels
+    if not kernel:        # the workers' configure_engine clears it, as it does the real one
+        monkeypatch.setattr(cpu_kernels, "small_linear", functools.lru_cache(lambda dtype: None))
     c = InprocCluster(kv_cache_mb=2.0, dtype=dtype)
     try:
         first = [c.submit(PROMPT, 4), c.submit(PROMPT[1:], 4)]   # packed copies of the old weights
@@ -132,7 +138,8 @@ def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, bucket):
         for core in (c.prefill, c.decode):
             net = core.model.net
             assert all(torch.equal(p, want[n]) for n, p in net.named_parameters())
-            assert all(w.is_contiguous() == (dtype == "bfloat16") for w in net.linears())
+            row_major = dtype == "bfloat16" or cpu_kernels.small_linear(torch.float32) is not None
+            assert all(w.is_contiguous() == row_major for w in net.linears())
         rids = [c.submit(PROMPT, 8), c.submit(PROMPT[1:], 8)]   # decode batches of 2: packed
         assert c.run(rids[0]).token_ids == reference_tiny_model(fresh, PROMPT, 8)
         assert c.run(rids[1]).token_ids == reference_tiny_model(fresh, PROMPT[1:], 8)
