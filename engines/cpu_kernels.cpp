@@ -72,20 +72,27 @@ void attend(const T *q, const T *k, const T *v, const int64_t *rows, int64_t n,
         load_row(q + i * D, qf + i * D, D);
         for (int64_t d = 0; d < D; d++) { qf[i * D + d] *= scale; acc[i * D + d] = 0.f; }
     }
-    for (int64_t s = 0; s < n; s++) {                        // scores = q . k
-        if (s + kAhead < n) prefetch(k + (rows[s + kAhead] * kv_heads + h0) * D, span * sizeof(T));
-        const T *run = k + (rows[s] * kv_heads + h0) * D;
-        for (int64_t h = 0; h < h1 - h0; h++) {
-            load_row(run + h * D, row, D);
-            for (int64_t g = 0; g < G; g++) {
-                const float *qi = qf + (h * G + g) * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qi[d] * row[d];
-                scores[(h * G + g) * n + s] = dot;
+    // f(s, h, row) for each position s and KV head h (of h0..h1-1), `row` that head's
+    // K or V at s in float32; the pool rows kAhead positions on are prefetched
+    auto each_row = [&](const T *pool, auto f) {
+        for (int64_t s = 0; s < n; s++) {
+            if (s + kAhead < n) prefetch(pool + (rows[s + kAhead] * kv_heads + h0) * D, span * sizeof(T));
+            const T *run = pool + (rows[s] * kv_heads + h0) * D;
+            for (int64_t h = 0; h < h1 - h0; h++) {
+                load_row(run + h * D, row, D);
+                f(s, h, row);
             }
         }
-    }
+    };
+    each_row(k, [&](int64_t s, int64_t h, const float *kr) {            // scores = q . k
+        for (int64_t g = 0; g < G; g++) {
+            const float *qi = qf + (h * G + g) * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qi[d] * kr[d];
+            scores[(h * G + g) * n + s] = dot;
+        }
+    });
     for (int64_t i = 0; i < H; i++) {                        // softmax of each head's scores
         float *p = scores + i * n, top = p[0], sum = 0.f;
 #pragma omp simd reduction(max : top)
@@ -98,19 +105,14 @@ void attend(const T *q, const T *k, const T *v, const int64_t *rows, int64_t n,
 #pragma omp simd
         for (int64_t s = 0; s < n; s++) p[s] *= inv;
     }
-    for (int64_t s = 0; s < n; s++) {                        // out = softmax . v
-        if (s + kAhead < n) prefetch(v + (rows[s + kAhead] * kv_heads + h0) * D, span * sizeof(T));
-        const T *run = v + (rows[s] * kv_heads + h0) * D;
-        for (int64_t h = 0; h < h1 - h0; h++) {
-            load_row(run + h * D, row, D);
-            for (int64_t g = 0; g < G; g++) {
-                const float w = scores[(h * G + g) * n + s];
-                float *a = acc + (h * G + g) * D;
+    each_row(v, [&](int64_t s, int64_t h, const float *vr) {            // out = softmax . v
+        for (int64_t g = 0; g < G; g++) {
+            const float w = scores[(h * G + g) * n + s];
+            float *a = acc + (h * G + g) * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += w * row[d];
-            }
+            for (int64_t d = 0; d < D; d++) a[d] += w * vr[d];
         }
-    }
+    });
     for (int64_t i = 0; i < H; i++)
         for (int64_t d = 0; d < D; d++) store(out + i * D + d, acc[i * D + d]);
 }
