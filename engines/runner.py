@@ -81,8 +81,8 @@ class ModelRunner:
     def _group(self, rows: list[int], positions: list[int], page_tables: list[list[int]],
                whole: bool) -> DecodeGroup:
         """Read rows and mask of batch rows `rows`, padded to the longest of them."""
-        span = max(positions[i] for i in rows) + 1
         read_rows = self._read_rows(rows, positions, page_tables)       # [b, S]
+        span = read_rows.shape[1]
         steps = torch.arange(span, device=self.device)
         heads = torch.arange(self.kv_heads, device=self.device)
         padded = any(positions[i] + 1 < span for i in rows)
