@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from collections import deque
 from typing import Iterator
 
@@ -31,14 +32,24 @@ class Client:
         None speaks plaintext."""
         self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
         self._ctx = zmq.Context()
-        self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
+        try:
+            self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        # Also runs if the Client is dropped unclosed: a context left to the garbage
+        # collector may be finalized before its socket and then wait on it forever.
+        self._closer = weakref.finalize(self, _shut, self._dealer, self._ctx)
+        self._closer.atexit = False   # at exit a daemon thread may still be reading
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
         self._asked: dict[str, tuple[bool, bool]] = {}   # rid -> (logprobs, top logprobs) asked
 
     def close(self) -> None:
-        self._dealer.close()
-        self._ctx.term()
+        """Close the connection, dropping unsent messages; a second call does nothing.
+        Call it from the thread that uses the Client, after any reader has stopped:
+        a socket closed under a thread blocked in `receive` is undefined behaviour."""
+        self._closer()
 
     def __enter__(self) -> "Client":
         return self
@@ -190,6 +201,12 @@ class Client:
             del self._unacked[rid]
         raise NoAnswerError(f"no answer from router {self.endpoint} within "
                             f"{self.connect_timeout:g} s: is a router running there?")
+
+
+def _shut(dealer: Dealer, ctx: zmq.Context) -> None:
+    # linger 0 throughout: term() would otherwise wait for any socket still open
+    dealer.close()
+    ctx.destroy(linger=0)
 
 
 def asks_logprobs(sampling: dict) -> tuple[bool, bool]:

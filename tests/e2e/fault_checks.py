@@ -70,6 +70,8 @@ def router_sees(cluster: FaultCluster, worker: Proc, alive: bool) -> bool:
 
 def submit(cluster_client: Client, work: dict[str, tuple[list[int], int]],
            stream: bool = False) -> Requests:
+    """The work submitted and being read; `with submit(c, work) as reqs` inside `c`'s own
+    `with` stops the reader before `c` closes, however the test ends."""
     reqs = Requests(cluster_client)
     for rid, (ids, n) in work.items():
         reqs.submit(rid, ids, n, stream)

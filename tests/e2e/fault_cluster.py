@@ -192,7 +192,12 @@ class FaultCluster:
 
 class Requests:
     """Requests submitted on one client, whose answers a thread collects with the time
-    each one ended. The client belongs to the thread: abort through another client."""
+    each one ended. The client belongs to the thread: abort through another client, and
+    close it only after `stop` (use `with submit(...) as reqs` inside the client's own
+    `with`): a zmq socket closed under a thread still reading it is undefined behaviour,
+    and once left a context that hung the rest of the test run."""
+
+    POLL = 0.2      # seconds the reader waits for a chunk before it looks at `stopping`
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -220,7 +225,7 @@ class Requests:
         quiet_since = time.monotonic()
         while len(self.done) < len(self.chunks) and not self.stopping.is_set():
             try:
-                chunk = self.client.receive(timeout=0.2)
+                chunk = self.client.receive(timeout=self.POLL)
             except TimeoutError:
                 if time.monotonic() - quiet_since > 60:
                     return
@@ -237,9 +242,18 @@ class Requests:
             return sum(len(c["token_ids"]) for c in self.chunks[rid])
 
     def stop(self) -> None:
-        """Stop collecting (before closing the client of requests that will never end)."""
+        """Stop collecting, so that the client may be closed; again does nothing."""
         self.stopping.set()
+        if self.thread is None:
+            return
         self.thread.join(5)
+        assert not self.thread.is_alive(), "the reader did not stop: its client must stay open"
+
+    def __enter__(self) -> "Requests":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def wait(self, timeout: float = 60.0) -> dict[str, dict]:
         self.thread.join(timeout)

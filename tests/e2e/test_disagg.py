@@ -173,19 +173,21 @@ def test_garbage_on_every_socket_is_dropped(one_one):
             [orjson.dumps({"v": 1, "type": "kv_done", "room": 12345, "epoch": 0, "first_token": 1,
                            "weight_version": "x"})],
             [b"a", b"b", b"c"]]
-    for ep in endpoints:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://{ep}")
-        for frames in junk:
-            s.send_multipart(frames)
-        # a good message after the junk: its answer proves the junk was read and survived
-        probe = Admin("status", {}, "probe") if ep == one_one.router else Ping(1, 0.0, "test")
-        s.send_multipart(encode(probe))
-        assert s.poll(20000), f"{ep} stopped answering after garbage"
-        assert decode(s.recv_multipart()).TYPE in ("admin_reply", "pong")
-        s.close()
-    ctx.term()
+    try:
+        for ep in endpoints:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://{ep}")
+            for frames in junk:
+                s.send_multipart(frames)
+            # a good message after the junk: its answer proves the junk was read and survived
+            probe = Admin("status", {}, "probe") if ep == one_one.router else Ping(1, 0.0, "test")
+            s.send_multipart(encode(probe))
+            assert s.poll(20000), f"{ep} stopped answering after garbage"
+            assert decode(s.recv_multipart()).TYPE in ("admin_reply", "pong")
+            s.close()
+    finally:
+        ctx.destroy(linger=0)       # a failed assert leaves a socket open: term() would hang
     work = _workload(8, seed=3)
     with one_one.client() as client:
         assert [o["output_ids"] for o in client.generate_many(work)] == _reference(work)

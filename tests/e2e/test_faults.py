@@ -22,6 +22,8 @@ from __future__ import annotations
 import random
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -57,8 +59,7 @@ def delayed(tmp_path_factory):
 
 def test_abort_while_writing(delayed):
     work = {f"w{i}": w for i, w in enumerate(prompts(6, seed=1))}
-    with delayed.client() as c, delayed.client() as admin:
-        reqs = submit(c, work)
+    with delayed.client() as c, delayed.client() as admin, submit(c, work) as reqs:
         wait_for(lambda: queue_total(delayed, delayed.prefills, "writing") == 6, what="6 writes")
         t = time.monotonic()
         for rid in ("w0", "w3"):
@@ -74,8 +75,8 @@ def test_abort_while_writing(delayed):
 
 
 def test_abort_while_decode_running(delayed):
-    with delayed.client() as c, delayed.client() as admin:
-        reqs = submit(c, {"long": ([7, 8, 9], 3000)}, stream=True)
+    with delayed.client() as c, delayed.client() as admin, \
+            submit(c, {"long": ([7, 8, 9], 3000)}, stream=True) as reqs:
         wait_for(lambda: reqs.tokens("long") >= 3, what="tokens")
         t = time.monotonic()
         admin.admin("abort", rid="long")
@@ -139,8 +140,7 @@ def test_abort_while_waiting_at_a_worker(delayed, side):
     work = {f"{side}-wait{i}": w for i, w in enumerate(prompts(2, seed=3))}
     _pause_workers(workers, "in_place")
     try:
-        with delayed.client() as c, delayed.client() as admin:
-            reqs = submit(c, work)
+        with delayed.client() as c, delayed.client() as admin, submit(c, work) as reqs:
             wait_for(lambda: queue_total(delayed, workers, queue) == 2, what=f"{side} queue")
             t = time.monotonic()
             admin.admin("abort", rid=f"{side}-wait0")
@@ -171,8 +171,7 @@ def test_pause_in_place_outlasting_the_deadlines_fails_nothing(delayed, first):
     work = {f"{first}-held{i}": w for i, w in enumerate(prompts(2, seed=6))}
     _pause_workers(held, "in_place")
     try:
-        with delayed.client() as c:
-            reqs = submit(c, work)
+        with delayed.client() as c, submit(c, work) as reqs:
             for workers, queue in queues:
                 wait_for(lambda: queue_total(delayed, workers, queue) == 2, what=queue)
             _pause_workers(delayed.workers, "in_place")
@@ -191,8 +190,8 @@ def test_abort_while_prefill_computing(delayed):
     the decode has asked for the KV, i.e. while the prefill computes it."""
     rng = random.Random(5)
     long = [rng.randrange(256) for _ in range(4000)]
-    with delayed.client() as c, delayed.client() as admin:
-        reqs = submit(c, {"computing": (long, 4)})
+    with delayed.client() as c, delayed.client() as admin, \
+            submit(c, {"computing": (long, 4)}) as reqs:
         wait_for(lambda: queue_total(delayed, delayed.decodes, "waiting_kv") == 1, what="kv_dest")
         t = time.monotonic()
         admin.admin("abort", rid="computing")
@@ -203,12 +202,14 @@ def test_abort_while_prefill_computing(delayed):
     serves_correctly(delayed)
 
 
-def _in_transfer(cluster: FaultCluster, n: int, seed: int) -> tuple[Client, Requests, dict]:
+@contextmanager
+def _in_transfer(cluster: FaultCluster, n: int, seed: int) -> Iterator[tuple[Requests, dict]]:
+    """n requests, each with its KV write under way; read on a client of their own,
+    closed (after its reader stops) when the block ends."""
     work = {f"t{seed}-{i}": w for i, w in enumerate(prompts(n, seed))}
-    client = cluster.client()
-    reqs = submit(client, work)
-    wait_for(lambda: queue_total(cluster, cluster.prefills, "writing") == n, what="writes")
-    return client, reqs, work
+    with cluster.client() as client, submit(client, work) as reqs:
+        wait_for(lambda: queue_total(cluster, cluster.prefills, "writing") == n, what="writes")
+        yield reqs, work
 
 
 def _split_by_victim(outs: dict[str, dict], victim: Proc, work: dict) -> list[str]:
@@ -233,22 +234,21 @@ def _during_outage(cluster: FaultCluster, victim: Proc) -> None:
 @pytest.mark.parametrize("sig", ["kill", "stop"])
 def test_prefill_dies_or_freezes_mid_transfer(delayed, sig):
     victim = delayed.prefills[0]
-    client, reqs, work = _in_transfer(delayed, 6, seed=10 + (sig == "stop"))
-    t = time.monotonic()
-    victim.kill() if sig == "kill" else victim.signal(signal.SIGSTOP)
-    try:
-        outs = reqs.wait()
-        affected = _split_by_victim(outs, victim, work)
-        ended_within(reqs, affected, t, DETECT + SLACK)
-        _during_outage(delayed, victim)
-        # A frozen prefill's clock stands still: its write may go on when it wakes, so
-        # its pages stay fenced past the fence time (TRANSFER + 5 s) while it is silent.
-        time.sleep(max(0.0, t + DETECT + TRANSFER + 5.0 + 0.5 - time.monotonic()))
-        fenced = sum(delayed.worker_status(d)["kv_pages"]["fenced"] for d in delayed.decodes)
-        assert fenced > 0, "the dead prefill's destination pages must stay fenced"
-    finally:
-        client.close()
-        victim.restart() if sig == "kill" else victim.signal(signal.SIGCONT)
+    with _in_transfer(delayed, 6, seed=10 + (sig == "stop")) as (reqs, work):
+        t = time.monotonic()
+        victim.kill() if sig == "kill" else victim.signal(signal.SIGSTOP)
+        try:
+            outs = reqs.wait()
+            affected = _split_by_victim(outs, victim, work)
+            ended_within(reqs, affected, t, DETECT + SLACK)
+            _during_outage(delayed, victim)
+            # A frozen prefill's clock stands still: its write may go on when it wakes, so
+            # its pages stay fenced past the fence time (TRANSFER + 5 s) while it is silent.
+            time.sleep(max(0.0, t + DETECT + TRANSFER + 5.0 + 0.5 - time.monotonic()))
+            fenced = sum(delayed.worker_status(d)["kv_pages"]["fenced"] for d in delayed.decodes)
+            assert fenced > 0, "the dead prefill's destination pages must stay fenced"
+        finally:
+            victim.restart() if sig == "kill" else victim.signal(signal.SIGCONT)
     # a restarted prefill (new session) or a thawed one that answers our kv_failed
     # releases the fences at once
     delayed.wait_all_free(timeout=3)
@@ -260,32 +260,32 @@ def test_prefill_dies_or_freezes_mid_transfer(delayed, sig):
 @pytest.mark.parametrize("sig", ["kill", "stop"])
 def test_decode_dies_or_freezes_mid_transfer(delayed, sig):
     victim = delayed.decodes[0]
-    with delayed.client() as c:
-        # one long request decoding on each decode (the router alternates between them)
-        runs = submit(c, {f"run{sig}{i}": ([3 + i, 4, 5], 4000) for i in range(2)}, stream=True)
+    # one long request decoding on each decode (the router alternates between them)
+    long_runs = {f"run{sig}{i}": ([3 + i, 4, 5], 4000) for i in range(2)}
+    with delayed.client() as c, submit(c, long_runs, stream=True) as runs:
         wait_for(lambda: all(runs.tokens(r) >= 2 for r in runs.chunks), what="running")
-        client, reqs, work = _in_transfer(delayed, 6, seed=20 + (sig == "stop"))
-        t = time.monotonic()
-        victim.kill() if sig == "kill" else victim.signal(signal.SIGSTOP)
-        try:
-            outs = reqs.wait()
-            affected = _split_by_victim(outs, victim, work)
-            ended_within(reqs, affected, t, DETECT + SLACK)
-            wait_for(lambda: len(runs.done) == 1, timeout=DETECT + SLACK, what="the victim's run")
-            (lost,) = runs.done.values()
-            assert status(lost) == 503 and victim.endpoint in lost["finish_reason"]["message"]
-            # the prefills' writes for the dead decode were cancelled: their pages are back
-            delayed.wait_all_free(delayed.prefills, timeout=3)
-            _during_outage(delayed, victim)
-            with delayed.client() as admin:
-                for rid in runs.chunks:
-                    admin.admin("abort", rid=rid)
-            survivor = [o for r, o in runs.wait().items() if o is not lost][0]
-            assert survivor["finish_reason"]["type"] == "length" or status(survivor) == 499
-        finally:
-            client.close()
-            offset = victim.log.stat().st_size
-            victim.restart() if sig == "kill" else victim.signal(signal.SIGCONT)
+        with _in_transfer(delayed, 6, seed=20 + (sig == "stop")) as (reqs, work):
+            t = time.monotonic()
+            victim.kill() if sig == "kill" else victim.signal(signal.SIGSTOP)
+            try:
+                outs = reqs.wait()
+                affected = _split_by_victim(outs, victim, work)
+                ended_within(reqs, affected, t, DETECT + SLACK)
+                wait_for(lambda: len(runs.done) == 1, timeout=DETECT + SLACK,
+                         what="the victim's run")
+                (lost,) = runs.done.values()
+                assert status(lost) == 503 and victim.endpoint in lost["finish_reason"]["message"]
+                # the prefills' writes for the dead decode were cancelled: their pages are back
+                delayed.wait_all_free(delayed.prefills, timeout=3)
+                _during_outage(delayed, victim)
+                with delayed.client() as admin:
+                    for rid in runs.chunks:
+                        admin.admin("abort", rid=rid)
+                survivor = [o for r, o in runs.wait().items() if o is not lost][0]
+                assert survivor["finish_reason"]["type"] == "length" or status(survivor) == 499
+            finally:
+                offset = victim.log.stat().st_size
+                victim.restart() if sig == "kill" else victim.signal(signal.SIGCONT)
     if sig == "stop":
         # the thawed decode reads the router's aborts and frees everything at once (rather
         # than finishing 4000-token requests whose clients already got a 503), and does not
@@ -319,8 +319,7 @@ def test_release_and_resume_memory(delayed):
     continue they all complete exactly (the decodes told their prefills the new
     pool address before asking for KV again)."""
     work = {f"mem{i}": w for i, w in enumerate(prompts(4, seed=50, max_new=(300, 600)))}
-    with delayed.client() as c, delayed.client() as admin:
-        reqs = submit(c, work, stream=True)
+    with delayed.client() as c, delayed.client() as admin, submit(c, work, stream=True) as reqs:
         wait_for(lambda: all(reqs.tokens(r) >= 1 for r in work), what="tokens")
         busy = admin.admin("release_memory")
         assert not busy["ok"] and {w["status"] for w in busy["workers"] if not w["ok"]} == {409}
@@ -347,8 +346,8 @@ def test_release_and_resume_memory(delayed):
 def test_a_rid_still_running_on_a_decode_is_refused(delayed):
     """E.g. a restarted router given a rid whose orphan still runs: the decode answers
     409 at once instead of dropping the request (which would leave it hanging)."""
-    with delayed.client() as c, delayed.client() as admin:
-        runs = submit(c, {"dup": ([1, 2, 3], 4000)}, stream=True)
+    with delayed.client() as c, delayed.client() as admin, \
+            submit(c, {"dup": ([1, 2, 3], 4000)}, stream=True) as runs:
         wait_for(lambda: runs.tokens("dup") >= 1, what="tokens")
         (holder,) = [d for d in delayed.decodes if "rid='dup' " in d.log.read_text()]
         ctx = zmq.Context()
@@ -359,7 +358,7 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
             reply = raw.recv(timeout=5)
             raw.close()
         finally:
-            ctx.term()
+            ctx.destroy(linger=0)       # term() would wait forever on a socket a failure left open
         admin.admin("abort", rid="dup")
         assert status(runs.wait()["dup"]) == 499
     assert isinstance(reply, Tokens), reply
@@ -387,7 +386,7 @@ def test_a_client_that_hangs_up_gets_its_requests_ended(delayed, stream):
             wait_for(lambda: admin.admin("status")["inflight"] == 0, timeout=10, what="requests ended")
             assert time.monotonic() - t <= 2 * 0.5 + SLACK
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)           # term() would wait forever on a socket a failure left open
     delayed.wait_all_free(timeout=5)
     assert "disconnected: ending its 2 requests" in delayed.router.log.read_text()
     serves_correctly(delayed)
@@ -395,16 +394,13 @@ def test_a_client_that_hangs_up_gets_its_requests_ended(delayed, stream):
 
 def test_router_killed(delayed):
     """Workers end a dead router's requests (running and in transfer) and free their pages."""
-    with delayed.client() as c:
-        runs = submit(c, {f"orphan-run{i}": ([9, i, 9], 4000) for i in range(2)}, stream=True)
+    with delayed.client() as c, \
+            submit(c, {f"orphan-run{i}": ([9, i, 9], 4000) for i in range(2)}, stream=True) as runs:
         wait_for(lambda: all(runs.tokens(r) >= 2 for r in runs.chunks), what="running")
-        client, reqs, _ = _in_transfer(delayed, 4, seed=30)
-        t = time.monotonic()
-        delayed.router.kill()
-        took = delayed.wait_all_free(timeout=DETECT + DELAY + SLACK)
-        for r in (runs, reqs):
-            r.stop()
-        client.close()
+        with _in_transfer(delayed, 4, seed=30):
+            t = time.monotonic()
+            delayed.router.kill()
+            took = delayed.wait_all_free(timeout=DETECT + DELAY + SLACK)
     assert time.monotonic() - t <= DETECT + DELAY + SLACK, took
     assert all("ending its" in d.log.read_text() for d in delayed.decodes)
     delayed.start_router()

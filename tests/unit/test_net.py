@@ -20,7 +20,7 @@ WAIT = 5.0  # generous: a loaded CI box, never reached when things work
 def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
-    context.term()
+    context.destroy(linger=0)       # term() would hang on a socket a failed test left open
 
 
 @pytest.fixture

@@ -72,8 +72,8 @@ class RouterClient:
             self.abort(rid, "the HTTP server is shutting down")
             self._end(rid, abort_chunk(rid, UNAVAILABLE, "the HTTP server is shutting down"))
         if self._sock is not None:
-            self._sock.close(linger=100)
-            self._ctx.term()
+            self._sock.close(linger=100)        # a moment for the aborts just sent
+            self._ctx.destroy(linger=0)         # term() alone waits on any socket left open
 
     # --- requests ---------------------------------------------------------------
 
