@@ -1,7 +1,8 @@
 // CPU kernels of the engine, built and loaded by engines/cpu_kernels.py:
 // - decode attention read straight from the paged KV pool;
 // - products of up to 8 rows by a row-major weight, float32 (AVX-512) or bfloat16
-//   (AVX512-BF16).
+//   (AVX512-BF16);
+// - bfloat16 products of any number of rows by a weight packed for AMX tiles.
 //
 // Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
@@ -20,6 +21,11 @@
 #include <cstring>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ZPD_AMX 1
 #endif
 
 namespace {
@@ -253,6 +259,125 @@ int linear(const typename L::T *x, const typename L::T *w, const typename L::T *
 }
 #endif
 
+// bfloat16 products on AMX tiles: y[M, N] = x[M, K] w[N, K]^T (+ bias[N]), K a multiple of
+// 32, w packed by engines/cpu_kernels.py (`AmxLinear.pack`) as [N / 32][K / 32][2][16][16][2]:
+// for each 32 outputs and 32 inputs two 1 KB B tiles (outputs 0-15 and 16-31), each row
+// of a tile the pair of inputs 2r, 2r + 1 for its 16 outputs, the layout TDPBF16PS reads.
+// N is padded to 32 with zero rows. Threads share the blocks of 32 outputs; each block
+// streams its packed weight once (prefetched kPackAhead steps ahead), multiplied into up
+// to 32 rows of x at a time: tiles 0-3 hold float32 sums for rows 0-15 / 16-31 by outputs
+// 0-15 / 16-31, tiles 4-5 those rows of x, 6-7 the weight's two tiles. Each call
+// configures the tiles of the threads it runs on and releases them at the end, so
+// oneDNN's AMX kernels, which configure their own on every call, are not disturbed.
+#if defined(ZPD_AMX)
+constexpr int64_t kPackAhead = 4;
+
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+bool amx_permitted() {             // Linux hands out AMX state only to a process that asks
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+void configure_tiles(int r0, int r1) {     // r0 rows in the first 16, r1 in the second
+    TileConfig c;
+    std::memset(&c, 0, sizeof c);
+    c.palette = 1;
+    auto set = [&](int tile, int rows) { c.rows[tile] = uint8_t(rows); c.colsb[tile] = 64; };
+    set(0, r0), set(1, r0), set(4, r0), set(6, 16), set(7, 16);
+    if (r1) set(2, r1), set(3, r1), set(5, r1);
+    _tile_loadconfig(&c);
+}
+
+inline void prefetch_step(const BF16 *packed) {           // one step's two weight tiles
+    const char *p = reinterpret_cast<const char *>(packed);
+    for (int off = 0; off < 2048; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+inline __m512 load_bias(const BF16 *bias, __mmask16 mask) {
+    if (!bias) return _mm512_setzero_ps();
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Rows m0..m0+mr-1 (mr <= 32) of outputs n0..n0+31 into `sums` [32][32].
+void amx_block(const BF16 *x, const BF16 *packed, int64_t K, int64_t mr, float (*sums)[32]) {
+    const int64_t steps = K / 32, stride = K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (mr > 16) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s++) {
+            if (s + kPackAhead < steps) prefetch_step(packed + (s + kPackAhead) * 1024);
+            _tile_loadd(4, x + s * 32, stride);
+            _tile_loadd(5, x + 16 * K + s * 32, stride);
+            _tile_loadd(6, packed + s * 1024, 64);
+            _tile_loadd(7, packed + s * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, &sums[16][0], 128);
+        _tile_stored(3, &sums[16][16], 128);
+    } else {
+        for (int64_t s = 0; s < steps; s++) {
+            if (s + kPackAhead < steps) prefetch_step(packed + (s + kPackAhead) * 1024);
+            _tile_loadd(4, x + s * 32, stride);
+            _tile_loadd(6, packed + s * 1024, 64);
+            _tile_loadd(7, packed + s * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, &sums[0][0], 128);
+    _tile_stored(1, &sums[0][16], 128);
+}
+
+int amx_linear(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y, int64_t M, int64_t N,
+               int64_t K, int threads) {
+    if (M < 1 || N < 1 || K < 32 || K % 32 || threads < 1) return kBadShape;
+    if (!amx_permitted()) return kUnsupported;
+    const int64_t blocks = (N + 31) / 32;
+#pragma omp parallel num_threads(threads)
+    {
+        alignas(64) float sums[32][32];
+        int64_t configured = 0;                  // rows the tiles are set up for (0: none)
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const int64_t n0 = nb * 32, width = N - n0 < 32 ? N - n0 : 32;
+            const __mmask16 lo = width >= 16 ? 0xffff : __mmask16((1u << width) - 1);
+            const __mmask16 hi = width <= 16 ? 0 : __mmask16((1u << (width - 16)) - 1);
+            const __m512 b0 = load_bias(bias ? bias + n0 : nullptr, lo);
+            const __m512 b1 = load_bias(bias ? bias + n0 + 16 : nullptr, hi);
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const int64_t mr = M - m0 < 32 ? M - m0 : 32;
+                if (mr != configured) {
+                    configure_tiles(int(mr < 16 ? mr : 16), int(mr > 16 ? mr - 16 : 0));
+                    configured = mr;
+                }
+                amx_block(x + m0 * K, packed + nb * (K / 32) * 1024, K, mr, sums);
+                for (int64_t m = 0; m < mr; m++) {
+                    BF16 *out = y + (m0 + m) * N + n0;
+                    _mm256_mask_storeu_epi16(out, lo, (__m256i)_mm512_cvtneps_pbh(
+                        _mm512_add_ps(_mm512_load_ps(sums[m]), b0)));
+                    _mm256_mask_storeu_epi16(out + 16, hi, (__m256i)_mm512_cvtneps_pbh(
+                        _mm512_add_ps(_mm512_load_ps(sums[m] + 16), b1)));
+                }
+            }
+        }
+        if (configured) _tile_release();
+    }
+    return kOk;
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -290,6 +415,16 @@ int zpd_linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y,
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
+#endif
+}
+
+int zpd_linear_amx_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y,
+                            int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(ZPD_AMX)
+    return amx_linear(x, packed, bias, y, M, N, K, threads);
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return kUnsupported;         // this CPU (or compiler) lacks AMX-BF16
 #endif
 }
 

@@ -201,12 +201,16 @@ def test_small_products_equal_float64(dtype, flag, tol, rows, n, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
-    """The model's products of up to 8 rows call the kernel (where the CPU has it),
-    and decode steps give the tokens torch's products give."""
+    """The model's products of up to 8 rows call the kernel (where the CPU has it; in
+    bfloat16 where the AMX kernel does not take them), and decode steps give the
+    tokens torch's products give."""
     from engines.linear import PACKED
     if pd.small_linear(dtype) is None:
         assert not _has("avx512f" if dtype == torch.float32 else "avx512_bf16")
         return
+    monkeypatch.setattr(pd, "amx_linear", lambda: None)
+    PACKED.configure(True)                                   # forget the AMX packing
+    monkeypatch.setattr(PACKED, "_usable", {})
     calls = []
     real = pd.SmallLinear.__call__
     monkeypatch.setattr(pd.SmallLinear, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
@@ -221,3 +225,102 @@ def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
     with_torch = OfflineEngine(model).run([Request(f"b{i}", p, params) for i, p in enumerate(prompts)])
     assert [o["output_ids"] for o in with_kernel] == [o["output_ids"] for o in with_torch]
     assert PACKED.usable(dtype) is not None              # more rows still packed
+
+
+def _amx() -> bool:
+    return all(_has(f) for f in ("amx_bf16", "amx_tile", "avx512_bf16"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 15, 16, 17, 31, 32, 33, 64, 100, 256])
+@pytest.mark.parametrize("n,k", [(40, 64), (13, 96), (1, 32), (576, 1536), (960, 576)])
+def test_amx_products_equal_float64(rows, n, k):
+    """Rows within, at and across the kernel's blocks of 16 and 32; outputs short of,
+    at and past its blocks of 32; with and without a bias."""
+    kernel = pd.amx_linear()
+    if not _amx():
+        assert kernel is None
+        return
+    assert kernel is not None
+    g = torch.Generator().manual_seed(n * k + rows)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
+    x, b = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = kernel.pack(w)
+    assert packed.numel() == -(-n // 32) * 32 * k
+    for bias in (None, b):
+        want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = kernel(x, packed, n, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+
+
+def test_amx_pack_layout():
+    """Element [b, s, h, r, n, j] of the packing is w[32 b + 16 h + n, 32 s + 2 r + j],
+    and the rows that pad N to 32 are zero."""
+    w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64).to(torch.bfloat16)
+    packed = pd.AmxLinear.pack(w)
+    assert packed.shape == (2, 2, 2, 16, 16, 2)
+    for b, s, h, r, n, j in [(0, 0, 0, 0, 0, 0), (0, 1, 1, 3, 5, 1), (1, 0, 0, 15, 7, 0), (0, 1, 1, 15, 15, 1)]:
+        assert packed[b, s, h, r, n, j] == w[32 * b + 16 * h + n, 32 * s + 2 * r + j]
+    assert not packed[1, :, :, :, 8:].any() and not packed[1, :, 1].any()
+
+
+def test_amx_kernel_refuses_bad_shapes():
+    kernel = pd.amx_linear()
+    if kernel is None:
+        assert not _amx()
+        return
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    with pytest.raises(AssertionError):                          # K not a multiple of 32
+        kernel(torch.randn(2, 48).to(torch.bfloat16), torch.zeros(32 * 48, dtype=torch.bfloat16), 8)
+    with pytest.raises(AssertionError):                          # a packing of another size
+        kernel(torch.randn(2, 64).to(torch.bfloat16), kernel.pack(w)[:1], 40)
+    assert not pd.AmxLinear.fits(torch.randn(8, 48).to(torch.bfloat16))
+    assert pd.AmxLinear.fits(w) and not pd.AmxLinear.fits(w.float())
+
+
+def test_a_wrong_amx_kernel_is_not_used(monkeypatch, caplog):
+    """A packing in the wrong layout (here: transposed tiles) is caught by the
+    first-use check against float64."""
+    if pd.amx_linear() is None:
+        assert not _amx()
+        return
+    right = pd.AmxLinear.pack
+    wrong = staticmethod(lambda w: right(w).transpose(-2, -3).contiguous())
+    monkeypatch.setattr(pd.AmxLinear, "pack", wrong)
+    pd.amx_linear.cache_clear()
+    try:
+        assert pd.amx_linear() is None
+        assert "AMX product kernel disagrees" in caplog.text
+    finally:
+        monkeypatch.undo()
+        pd.amx_linear.cache_clear()
+    assert pd.amx_linear() is not None
+
+
+@pytest.mark.parametrize("batch", [1, 3, 10])
+def test_model_products_go_to_the_amx_kernel(monkeypatch, batch):
+    """With AMX, the bfloat16 model's decode products go to the AMX kernel (none to the
+    dot-product kernel or oneDNN), and give the tokens torch's products give."""
+    from engines.linear import PACKED
+    if pd.amx_linear() is None:
+        assert not _amx()
+        return
+    calls, small = [], []
+    real = pd.AmxLinear.__call__
+    monkeypatch.setattr(pd.AmxLinear, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    monkeypatch.setattr(pd.SmallLinear, "__call__", lambda self, x, *a: small.append(x))
+    PACKED.configure(True)
+    model = load_model("tiny", dtype="bfloat16")
+    from engines.request import Request
+    from engines.sampler import SamplingParams
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    prompts = [[5 + i, 6, 7 + i % 3] for i in range(batch)]
+    with_kernel = OfflineEngine(model).run([Request(f"a{i}", p, params) for i, p in enumerate(prompts)])
+    assert calls.count(batch) >= 7 * len(model.net.linears()) and not small
+    assert PACKED.usable(torch.bfloat16).name == "AMX"
+    monkeypatch.setattr(PACKED, "enabled", False)
+    monkeypatch.setattr(PACKED, "_usable", {})
+    monkeypatch.setattr(pd, "small_linear", lambda dtype: None)
+    with_torch = OfflineEngine(model).run([Request(f"b{i}", p, params) for i, p in enumerate(prompts)])
+    assert [o["output_ids"] for o in with_kernel] == [o["output_ids"] for o in with_torch]
+    PACKED.configure(True)

@@ -158,8 +158,8 @@ def test_packed_products_equal_plain_ones(dtype, rows):
     packing = PACKED.usable(dtype)
     from engines.cpu_kernels import SmallLinear, small_linear
     kernel = rows <= SmallLinear.ROWS and small_linear(dtype) is not None and w.is_contiguous()  # no copy
-    assert PACKED.packed(w) == (packing is not None and packing.rows[0] <= rows <= packing.rows[1]
-                                and not kernel)
+    packs = packing is not None and packing.rows[0] <= rows <= packing.rows[1]
+    assert PACKED.packed(w) == (packs and (packing.before_small or not kernel))
     assert PACKED.usable(torch.float64) is None
 
 
@@ -173,6 +173,7 @@ def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, cap
     wrong = lin.Packing("wrong", (1, 16), lambda w: w, lambda x, p, w, b: torch.zeros(x.shape[0], w.shape[0]))
     broken = lin.Packing("broken", (1, 16), missing, lambda x, p, w, b: x)
     monkeypatch.setattr(lin, "PACKINGS", {torch.float32: wrong, torch.bfloat16: broken})
+    monkeypatch.setattr(lin, "_amx_packing", lambda: None)    # (its own check: test_cpu_kernels)
     packed = lin.PackedWeights()
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
@@ -319,3 +320,20 @@ def test_start_up_objects_are_frozen_out_of_the_collector():
         assert len(gc.get_objects()) < frozen      # what is left to scan is what came after
     finally:
         gc.unfreeze()
+
+
+def test_a_copy_made_by_another_packing_is_not_used():
+    """A weight's packed copy remembers the packing that made it: when the packing in
+    use changes (the kernels switched on or off in one process), the copy is rebuilt
+    instead of being read in the wrong layout."""
+    import engines.linear as lin
+    doubled = lin.Packing("doubled", (1, 16), lambda w: w * 2, lambda x, p, w, b: torch.nn.functional.linear(x, p) / 2)
+    negated = lin.Packing("negated", (1, 16), lambda w: -w, lambda x, p, w, b: -torch.nn.functional.linear(x, p))
+    packed = lin.PackedWeights()
+    w = torch.nn.Parameter(torch.randn(8, 4), requires_grad=False)
+    x = torch.randn(12, 4)                                   # past the small-batch kernel's rows
+    want = torch.nn.functional.linear(x, w)
+    for packing in (doubled, negated, doubled):
+        packed._usable[torch.float32] = packing
+        torch.testing.assert_close(packed.linear(x, w), want)
+        assert packed.packed(w) and getattr(w, packed.ATTR)[0][2] == packing.name
