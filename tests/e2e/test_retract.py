@@ -23,32 +23,71 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-n
 
 
 class Collector:
-    """Submits streaming requests on one client and gathers their chunks in a thread."""
+    """Streaming requests on one client, whose chunks a thread gathers. While the thread
+    runs the client is its own (a zmq socket is not thread-safe): requests submitted
+    after `start` are handed to it to send, admin commands go through another client,
+    and the client is used again, or closed, only after `wait` or `stop` ended the
+    thread. `with cluster.client() as client, Collector(client) as col:` stops the
+    reader before the client closes, however the test ends: a socket closed under a
+    thread still reading it is undefined behaviour, and such a leftover once hung the
+    whole test run (see fault_cluster.Requests)."""
+
+    POLL = 0.02     # seconds the reader waits for a chunk before it sends what was handed
+                    # to it and looks at `stopping`; also the most a late `submit` waits
 
     def __init__(self, client) -> None:
         self.client, self.chunks, self.done = client, {}, {}
-        self.lock, self.stop = threading.Lock(), False
-        self.thread = None
+        self.lock, self.stopping = threading.Lock(), threading.Event()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None     # what ended the reader, if not the work
+        self._outbox: list[tuple[dict, threading.Event]] = []   # submitted after `start`
+        self._ended = False             # the reader is past its last look at the outbox
 
     def submit(self, ids: list[int], max_new: int, rid: str) -> None:
-        self.chunks[rid] = []
-        self.client.submit(input_ids=ids, rid=rid, stream=True,
-                           sampling_params={"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True})
+        request = {"input_ids": ids, "rid": rid, "stream": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+        if self.thread is None:
+            self.chunks[rid] = []
+            self.client.submit(**request)
+            return
+        sent = threading.Event()
+        with self.lock:
+            assert not self._ended, f"the reader ended before {rid} was submitted"
+            self.chunks[rid] = []
+            self._outbox.append((request, sent))
+        deadline = time.monotonic() + 10
+        while not sent.wait(self.POLL):     # sent on the reader's thread, as if here
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError(f"the reader did not send {rid}") from self.error
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while len(self.done) < len(self.chunks) and not self.stop:
-            try:
-                chunk = self.client.receive(timeout=1.0)
-            except TimeoutError:
-                continue
+        try:
+            while not self.stopping.is_set():
+                with self.lock:
+                    outbox, self._outbox = self._outbox, []
+                    if not outbox and len(self.done) >= len(self.chunks):
+                        self._ended = True      # under the lock: no submit slips in now
+                        return
+                for request, sent in outbox:
+                    self.client.submit(**request)
+                    sent.set()
+                try:
+                    chunk = self.client.receive(timeout=self.POLL)
+                except TimeoutError:
+                    continue
+                with self.lock:
+                    self.chunks[chunk["rid"]].append(chunk)
+                    if chunk["finished"]:
+                        self.done[chunk["rid"]] = assemble(self.chunks[chunk["rid"]])
+        except BaseException as e:          # handed to the test by `wait`
+            self.error = e
+        finally:
             with self.lock:
-                self.chunks[chunk["rid"]].append(chunk)
-                if chunk["finished"]:
-                    self.done[chunk["rid"]] = assemble(self.chunks[chunk["rid"]])
+                self._ended = True
 
     def tokens_so_far(self) -> dict[str, int]:
         with self.lock:
@@ -57,7 +96,23 @@ class Collector:
     def wait(self, timeout: float = 120) -> dict[str, dict]:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"only {len(self.done)}/{len(self.chunks)} finished"
+        if self.error is not None:
+            raise AssertionError("the reader failed") from self.error
         return self.done
+
+    def stop(self) -> None:
+        """Stop the reader, so that its client may be used or closed; again does nothing."""
+        self.stopping.set()
+        if self.thread is None:
+            return
+        self.thread.join(5)
+        assert not self.thread.is_alive(), "the reader did not stop: its client must stay open"
+
+    def __enter__(self) -> "Collector":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -110,8 +165,9 @@ def _workload(n: int, seed: int) -> list[tuple[list[int], int]]:
             for k in lengths]
 
 
-def _pause_midway(cluster, client, col, mode: str) -> dict:
-    """Wait until some requests have tokens and others have none yet, then pause."""
+def _pause_midway(cluster, col: Collector, mode: str) -> dict:
+    """Wait until some requests have tokens and others have none yet, then pause
+    (through a client of its own: `col`'s belongs to its reader)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         counts = col.tokens_so_far()
@@ -128,15 +184,14 @@ def _pause_midway(cluster, client, col, mode: str) -> dict:
 def test_retract_update_continue_is_exact(cluster, ckpts):
     dirs, models = ckpts
     work = _workload(20, seed=5)
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         for i, (ids, n) in enumerate(work[:12]):
             col.submit(ids, n, f"a{i}")
         col.start()
         time.sleep(0.15)
         for i, (ids, n) in enumerate(work[12:]):      # still in transfer when the pause lands
             col.submit(ids, n, f"b{i}")
-        paused = _pause_midway(cluster, client, col, "retract")
+        paused = _pause_midway(cluster, col, "retract")
         with cluster.client() as admin:
             for w in paused["workers"]:           # pause(retract) returned: no KV anywhere
                 assert w["kv_pages"]["free"] + w["kv_pages"]["cached"] == w["kv_pages"]["total"], w
@@ -170,8 +225,7 @@ def test_retract_after_the_first_token_went_ahead_is_exact(cluster, ckpts):
     continuation of prompt + that token, and no token is repeated or lost."""
     dirs, models = ckpts
     work = [([11 + i, 7, 3, 90 + i], 6) for i in range(6)]
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         for i, (ids, n) in enumerate(work):
             col.submit(ids, n, f"e{i}")
         col.start()
@@ -198,14 +252,13 @@ def test_retract_after_the_first_token_went_ahead_is_exact(cluster, ckpts):
 def test_two_cycles_three_checkpoints(cluster, ckpts):
     dirs, models = ckpts
     work = _workload(16, seed=9)
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         for i, (ids, n) in enumerate(work):
             col.submit(ids, max(n, 60), f"c{i}")
         col.start()
         with cluster.client() as admin:
             for version in ("w2", "w3"):
-                _pause_midway(cluster, client, col, "retract")
+                _pause_midway(cluster, col, "retract")
                 assert admin.admin("pause", mode="retract")["ok"]      # a second pause is harmless
                 assert admin.admin("update_weights", path=str(dirs[version]), version=version)["ok"]
                 assert admin.admin("continue")["ok"]
@@ -221,8 +274,7 @@ def test_two_cycles_three_checkpoints(cluster, ckpts):
 
 
 def test_abort_held_request_while_paused(cluster):
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         col.submit(list(range(1, 30)), 200, "held1")
         col.submit(list(range(5, 9)), 200, "held2")
         col.start()
@@ -257,12 +309,11 @@ def _pause_midway_one(col) -> None:
 def test_in_place_keeps_kv_and_resumes(cluster, ckpts):
     _, models = ckpts
     work = _workload(10, seed=11)
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         for i, (ids, n) in enumerate(work):
             col.submit(ids, n, f"p{i}")
         col.start()
-        reply = _pause_midway(cluster, client, col, "in_place")
+        reply = _pause_midway(cluster, col, "in_place")
         decode = next(w for w in reply["workers"] if w["role"] == "decode")
         if len(col.done) < len(work):
             assert decode["kv_pages"]["held"] > 0          # KV kept while paused
@@ -280,12 +331,11 @@ def test_in_place_keeps_kv_and_resumes(cluster, ckpts):
 
 def test_abort_mode_ends_everything(cluster):
     work = _workload(12, seed=13)
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         for i, (ids, n) in enumerate(work):
             col.submit(ids, 150, f"x{i}")
         col.start()
-        _pause_midway(cluster, client, col, "abort")
+        _pause_midway(cluster, col, "abort")
         outs = col.wait(30)
         assert all(o["finish_reason"]["type"] in ("abort", "length") for o in outs.values())
         assert sum(o["finish_reason"].get("status_code") == 499 for o in outs.values()) >= 6
@@ -322,12 +372,12 @@ def test_recompute_moves_to_another_prefill_when_its_own_is_gone(tmp_path, ckpts
     import signal
     dirs, models = ckpts
     work = _workload(16, seed=17)
-    with Cluster(tmp_path, prefill=2, decode=1) as cluster, cluster.client() as client:
-        col = Collector(client)
+    with Cluster(tmp_path, prefill=2, decode=1) as cluster, cluster.client() as client, \
+            Collector(client) as col:
         for i, (ids, n) in enumerate(work):
             col.submit(ids, max(n, 40), f"k{i}")
         col.start()
-        _pause_midway(cluster, client, col, "retract")
+        _pause_midway(cluster, col, "retract")
         victim = next(w for w in cluster.info["workers"] if w["role"] == "prefill")
         os.kill(victim["pid"], signal.SIGKILL)
         with cluster.client() as admin:

@@ -123,12 +123,11 @@ def test_retract_push_continue_is_exact(request, shape, models):
     the whole prefix; a fresh request is W2's greedy output."""
     cluster = request.getfixturevalue(shape)
     work = _workload(12, seed=3)
-    with cluster.client() as client:
-        col = Collector(client)
+    with cluster.client() as client, Collector(client) as col:
         for i, (ids, n) in enumerate(work):
             col.submit(ids, n, f"s{i}")
         col.start()
-        _pause_midway(cluster, client, col, "retract")
+        _pause_midway(cluster, col, "retract")
         done = subprocess.run([sys.executable, "examples/push_weights.py", "--url",
                                f"http://{cluster.info['http']}", "--weights", "tiny:7",
                                "--version", "v2", "--pause", "retract"],
@@ -242,11 +241,11 @@ def test_samples_share_a_prompt_and_a_push_never_meets_old_kv(two_two, models):
     greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     with two_two.client() as client:
         before = _counters(client, "prefill")
-        col = Collector(client)
-        for i in range(8):
-            col.submit(prompt, 8, f"g{i}")
-        col.start()
-        outs = col.wait()
+        with Collector(client) as col:
+            for i in range(8):
+                col.submit(prompt, 8, f"g{i}")
+            col.start()
+            outs = col.wait()
         (version,) = versions(two_two)            # tiny, or v2 after the test above
         want = _greedy(models[version], prompt, 8)
         assert all(outs[f"g{i}"]["output_ids"] == want for i in range(8)), (want, outs)
