@@ -2,7 +2,10 @@
 // - decode attention read straight from the paged KV pool;
 // - products of up to 8 rows by a row-major weight, float32 (AVX-512) or bfloat16
 //   (AVX512-BF16);
-// - bfloat16 products of any number of rows by a weight packed for AMX tiles.
+// - bfloat16 products of any number of rows by a weight packed for AMX tiles;
+// - the layers' element-wise steps, each in one pass: RMSNorm (after a residual
+//   addition), SiLU(gate) * up, and rotary embedding with the write of K and V into the
+//   pool.
 //
 // Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
@@ -378,6 +381,89 @@ int amx_linear(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y, int
 }
 #endif
 
+// The layers' element-wise steps, float32 or bfloat16, rounding to the storage dtype
+// where torch's own ops do (after each op), so they give torch's results to within
+// float32 reordering. Rows are shared among threads when there are enough of them.
+template <typename T>
+inline float rounded(float x) {            // x as stored in T, back in float32
+    T t;
+    store(&t, x);
+    return to_float(t);
+}
+
+constexpr int64_t kRowsPerThread = 16;
+
+// out = weight * T(s * rsqrt(mean(s^2) + eps)), s = x (+ residual, stored in T into `sum`)
+template <typename T>
+void rms_norm(const T *x, const T *residual, const T *weight, float eps, T *out, T *sum,
+              int64_t rows, int64_t dim, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= kRowsPerThread * 2)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *xr = x + r * dim;
+        float ss = 0.f;
+        if (residual) {
+            T *sr = sum + r * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                store(sr + d, to_float(xr[d]) + to_float(residual[r * dim + d]));
+                const float v = to_float(sr[d]);
+                ss += v * v;
+            }
+            xr = sr;                                   // the rounded sum is what is normed
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; d++) ss += to_float(xr[d]) * to_float(xr[d]);
+        }
+        const float inv = 1.f / std::sqrt(ss / float(dim) + eps);
+        T *o = out + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) store(o + d, to_float(weight[d]) * rounded<T>(to_float(xr[d]) * inv));
+    }
+}
+
+// out[r, i] = T(silu(gate)) * up, gate_up = [rows, 2 * inter] (gate first)
+template <typename T>
+void silu_mul(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= kRowsPerThread * 2)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *g = gate_up + r * 2 * inter, *u = g + inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = to_float(g[i]);
+            store(out + r * inter + i, rounded<T>(x / (1.f + expf(-x))) * to_float(u[i]));
+        }
+    }
+}
+
+// Rotary embedding of queries and keys from the fused projection qkv [rows, (hq + 2 hkv) D]
+// (half-split convention, x * cos + roll(x) * sin with the sign in sin's table, each
+// product rounded to T as torch's ops round them); rotated queries to q [rows, hq, D],
+// rotated keys and the values to pool rows write_rows[r] of k_pool and v_pool.
+template <typename T>
+int rope_write(const T *qkv, const T *cos, const T *sin, const int64_t *write_rows, int64_t pool_rows,
+               int64_t rows, int64_t hq, int64_t hkv, int64_t D, T *q, T *k_pool, T *v_pool,
+               int threads) {
+    if (D % 2 || D > kMaxHeadDim) return kBadShape;
+    for (int64_t r = 0; r < rows; r++)
+        if (write_rows[r] < 0 || write_rows[r] >= pool_rows) return kBadRow;
+    const int64_t width = (hq + 2 * hkv) * D, half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= kRowsPerThread * 2)
+    for (int64_t r = 0; r < rows; r++) {
+        const T *src = qkv + r * width, *c = cos + r * D, *s = sin + r * D;
+        for (int64_t h = 0; h < hq + hkv; h++) {
+            const T *x = src + h * D;
+            T *dst = h < hq ? q + (r * hq + h) * D : k_pool + (write_rows[r] * hkv + h - hq) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) {
+                const float rolled = to_float(x[d < half ? d + half : d - half]);
+                store(dst + d, rounded<T>(to_float(x[d]) * to_float(c[d]))
+                                   + rounded<T>(rolled * to_float(s[d])));
+            }
+        }
+        std::memcpy(v_pool + write_rows[r] * hkv * D, src + (hq + hkv) * D, sizeof(T) * hkv * D);
+    }
+    return kOk;
+}
+
 }  // namespace
 
 extern "C" {
@@ -427,5 +513,22 @@ int zpd_linear_amx_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias,
     return kUnsupported;         // this CPU (or compiler) lacks AMX-BF16
 #endif
 }
+
+#define ZPD_ELEMENTWISE(name, T)                                                                  \
+    void zpd_rms_norm_##name(const T *x, const T *residual, const T *weight, float eps, T *out,  \
+                             T *sum, int64_t rows, int64_t dim, int threads) {                   \
+        rms_norm(x, residual, weight, eps, out, sum, rows, dim, threads);                        \
+    }                                                                                             \
+    void zpd_silu_mul_##name(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) { \
+        silu_mul(gate_up, out, rows, inter, threads);                                            \
+    }                                                                                             \
+    int zpd_rope_write_##name(const T *qkv, const T *cos, const T *sin, const int64_t *write_rows,  \
+                              int64_t pool_rows, int64_t rows, int64_t hq, int64_t hkv, int64_t D,  \
+                              T *q, T *k_pool, T *v_pool, int threads) {                          \
+        return rope_write(qkv, cos, sin, write_rows, pool_rows, rows, hq, hkv, D, q, k_pool, v_pool, \
+                          threads);                                                               \
+    }
+ZPD_ELEMENTWISE(float32, float)
+ZPD_ELEMENTWISE(bfloat16, BF16)
 
 }  // extern "C"

@@ -7,6 +7,7 @@ from torch import nn
 
 from engines.attention import DecodeMeta, PagedKV, PrefillMeta, decode_attention, prefill_attention
 from engines.config import ModelConfig
+from engines.cpu_kernels import LayerOps, layer_ops
 from engines.linear import linear
 from engines.rope import RotaryEmbedding, apply_rotary
 
@@ -27,7 +28,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight, self.eps = _param(dim), eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         # at least float32 for the variance, as the reference does for half types
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -50,9 +53,14 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: PagedKV,
-                layer: int, meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
+                layer: int, meta: PrefillMeta | DecodeMeta, ops: LayerOps | None = None) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if ops is not None and isinstance(meta, DecodeMeta) and self.q_norm is None:
+            # a decode step needs no keys or values past the pool: one pass does all
+            q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
+            o = decode_attention(q, kv, layer, meta, self.scale)
+            return linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
         qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
         qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
@@ -77,8 +85,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Module()
         self.down_proj.weight = _param(cfg.hidden_size, self.inter)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight).split(self.inter, dim=-1)
+    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj.weight)
+        if ops is not None:
+            return linear(ops.silu_mul(gate_up), self.down_proj.weight)
+        gate, up = gate_up.split(self.inter, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
@@ -90,9 +101,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, self.index, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, ops: LayerOps | None = None) -> torch.Tensor:
+        """`ops`: the compiled element-wise steps (engines/cpu_kernels.py), or None for
+        torch's ops."""
+        h = self.self_attn(self.input_layernorm(x, ops), rope, kv, self.index, meta, ops)
+        if ops is None:
+            x = x + h
+            h = self.post_attention_layernorm(x)
+        else:
+            norm = self.post_attention_layernorm
+            h, x = ops.add_rms_norm(h, x, norm.weight, norm.eps)
+        return x + self.mlp(h, ops)
 
 
 class Backbone(nn.Module):
@@ -147,10 +166,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last norm)."""
         rope = self.rotary.tables(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        ops = layer_ops(x.dtype, x.device.type)
         for layer in self.model.layers:
-            x = layer(x, rope, kv, meta)
+            x = layer(x, rope, kv, meta, ops)
         return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(self.model.norm(hidden), self.lm_head.weight)
+        return linear(self.model.norm(hidden.contiguous(), layer_ops(hidden.dtype, hidden.device.type)),
+                      self.lm_head.weight)

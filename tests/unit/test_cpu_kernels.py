@@ -324,3 +324,80 @@ def test_model_products_go_to_the_amx_kernel(monkeypatch, batch):
     with_torch = OfflineEngine(model).run([Request(f"b{i}", p, params) for i, p in enumerate(prompts)])
     assert [o["output_ids"] for o in with_kernel] == [o["output_ids"] for o in with_torch]
     PACKED.configure(True)
+
+
+def _ops(dtype) -> pd.LayerOps:
+    ops = pd.layer_ops(dtype, "cpu")
+    assert ops is not None, "the layer kernels did not build or load"
+    return ops
+
+
+# bfloat16: torch's roundings are kept, so results differ by at most one rounding of
+# a float32 sum computed in another order (one bfloat16 step, 2^-8 relative)
+_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (40, 100), (300, 17)])
+def test_norms_and_silu_equal_torchs(dtype, rows, dim):
+    """One row, a few (one thread) and many (shared among threads); widths in and out
+    of vector steps."""
+    ops, (norm, _) = _ops(dtype), pd._torch_ops(dtype)
+    g = torch.Generator().manual_seed(rows * dim)
+    x, res = (torch.randn(rows, dim, generator=g).to(dtype) for _ in range(2))
+    w = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), norm(x, w, 1e-6), **_TOL[dtype])
+    out, total = ops.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(total, x + res)                        # one rounding, as torch's add
+    torch.testing.assert_close(out, norm(x + res, w, 1e-6), **_TOL[dtype])
+    gate_up = torch.randn(rows, 2 * dim, generator=g).to(dtype)
+    gate, up = gate_up.split(dim, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, **_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hq,hkv,d", [(1, 9, 3, 64), (3, 4, 4, 16), (64, 8, 2, 128)])
+def test_rope_write_equals_torchs_rotary_and_write(dtype, rows, hq, hkv, d):
+    """Queries rotated as engines/rope.py rotates them; keys rotated and values copied
+    into their pool rows, and no other row touched."""
+    from engines.rope import RotaryEmbedding, apply_rotary
+    ops = _ops(dtype)
+    g = torch.Generator().manual_seed(rows + d)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None, dtype, torch.device("cpu"))
+    cos, sin = rope.tables(torch.randint(0, 4096, (rows,), generator=g))
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    k_rows, v_rows = torch.randn(2, rows * 3, hkv, d, generator=g).to(dtype)
+    k_before, v_before = k_rows.clone(), v_rows.clone()
+    where = torch.randperm(rows * 3, generator=g)[:rows]
+    q = ops.rope_write(qkv, cos, sin, where, k_rows, v_rows, hq)
+    qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(rows, hq + hkv, d), cos, sin)
+    torch.testing.assert_close(q, qk[:, :hq], **_TOL[dtype])
+    torch.testing.assert_close(k_rows[where], qk[:, hq:], **_TOL[dtype])
+    assert torch.equal(v_rows[where], qkv[:, (hq + hkv) * d:].view(rows, hkv, d))
+    others = torch.ones(rows * 3, dtype=torch.bool)
+    others[where] = False
+    assert torch.equal(k_rows[others], k_before[others]) and torch.equal(v_rows[others], v_before[others])
+
+
+def test_rope_write_refuses_rows_outside_the_pool():
+    """A write row past the pool (or negative) is refused before anything is written."""
+    ops = _ops(torch.float32)
+    qkv, cos, sin = torch.randn(2, 3 * 8), torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    k_rows, v_rows = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    for bad in ([0, 4], [-1, 0]):
+        with pytest.raises(RuntimeError, match="out of range"):
+            ops.rope_write(qkv, cos, sin, torch.tensor(bad), k_rows, v_rows, 1)
+        assert not k_rows.any() and not v_rows.any()
+
+
+def test_layer_ops_only_for_their_dtypes_and_cpu(fresh):
+    assert pd.layer_ops(torch.float64, "cpu") is None and pd.layer_ops(torch.float32, "cuda") is None
+    pd.configure(False)
+    assert pd.layer_ops(torch.float32, "cpu") is None
+
+
+def test_layer_ops_that_disagree_are_not_used(fresh, caplog):
+    """A library whose steps disagree with torch's is found out by the first-use check."""
+    fresh.setattr(pd.LayerOps, "silu_mul", lambda self, gate_up: torch.zeros(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype))
+    assert pd.layer_ops(torch.float32, "cpu") is None
+    assert "layer kernels disagree" in caplog.text
