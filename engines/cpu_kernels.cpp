@@ -5,7 +5,8 @@
 // - bfloat16 products of any number of rows by a weight packed for AMX tiles;
 // - the layers' element-wise steps, each in one pass: RMSNorm (after a residual
 //   addition), SiLU(gate) * up, and rotary embedding with the write of K and V into the
-//   pool.
+//   pool;
+// - each row's first maximum (greedy sampling), as torch.argmax picks it.
 //
 // Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
@@ -464,6 +465,50 @@ int rope_write(const T *qkv, const T *cos, const T *sin, const int64_t *write_ro
     return kOk;
 }
 
+// out[r] = index of the first maximum of row r of x [rows, n], a NaN counting as the
+// maximum (torch.argmax's answer). The NaN test looks at the bits, which -ffast-math
+// cannot assume away; the maximum and then its first position are found by vector
+// passes (a block of 64 at a time, scanned only where it holds the maximum).
+inline bool is_nan(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+template <typename T>
+int64_t row_argmax(const T *x, int64_t n) {
+    int nan = 0;
+    float top = to_float(x[0]);
+#pragma omp simd reduction(| : nan) reduction(max : top)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = to_float(x[i]);
+        nan |= int(is_nan(v));
+        top = v > top ? v : top;
+    }
+    if (nan) {
+        for (int64_t i = 0; i < n; i++)
+            if (is_nan(to_float(x[i]))) return i;
+    }
+    constexpr int64_t kBlock = 64;
+    for (int64_t b = 0; b < n; b += kBlock) {
+        const int64_t end = b + kBlock < n ? b + kBlock : n;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = b; i < end; i++) hit |= int(to_float(x[i]) == top);
+        if (hit) {
+            for (int64_t i = b; i < end; i++)
+                if (to_float(x[i]) == top) return i;
+        }
+    }
+    return 0;                                        // not reached: the maximum is in the row
+}
+
+template <typename T>
+void argmax_rows(const T *x, int64_t rows, int64_t n, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * n, n);
+}
+
 }  // namespace
 
 extern "C" {
@@ -521,6 +566,9 @@ int zpd_linear_amx_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias,
     }                                                                                             \
     void zpd_silu_mul_##name(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) { \
         silu_mul(gate_up, out, rows, inter, threads);                                            \
+    }                                                                                             \
+    void zpd_argmax_##name(const T *x, int64_t rows, int64_t n, int64_t *out, int threads) {     \
+        argmax_rows(x, rows, n, out, threads);                                                   \
     }                                                                                             \
     int zpd_rope_write_##name(const T *qkv, const T *cos, const T *sin, const int64_t *write_rows,  \
                               int64_t pool_rows, int64_t rows, int64_t hq, int64_t hkv, int64_t D,  \

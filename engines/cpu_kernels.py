@@ -411,6 +411,9 @@ class LayerOps:
         self._silu = getattr(lib, f"zpd_silu_mul_{name}")
         self._silu.argtypes = [p, p, i64, i64, ctypes.c_int]
         self._silu.restype = None
+        self._argmax = getattr(lib, f"zpd_argmax_{name}")
+        self._argmax.argtypes = [p, i64, i64, p, ctypes.c_int]
+        self._argmax.restype = None
         self._rope = getattr(lib, f"zpd_rope_write_{name}")
         self._rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
         self._rope.restype = ctypes.c_int
@@ -439,6 +442,15 @@ class LayerOps:
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1],
                    torch.get_num_threads())
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, V] -> [B] int64: torch.argmax(x, -1), a NaN counting as the maximum.
+        torch's CPU argmax is a scalar loop: 0.84 ms for 16 x 49,152 float32 logits
+        (2.3 ms in bfloat16), where this takes tens of microseconds."""
+        assert x.dtype == self.dtype and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
         return out
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -498,6 +510,11 @@ def _layer_ops_agree(ops: LayerOps) -> bool:
         ok &= torch.allclose(q.float(), qk[:, :3].float(), **tol)
         ok &= torch.allclose(k_rows[where].float(), qk[:, 3:].float(), **tol)
         ok &= torch.equal(v_rows[where], qkv[:, 32:].view(rows, 1, 8))
+    x = torch.randn(5, 1000, generator=g).to(dt)
+    x[1, 7] = x[1, 900] = 10.0                     # ties: the first one
+    x[2, 500] = float("nan")                       # a NaN is the maximum, as for torch
+    x[3, 3] = x[3, 999] = float("nan")
+    ok &= torch.equal(ops.argmax(x), x.argmax(-1)) and torch.equal(ops.argmax(x[:1]), x[:1].argmax(-1))
     if not ok:
         log.warning("the %s layer kernels disagree with torch's ops; using torch's", dt)
     return bool(ok)

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from engines.cpu_kernels import layer_ops
+
 _MASK64 = (1 << 64) - 1
 
 # Bounds checked at admission (README, "zpd run", lists them). Outside them the
@@ -249,6 +251,16 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(pick, last).squeeze(1)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) of [B, V] logits, by the compiled kernel where there is one
+    (engines/cpu_kernels.py: torch's CPU argmax is a scalar loop, 0.84 ms for 16 rows
+    of 49,152 float32 logits and 2.3 ms in bfloat16, against 0.08 ms)."""
+    ops = layer_ops(logits.dtype, logits.device.type)
+    if ops is None or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0:
+        return logits.argmax(-1)
+    return ops.argmax(logits)
+
+
 class Sampler:
     """Picks one token per row. `steps[i]` is how many tokens row i has emitted so far."""
 
@@ -260,12 +272,14 @@ class Sampler:
                steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> Sampled:
         """The tokens, with the logprobs of the rows that ask (`token_logprobs`)."""
         penalised = [i for i, p in enumerate(params) if p.penalised]
-        # A copy before writing: the model's logits are an inference tensor, which
-        # may not be updated in place outside inference mode.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=bool(penalised))
+        # Greedy rows alone need no float32 copy: the maximum is the same in the
+        # model's dtype. A copy before writing: the model's logits are an inference
+        # tensor, which may not be updated in place outside inference mode.
+        if penalised or any(not p.greedy or p.wants_logprobs for p in params):
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=bool(penalised))
         for i in penalised:
             logits[i] = apply_penalties(logits[i].clone(), params[i], prompts[i], outputs[i])
-        chosen = logits.argmax(-1).tolist()
+        chosen = argmax(logits).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             for i, token in zip(sampled, self._draw(logits[sampled], [params[i] for i in sampled],

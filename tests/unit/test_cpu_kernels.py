@@ -401,3 +401,34 @@ def test_layer_ops_that_disagree_are_not_used(fresh, caplog):
     fresh.setattr(pd.LayerOps, "silu_mul", lambda self, gate_up: torch.zeros(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype))
     assert pd.layer_ops(torch.float32, "cpu") is None
     assert "layer kernels disagree" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 1), (1, 49152), (16, 1000), (5, 63), (3, 65)])
+def test_argmax_is_torchs(dtype, rows, n):
+    """The first maximum of each row, as torch.argmax: ties, infinities, NaN (which
+    torch takes as the maximum), rows of one element, lengths in and out of blocks."""
+    ops = _ops(dtype)
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    assert torch.equal(ops.argmax(x), x.argmax(-1))
+    if n > 10:
+        x[0, n - 1] = x[0, 3] = 50.0                          # a tie: the first
+        if rows > 1:
+            x[1] = float("-inf")                              # all -inf: index 0
+        if rows > 2:
+            x[2, 5], x[2, n - 2] = float("inf"), float("nan")  # NaN beats +inf
+        assert torch.equal(ops.argmax(x), x.argmax(-1))
+
+
+def test_sampler_greedy_takes_the_kernels_argmax(monkeypatch):
+    """Greedy rows are picked by the kernel from the model's dtype (no float32 copy),
+    with torch's answer."""
+    from engines import sampler as sm
+    calls = []
+    real = pd.LayerOps.argmax
+    monkeypatch.setattr(pd.LayerOps, "argmax", lambda self, x: calls.append(x.dtype) or real(self, x))
+    logits = torch.randn(4, 300).to(torch.bfloat16)
+    params = [sm.SamplingParams(temperature=0)] * 4
+    got = sm.Sampler()(logits, params, [0] * 4, [0] * 4, [[1]] * 4, [[]] * 4)
+    assert got == logits.argmax(-1).tolist() and calls == [torch.bfloat16]
