@@ -2,7 +2,8 @@
 // - decode attention read straight from the paged KV pool;
 // - products of up to 8 rows by a row-major weight, float32 (AVX-512) or bfloat16
 //   (AVX512-BF16);
-// - bfloat16 products of any number of rows by a weight packed for AMX tiles;
+// - bfloat16 products of any number of rows by a weight packed for AMX tiles, and
+//   float32 products of 9-64 rows by a weight packed in panels of 16 outputs;
 // - the layers' element-wise steps, each in one pass: RMSNorm (after a residual
 //   addition), SiLU(gate) * up, and rotary embedding with the write of K and V into the
 //   pool;
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -259,6 +261,64 @@ int linear(const typename L::T *x, const typename L::T *w, const typename L::T *
         case 7: product<L, 7>(x, w, bias, y, N, K, threads); break;
         default: product<L, 8>(x, w, bias, y, N, K, threads); break;
     }
+    return kOk;
+}
+#endif
+
+// float32 products of more rows: y[M, N] = x[M, K] w[N, K]^T (+ bias[N]), w packed by
+// engines/cpu_kernels.py (`PanelLinear.pack`) in panels of 16 outputs, [N / 16][K][16]
+// (N padded to 16 with zero rows). Each panel streams once (prefetched kPanelAhead
+// inputs ahead) into 16 rows of x at a time, one FMA per row and input with that input
+// broadcast, 16 accumulators of 16 outputs; x is first transposed in blocks of 16 rows,
+// [M / 16][K][16], so each input's 16 values are one cache line.
+#if defined(__AVX512F__)
+constexpr int64_t kPanelAhead = 64;
+
+template <int R>
+inline void panel_block(const float *xt, const float *panel, int64_t K, __m512 *sums) {
+    __m512 acc[R];
+    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        _mm_prefetch(reinterpret_cast<const char *>(panel + (k + kPanelAhead) * 16), _MM_HINT_T0);
+        const __m512 w = _mm512_loadu_ps(panel + k * 16);
+        for (int m = 0; m < R; m++) acc[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(xt[k * 16 + m]), acc[m]);
+    }
+    for (int m = 0; m < R; m++) sums[m] = acc[m];
+}
+
+using PanelFn = void (*)(const float *, const float *, int64_t, __m512 *);
+template <int... R>
+constexpr PanelFn panel_fns[] = {panel_block<R + 1>...};
+
+template <int... R>
+PanelFn panel_fn(int rows, std::integer_sequence<int, R...>) { return panel_fns<R...>[rows - 1]; }
+
+int panel_linear(const float *x, const float *packed, const float *bias, float *y, int64_t M,
+                 int64_t N, int64_t K, int threads) {
+    if (M < 1 || N < 1 || K < 1 || threads < 1) return kBadShape;
+    const int64_t panels = (N + 15) / 16, blocks = (M + 15) / 16;
+    float *xt = static_cast<float *>(std::aligned_alloc(64, sizeof(float) * blocks * K * 16));
+    if (!xt) return kNoMemory;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t m = 0; m < 16; m++) {
+                const int64_t row = b * 16 + m;
+                xt[(b * K + k) * 16 + m] = row < M ? x[row * K + k] : 0.f;
+            }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * 16, width = N - n0 < 16 ? N - n0 : 16;
+        const __mmask16 mask = width == 16 ? 0xffff : __mmask16((1u << width) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int rows = int(M - blk * 16 < 16 ? M - blk * 16 : 16);
+            __m512 sums[16];
+            panel_fn(rows, std::make_integer_sequence<int, 16>{})(xt + blk * K * 16, packed + p * K * 16, K, sums);
+            for (int m = 0; m < rows; m++)
+                _mm512_mask_storeu_ps(y + (blk * 16 + m) * N + n0, mask, _mm512_add_ps(sums[m], b));
+        }
+    }
+    std::free(xt);
     return kOk;
 }
 #endif
@@ -546,6 +606,16 @@ int zpd_linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y,
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
+#endif
+}
+
+int zpd_linear_panel_float32(const float *x, const float *packed, const float *bias, float *y,
+                             int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(__AVX512F__)
+    return panel_linear(x, packed, bias, y, M, N, K, threads);
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return kUnsupported;         // this CPU (or compiler) lacks AVX-512
 #endif
 }
 

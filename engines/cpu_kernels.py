@@ -65,7 +65,7 @@ def configure(enabled: bool = True, cache_dir: Path | None = None) -> None:
     """Switch the kernel on or off and say where it is built; runners made after this
     call follow it."""
     SETTINGS.enabled, SETTINGS.cache_dir = enabled, cache_dir
-    for cached in (_library, _kernel, kernel_for, small_linear, amx_linear, layer_ops):
+    for cached in (_library, _kernel, kernel_for, small_linear, packed_linear, layer_ops):
         cached.cache_clear()
 
 
@@ -308,25 +308,59 @@ def small_linear(dtype: torch.dtype) -> SmallLinear | None:
     return kernel if kernel is not None and _products_agree(kernel) else None
 
 
-class AmxLinear:
-    """y = x w^T (+ bias) in bfloat16 for any number of rows, on AMX tiles, from a copy
-    of w packed in the tiles' layout (`pack`). Threads share blocks of 32 outputs, each
-    streaming its packed weight once for up to 32 rows at a time. SmolLM2's 121
-    products on 2 threads (median of 7 alternating rounds), against oneDNN's packed
-    copies (which run on AMX too here): 1 row 25.4 -> 13.9 ms, 4 rows 24.7 -> 13.7,
-    8 rows 25.1 -> 14.4, 16 rows 28.8 -> 16.2, 32 rows 36.1 -> 20.6, 64 rows 36.4 ->
-    34.3, 128 rows 60.1 -> 58.2, 256 rows 105.9 -> 108.9 (and the dot-product kernel
-    above: 1 row 13.5, 4 rows 17.1, 8 rows 22.6). Needs K a multiple of 32 (`fits`)."""
+class PackedLinear:
+    """y = x w^T (+ bias) from a copy of w packed for a kernel of the library (`pack`):
+    the base of the AMX (bfloat16) and panel (float32) products."""
+
+    DTYPE: torch.dtype
+    SYMBOL: str
+    BLOCK: int            # outputs per block of the packing (N is padded to it)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.fn = lib.zpd_linear_amx_bfloat16
+        self.fn = getattr(lib, self.SYMBOL)
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                             _C_INT64, _C_INT64, _C_INT64, ctypes.c_int]
         self.fn.restype = ctypes.c_int
 
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        return w.dtype == cls.DTYPE and w.dim() == 2 and w.shape[1] > 0
+
     @staticmethod
-    def fits(w: torch.Tensor) -> bool:
-        return w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] % 32 == 0 and w.shape[1] > 0
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M, K]; packed: `pack` of an [n, K] weight; bias: [n] -> [M, n]."""
+        k = x.shape[1]
+        assert x.dtype == packed.dtype == self.DTYPE and x.dim() == 2 and self.fits(x)
+        assert packed.is_contiguous() and packed.numel() == -(-n // self.BLOCK) * self.BLOCK * k
+        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == n)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        status = self.fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{type(self).__name__} kernel: {_ERRORS.get(status, status)}")
+        return y
+
+
+class AmxLinear(PackedLinear):
+    """bfloat16 products of any number of rows on AMX tiles. Threads share blocks of 32
+    outputs, each streaming its packed weight once for up to 32 rows at a time.
+    SmolLM2's 121 products on 2 threads (median of 7 alternating rounds), against
+    oneDNN's packed copies (which run on AMX too here): 1 row 25.4 -> 13.9 ms, 4 rows
+    24.7 -> 13.7, 8 rows 25.1 -> 14.4, 16 rows 28.8 -> 16.2, 32 rows 36.1 -> 20.6, 64
+    rows 36.4 -> 34.3, 128 rows 60.1 -> 58.2, 256 rows 105.9 -> 108.9 (and the
+    dot-product kernel above: 1 row 13.5, 4 rows 17.1, 8 rows 22.6). Needs K a
+    multiple of 32 (`fits`)."""
+
+    DTYPE, SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_amx_bfloat16", 32
+
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        return super().fits(w) and w.shape[1] % 32 == 0
 
     @staticmethod
     def pack(w: torch.Tensor) -> torch.Tensor:
@@ -336,62 +370,66 @@ class AmxLinear:
         padded = torch.nn.functional.pad(w, (0, 0, 0, -n % 32))
         return padded.reshape(-1, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
-    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [M, K] bfloat16; packed: `pack` of an [n, K] weight; bias: [n] -> [M, n]."""
-        k = x.shape[1]
-        assert x.dtype == packed.dtype == torch.bfloat16 and x.dim() == 2 and k % 32 == 0
-        assert packed.is_contiguous() and packed.numel() == (n + 31) // 32 * 32 * k
-        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == n)
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        status = self.fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"AMX product kernel: {_ERRORS.get(status, status)}")
-        return y
+
+class PanelLinear(PackedLinear):
+    """float32 products of 9-64 rows (decode steps of larger batches) by AVX-512 FMAs
+    from panels of 16 outputs, 16 rows at a time. SmolLM2's 121 products on 2 threads
+    (median of 5 alternating rounds), against MKL's packed copies: 8 rows 38.2 -> 34.0
+    ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4."""
+
+    DTYPE, SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", 16
+
+    @staticmethod
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N' / 16, K, 16] with N' = N rounded up to 16 (zero rows): element
+        [p, k, n] = w[16 p + n, k]."""
+        n, k = w.shape
+        padded = torch.nn.functional.pad(w, (0, 0, 0, -n % 16))
+        return padded.reshape(-1, 16, k).transpose(1, 2).contiguous()
 
 
-def _amx_agrees(kernel: AmxLinear) -> bool:
-    """Whether the AMX kernel gives float64's products (to bfloat16's rounding) for
-    row counts in and across its blocks of 16 and 32, outputs in and out of its blocks
-    of 32, with and without a bias, and leaves torch's own bfloat16 products (oneDNN,
-    on AMX tiles too) right when they run after it (False, with a warning where not;
-    False where the CPU, compiler or OS kernel gives no AMX)."""
-    g = torch.Generator().manual_seed(0)
+def _packed_agrees(kernel: PackedLinear) -> bool:
+    """Whether a packed-weight kernel gives float64's products (to its dtype's
+    rounding) for row counts in and across its blocks, outputs in and out of its
+    blocks, with and without a bias, and leaves torch's own products (oneDNN's, on AMX
+    tiles too in bfloat16) right when they run after it (False, with a warning where
+    not; False where the CPU, compiler or OS kernel lacks what it needs)."""
+    g, dt = torch.Generator().manual_seed(0), kernel.DTYPE
+    tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     try:
         for n, k in ((40, 64), (13, 96), (64, 32)):
-            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-            b = torch.randn(n, generator=g).to(torch.bfloat16)
+            w = torch.randn(n, k, generator=g).to(dt)
+            b = torch.randn(n, generator=g).to(dt)
             packed = kernel.pack(w)
             for rows in (1, 5, 16, 17, 32, 33, 70):
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                x = torch.randn(rows, k, generator=g).to(dt)
                 for bias in (None, b):
                     want = torch.nn.functional.linear(x.double(), w.double(),
                                                       None if bias is None else bias.double())
                     got = kernel(x, packed, n, bias).double()
                     after = torch.nn.functional.linear(x, w, bias).double()
-                    if not (torch.allclose(got, want, rtol=2e-2, atol=2e-2)
-                            and torch.allclose(after, want, rtol=2e-2, atol=2e-2)):
-                        log.warning("the AMX product kernel disagrees with float64; using "
-                                    "torch's bfloat16 products")
+                    if not (torch.allclose(got, want, **tol) and torch.allclose(after, want, **tol)):
+                        log.warning("the %s product kernel disagrees with float64; using torch's "
+                                    "%s products", type(kernel).__name__, dt)
                         return False
     except RuntimeError as e:
-        log.info("AMX product kernel not used (%s)", e)
+        log.info("%s product kernel not used (%s)", type(kernel).__name__, e)
         return False
     return True
 
 
 @functools.lru_cache(maxsize=None)
-def amx_linear() -> AmxLinear | None:
-    """The bfloat16 AMX product kernel, checked once; None: not on this machine."""
-    lib = _library()
+def packed_linear(dtype: torch.dtype) -> PackedLinear | None:
+    """The packed-weight product kernel for `dtype` (bfloat16: AMX; float32: panels),
+    checked once; None: not on this machine."""
+    kinds = {torch.bfloat16: AmxLinear, torch.float32: PanelLinear}
+    lib = _library() if dtype in kinds else None
     try:
-        kernel = None if lib is None else AmxLinear(lib)
+        kernel = None if lib is None else kinds[dtype](lib)
     except AttributeError as e:
-        log.warning("AMX product kernel unavailable (%s); using torch's products", e)
+        log.warning("%s packed product kernel unavailable (%s); using torch's products", dtype, e)
         return None
-    return kernel if kernel is not None and _amx_agrees(kernel) else None
+    return kernel if kernel is not None and _packed_agrees(kernel) else None
 
 
 class LayerOps:

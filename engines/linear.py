@@ -73,20 +73,22 @@ PACKINGS = {
 }
 
 
-def _amx_packing() -> Packing | None:
-    """bfloat16 packed for engines/cpu_kernels.py's AMX kernel, where it runs."""
-    kernel = cpu_kernels.amx_linear()
+def _kernel_packing(dtype: torch.dtype) -> Packing | None:
+    """Weights packed for engines/cpu_kernels.py's packed-weight kernel of `dtype`,
+    where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel),
+    float32 in panels for 9-64 rows."""
+    kernel = cpu_kernels.packed_linear(dtype)
     if kernel is None:
         return None
-    return Packing("AMX", (1, 256), kernel.pack, lambda x, p, w, b: kernel(x, p, w.shape[0], b),
-                   fits=kernel.fits, before_small=True)
+    rows, first = ((1, 256), True) if dtype == torch.bfloat16 else ((9, 64), False)
+    return Packing(type(kernel).__name__, rows, kernel.pack,
+                   lambda x, p, w, b: kernel(x, p, w.shape[0], b), fits=kernel.fits, before_small=first)
 
 
 def _candidates(dtype: torch.dtype) -> list[Packing]:
     """The packings to try for `dtype`, best first."""
-    first = _amx_packing() if dtype == torch.bfloat16 else None
     library = PACKINGS.get(dtype) if torch.backends.mkldnn.is_available() else None
-    return [p for p in (first, library) if p is not None]
+    return [p for p in (_kernel_packing(dtype), library) if p is not None]
 
 
 def _agrees(packing: Packing, dtype: torch.dtype) -> bool:

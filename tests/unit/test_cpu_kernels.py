@@ -208,7 +208,7 @@ def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
     if pd.small_linear(dtype) is None:
         assert not _has("avx512f" if dtype == torch.float32 else "avx512_bf16")
         return
-    monkeypatch.setattr(pd, "amx_linear", lambda: None)
+    monkeypatch.setattr(pd, "packed_linear", lambda dtype: None)
     PACKED.configure(True)                                   # forget the AMX packing
     monkeypatch.setattr(PACKED, "_usable", {})
     calls = []
@@ -227,97 +227,118 @@ def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
     assert PACKED.usable(dtype) is not None              # more rows still packed
 
 
-def _amx() -> bool:
-    return all(_has(f) for f in ("amx_bf16", "amx_tile", "avx512_bf16"))
+def _packed_kernel_expected(dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return all(_has(f) for f in ("amx_bf16", "amx_tile", "avx512_bf16"))
+    return _has("avx512f")
 
 
+# panels sum each output in one float32 chain over K (1,536 terms here): 1e-4
+PACKED_KINDS = [(torch.bfloat16, pd.AmxLinear, 2 ** -8, 1e-3), (torch.float32, pd.PanelLinear, 1e-4, 1e-4)]
+
+
+@pytest.mark.parametrize("dtype,kind,rtol,atol", PACKED_KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 8, 15, 16, 17, 31, 32, 33, 64, 100, 256])
 @pytest.mark.parametrize("n,k", [(40, 64), (13, 96), (1, 32), (576, 1536), (960, 576)])
-def test_amx_products_equal_float64(rows, n, k):
-    """Rows within, at and across the kernel's blocks of 16 and 32; outputs short of,
-    at and past its blocks of 32; with and without a bias."""
-    kernel = pd.amx_linear()
-    if not _amx():
+def test_packed_products_equal_float64(dtype, kind, rtol, atol, rows, n, k):
+    """Rows within, at and across the kernels' blocks of 16 and 32; outputs short of,
+    at and past their blocks; with and without a bias."""
+    kernel = pd.packed_linear(dtype)
+    if not _packed_kernel_expected(dtype):
         assert kernel is None
         return
-    assert kernel is not None
+    assert isinstance(kernel, kind)
     g = torch.Generator().manual_seed(n * k + rows)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.bfloat16)
-    x, b = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x, b = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     packed = kernel.pack(w)
-    assert packed.numel() == -(-n // 32) * 32 * k
+    assert packed.numel() == -(-n // kind.BLOCK) * kind.BLOCK * k
     for bias in (None, b):
         want = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
         got = kernel(x, packed, n, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
 
 
-def test_amx_pack_layout():
-    """Element [b, s, h, r, n, j] of the packing is w[32 b + 16 h + n, 32 s + 2 r + j],
-    and the rows that pad N to 32 are zero."""
-    w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64).to(torch.bfloat16)
-    packed = pd.AmxLinear.pack(w)
+def test_pack_layouts():
+    """AMX: element [b, s, h, r, n, j] is w[32 b + 16 h + n, 32 s + 2 r + j]; panels:
+    element [p, k, n] is w[16 p + n, k]; the rows that pad N are zero."""
+    w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64)
+    packed = pd.AmxLinear.pack(w.to(torch.bfloat16))
     assert packed.shape == (2, 2, 2, 16, 16, 2)
     for b, s, h, r, n, j in [(0, 0, 0, 0, 0, 0), (0, 1, 1, 3, 5, 1), (1, 0, 0, 15, 7, 0), (0, 1, 1, 15, 15, 1)]:
-        assert packed[b, s, h, r, n, j] == w[32 * b + 16 * h + n, 32 * s + 2 * r + j]
+        assert packed[b, s, h, r, n, j] == w.to(torch.bfloat16)[32 * b + 16 * h + n, 32 * s + 2 * r + j]
     assert not packed[1, :, :, :, 8:].any() and not packed[1, :, 1].any()
+    panels = pd.PanelLinear.pack(w)
+    assert panels.shape == (3, 64, 16)
+    for p, k, n in [(0, 0, 0), (1, 5, 9), (2, 63, 7)]:
+        assert panels[p, k, n] == w[16 * p + n, k]
+    assert not panels[2, :, 8:].any()
 
 
-def test_amx_kernel_refuses_bad_shapes():
-    kernel = pd.amx_linear()
-    if kernel is None:
-        assert not _amx()
+def test_packed_kernels_refuse_bad_shapes():
+    for dtype in (torch.bfloat16, torch.float32):
+        kernel = pd.packed_linear(dtype)
+        if kernel is None:
+            assert not _packed_kernel_expected(dtype)
+            continue
+        w = torch.randn(8, 64).to(dtype)
+        with pytest.raises(AssertionError):                      # a packing of another size
+            kernel(torch.randn(2, 64).to(dtype), kernel.pack(w)[:1], 40)
+        with pytest.raises(AssertionError):                      # another dtype
+            kernel(torch.randn(2, 64).double(), kernel.pack(w), 8)
+    if pd.packed_linear(torch.bfloat16) is not None:             # AMX: K a multiple of 32
+        with pytest.raises(AssertionError):
+            pd.packed_linear(torch.bfloat16)(torch.randn(2, 48).to(torch.bfloat16),
+                                             torch.zeros(32 * 48, dtype=torch.bfloat16), 8)
+    w = torch.randn(8, 64)
+    assert not pd.AmxLinear.fits(torch.randn(8, 48).to(torch.bfloat16)) and not pd.AmxLinear.fits(w)
+    assert pd.AmxLinear.fits(w.to(torch.bfloat16)) and pd.PanelLinear.fits(torch.randn(8, 48))
+
+
+@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, pd.AmxLinear), (torch.float32, pd.PanelLinear)])
+def test_a_wrong_packed_kernel_is_not_used(monkeypatch, caplog, dtype, kind):
+    """A packing in the wrong layout (here: its last two dimensions swapped) is caught
+    by the first-use check against float64."""
+    if pd.packed_linear(dtype) is None:
+        assert not _packed_kernel_expected(dtype)
         return
-    w = torch.randn(8, 64).to(torch.bfloat16)
-    with pytest.raises(AssertionError):                          # K not a multiple of 32
-        kernel(torch.randn(2, 48).to(torch.bfloat16), torch.zeros(32 * 48, dtype=torch.bfloat16), 8)
-    with pytest.raises(AssertionError):                          # a packing of another size
-        kernel(torch.randn(2, 64).to(torch.bfloat16), kernel.pack(w)[:1], 40)
-    assert not pd.AmxLinear.fits(torch.randn(8, 48).to(torch.bfloat16))
-    assert pd.AmxLinear.fits(w) and not pd.AmxLinear.fits(w.float())
-
-
-def test_a_wrong_amx_kernel_is_not_used(monkeypatch, caplog):
-    """A packing in the wrong layout (here: transposed tiles) is caught by the
-    first-use check against float64."""
-    if pd.amx_linear() is None:
-        assert not _amx()
-        return
-    right = pd.AmxLinear.pack
-    wrong = staticmethod(lambda w: right(w).transpose(-2, -3).contiguous())
-    monkeypatch.setattr(pd.AmxLinear, "pack", wrong)
-    pd.amx_linear.cache_clear()
+    right = kind.pack
+    monkeypatch.setattr(kind, "pack", staticmethod(lambda w: right(w).transpose(-1, -2).contiguous()))
+    pd.packed_linear.cache_clear()
     try:
-        assert pd.amx_linear() is None
-        assert "AMX product kernel disagrees" in caplog.text
+        assert pd.packed_linear(dtype) is None
+        assert f"{kind.__name__} product kernel disagrees" in caplog.text
     finally:
         monkeypatch.undo()
-        pd.amx_linear.cache_clear()
-    assert pd.amx_linear() is not None
+        pd.packed_linear.cache_clear()
+    assert pd.packed_linear(dtype) is not None
 
 
-@pytest.mark.parametrize("batch", [1, 3, 10])
-def test_model_products_go_to_the_amx_kernel(monkeypatch, batch):
-    """With AMX, the bfloat16 model's decode products go to the AMX kernel (none to the
-    dot-product kernel or oneDNN), and give the tokens torch's products give."""
+@pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 10),
+                                         (torch.float32, 10)])
+def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
+    """The model's decode products go to the packed-weight kernel: in bfloat16 (AMX)
+    at every batch, none to the dot-product kernel or oneDNN; in float32 (panels) past
+    8 rows; and they give the tokens torch's products give."""
     from engines.linear import PACKED
-    if pd.amx_linear() is None:
-        assert not _amx()
+    kernel = pd.packed_linear(dtype)
+    if kernel is None:
+        assert not _packed_kernel_expected(dtype)
         return
     calls, small = [], []
-    real = pd.AmxLinear.__call__
-    monkeypatch.setattr(pd.AmxLinear, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    real = type(kernel).__call__
+    monkeypatch.setattr(type(kernel), "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
     monkeypatch.setattr(pd.SmallLinear, "__call__", lambda self, x, *a: small.append(x))
     PACKED.configure(True)
-    model = load_model("tiny", dtype="bfloat16")
+    model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     from engines.request import Request
     from engines.sampler import SamplingParams
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     prompts = [[5 + i, 6, 7 + i % 3] for i in range(batch)]
     with_kernel = OfflineEngine(model).run([Request(f"a{i}", p, params) for i, p in enumerate(prompts)])
     assert calls.count(batch) >= 7 * len(model.net.linears()) and not small
-    assert PACKED.usable(torch.bfloat16).name == "AMX"
+    assert PACKED.usable(dtype).name == type(kernel).__name__
     monkeypatch.setattr(PACKED, "enabled", False)
     monkeypatch.setattr(PACKED, "_usable", {})
     monkeypatch.setattr(pd, "small_linear", lambda dtype: None)

@@ -173,7 +173,7 @@ def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, cap
     wrong = lin.Packing("wrong", (1, 16), lambda w: w, lambda x, p, w, b: torch.zeros(x.shape[0], w.shape[0]))
     broken = lin.Packing("broken", (1, 16), missing, lambda x, p, w, b: x)
     monkeypatch.setattr(lin, "PACKINGS", {torch.float32: wrong, torch.bfloat16: broken})
-    monkeypatch.setattr(lin, "_amx_packing", lambda: None)    # (its own check: test_cpu_kernels)
+    monkeypatch.setattr(lin, "_kernel_packing", lambda dtype: None)   # (own check: test_cpu_kernels)
     packed = lin.PackedWeights()
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
