@@ -314,6 +314,7 @@ class PackedLinear:
 
     DTYPE: torch.dtype
     SYMBOL: str
+    PACK_SYMBOL: str
     BLOCK: int            # outputs per block of the packing (N is padded to it)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -321,13 +322,28 @@ class PackedLinear:
         self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                             _C_INT64, _C_INT64, _C_INT64, ctypes.c_int]
         self.fn.restype = ctypes.c_int
+        self._pack = getattr(lib, self.PACK_SYMBOL)
+        self._pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, _C_INT64, _C_INT64, ctypes.c_int]
+        self._pack.restype = ctypes.c_int
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """`layout(w)`, by the library (in order, on torch's threads)."""
+        assert self.fits(w)
+        w = w.contiguous()
+        n, k = w.shape
+        out = w.new_empty(-(-n // self.BLOCK) * self.BLOCK * k)
+        status = self._pack(w.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{type(self).__name__} packing: {_ERRORS.get(status, status)}")
+        return out
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
         return w.dtype == cls.DTYPE and w.dim() == 2 and w.shape[1] > 0
 
     @staticmethod
-    def pack(w: torch.Tensor) -> torch.Tensor:
+    def layout(w: torch.Tensor) -> torch.Tensor:
+        """The packing of an [N, K] weight, in torch (the reference for `pack`)."""
         raise NotImplementedError
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
@@ -356,14 +372,14 @@ class AmxLinear(PackedLinear):
     dot-product kernel above: 1 row 13.5, 4 rows 17.1, 8 rows 22.6). Needs K a
     multiple of 32 (`fits`)."""
 
-    DTYPE, SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_amx_bfloat16", 32
+    DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_amx_bfloat16", "zpd_pack_amx_bfloat16", 32
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
         return super().fits(w) and w.shape[1] % 32 == 0
 
     @staticmethod
-    def pack(w: torch.Tensor) -> torch.Tensor:
+    def layout(w: torch.Tensor) -> torch.Tensor:
         """[N, K] -> [N' / 32, K / 32, 2, 16, 16, 2] with N' = N rounded up to 32 (zero
         rows): element [b, s, h, r, n, j] = w[32 b + 16 h + n, 32 s + 2 r + j]."""
         n, k = w.shape
@@ -377,10 +393,10 @@ class PanelLinear(PackedLinear):
     (median of 5 alternating rounds), against MKL's packed copies: 8 rows 38.2 -> 34.0
     ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4."""
 
-    DTYPE, SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", 16
+    DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
 
     @staticmethod
-    def pack(w: torch.Tensor) -> torch.Tensor:
+    def layout(w: torch.Tensor) -> torch.Tensor:
         """[N, K] -> [N' / 16, K, 16] with N' = N rounded up to 16 (zero rows): element
         [p, k, n] = w[16 p + n, k]."""
         n, k = w.shape
@@ -401,6 +417,10 @@ def _packed_agrees(kernel: PackedLinear) -> bool:
             w = torch.randn(n, k, generator=g).to(dt)
             b = torch.randn(n, generator=g).to(dt)
             packed = kernel.pack(w)
+            if not torch.equal(packed, kernel.layout(w).view(-1)):
+                log.warning("the %s packing is not its layout; using torch's %s products",
+                            type(kernel).__name__, dt)
+                return False
             for rows in (1, 5, 16, 17, 32, 33, 70):
                 x = torch.randn(rows, k, generator=g).to(dt)
                 for bias in (None, b):

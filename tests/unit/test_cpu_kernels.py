@@ -264,16 +264,30 @@ def test_pack_layouts():
     """AMX: element [b, s, h, r, n, j] is w[32 b + 16 h + n, 32 s + 2 r + j]; panels:
     element [p, k, n] is w[16 p + n, k]; the rows that pad N are zero."""
     w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64)
-    packed = pd.AmxLinear.pack(w.to(torch.bfloat16))
+    packed = pd.AmxLinear.layout(w.to(torch.bfloat16))
     assert packed.shape == (2, 2, 2, 16, 16, 2)
     for b, s, h, r, n, j in [(0, 0, 0, 0, 0, 0), (0, 1, 1, 3, 5, 1), (1, 0, 0, 15, 7, 0), (0, 1, 1, 15, 15, 1)]:
         assert packed[b, s, h, r, n, j] == w.to(torch.bfloat16)[32 * b + 16 * h + n, 32 * s + 2 * r + j]
     assert not packed[1, :, :, :, 8:].any() and not packed[1, :, 1].any()
-    panels = pd.PanelLinear.pack(w)
+    panels = pd.PanelLinear.layout(w)
     assert panels.shape == (3, 64, 16)
     for p, k, n in [(0, 0, 0), (1, 5, 9), (2, 63, 7)]:
         assert panels[p, k, n] == w[16 * p + n, k]
     assert not panels[2, :, 8:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(1, 32), (13, 96), (40, 64), (960, 576), (576, 1536)])
+def test_the_librarys_packing_is_the_layout(dtype, n, k):
+    """`pack` (C++, threads) writes exactly `layout` (torch), padding rows included,
+    from row-major and column-major weights."""
+    kernel = pd.packed_linear(dtype)
+    if kernel is None:
+        assert not _packed_kernel_expected(dtype)
+        return
+    w = torch.randn(n, k).to(dtype)
+    assert torch.equal(kernel.pack(w), kernel.layout(w).view(-1))
+    assert torch.equal(kernel.pack(w.t().contiguous().t()), kernel.layout(w).view(-1))
 
 
 def test_packed_kernels_refuse_bad_shapes():
@@ -303,8 +317,10 @@ def test_a_wrong_packed_kernel_is_not_used(monkeypatch, caplog, dtype, kind):
     if pd.packed_linear(dtype) is None:
         assert not _packed_kernel_expected(dtype)
         return
-    right = kind.pack
-    monkeypatch.setattr(kind, "pack", staticmethod(lambda w: right(w).transpose(-1, -2).contiguous()))
+    right = kind.layout
+    wrong = staticmethod(lambda w: right(w).transpose(-1, -2).contiguous())
+    monkeypatch.setattr(kind, "layout", wrong)
+    monkeypatch.setattr(kind, "pack", lambda self, w: wrong(w).view(-1))
     pd.packed_linear.cache_clear()
     try:
         assert pd.packed_linear(dtype) is None
@@ -453,3 +469,18 @@ def test_sampler_greedy_takes_the_kernels_argmax(monkeypatch):
     params = [sm.SamplingParams(temperature=0)] * 4
     got = sm.Sampler()(logits, params, [0] * 4, [0] * 4, [[1]] * 4, [[]] * 4)
     assert got == logits.argmax(-1).tolist() and calls == [torch.bfloat16]
+
+
+def test_a_packing_that_is_not_its_layout_is_not_used(monkeypatch, caplog):
+    for dtype, kind in ((torch.bfloat16, pd.AmxLinear), (torch.float32, pd.PanelLinear)):
+        if pd.packed_linear(dtype) is None:
+            assert not _packed_kernel_expected(dtype)
+            continue
+        monkeypatch.setattr(kind, "pack", lambda self, w: torch.zeros_like(kind.layout(w).view(-1)))
+        pd.packed_linear.cache_clear()
+        try:
+            assert pd.packed_linear(dtype) is None
+            assert f"{kind.__name__} packing is not its layout" in caplog.text
+        finally:
+            monkeypatch.undo()
+            pd.packed_linear.cache_clear()
