@@ -532,11 +532,12 @@ void silu_mul(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads
 // Rotary embedding of queries and keys from the fused projection qkv [rows, (hq + 2 hkv) D]
 // (half-split convention, x * cos + roll(x) * sin with the sign in sin's table, each
 // product rounded to T as torch's ops round them); rotated queries to q [rows, hq, D],
-// rotated keys and the values to pool rows write_rows[r] of k_pool and v_pool.
+// rotated keys and the values to pool rows write_rows[r] of k_pool and v_pool (and the
+// rotated keys to k_out [rows, hkv, D] too where it is given: a prefill attends to them).
 template <typename T>
 int rope_write(const T *qkv, const T *cos, const T *sin, const int64_t *write_rows, int64_t pool_rows,
                int64_t rows, int64_t hq, int64_t hkv, int64_t D, T *q, T *k_pool, T *v_pool,
-               int threads) {
+               T *k_out, int threads) {
     if (D % 2 || D > kMaxHeadDim) return kBadShape;
     for (int64_t r = 0; r < rows; r++)
         if (write_rows[r] < 0 || write_rows[r] >= pool_rows) return kBadRow;
@@ -553,6 +554,7 @@ int rope_write(const T *qkv, const T *cos, const T *sin, const int64_t *write_ro
                 store(dst + d, rounded<T>(to_float(x[d]) * to_float(c[d]))
                                    + rounded<T>(rolled * to_float(s[d])));
             }
+            if (h >= hq && k_out) std::memcpy(k_out + (r * hkv + h - hq) * D, dst, sizeof(T) * D);
         }
         std::memcpy(v_pool + write_rows[r] * hkv * D, src + (hq + hkv) * D, sizeof(T) * hkv * D);
     }
@@ -688,9 +690,9 @@ int zpd_linear_amx_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias,
     }                                                                                             \
     int zpd_rope_write_##name(const T *qkv, const T *cos, const T *sin, const int64_t *write_rows,  \
                               int64_t pool_rows, int64_t rows, int64_t hq, int64_t hkv, int64_t D,  \
-                              T *q, T *k_pool, T *v_pool, int threads) {                          \
+                              T *q, T *k_pool, T *v_pool, T *k_out, int threads) {                \
         return rope_write(qkv, cos, sin, write_rows, pool_rows, rows, hq, hkv, D, q, k_pool, v_pool, \
-                          threads);                                                               \
+                          k_out, threads);                                                        \
     }
 ZPD_ELEMENTWISE(float32, float)
 ZPD_ELEMENTWISE(bfloat16, BF16)

@@ -473,7 +473,7 @@ class LayerOps:
         self._argmax.argtypes = [p, i64, i64, p, ctypes.c_int]
         self._argmax.restype = None
         self._rope = getattr(lib, f"zpd_rope_write_{name}")
-        self._rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, ctypes.c_int]
+        self._rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, ctypes.c_int]
         self._rope.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -513,22 +513,25 @@ class LayerOps:
 
     def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    write_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
-                   q_heads: int) -> torch.Tensor:
+                   q_heads: int, keys: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """qkv: [T, (Hq + 2 Hkv) D]; cos, sin: [T, 1, D]; write_rows: [T] rows of k_rows
         and v_rows ([R, Hkv, D], contiguous from their first row). Writes the rotated
-        keys and the values there; -> rotated queries [T, Hq, D]."""
+        keys and the values there; -> rotated queries [T, Hq, D] (with `keys`, and the
+        rotated keys [T, Hkv, D], for a prefill to attend to)."""
         t, (_, hkv, d) = qkv.shape[0], k_rows.shape
         assert qkv.dtype == cos.dtype == sin.dtype == k_rows.dtype == v_rows.dtype == self.dtype
         assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
         assert qkv.shape[1] == (q_heads + 2 * hkv) * d and cos.shape == sin.shape == (t, 1, d)
         assert write_rows.dtype == torch.int64 and write_rows.is_contiguous() and write_rows.numel() == t
         q = qkv.new_empty(t, q_heads, d)
+        k = qkv.new_empty(t, hkv, d) if keys else None
         status = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), write_rows.data_ptr(),
                             min(len(k_rows), len(v_rows)), t, q_heads, hkv, d, q.data_ptr(),
-                            k_rows.data_ptr(), v_rows.data_ptr(), torch.get_num_threads())
+                            k_rows.data_ptr(), v_rows.data_ptr(), None if k is None else k.data_ptr(),
+                            torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"rotary kernel: {_ERRORS.get(status, status)}")
-        return q
+        return (q, k) if keys else q
 
 
 def _torch_ops(dtype: torch.dtype):
@@ -563,9 +566,9 @@ def _layer_ops_agree(ops: LayerOps) -> bool:
         cos, sin = (torch.randn(rows, 1, 8, generator=g).to(dt) for _ in range(2))
         k_rows, v_rows = torch.zeros(rows + 5, 1, 8, dtype=dt), torch.zeros(rows + 5, 1, 8, dtype=dt)
         where = torch.randperm(rows + 5, generator=g)[:rows]
-        q = ops.rope_write(qkv, cos, sin, where, k_rows, v_rows, 3)
+        q, k = ops.rope_write(qkv, cos, sin, where, k_rows, v_rows, 3, keys=True)
         qk = rope(qkv[:, :32].view(rows, 4, 8), cos, sin)
-        ok &= torch.allclose(q.float(), qk[:, :3].float(), **tol)
+        ok &= torch.allclose(q.float(), qk[:, :3].float(), **tol) and torch.equal(k, k_rows[where])
         ok &= torch.allclose(k_rows[where].float(), qk[:, 3:].float(), **tol)
         ok &= torch.equal(v_rows[where], qkv[:, 32:].view(rows, 1, 8))
     x = torch.randn(5, 1000, generator=g).to(dt)

@@ -56,10 +56,16 @@ class Attention(nn.Module):
                 layer: int, meta: PrefillMeta | DecodeMeta, ops: LayerOps | None = None) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        if ops is not None and isinstance(meta, DecodeMeta) and self.q_norm is None:
-            # a decode step needs no keys or values past the pool: one pass does all
-            q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
-            o = decode_attention(q, kv, layer, meta, self.scale)
+        if ops is not None and self.q_norm is None:
+            # rotary embedding and the pool's write in one pass; a decode step reads
+            # keys and values from the pool only, a prefill also attends to its own
+            if isinstance(meta, DecodeMeta):
+                q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
+                o = decode_attention(q, kv, layer, meta, self.scale)
+            else:
+                q, k = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq, keys=True)
+                v = qkv[:, (self.hq + self.hkv) * self.d:].view(t, self.hkv, self.d)
+                o = prefill_attention(q, k, v, meta, self.scale, kv, layer)
             return linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
         qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
         qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)

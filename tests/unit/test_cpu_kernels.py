@@ -409,6 +409,8 @@ def test_rope_write_equals_torchs_rotary_and_write(dtype, rows, hq, hkv, d):
     q = ops.rope_write(qkv, cos, sin, where, k_rows, v_rows, hq)
     qk = apply_rotary(qkv[:, :(hq + hkv) * d].view(rows, hq + hkv, d), cos, sin)
     torch.testing.assert_close(q, qk[:, :hq], **_TOL[dtype])
+    q2, k = ops.rope_write(qkv, cos, sin, where, k_rows, v_rows, hq, keys=True)   # a prefill's
+    assert torch.equal(q2, q) and torch.equal(k, k_rows[where])
     torch.testing.assert_close(k_rows[where], qk[:, hq:], **_TOL[dtype])
     assert torch.equal(v_rows[where], qkv[:, (hq + hkv) * d:].view(rows, hkv, d))
     others = torch.ones(rows * 3, dtype=torch.bool)
