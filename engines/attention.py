@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.cpu_kernels import PagedDecode
+    from engines.cpu_kernels import LayerOps, PagedDecode
 
 
 @dataclass
@@ -100,14 +100,22 @@ class PagedKV:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PrefillMeta,
-                      scale: float, kv: PagedKV | None = None, layer: int = 0) -> torch.Tensor:
+                      scale: float, kv: PagedKV | None = None, layer: int = 0,
+                      ops: LayerOps | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence (and over its cached prefix, read
-    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]. With `ops` (engines/cpu_kernels.py)
+    a sequence without a cached prefix goes to its causal kernel where it takes it."""
     out, start = torch.empty_like(q), 0
     for i, n in enumerate(meta.seq_lens):
         end = start + n
         ks, vs, mask = k[start:end], v[start:end], None
         cached = meta.starts[i] if meta.starts else 0
+        if ops is not None and not cached:
+            o = ops.causal_attention(q[start:end], ks, vs, scale)
+            if o is not None:
+                out[start:end] = o
+                start = end
+                continue
         if cached:
             rows = meta.context_rows[i]
             ks = torch.cat([kv.read(layer, 0, rows), ks])

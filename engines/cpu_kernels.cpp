@@ -7,7 +7,8 @@
 // - the layers' element-wise steps, each in one pass: RMSNorm (after a residual
 //   addition), SiLU(gate) * up, and rotary embedding with the write of K and V into the
 //   pool;
-// - each row's first maximum (greedy sampling), as torch.argmax picks it.
+// - each row's first maximum (greedy sampling), as torch.argmax picks it;
+// - a float32 prompt's causal attention to itself (prefill), block by block.
 //
 // Decode attention:
 // torch's path gathers every sequence's K and V out of the pool into a dense copy, then
@@ -605,6 +606,133 @@ void argmax_rows(const T *x, int64_t rows, int64_t n, int64_t *out, int threads)
     for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * n, n);
 }
 
+// Causal attention of one prompt to itself in float32: q [n, hq, D], k and v [n, hkv, D]
+// (a position's rows k_stride / v_stride elements apart), out [n, hq, D]. A work item is
+// one KV head and a block of kQBlock positions: its G = hq / hkv query heads' rows (row
+// r: position p0 + r / G, head h G + r % G) against keys in blocks of kKBlock, with the
+// running maximum and sum of each row (the softmax in one pass), S = Q K^T with 6 rows
+// by 64 keys of accumulators and O += P V with 6 or 3 rows by D; keys past a row's
+// position are masked. Later blocks (more keys) are handed out first. Measured on
+// SmolLM2's shapes (9/3 heads of 64, 1,024 positions, 2 threads): 9.9 ms per layer
+// against 12.3 for torch's flash attention in float32.
+#if defined(__AVX512F__)
+constexpr int64_t kQBlock = 64, kKBlock = 64, kRows = 6;
+constexpr float kMasked = -1e30f;           // finite: -ffast-math assumes no infinities
+
+template <int DV>                           // D = 16 DV
+void causal_item(const float *q, const float *k, const float *v, int64_t k_stride, int64_t v_stride,
+                 int64_t hq, int64_t hkv, int64_t h, int64_t p0, int64_t p1, float scale,
+                 float *out, float *work) {
+    constexpr int64_t D = 16 * DV, kPV = 24 / DV;          // rows per O += P V pass
+    const int64_t G = hq / hkv, rows = (p1 - p0) * G, padded = (rows + kRows - 1) / kRows * kRows;
+    float *Q = work, *O = Q + kQBlock * G * D + kRows * D, *S = O + kQBlock * G * D + kRows * D;
+    float *KT = S + (kQBlock * G + kRows) * kKBlock, *V = KT + D * kKBlock;
+    float *m = V + kKBlock * D, *l = m + kQBlock * G + kRows;
+    for (int64_t r = 0; r < padded; r++) {
+        const float *src = q + ((p0 + r / G) * hq + h * G + r % G) * D;
+        for (int64_t d = 0; d < D; d++) {
+            Q[r * D + d] = r < rows ? src[d] * scale : 0.f;
+            O[r * D + d] = 0.f;
+        }
+        m[r] = kMasked;
+        l[r] = 0.f;
+    }
+    for (int64_t k0 = 0; k0 < p1; k0 += kKBlock) {
+        const int64_t nk = p1 - k0 < kKBlock ? p1 - k0 : kKBlock;
+        for (int64_t j = 0; j < kKBlock; j++) {            // this block's keys, transposed
+            const float *kj = k + ((k0 + j) * k_stride) + h * D, *vj = v + ((k0 + j) * v_stride) + h * D;
+            for (int64_t d = 0; d < D; d++) {
+                KT[d * kKBlock + j] = j < nk ? kj[d] : 0.f;
+                V[j * D + d] = j < nk ? vj[d] : 0.f;
+            }
+        }
+        for (int64_t r = 0; r < padded; r += kRows) {      // S = Q K^T, masked
+            __m512 acc[kRows][kKBlock / 16];
+            for (int i = 0; i < kRows; i++)
+                for (int c = 0; c < kKBlock / 16; c++) acc[i][c] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d++) {
+                __m512 kt[kKBlock / 16];
+                for (int c = 0; c < kKBlock / 16; c++) kt[c] = _mm512_load_ps(KT + d * kKBlock + 16 * c);
+                for (int i = 0; i < kRows; i++) {
+                    const __m512 qv = _mm512_set1_ps(Q[(r + i) * D + d]);
+                    for (int c = 0; c < kKBlock / 16; c++) acc[i][c] = _mm512_fmadd_ps(qv, kt[c], acc[i][c]);
+                }
+            }
+            for (int i = 0; i < kRows; i++) {
+                float *srow = S + (r + i) * kKBlock;
+                for (int c = 0; c < kKBlock / 16; c++) _mm512_store_ps(srow + 16 * c, acc[i][c]);
+                const int64_t seen = r + i < rows ? p0 + (r + i) / G - k0 : -1;   // keys 0..seen
+                for (int64_t j = seen + 1 > 0 ? seen + 1 : 0; j < kKBlock; j++) srow[j] = kMasked;
+                for (int64_t j = nk; j < kKBlock; j++) srow[j] = kMasked;
+            }
+        }
+        for (int64_t r = 0; r < padded; r += kPV) {        // softmax update, O += P V
+            float rescale[kPV];
+            for (int i = 0; i < kPV; i++) {
+                float *srow = S + (r + i) * kKBlock, top = m[r + i], sum = 0.f;
+#pragma omp simd reduction(max : top)
+                for (int64_t j = 0; j < kKBlock; j++) top = srow[j] > top ? srow[j] : top;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < kKBlock; j++) {
+                    srow[j] = expf(srow[j] - top);
+                    sum += srow[j];
+                }
+                rescale[i] = expf(m[r + i] - top);
+                l[r + i] = l[r + i] * rescale[i] + sum;
+                m[r + i] = top;
+            }
+            __m512 acc[kPV][DV];
+            for (int i = 0; i < kPV; i++)
+                for (int c = 0; c < DV; c++)
+                    acc[i][c] = _mm512_mul_ps(_mm512_load_ps(O + (r + i) * D + 16 * c), _mm512_set1_ps(rescale[i]));
+            for (int64_t j = 0; j < nk; j++) {
+                __m512 vj[DV];
+                for (int c = 0; c < DV; c++) vj[c] = _mm512_load_ps(V + j * D + 16 * c);
+                for (int i = 0; i < kPV; i++) {
+                    const __m512 p = _mm512_set1_ps(S[(r + i) * kKBlock + j]);
+                    for (int c = 0; c < DV; c++) acc[i][c] = _mm512_fmadd_ps(p, vj[c], acc[i][c]);
+                }
+            }
+            for (int i = 0; i < kPV; i++)
+                for (int c = 0; c < DV; c++) _mm512_store_ps(O + (r + i) * D + 16 * c, acc[i][c]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + ((p0 + r / G) * hq + h * G + r % G) * D;
+        const float inv = 1.f / l[r];                      // l >= 1: the maximum's term is 1
+        for (int64_t d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
+    }
+}
+
+int causal_attention(const float *q, const float *k, const float *v, int64_t k_stride, int64_t v_stride,
+                     int64_t n, int64_t hq, int64_t hkv, int64_t D, float scale, float *out, int threads) {
+    if (n < 1 || hkv < 1 || hq % hkv || threads < 1) return kBadShape;
+    if (D != 64 && D != 128) return kUnsupported;
+    const int64_t G = hq / hkv, blocks = (n + kQBlock - 1) / kQBlock, items = blocks * hkv;
+    const int64_t rows = kQBlock * G + kRows;
+    const int64_t floats = 2 * rows * D + rows * kKBlock + 2 * D * kKBlock + 2 * rows;
+    int status = kOk;
+#pragma omp parallel num_threads(threads)
+    {
+        float *work = static_cast<float *>(std::aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64));
+        if (!work) {
+#pragma omp atomic write
+            status = kNoMemory;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < items; item++) {
+            if (!work) continue;
+            const int64_t b = blocks - 1 - item / hkv, h = item % hkv;
+            const int64_t p0 = b * kQBlock, p1 = p0 + kQBlock < n ? p0 + kQBlock : n;
+            if (D == 64) causal_item<4>(q, k, v, k_stride, v_stride, hq, hkv, h, p0, p1, scale, out, work);
+            else causal_item<8>(q, k, v, k_stride, v_stride, hq, hkv, h, p0, p1, scale, out, work);
+        }
+        std::free(work);
+    }
+    return status;
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -642,6 +770,18 @@ int zpd_linear_bfloat16(const BF16 *x, const BF16 *w, const BF16 *bias, BF16 *y,
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
+#endif
+}
+
+int zpd_causal_attention_float32(const float *q, const float *k, const float *v, int64_t k_stride,
+                                 int64_t v_stride, int64_t n, int64_t hq, int64_t hkv, int64_t D,
+                                 float scale, float *out, int threads) {
+#if defined(__AVX512F__)
+    return causal_attention(q, k, v, k_stride, v_stride, n, hq, hkv, D, scale, out, threads);
+#else
+    (void)q, (void)k, (void)v, (void)k_stride, (void)v_stride, (void)n, (void)hq, (void)hkv, (void)D;
+    (void)scale, (void)out, (void)threads;
+    return kUnsupported;         // this CPU (or compiler) lacks AVX-512
 #endif
 }
 

@@ -472,6 +472,11 @@ class LayerOps:
         self._argmax = getattr(lib, f"zpd_argmax_{name}")
         self._argmax.argtypes = [p, i64, i64, p, ctypes.c_int]
         self._argmax.restype = None
+        # float32 only: in bfloat16 torch's flash attention (bfloat16 products) is faster
+        self._causal = getattr(lib, "zpd_causal_attention_float32") if dtype == torch.float32 else None
+        if self._causal is not None:
+            self._causal.argtypes = [p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
+            self._causal.restype = ctypes.c_int
         self._rope = getattr(lib, f"zpd_rope_write_{name}")
         self._rope.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, p, p, p, p, ctypes.c_int]
         self._rope.restype = ctypes.c_int
@@ -500,6 +505,26 @@ class LayerOps:
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         self._silu(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1],
                    torch.get_num_threads())
+        return out
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor | None:
+        """One prompt's causal attention to itself: q [n, Hq, D]; k, v [n, Hkv, D]
+        (each position's heads contiguous) -> [n, Hq, D]; None where the kernel does not
+        take it (bfloat16, head sizes other than 64 and 128, a CPU without AVX-512)."""
+        if self._causal is None or q.shape[-1] not in (64, 128):
+            return None
+        n, hq, d = q.shape
+        assert q.dtype == k.dtype == v.dtype == self.dtype and q.is_contiguous()
+        assert k.shape == v.shape and k.shape[0] == n and k.shape[2] == d and hq % k.shape[1] == 0
+        assert k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
+        out = torch.empty_like(q)
+        status = self._causal(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), n, hq,
+                              k.shape[1], d, scale, out.data_ptr(), torch.get_num_threads())
+        if status == -4:
+            return None
+        if status != 0:
+            raise RuntimeError(f"causal attention kernel: {_ERRORS.get(status, status)}")
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -571,6 +596,14 @@ def _layer_ops_agree(ops: LayerOps) -> bool:
         ok &= torch.allclose(q.float(), qk[:, :3].float(), **tol) and torch.equal(k, k_rows[where])
         ok &= torch.allclose(k_rows[where].float(), qk[:, 3:].float(), **tol)
         ok &= torch.equal(v_rows[where], qkv[:, 32:].view(rows, 1, 8))
+    for n, hq, hkv, d in ((70, 4, 2, 64), (130, 2, 1, 128)):
+        q, k, v = (torch.randn(n, h, d, generator=g).to(dt) for h in (hq, hkv, hkv))
+        got = ops.causal_attention(q, k, v, d ** -0.5)
+        if got is not None:
+            want = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(0, 1)[None].double() for t in (q, k, v)), is_causal=True,
+                scale=d ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+            ok &= torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
     x = torch.randn(5, 1000, generator=g).to(dt)
     x[1, 7] = x[1, 900] = 10.0                     # ties: the first one
     x[2, 500] = float("nan")                       # a NaN is the maximum, as for torch

@@ -65,7 +65,7 @@ class Attention(nn.Module):
             else:
                 q, k = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq, keys=True)
                 v = qkv[:, (self.hq + self.hkv) * self.d:].view(t, self.hkv, self.d)
-                o = prefill_attention(q, k, v, meta, self.scale, kv, layer)
+                o = prefill_attention(q, k, v, meta, self.scale, kv, layer, ops)
             return linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
         qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
         qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)

@@ -17,19 +17,19 @@ VARIANTS = {
 }
 
 
-def make_checkpoint(kind: str, root: Path, seed: int = 0, shard: bool = False) -> Path:
+def make_checkpoint(kind: str, root: Path, seed: int = 0, shard: bool = False, **sizes) -> Path:
+    """`sizes` overrides the config's sizes (default: hidden 64 in 4 heads of 16)."""
     import transformers
     spec = VARIANTS[kind]
-    cfg = getattr(transformers, spec["cls"])(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, **spec["extra"])
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512) | sizes
+    cfg = getattr(transformers, spec["cls"])(rms_norm_eps=1e-6, **shape, **spec["extra"])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():
         for p in model.parameters():    # larger than the default init: peaked logits, no near-ties
             p.normal_(0.0, 0.2)
-    path = root / f"{kind}-{seed}"
+    path = root / "-".join([kind, str(seed), *map(str, sizes.values())])
     model.save_pretrained(path, max_shard_size="100KB" if shard else "2GB")
     return path
 

@@ -486,3 +486,49 @@ def test_a_packing_that_is_not_its_layout_is_not_used(monkeypatch, caplog):
         finally:
             monkeypatch.undo()
             pd.packed_linear.cache_clear()
+
+
+def _causal_reference(q, k, v, scale):
+    return torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None].double() for t in (q, k, v)), is_causal=True, scale=scale,
+        enable_gqa=True)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 200])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
+def test_causal_attention_equals_float64(n, hq, hkv, d):
+    """Prompts shorter than, at and past the kernel's blocks of 64 positions; grouped
+    and plain heads; heads of 64 and 128; values read through a strided view (as the
+    engine hands them: a slice of the fused projection)."""
+    ops = _ops(torch.float32)
+    g = torch.Generator().manual_seed(n * hq + d)
+    q, k = torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)                    # strided, as in a prefill
+    got = ops.causal_attention(q, k, v, d ** -0.5)
+    assert got is not None and got.shape == q.shape
+    torch.testing.assert_close(got.double(), _causal_reference(q, k, v, d ** -0.5), rtol=1e-4, atol=1e-5)
+
+
+def test_causal_attention_leaves_what_it_does_not_take_to_torch():
+    """bfloat16 (torch's flash attention multiplies in bfloat16, faster) and heads
+    other than 64 and 128 get None: the caller uses torch's attention."""
+    q = torch.randn(10, 4, 64)
+    assert _ops(torch.bfloat16).causal_attention(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:].bfloat16(), 0.1) is None
+    q = torch.randn(10, 4, 32)
+    assert _ops(torch.float32).causal_attention(q, q[:, :2], q[:, 2:], 0.1) is None
+
+
+def test_prefill_attention_by_the_kernel_equals_torchs():
+    """SmolLM2's shapes (9 heads of 64 over 3), three packed prompts: prefill attention
+    with the kernel equals torch's to float32 rounding."""
+    from engines.attention import PrefillMeta, prefill_attention
+    ops = _ops(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    lens = [70, 1, 130]
+    q, k = torch.randn(sum(lens), 9, 64, generator=g), torch.randn(sum(lens), 3, 64, generator=g)
+    v = torch.randn(sum(lens), 3, 64, generator=g)
+    meta = PrefillMeta(lens, torch.zeros(sum(lens), dtype=torch.long))
+    got = prefill_attention(q, k, v, meta, 0.125, ops=ops)
+    want = prefill_attention(q, k, v, meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -103,3 +103,33 @@ def test_layer_kernels_give_torchs_steps(checkpoint, dtype, monkeypatch):
     for ours, theirs in zip(logits, logits_torch):
         scale = theirs.float().abs().max().item()
         assert (ours.float() - theirs.float()).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
+    """Heads of 64 and 128, which the float32 causal prefill kernel takes (the other
+    variants' heads of 16 stay with torch's attention): every step's logits against
+    transformers, prompts of one position to past one query block (64)."""
+    import os
+    import shutil
+
+    from engines.cpu_kernels import LayerOps, layer_ops
+    if layer_ops(torch.float32, "cpu") is None:
+        assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
+        return
+    taken = []
+    real = LayerOps.causal_attention
+    monkeypatch.setattr(LayerOps, "causal_attention",
+                        lambda self, q, *a: taken.append(real(self, q, *a) is not None) or real(self, q, *a))
+    path = make_checkpoint("llama", tmp_path, hidden_size=2 * head_dim, num_attention_heads=2,
+                           num_key_value_heads=1)
+    model, pool, runner = _ours(path, "float32")
+    ref = hf_model(path, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 63, 64, 65, 150)]
+    seqs, logits = _greedy(runner, pool, prompts, steps=2)
+    assert taken and all(taken)                  # every prompt of every layer took the kernel
+    for step, ours in enumerate(logits):
+        for i, seq in enumerate(seqs):
+            theirs = ref(torch.tensor([seq[:len(prompts[i]) + step]])).logits[0, -1]
+            assert torch.allclose(ours[i], theirs, atol=2e-4, rtol=0), f"step {step} prompt {i}"
