@@ -1,13 +1,18 @@
-"""Decode attention on CPU by a small C++ kernel that reads K and V in place from the pool.
+"""The engine's CPU kernels, in one small C++ library (`cpu_kernels.cpp`):
 
-torch's path (`attention.decode_attention`) gathers each group's context into a dense
-copy and multiplies it; at batch 16 the copy and the products cost more than the
-model's attention is worth. `cpu_kernels.cpp` walks each sequence's pool rows
-instead, in float32 for float32 and bfloat16 pools, split over torch's OpenMP threads.
-One layer of SmolLM2 (3 KV heads of 64, 256 positions, 2 threads; median of 7
-alternating rounds): float32 1 row 62 -> 23 us, 16 rows 760-2,170 -> 268 us;
-bfloat16 1 row 64 -> 22 us, 16 rows 421 -> 201 us; and about 4x closer to float64 in
-bfloat16, since nothing is rounded before the output.
+- `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
+  (`attention.decode_attention`) gathers each group's context into a dense copy and
+  multiplies it; at batch 16 the copy and the products cost more than the model's
+  attention is worth. One layer of SmolLM2 (3 KV heads of 64, 256 positions, 2
+  threads; median of 7 alternating rounds): float32 1 row 62 -> 23 us, 16 rows
+  760-2,170 -> 268 us; bfloat16 1 row 64 -> 22 us, 16 rows 421 -> 201 us; and about
+  4x closer to float64 in bfloat16, since nothing is rounded before the output.
+- `SmallLinear`: products of 1-8 rows by row-major weights (float32, and bfloat16
+  where there is no AMX).
+- `PackedLinear` (`AmxLinear`, `PanelLinear`): products by weights packed for the
+  kernel, bfloat16 on AMX tiles and float32 in panels of 16 outputs.
+- `LayerOps`: a layer's element-wise steps in one pass each, greedy argmax, and a
+  float32 prompt's causal attention.
 
 The library is compiled on first use with the host's C++ compiler (`g++`, or $CXX)
 for this CPU (-march=native), about a second, and kept in a cache directory keyed by
@@ -16,7 +21,7 @@ It is loaded with ctypes (no Python headers needed, and the call lets go of the 
 Before first use it is checked against a float64 reference once per process and
 dtype. Without a compiler, with a build that fails or disagrees, or switched off
 (`configure`; zpd's commands read ZPD_CPU_KERNELS and ZPD_KERNEL_CACHE for it, see
-zpd/env.py), decode attention stays on torch's path, with a warning.
+zpd/env.py), the engine stays on torch's ops, with a warning.
 """
 from __future__ import annotations
 

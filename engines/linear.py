@@ -18,16 +18,16 @@ trainer push swaps its storage), so every writer of weights stays as it is. The 
 is memory: a second copy of each projection and the head, made on first use;
 `PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
-Products of 1-8 rows (decode steps of small batches) go to the compiled kernel of
-engines/cpu_kernels.py instead where the CPU has it (AVX-512 for float32, AVX512-BF16
-for bfloat16): faster there than the packed copies, and it needs none. Where the CPU
-has AMX, bfloat16 weights are packed for the AMX kernel of engines/cpu_kernels.py
-instead of oneDNN, for 1-256 rows: SmolLM2's products at 16 rows 28.8 -> 16.2 ms,
-32 rows 36.1 -> 20.6, even from 128 rows on, and at 1-8 rows faster than the
-dot-product kernel (8 rows 22.6 -> 14.4 ms).
+Where the CPU has them, engines/cpu_kernels.py's kernels come first: bfloat16
+weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
+oneDNN's packed copies at 16 rows 28.8 -> 16.2 ms, 32 rows 36.1 -> 20.6, even from
+128 rows on), float32 weights in panels for its AVX-512 kernel (9-64 rows; 16 rows
+41.7 -> 31.8 ms against MKL's), and float32 products of 1-8 rows (bfloat16 too
+without AMX) go to its small-batch kernel, which needs no copy.
 
-Each packing is checked once per process against `F.linear` before it is used, and a
-torch whose ops are missing or disagree gets plain products (with a warning). Other
+Each packing is checked once per process before it is used (the library's against
+float64, torch's against `F.linear`), and one whose ops are missing or disagree is
+not used (with a warning). Other
 dtypes and devices always call `F.linear`. Without the float32 kernel, float32
 weights are held column-major (LlamaForCausalLM.column_major_float32), faster with
 F.linear at 1 row and past 16.
