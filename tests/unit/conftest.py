@@ -1,6 +1,8 @@
-"""The in-process cluster (tests/unit/inproc.py) as a fixture, one per test."""
+"""The in-process cluster (tests/unit/inproc.py) as a fixture, one per test, and other
+fixtures shared by unit tests."""
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,14 @@ import pytest
 from engines.loader import resolve_spec
 from tests.unit.gguf_files import gguf_meta
 from tests.unit.inproc import InprocCluster
+
+
+@pytest.fixture
+def dead_endpoint() -> str:
+    """An address on loopback where nothing listens (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture

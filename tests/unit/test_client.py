@@ -26,14 +26,6 @@ SLACK = 1.0     # thread start, a loaded machine
 
 
 @pytest.fixture
-def dead_endpoint() -> str:
-    """An address on loopback where nothing listens (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-@pytest.fixture
 def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context

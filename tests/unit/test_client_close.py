@@ -8,7 +8,6 @@ regression fails here instead of hanging the suite."""
 from __future__ import annotations
 
 import gc
-import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -19,14 +18,6 @@ import zmq
 from zpd.client import Client
 
 WAIT = 5.0      # never reached when things work; a hang is forever
-
-
-@pytest.fixture
-def dead_endpoint() -> str:
-    """An address on loopback where nothing listens (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
