@@ -28,8 +28,8 @@ are the launch scripts' own (they become flags) and are not read here.
 The engine reads no environment (it is also used without zpd, from Python); `zpd
 run` and every worker hand it these before their model loads (`configure_engine`):
 
-    ZPD_CPU_KERNELS      "0": decode attention and small-batch products on torch's
-                         path instead of the compiled kernels (engines/cpu_kernels.py)
+    ZPD_CPU_KERNELS      "0": torch's ops, attention and products instead of the
+                         compiled kernels (engines/cpu_kernels.py)
     ZPD_KERNEL_CACHE     a directory: where those kernels are built and kept
                          (default ~/.cache/zpd/kernels)
     ZPD_PACKED_WEIGHTS   "0": no packed weight copies (engines/linear.py), for a
