@@ -27,10 +27,9 @@ without AMX) go to its small-batch kernel, which needs no copy.
 
 Each packing is checked once per process before it is used (the library's against
 float64, torch's against `F.linear`), and one whose ops are missing or disagree is
-not used (with a warning). Other
-dtypes and devices always call `F.linear`. Without the float32 kernel, float32
-weights are held column-major (LlamaForCausalLM.column_major_float32), faster with
-F.linear at 1 row and past 16.
+not used (with a warning). Other dtypes and devices always call `F.linear`. Without
+the float32 kernels, float32 weights are held column-major
+(LlamaForCausalLM.column_major_float32), faster with F.linear at 1 row and past 16.
 """
 from __future__ import annotations
 
