@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.cpu_kernels import LayerOps, PagedDecode
+    from engines.cpu_kernels import PagedDecode
+    from engines.cpu_layer_ops import LayerOps
 
 
 @dataclass
@@ -103,7 +104,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: P
                       scale: float, kv: PagedKV | None = None, layer: int = 0,
                       ops: LayerOps | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence (and over its cached prefix, read
-    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]. With `ops` (engines/cpu_kernels.py)
+    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]. With `ops` (engines/cpu_layer_ops.py)
     a sequence without a cached prefix goes to its causal kernel where it takes it."""
     out, start = torch.empty_like(q), 0
     for i, n in enumerate(meta.seq_lens):

@@ -18,7 +18,7 @@ trainer push swaps its storage), so every writer of weights stays as it is. The 
 is memory: a second copy of each projection and the head, made on first use;
 `PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
-Where the CPU has them, engines/cpu_kernels.py's kernels come first: bfloat16
+Where the CPU has them, engines/cpu_products.py's kernels come first: bfloat16
 weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
 oneDNN's packed copies at 16 rows 28.8 -> 16.2 ms, 32 rows 36.1 -> 20.6, even from
 128 rows on), float32 weights in panels for its AVX-512 kernel (9-64 rows; 16 rows
@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engines import cpu_kernels
+from engines import cpu_products
 
 log = logging.getLogger("zpd.engine")
 
@@ -73,10 +73,10 @@ PACKINGS = {
 
 
 def _kernel_packing(dtype: torch.dtype) -> Packing | None:
-    """Weights packed for engines/cpu_kernels.py's packed-weight kernel of `dtype`,
+    """Weights packed for engines/cpu_products.py's packed-weight kernel of `dtype`,
     where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel),
     float32 in panels for 9-64 rows."""
-    kernel = cpu_kernels.packed_linear(dtype)
+    kernel = cpu_products.packed_linear(dtype)
     if kernel is None:
         return None
     rows, first = ((1, 256), True) if dtype == torch.bfloat16 else ((9, 64), False)
@@ -147,9 +147,9 @@ class PackedWeights:
         rows, packing = x.shape[0], self.usable(w.dtype)
         if packing is not None and not (packing.rows[0] <= rows <= packing.rows[1] and packing.fits(w)):
             packing = None
-        if (packing is None or not packing.before_small) and 1 <= rows <= cpu_kernels.SmallLinear.ROWS \
+        if (packing is None or not packing.before_small) and 1 <= rows <= cpu_products.SmallLinear.ROWS \
                 and w.is_contiguous():
-            kernel = cpu_kernels.small_linear(w.dtype)
+            kernel = cpu_products.small_linear(w.dtype)
             if kernel is not None:
                 return kernel(x, w, bias)
         if packing is None:

@@ -7,7 +7,7 @@ from torch import nn
 
 from engines.attention import DecodeMeta, PagedKV, PrefillMeta, decode_attention, prefill_attention
 from engines.config import ModelConfig
-from engines.cpu_kernels import LayerOps, layer_ops
+from engines.cpu_layer_ops import LayerOps, layer_ops
 from engines.linear import linear
 from engines.rope import RotaryEmbedding, apply_rotary
 
@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, ops: LayerOps | None = None) -> torch.Tensor:
-        """`ops`: the compiled element-wise steps (engines/cpu_kernels.py), or None for
+        """`ops`: the compiled element-wise steps (engines/cpu_layer_ops.py), or None for
         torch's ops."""
         h = self.self_attn(self.input_layernorm(x, ops), rope, kv, self.index, meta, ops)
         if ops is None:

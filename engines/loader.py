@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-from engines import cpu_kernels
+from engines import cpu_products
 from engines.chat import ChatTemplate, encode_chat
 from engines.config import ModelConfig, ModelError
 from engines.gguf_file import GGUFFile, is_gguf
@@ -151,7 +151,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
     src = _source(path, text=True)
     with torch.device(dev):
         net = LlamaForCausalLM(src.cfg).to(dt)
-    if dev.type == "cpu" and dt == torch.float32 and cpu_kernels.small_linear(dt) is None:
+    if dev.type == "cpu" and dt == torch.float32 and cpu_products.small_linear(dt) is None:
         net.column_major_float32()         # F.linear's faster layout; the kernel wants row-major
     apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
     net.setup_rotary(dt, dev)

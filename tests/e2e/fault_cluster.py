@@ -190,7 +190,31 @@ class FaultCluster:
         self.stop()
 
 
-class Requests:
+class ClientReader:
+    """A thread that reads one client's answers (`thread`, watching `stopping`). `stop`
+    ends it, so that the client may be used or closed; `with` stops it however the
+    block ends."""
+
+    def __init__(self) -> None:
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        """Stop the reader; again (or before it started) does nothing."""
+        self.stopping.set()
+        if self.thread is None:
+            return
+        self.thread.join(5)
+        assert not self.thread.is_alive(), "the reader did not stop: its client must stay open"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Requests(ClientReader):
     """Requests submitted on one client, whose answers a thread collects with the time
     each one ended. The client belongs to the thread: abort through another client, and
     close it only after `stop` (use `with submit(...) as reqs` inside the client's own
@@ -200,13 +224,12 @@ class Requests:
     POLL = 0.2      # seconds the reader waits for a chunk before it looks at `stopping`
 
     def __init__(self, client: Client) -> None:
+        super().__init__()
         self.client = client
         self.chunks: dict[str, list[dict]] = {}
         self.done: dict[str, dict] = {}
         self.ended_at: dict[str, float] = {}
         self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread: threading.Thread | None = None
 
     def submit(self, rid: str, input_ids: list[int], max_new: int, stream: bool = False) -> str:
         assert self.thread is None, "submit everything before start()"
@@ -240,20 +263,6 @@ class Requests:
     def tokens(self, rid: str) -> int:
         with self.lock:
             return sum(len(c["token_ids"]) for c in self.chunks[rid])
-
-    def stop(self) -> None:
-        """Stop collecting, so that the client may be closed; again does nothing."""
-        self.stopping.set()
-        if self.thread is None:
-            return
-        self.thread.join(5)
-        assert not self.thread.is_alive(), "the reader did not stop: its client must stay open"
-
-    def __enter__(self) -> "Requests":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def wait(self, timeout: float = 60.0) -> dict[str, dict]:
         self.thread.join(timeout)

@@ -15,6 +15,7 @@ from engines.loader import load_model
 from engines.sampler import SamplingParams
 from engines.tiny import save_tiny
 from tests.e2e.cluster import Cluster, assert_all_pages_free
+from tests.e2e.fault_cluster import ClientReader
 from zpd.client import assemble
 from engines.offline import OfflineEngine
 from engines.request import Request
@@ -22,7 +23,7 @@ from engines.request import Request
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
 
-class Collector:
+class Collector(ClientReader):
     """Streaming requests on one client, whose chunks a thread gathers. While the thread
     runs the client is its own (a zmq socket is not thread-safe): requests submitted
     after `start` are handed to it to send, admin commands go through another client,
@@ -36,9 +37,9 @@ class Collector:
                     # to it and looks at `stopping`; also the most a late `submit` waits
 
     def __init__(self, client) -> None:
+        super().__init__()
         self.client, self.chunks, self.done = client, {}, {}
-        self.lock, self.stopping = threading.Lock(), threading.Event()
-        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
         self.error: BaseException | None = None     # what ended the reader, if not the work
         self._outbox: list[tuple[dict, threading.Event]] = []   # submitted after `start`
         self._ended = False             # the reader is past its last look at the outbox
@@ -99,20 +100,6 @@ class Collector:
         if self.error is not None:
             raise AssertionError("the reader failed") from self.error
         return self.done
-
-    def stop(self) -> None:
-        """Stop the reader, so that its client may be used or closed; again does nothing."""
-        self.stopping.set()
-        if self.thread is None:
-            return
-        self.thread.join(5)
-        assert not self.thread.is_alive(), "the reader did not stop: its client must stay open"
-
-    def __enter__(self) -> "Collector":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:

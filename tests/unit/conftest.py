@@ -21,6 +21,17 @@ def dead_endpoint() -> str:
 
 
 @pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """The CPU kernels looked up again under the test's settings (built in a cache of
+    their own), and the default settings back after."""
+    from engines import cpu_kernels
+    cpu_kernels.configure(True, tmp_path / "kernels")
+    yield monkeypatch
+    monkeypatch.undo()
+    cpu_kernels.configure()
+
+
+@pytest.fixture
 def cluster():
     c = InprocCluster()
     yield c

@@ -81,7 +81,7 @@ def test_batch_equals_alone(checkpoint):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_kernels_give_torchs_steps(checkpoint, dtype, monkeypatch):
-    """The compiled element-wise steps (engines/cpu_kernels.py, LayerOps: norms with
+    """The compiled element-wise steps (engines/cpu_layer_ops.py, LayerOps: norms with
     the residual addition, SiLU * up, rotary embedding written into the pool) against
     torch's ops in the same engine, every variant (biases, q/k norms, tied heads):
     greedy tokens are the same and every step's logits agree to the dtype's rounding."""
@@ -89,7 +89,7 @@ def test_layer_kernels_give_torchs_steps(checkpoint, dtype, monkeypatch):
     import shutil
 
     import engines.llama as llama
-    from engines.cpu_kernels import layer_ops
+    from engines.cpu_layer_ops import layer_ops
     if layer_ops(getattr(torch, dtype), "cpu") is None:
         assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
         return
@@ -113,7 +113,7 @@ def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
     import os
     import shutil
 
-    from engines.cpu_kernels import LayerOps, layer_ops
+    from engines.cpu_layer_ops import LayerOps, layer_ops
     if layer_ops(torch.float32, "cpu") is None:
         assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
         return

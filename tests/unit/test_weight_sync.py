@@ -123,9 +123,9 @@ def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, kernel, bucket,
     the values, the layout and the answers after the push are those of a fresh load
     of the new weights."""
     import functools
-    from engines import cpu_kernels
+    from engines import cpu_products
     if not kernel:        # the workers' configure_engine clears it, as it does the real one
-        monkeypatch.setattr(cpu_kernels, "small_linear", functools.lru_cache(lambda dtype: None))
+        monkeypatch.setattr(cpu_products, "small_linear", functools.lru_cache(lambda dtype: None))
     c = InprocCluster(kv_cache_mb=2.0, dtype=dtype)
     try:
         first = [c.submit(PROMPT, 4), c.submit(PROMPT[1:], 4)]   # packed copies of the old weights
@@ -138,7 +138,7 @@ def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, kernel, bucket,
         for core in (c.prefill, c.decode):
             net = core.model.net
             assert all(torch.equal(p, want[n]) for n, p in net.named_parameters())
-            row_major = dtype == "bfloat16" or cpu_kernels.small_linear(torch.float32) is not None
+            row_major = dtype == "bfloat16" or cpu_products.small_linear(torch.float32) is not None
             assert all(w.is_contiguous() == row_major for w in net.linears())
         rids = [c.submit(PROMPT, 8), c.submit(PROMPT[1:], 8)]   # decode batches of 2: packed
         assert c.run(rids[0]).token_ids == reference_tiny_model(fresh, PROMPT, 8)

@@ -1,0 +1,237 @@
+"""Matrix products of the CPU library (engines/cpu_kernels.cpp), each checked against
+float64 once per process before engines/linear.py uses it:
+
+- `SmallLinear`: 1-8 rows by a row-major weight (decode at small batches), float32 on
+  AVX-512 and bfloat16 on AVX512-BF16; no copy of the weight.
+- `AmxLinear`, `PanelLinear` (`PackedLinear`): by a copy of the weight packed for the
+  kernel, bfloat16 on AMX tiles and float32 in panels of 16 outputs.
+"""
+from __future__ import annotations
+
+import ctypes
+from abc import ABC, abstractmethod
+import logging
+
+import torch
+
+from engines.cpu_kernels import C_INT64, DTYPES, describe, library, once
+
+log = logging.getLogger("zpd.engine")
+
+
+
+class SmallLinear:
+    """y = x w^T (+ bias) for 1-8 rows x and a row-major weight w of one dtype (decode
+    steps of small batches), each weight row read once for all rows: float32 by
+    AVX-512 FMAs, bfloat16 by AVX512-BF16 dot products, both with float32 sums.
+    SmolLM2's 121 products on 2 threads (median of 7 alternating rounds), bfloat16
+    against oneDNN's packed copies: 1 row 25.1 -> 14.1 ms, 2 rows 25.1 -> 14.9, 4 rows
+    25.4 -> 16.7, 8 rows 29.3 -> 24.0 (at 16 rows a first version took 41.5 against
+    28.2, so more rows stay with oneDNN); float32: 1 row 21.9 ms column-major with
+    F.linear -> 23.5 ms row-major here, 2 rows 24.4 (MKL-packed) -> 19.2, 4 rows
+    28.0 -> 21.8."""
+
+    ROWS = 8
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.fn = getattr(lib, f"zpd_linear_{str(dtype).removeprefix('torch.')}")
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                            C_INT64, C_INT64, C_INT64, ctypes.c_int]
+        self.fn.restype = ctypes.c_int
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M <= 8, K]; w: [N, K] contiguous; bias: [N] -> [M, N]."""
+        assert x.dtype == w.dtype == self.dtype and x.dim() == 2 and x.shape[1] == w.shape[1]
+        assert 1 <= x.shape[0] <= self.ROWS and w.is_contiguous()
+        assert bias is None or (bias.is_contiguous() and bias.dtype == w.dtype)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
+        status = self.fn(x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                         x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{self.dtype} product kernel: {describe(status)}")
+        return y
+
+
+def _products_agree(kernel: SmallLinear) -> bool:
+    """Whether the product kernel gives float64's products (to its dtype's rounding)
+    at 1 to 8 rows, with and without a bias, for lengths in and out of its vector
+    steps and weight rows in and out of its blocks (False, with a warning where not;
+    False where this CPU lacks the instructions)."""
+    g = torch.Generator().manual_seed(0)
+    tol = 1e-4 if kernel.dtype == torch.float32 else 2e-2
+    try:
+        for n, k in ((40, 64), (13, 70), (8, 5)):
+            w = torch.randn(n, k, generator=g).to(kernel.dtype)
+            b = torch.randn(n, generator=g).to(kernel.dtype)
+            for rows in range(1, kernel.ROWS + 1):
+                x = torch.randn(rows, k, generator=g).to(kernel.dtype)
+                for bias in (None, b):
+                    want = torch.nn.functional.linear(x.double(), w.double(),
+                                                      None if bias is None else bias.double())
+                    if not torch.allclose(kernel(x, w, bias).double(), want, rtol=tol, atol=tol):
+                        log.warning("the %s product kernel disagrees with float64; using torch's "
+                                    "products", kernel.dtype)
+                        return False
+    except RuntimeError as e:
+        log.info("%s product kernel not used (%s)", kernel.dtype, e)
+        return False
+    return True
+
+
+@once
+def small_linear(dtype: torch.dtype) -> SmallLinear | None:
+    """The product kernel of 1-8 rows for `dtype` (float32, bfloat16), checked once;
+    None: torch's products."""
+    lib = library() if dtype in DTYPES else None
+    try:
+        kernel = None if lib is None else SmallLinear(lib, dtype)
+    except AttributeError as e:
+        log.warning("%s product kernel unavailable (%s); using torch's products", dtype, e)
+        return None
+    return kernel if kernel is not None and _products_agree(kernel) else None
+
+
+class PackedLinear(ABC):
+    """y = x w^T (+ bias) from a copy of w packed for a kernel of the library (`pack`):
+    the base of the AMX (bfloat16) and panel (float32) products."""
+
+    DTYPE: torch.dtype
+    SYMBOL: str
+    PACK_SYMBOL: str
+    BLOCK: int            # outputs per block of the packing (N is padded to it)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.fn = getattr(lib, self.SYMBOL)
+        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                            C_INT64, C_INT64, C_INT64, ctypes.c_int]
+        self.fn.restype = ctypes.c_int
+        self._pack = getattr(lib, self.PACK_SYMBOL)
+        self._pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, C_INT64, C_INT64, ctypes.c_int]
+        self._pack.restype = ctypes.c_int
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """`layout(w)`, by the library (in order, on torch's threads)."""
+        assert self.fits(w)
+        w = w.contiguous()
+        n, k = w.shape
+        out = w.new_empty(-(-n // self.BLOCK) * self.BLOCK * k)
+        status = self._pack(w.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{type(self).__name__} packing: {describe(status)}")
+        return out
+
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        return w.dtype == cls.DTYPE and w.dim() == 2 and w.shape[1] > 0
+
+    @staticmethod
+    @abstractmethod
+    def layout(w: torch.Tensor) -> torch.Tensor:
+        """The packing of an [N, K] weight, in torch (the reference for `pack`)."""
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [M, K]; packed: `pack` of an [n, K] weight; bias: [n] -> [M, n]."""
+        k = x.shape[1]
+        assert x.dtype == packed.dtype == self.DTYPE and x.dim() == 2 and self.fits(x)
+        assert packed.is_contiguous() and packed.numel() == -(-n // self.BLOCK) * self.BLOCK * k
+        assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == n)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        status = self.fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{type(self).__name__} kernel: {describe(status)}")
+        return y
+
+
+class AmxLinear(PackedLinear):
+    """bfloat16 products of any number of rows on AMX tiles. Threads share blocks of 32
+    outputs, each streaming its packed weight once for up to 32 rows at a time.
+    SmolLM2's 121 products on 2 threads (median of 7 alternating rounds), against
+    oneDNN's packed copies (which run on AMX too here): 1 row 25.4 -> 13.9 ms, 4 rows
+    24.7 -> 13.7, 8 rows 25.1 -> 14.4, 16 rows 28.8 -> 16.2, 32 rows 36.1 -> 20.6, 64
+    rows 36.4 -> 34.3, 128 rows 60.1 -> 58.2, 256 rows 105.9 -> 108.9 (and the
+    dot-product kernel above: 1 row 13.5, 4 rows 17.1, 8 rows 22.6). Needs K a
+    multiple of 32 (`fits`)."""
+
+    DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_amx_bfloat16", "zpd_pack_amx_bfloat16", 32
+
+    @classmethod
+    def fits(cls, w: torch.Tensor) -> bool:
+        return super().fits(w) and w.shape[1] % 32 == 0
+
+    @staticmethod
+    def layout(w: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N' / 32, K / 32, 2, 16, 16, 2] with N' = N rounded up to 32 (zero
+        rows): element [b, s, h, r, n, j] = w[32 b + 16 h + n, 32 s + 2 r + j]."""
+        n, k = w.shape
+        padded = torch.nn.functional.pad(w, (0, 0, 0, -n % 32))
+        return padded.reshape(-1, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+class PanelLinear(PackedLinear):
+    """float32 products of 9-64 rows (decode steps of larger batches) by AVX-512 FMAs
+    from panels of 16 outputs, 16 rows at a time. SmolLM2's 121 products on 2 threads
+    (median of 5 alternating rounds), against MKL's packed copies: 8 rows 38.2 -> 34.0
+    ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4."""
+
+    DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
+
+    @staticmethod
+    def layout(w: torch.Tensor) -> torch.Tensor:
+        """[N, K] -> [N' / 16, K, 16] with N' = N rounded up to 16 (zero rows): element
+        [p, k, n] = w[16 p + n, k]."""
+        n, k = w.shape
+        padded = torch.nn.functional.pad(w, (0, 0, 0, -n % 16))
+        return padded.reshape(-1, 16, k).transpose(1, 2).contiguous()
+
+
+def _packed_agrees(kernel: PackedLinear) -> bool:
+    """Whether a packed-weight kernel gives float64's products (to its dtype's
+    rounding) for row counts in and across its blocks, outputs in and out of its
+    blocks, with and without a bias, and leaves torch's own products (oneDNN's, on AMX
+    tiles too in bfloat16) right when they run after it (False, with a warning where
+    not; False where the CPU, compiler or OS kernel lacks what it needs)."""
+    g, dt = torch.Generator().manual_seed(0), kernel.DTYPE
+    tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    try:
+        for n, k in ((40, 64), (13, 96), (64, 32)):
+            w = torch.randn(n, k, generator=g).to(dt)
+            b = torch.randn(n, generator=g).to(dt)
+            packed = kernel.pack(w)
+            if not torch.equal(packed, kernel.layout(w).view(-1)):
+                log.warning("the %s packing is not its layout; using torch's %s products",
+                            type(kernel).__name__, dt)
+                return False
+            for rows in (1, 5, 16, 17, 32, 33, 70):
+                x = torch.randn(rows, k, generator=g).to(dt)
+                for bias in (None, b):
+                    want = torch.nn.functional.linear(x.double(), w.double(),
+                                                      None if bias is None else bias.double())
+                    got = kernel(x, packed, n, bias).double()
+                    after = torch.nn.functional.linear(x, w, bias).double()
+                    if not (torch.allclose(got, want, **tol) and torch.allclose(after, want, **tol)):
+                        log.warning("the %s product kernel disagrees with float64; using torch's "
+                                    "%s products", type(kernel).__name__, dt)
+                        return False
+    except RuntimeError as e:
+        log.info("%s product kernel not used (%s)", type(kernel).__name__, e)
+        return False
+    return True
+
+
+@once
+def packed_linear(dtype: torch.dtype) -> PackedLinear | None:
+    """The packed-weight product kernel for `dtype` (bfloat16: AMX; float32: panels),
+    checked once; None: not on this machine."""
+    kinds = {torch.bfloat16: AmxLinear, torch.float32: PanelLinear}
+    lib = library() if dtype in kinds else None
+    try:
+        kernel = None if lib is None else kinds[dtype](lib)
+    except AttributeError as e:
+        log.warning("%s packed product kernel unavailable (%s); using torch's products", dtype, e)
+        return None
+    return kernel if kernel is not None and _packed_agrees(kernel) else None
