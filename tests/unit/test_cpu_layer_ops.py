@@ -1,6 +1,6 @@
 """The CPU library's layer steps (engines/cpu_layer_ops.py): norms, SiLU * up, the
-rotary write into the pool, argmax and float32 causal attention against torch's ops
-and float64, and their first-use checks."""
+rotary write into the pool, argmax and causal attention against torch's ops and
+float64, and their first-use checks."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 import engines.cpu_layer_ops as co
 from engines.cpu_kernels import configure
-from tests.unit.cpu_support import require_compiler
+from tests.unit.cpu_support import cpu_has, require_compiler
 
 require_compiler()
 
@@ -129,29 +129,52 @@ def _causal_reference(q, k, v, scale):
         enable_gqa=True)[0].transpose(0, 1)
 
 
+def _causal_inputs(n, hq, hkv, d, dtype):
+    g = torch.Generator().manual_seed(n * hq + d)
+    q, k = torch.randn(n, hq, d, generator=g).to(dtype), torch.randn(n, hkv, d, generator=g).to(dtype)
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    return q, k, qkv[:, (hq + hkv) * d:].view(n, hkv, d)           # v strided, as in a prefill
+
+
 @pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 200])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
 def test_causal_attention_equals_float64(n, hq, hkv, d):
     """Prompts shorter than, at and past the kernel's blocks of 64 positions; grouped
     and plain heads; heads of 64 and 128; values read through a strided view (as the
     engine hands them: a slice of the fused projection)."""
-    ops = _ops(torch.float32)
-    g = torch.Generator().manual_seed(n * hq + d)
-    q, k = torch.randn(n, hq, d, generator=g), torch.randn(n, hkv, d, generator=g)
-    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
-    v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)                    # strided, as in a prefill
-    got = ops.causal_attention(q, k, v, d ** -0.5)
+    q, k, v = _causal_inputs(n, hq, hkv, d, torch.float32)
+    got = _ops(torch.float32).causal_attention(q, k, v, d ** -0.5)
     assert got is not None and got.shape == q.shape
     torch.testing.assert_close(got.double(), _causal_reference(q, k, v, d ** -0.5), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 63, 64, 65, 200])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
+def test_bfloat16_causal_attention_is_as_close_as_torchs(n, hq, hkv, d):
+    """The AMX kernel (blocks of 16 queries by 64 keys, packed in 32s): prompts within,
+    at and past each block size. Its error against float64 is within 5% of torch's own
+    bfloat16 flash attention's (both multiply in bfloat16 and round the weights to it);
+    without AMX it declines and the caller uses torch's."""
+    q, k, v = _causal_inputs(n, hq, hkv, d, torch.bfloat16)
+    got = _ops(torch.bfloat16).causal_attention(q, k, v, d ** -0.5)
+    if not cpu_has("amx_bf16"):
+        assert got is None
+        return
+    want = _causal_reference(q, k, v, d ** -0.5)
+    torchs = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, scale=d ** -0.5,
+        enable_gqa=True)[0].transpose(0, 1)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    ours_err, torchs_err = ((t.double() - want).abs() for t in (got, torchs))
+    assert ours_err.max() <= 1.05 * torchs_err.max() + 1e-3
+    assert ours_err.mean() <= 1.05 * torchs_err.mean() + 1e-4
+
+
 def test_causal_attention_leaves_what_it_does_not_take_to_torch():
-    """bfloat16 (torch's flash attention multiplies in bfloat16, faster) and heads
-    other than 64 and 128 get None: the caller uses torch's attention."""
-    q = torch.randn(10, 4, 64)
-    assert _ops(torch.bfloat16).causal_attention(q.bfloat16(), q[:, :2].bfloat16(), q[:, 2:].bfloat16(), 0.1) is None
-    q = torch.randn(10, 4, 32)
-    assert _ops(torch.float32).causal_attention(q, q[:, :2], q[:, 2:], 0.1) is None
+    """Heads other than 64 and 128 get None: the caller uses torch's attention."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(10, 4, 32).to(dtype)
+        assert _ops(dtype).causal_attention(q, q[:, :2], q[:, 2:], 0.1) is None
 
 
 def test_prefill_attention_by_the_kernel_equals_torchs():

@@ -133,3 +133,38 @@ def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
         for i, seq in enumerate(seqs):
             theirs = ref(torch.tensor([seq[:len(prompts[i]) + step]])).logits[0, -1]
             assert torch.allclose(ours[i], theirs, atol=2e-4, rtol=0), f"step {step} prompt {i}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_causal_kernel_gives_torchs_logits(tmp_path, head_dim, monkeypatch):
+    """The bfloat16 causal prefill kernel (AMX) in a model with heads of 64 and 128,
+    against the same engine on torch's flash attention: prompt logits to bfloat16's
+    rounding, the same greedy token wherever torch's top two are more than that apart
+    (a random bfloat16 model has near-ties), and every prompt of every layer took the
+    kernel where the CPU has AMX."""
+    import os
+    import shutil
+
+    from engines.cpu_layer_ops import LayerOps, layer_ops
+    from tests.unit.cpu_support import cpu_has
+    if layer_ops(torch.bfloat16, "cpu") is None:
+        assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
+        return
+    taken = []
+    real = LayerOps.causal_attention
+    monkeypatch.setattr(LayerOps, "causal_attention",
+                        lambda self, q, *a: taken.append(real(self, q, *a) is not None) or real(self, q, *a))
+    path = make_checkpoint("llama", tmp_path, hidden_size=2 * head_dim, num_attention_heads=2,
+                           num_key_value_heads=1)
+    model, pool, runner = _ours(path, "bfloat16")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 16, 63, 64, 65, 150)]
+    ours = _greedy(runner, pool, prompts, steps=0)[1][0].float()
+    assert taken and all(taken) == cpu_has("amx_bf16")
+    monkeypatch.setattr(LayerOps, "causal_attention", lambda self, *a: None)
+    theirs = _greedy(runner, pool, prompts, steps=0)[1][0].float()
+    tol = 0.03 * theirs.abs().max().item()
+    assert (ours - theirs).abs().max().item() <= tol
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
