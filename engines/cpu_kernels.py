@@ -1,4 +1,7 @@
-"""The engine's CPU kernels, in one small C++ library (`cpu_kernels.cpp`):
+"""The engine's CPU kernels, one small C++ library built from three sources that share
+`cpu_kernels.h`: `cpu_attention.cpp` (decode and causal prefill attention),
+`cpu_products.cpp` (matrix products and weight packings) and `cpu_layer_ops.cpp`
+(element-wise layer steps, argmax).
 
 - `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
   (`attention.decode_attention`) gathers each group's context into a dense copy and
@@ -11,14 +14,14 @@
   (float32, and bfloat16 where there is no AMX); `AmxLinear` and `PanelLinear`, by
   weights packed for the kernel (bfloat16 on AMX tiles, float32 in panels).
 - `LayerOps` (engines/cpu_layer_ops.py): a layer's element-wise steps in one pass
-  each, greedy argmax, and a float32 prompt's causal attention.
+  each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX).
 
 This module builds, caches and loads the library (`library`) and holds the decode
 attention's side; the others look their entry points up in the loaded library.
 
 The library is compiled on first use with the host's C++ compiler (`g++`, or $CXX)
-for this CPU (-march=native), about a second, and kept in a cache directory keyed by
-the source, the flags, the compiler and the CPU, so workers after the first load it.
+for this CPU (-march=native), a few seconds, and kept in a cache directory keyed by
+the sources, the flags, the compiler and the CPU, so workers after the first load it.
 It is loaded with ctypes (no Python headers needed, and the call lets go of the GIL).
 Before first use it is checked against a float64 reference once per process and
 dtype. Without a compiler, with a build that fails or disagrees, or switched off
@@ -44,7 +47,8 @@ import torch
 
 log = logging.getLogger("zpd.engine")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+HEADER = Path(__file__).with_name("cpu_kernels.h")      # what the sources share
+SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp") for part in ("attention", "products", "layer_ops")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see the source's header
 LIBS = ["-lmvec", "-lm"]
@@ -124,13 +128,30 @@ def _compile(compiler: str, out: Path) -> None:
     """Build the library at `out` (atomically: concurrent builders each rename a
     whole file into place). Raises RuntimeError with the compiler's complaint."""
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
-        obj, lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / out.name
-        for cmd in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                    [compiler, *LINK_FLAGS, str(obj), "-o", str(lib), *LIBS]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / out.name
+        compiles = [[compiler, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
+        _run_all(compiles)                                        # the sources side by side
+        _run_all([[compiler, *LINK_FLAGS, *map(str, objs), "-o", str(lib), *LIBS]])
         os.replace(lib, out)
+
+
+def _run_all(cmds: list[list[str]]) -> None:
+    """Run `cmds` at once and wait for all; RuntimeError with the first failure's
+    complaint (the others are killed), or if they take past BUILD_TIMEOUT_S."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for cmd in cmds]
+    try:
+        for cmd, proc in zip(cmds, procs):
+            _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-2000:]}")
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(e.cmd)} took over {BUILD_TIMEOUT_S} s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def build(directory: Path) -> Path:
@@ -141,7 +162,8 @@ def build(directory: Path) -> Path:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS + LINK_FLAGS + LIBS),
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (HEADER, *SOURCES)),
+                                    " ".join(COMPILE_FLAGS + LINK_FLAGS + LIBS),
                                     version, _cpu_identity()]).encode()).hexdigest()[:20]
     out = directory / f"cpu_kernels-{key}.so"
     if not out.exists():

@@ -1,6 +1,7 @@
-"""A layer's element-wise steps, greedy argmax and a prompt's causal attention in the
-CPU library (engines/cpu_kernels.cpp), each one call instead of several torch
-ops; checked against torch's ops once per process (`layer_ops`).
+"""A layer's element-wise steps, greedy argmax (engines/cpu_layer_ops.cpp) and a
+prompt's causal attention (engines/cpu_attention.cpp) in the CPU library, each one call
+instead of several torch ops; checked against torch's ops once per process
+(`layer_ops`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Matrix products of the CPU library (engines/cpu_kernels.cpp), each checked against
+"""Matrix products of the CPU library (engines/cpu_products.cpp), each checked against
 float64 once per process before engines/linear.py uses it:
 
 - `SmallLinear`: 1-8 rows by a row-major weight (decode at small batches), float32 on

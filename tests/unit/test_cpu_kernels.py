@@ -128,6 +128,23 @@ def test_a_cache_others_can_write_to_is_not_used(fresh, tmp_path, caplog):
                                pd.reference(q, k, v, rows, lens, 0.2), rtol=2e-6, atol=2e-6)
 
 
+def test_one_source_failing_fails_the_build_and_leaves_nothing(fresh, tmp_path):
+    """The sources compile side by side; one that fails (here the products) fails the
+    build with its compiler's complaint, and no library is left in the cache."""
+    import shutil
+    compiler = tmp_path / "cxx"
+    compiler.write_text(f"""#!/bin/sh
+case "$*" in *cpu_products.cpp*) echo "boom in products" >&2; exit 1;; esac
+exec {shutil.which("g++")} "$@"
+""")
+    compiler.chmod(0o755)
+    fresh.setenv("CXX", str(compiler))
+    (tmp_path / "kernels").mkdir()
+    with pytest.raises(RuntimeError, match="cpu_products.cpp.*boom in products"):
+        pd.build(tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").iterdir())
+
+
 @pytest.mark.parametrize("why", ["no compiler", "switched off", "build fails"])
 def test_without_a_kernel_decode_stays_on_torch_with_a_warning(fresh, caplog, why):
     if why == "no compiler":

@@ -1,0 +1,90 @@
+// What the CPU kernels' sources share (engines/cpu_attention.cpp, cpu_products.cpp,
+// cpu_layer_ops.cpp, built into one library by engines/cpu_kernels.py): the status codes
+// the Python side reads, bfloat16 storage, the exp of the attention kernels' softmax, and
+// the AMX tile state.
+//
+// Compiled with -ffast-math (at compile time only, so the library does not switch the
+// process's denormals off): reductions are reordered and vectorised. No infinity or NaN
+// is relied on: a masked score is -1e30, a row's maximum starts at its first score, and
+// every row holds at least one position.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ZPD_AMX 1
+#endif
+
+namespace zpd {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+enum Status { kOk = 0, kBadShape = -1, kNoMemory = -2, kBadRow = -3, kUnsupported = -4 };
+
+struct BF16 { uint16_t bits; };
+
+inline float to_float(float x) { return x; }
+inline float to_float(BF16 x) {
+    uint32_t u = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline void store(float *dst, float x) { *dst = x; }
+inline void store(BF16 *dst, float x) {             // round to nearest even; NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { dst->bits = uint16_t((u >> 16) | 0x40); return; }
+    dst->bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__)
+constexpr float kMasked = -1e30f;           // finite: -ffast-math assumes no infinities
+constexpr float kLog2e = 1.44269504f;
+
+// 2^x for x <= 0 (-1e30 included: 0), as 2^n 2^f with n = round(x), |f| <= 1/2, 2^f by
+// its Taylor series in f ln 2 to the 6th power (relative error ~1e-7), where glibc's
+// vector expf over a stored row cost a quarter of the float32 kernel's time.
+inline __m512 exp2_ps(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(ZPD_AMX)
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+inline bool amx_permitted() {             // Linux hands out AMX state only to a process that asks
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+// GCC does not see ldtilecfg read the whole 64 bytes: without the barrier it dropped
+// the stores of a config filled in a loop (tilezero then faulted on unconfigured tiles)
+inline void load_tile_config(const TileConfig &c) {
+    asm volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+#endif
+
+}  // namespace zpd
