@@ -1,7 +1,7 @@
 """zpd's engine vs vLLM's CPU build on the same model, work, threads and machine.
 
     python bench/bench_peer.py [--vllm-python /path/to/venv/bin/python] [--dtypes float32,bfloat16]
-                               [--threads 2] [--rounds 3] [--smoke]
+                               [--threads 2] [--rounds 3] [--prefill-runs 3] [--smoke]
 
 Model: SmolLM2-135M-Instruct, written once as a float32 Hugging Face directory
 (--hf-dir, default ~/.cache/zpd/smollm2-hf; converted from the GGUF file of the
@@ -9,7 +9,9 @@ Model: SmolLM2-135M-Instruct, written once as a float32 Hugging Face directory
 Work, as issue #16 states it: decode tok/s at batch 1 and 16 (prompts of 128 random
 ids, 128 new tokens, greedy, ignore_eos), measured as (time to generate 129 tokens -
 time to generate 1) so prefill is left out; prefill tok/s of one 1,024-token prompt
-(one token generated). Prefix caching is off on both sides
+(one token generated), the median of --prefill-runs runs in each round: one run is
+~0.5-2 s, short enough for the machine's drift to move it by tens of percent. Prefix
+caching is off on both sides
 (vLLM's is on by default and would serve the repeated prompts from cache).
 
 zpd: OfflineEngine (the `zpd run` path) in this process, torch threads = --threads.
@@ -98,9 +100,9 @@ def work(args, vocab: int) -> dict:
             "long": ids(args.prefill_len), "new": args.new_tokens, "batch": args.batch}
 
 
-def measure(run, w: dict) -> dict:
+def measure(run, w: dict, prefill_runs: int) -> dict:
     """One round of the work with `run(prompts, new) -> seconds`: seconds per cell."""
-    out = {"prefill": run([w["long"]], 1)}
+    out = {"prefill": med([run([w["long"]], 1) for _ in range(prefill_runs)])}
     for b in w["batch"]:
         ps = w["prompts"][:b]
         out[f"decode{b}"] = run(ps, w["new"] + 1) - run(ps, 1)
@@ -202,11 +204,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--batch", default="1,16", help="decode batch sizes (default 1,16)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per dtype (default 3)")
+    ap.add_argument("--prefill-runs", type=int, default=3,
+                    help="prefill runs per round, their median counted (default 3)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, short lengths, zpd only")
     args = ap.parse_args()
     args.batch = [int(b) for b in args.batch.split(",")]
     if args.smoke:
-        args.vllm_python, args.dtypes, args.rounds = None, "float32", 1
+        args.vllm_python, args.dtypes, args.rounds, args.prefill_runs = None, "float32", 1, 1
         args.prompt_len, args.new_tokens, args.prefill_len, args.batch = 16, 8, 64, [1, 4]
     return args
 
@@ -228,7 +232,7 @@ def compare(args, model: str, dtype: str, w: dict, peer: bool) -> tuple[dict, di
             for name, side in sides if r % 2 == 0 else sides[::-1]:
                 log_step(f"{dtype}: round {r + 1}/{args.rounds}, {name}")
                 time.sleep(0.5)              # the other side's spinning threads settle
-                got[name].append(rates(measure(side.run, w), w, args.prefill_len))
+                got[name].append(rates(measure(side.run, w, args.prefill_runs), w, args.prefill_len))
     finally:
         for side in (ours, theirs):
             if side is not None:
@@ -253,8 +257,8 @@ def main() -> None:
     rows = [(dtype, *compare(args, model, dtype, w, peer)) for dtype in args.dtypes.split(",")]
     print(f"\nSmolLM2-135M-Instruct{' (smoke: tiny model)' if args.smoke else ''}, {args.threads} "
           f"threads, {args.prompt_len}-token prompts + {args.new_tokens} new tokens, prefill of "
-          f"{args.prefill_len} tokens; tokens/s, medians of {args.rounds} alternating rounds "
-          f"(the ratio: median of the per-round ratios)")
+          f"{args.prefill_len} tokens (median of {args.prefill_runs} runs a round); tokens/s, medians "
+          f"of {args.rounds} alternating rounds (the ratio: median of the per-round ratios)")
     cols = [f"decode{b}" for b in args.batch] + ["prefill"]
     names = {**{f"decode{b}": f"decode batch {b}" for b in args.batch}, "prefill": f"prefill {args.prefill_len}"}
     print(f"{'dtype':<10}" + "".join(f"{names[c]:>32}" for c in cols))
