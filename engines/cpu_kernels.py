@@ -50,7 +50,7 @@ log = logging.getLogger("zpd.engine")
 HEADER = Path(__file__).with_name("cpu_kernels.h")      # what the sources share
 SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp") for part in ("attention", "products", "layer_ops")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see the source's header
+LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see cpu_kernels.h
 LIBS = ["-lmvec", "-lm"]
 BUILD_TIMEOUT_S = 120
 
