@@ -124,6 +124,34 @@ def test_abort_while_writing():
         c.close()
 
 
+def test_a_finished_write_is_reported_before_the_next_forward():
+    """A write in flight when the next prompt's forward is due gets a moment to land
+    first (PrefillScheduler._settle_writes): its kv_done goes out before that forward,
+    not after it (a long prompt's forward would hold the decode, and the stream whose
+    first token is out, for its whole length)."""
+    from zpd.wire.protocol import KvDone
+    c = InprocCluster(complete_after_polls=5)        # a few polls: not within one loop turn
+    try:
+        events, core = [], c.prefill
+        real_send, real_prefill = core.send, core.compute.prefill
+        core.send = lambda who, msg: (events.append(("kv_done", msg.room)) if isinstance(msg, KvDone)
+                                      else None, real_send(who, msg))[1]
+        core.compute.prefill = lambda reqs, *a: (events.append(("forward", [r.rid for r in reqs])),
+                                                 real_prefill(reqs, *a))[1]
+        first = c.submit(PROMPT, 4)
+        c.until(lambda: prefill_phases(c) == [JobPhase.WRITING])
+        (room,) = [j.room for j in c.prefill.scheduler.jobs.values()]
+        second = c.submit(PROMPT[3:], 4)
+        c.until(lambda: len([e for e in events if e[0] == "forward"]) == 2)
+        second_forward = [i for i, e in enumerate(events) if e[0] == "forward"][1]
+        assert ("kv_done", room) in events[:second_forward]
+        for rid, prompt in ((first, PROMPT), (second, PROMPT[3:])):
+            assert c.run(rid).token_ids == reference(c, prompt, 4)
+        c.check_pages()
+    finally:
+        c.close()
+
+
 def test_abort_while_running(cluster):
     rid = cluster.submit(PROMPT, 200)
     cluster.until(lambda: len(cluster.answers.get(rid, None).token_ids

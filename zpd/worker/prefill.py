@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import select
 import time
 from collections import deque
 
@@ -52,6 +53,10 @@ def _timings(marks: dict, transfer_s: float) -> dict:
             "prefill_forward": ms(marks["computed"] - marks["forward"]),
             "kv_dest_wait": ms(max(0.0, marks["write"] - marks["computed"])),
             "kv_transfer": ms(transfer_s)}
+
+# The longest a prefill waits for its KV writes in flight before its next forward (a
+# write over TCP on loopback: ~1 ms for a short prompt's KV, ~10 ms for 12 MB)
+WRITE_SETTLE_S = 0.02
 
 
 class PrefillScheduler:
@@ -126,6 +131,8 @@ class PrefillScheduler:
         return self.core.schedulable() and need <= room
 
     def step(self) -> None:
+        if self.pending and self.by_transfer:
+            self._settle_writes()
         batch = self.take_batch()
         if not batch:
             return
@@ -146,6 +153,20 @@ class PrefillScheduler:
                                                        for j in batch)
         self.counters["prefill_forward_seconds"] += done - started
         self.after_compute(batch)
+
+    def _settle_writes(self) -> None:
+        """Give the writes in flight up to WRITE_SETTLE_S to land before a forward
+        blocks this loop: their kv_done, which is what lets the decode start, would
+        otherwise wait out the whole forward (a 2,048-token prompt's ~0.6 s here), and
+        the streams whose first token already went out would stall that long before
+        their second."""
+        end, fd = time.monotonic() + WRITE_SETTLE_S, self.core.backend.fileno()
+        while self.by_transfer:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            if select.select([fd], [], [], left)[0]:
+                self.on_completions()
 
     def take_batch(self) -> list[PrefillJob]:
         """FIFO: give queued jobs their pages (the cached prefix's, then new ones) while
