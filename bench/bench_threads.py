@@ -6,7 +6,9 @@ Load, as issue #16 measured it: one client submits N requests at once (32-token
 prompts, 16 new tokens, greedy, ignore_eos) to a 1P1D cluster and waits for all;
 per-request cost = wall time / N. Each size runs --repeats times back to back on the
 same cluster, so a cost that grows from one run to the next (the slowdown seen with
-torch's default threads) shows in the table.
+torch's default threads) shows in the table. A burst in which requests end early (with
+torch's threads the workers can starve the router of CPU until it declares one
+unavailable) shows as "failed", with the reason, and the run goes on.
 
 Configurations (one cluster each, alternating per size so a burst of other work on
 the machine hits both):
@@ -43,8 +45,13 @@ def configurations(largest: int) -> dict[str, list[str]]:
     return {"split": limits, "torch": limits + ["--threads", str(cores), "--no-cpu-bind"]}
 
 
+class BurstFailed(RuntimeError):
+    """Some requests of a burst ended early (e.g. a worker declared unavailable)."""
+
+
 def burst(router: str, prompts: list[list[int]]) -> float:
-    """Seconds for all prompts submitted at once to finish."""
+    """Seconds for all prompts submitted at once to finish (BurstFailed if any ended
+    early)."""
     sampling = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     with Client(router, timeout=600) as c:
         started = time.perf_counter()
@@ -52,7 +59,7 @@ def burst(router: str, prompts: list[list[int]]) -> float:
         took = time.perf_counter() - started
     bad = [o for o in out if len(o["output_ids"]) != NEW_TOKENS]
     if bad:
-        raise RuntimeError(f"{len(bad)} requests ended early: {bad[0]['finish_reason']}")
+        raise BurstFailed(f"{len(bad)} requests ended early: {bad[0]['finish_reason']}")
     return took
 
 
@@ -72,7 +79,8 @@ def main() -> None:
     args = parse_args()
     configs = configurations(max(args.sizes))
     prompts = random_prompts(max(args.sizes), PROMPT_LEN, 250, seed=0)     # within every vocabulary
-    cost: dict[str, dict[tuple[int, int], float]] = {name: {} for name in configs}
+    cost: dict[str, dict[tuple[int, int], float | None]] = {name: {} for name in configs}
+    failures: list[str] = []          # a configuration that fails is reported, not fatal
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {}
         try:
@@ -85,7 +93,13 @@ def main() -> None:
                 for r in range(args.repeats):
                     for name, cluster in clusters.items():
                         wait_quiet(args.quiet_wait)
-                        cost[name][n, r] = burst(cluster.router, prompts[:n]) / n * 1e3
+                        try:
+                            cost[name][n, r] = burst(cluster.router, prompts[:n]) / n * 1e3
+                        except BurstFailed as e:
+                            cost[name][n, r] = None
+                            failures.append(f"{name}: {n} requests, run {r + 1}: {e}")
+                            log_step(failures[-1])
+                            continue
                         log_step(f"{name}: {n} requests, run {r + 1}: {cost[name][n, r]:.3f} ms each")
         finally:
             for cluster in clusters.values():
@@ -95,11 +109,16 @@ def main() -> None:
     print(f"{'N':>6} {'run':>4}" + "".join(f"{name:>10}" for name in configs))
     for n in args.sizes:
         for r in range(args.repeats):
-            print(f"{n:>6} {r + 1:>4}" + "".join(f"{cost[name][n, r]:>10.3f}" for name in configs))
+            print(f"{n:>6} {r + 1:>4}" + "".join(f"{'failed':>10}" if cost[name][n, r] is None
+                                                  else f"{cost[name][n, r]:>10.3f}" for name in configs))
     for name in configs:
-        values = cost[name].values()
-        print(f"{name}: spread max/min {max(values) / min(values):.2f}, "
-              f"total {sum(n * c for (n, _), c in cost[name].items()) / 1e3:.1f} s")
+        values = [c for c in cost[name].values() if c is not None]
+        if values:
+            print(f"{name}: spread max/min {max(values) / min(values):.2f}, total "
+                  f"{sum(n * c for (n, _), c in cost[name].items() if c is not None) / 1e3:.1f} s"
+                  f"{'' if len(values) == len(cost[name]) else ' (failed bursts left out)'}")
+    for failure in failures:
+        print("failed:", failure)
 
 
 if __name__ == "__main__":
