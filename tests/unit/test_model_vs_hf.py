@@ -105,25 +105,35 @@ def test_layer_kernels_give_torchs_steps(checkpoint, dtype, monkeypatch):
         assert (ours.float() - theirs.float()).abs().max().item() <= tol * scale
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
-    """Heads of 64 and 128, which the float32 causal prefill kernel takes (the other
-    variants' heads of 16 stay with torch's attention): every step's logits against
-    transformers, prompts of one position to past one query block (64)."""
+def _kernel_model(tmp_path, head_dim: int, dtype: str, monkeypatch):
+    """A Llama with two query heads of `head_dim` over one KV head, in `dtype`, and the
+    list its prefill attention calls append to (True: the causal kernel took it); None
+    where the layer kernels did not build (allowed only off CI, without a compiler)."""
     import os
     import shutil
 
     from engines.cpu_layer_ops import LayerOps, layer_ops
-    if layer_ops(torch.float32, "cpu") is None:
+    if layer_ops(getattr(torch, dtype), "cpu") is None:
         assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
-        return
+        return None
     taken = []
     real = LayerOps.causal_attention
     monkeypatch.setattr(LayerOps, "causal_attention",
                         lambda self, q, *a: taken.append(real(self, q, *a) is not None) or real(self, q, *a))
     path = make_checkpoint("llama", tmp_path, hidden_size=2 * head_dim, num_attention_heads=2,
                            num_key_value_heads=1)
-    model, pool, runner = _ours(path, "float32")
+    return (path, *_ours(path, dtype), taken)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
+    """Heads of 64 and 128, which the float32 causal prefill kernel takes (the other
+    variants' heads of 16 stay with torch's attention): every step's logits against
+    transformers, prompts of one position to past one query block (64)."""
+    made = _kernel_model(tmp_path, head_dim, "float32", monkeypatch)
+    if made is None:
+        return
+    path, model, pool, runner, taken = made
     ref = hf_model(path, torch.float32)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 63, 64, 65, 150)]
@@ -142,21 +152,12 @@ def test_bfloat16_causal_kernel_gives_torchs_logits(tmp_path, head_dim, monkeypa
     rounding, the same greedy token wherever torch's top two are more than that apart
     (a random bfloat16 model has near-ties), and every prompt of every layer took the
     kernel where the CPU has AMX."""
-    import os
-    import shutil
-
-    from engines.cpu_layer_ops import LayerOps, layer_ops
+    from engines.cpu_layer_ops import LayerOps
     from tests.unit.cpu_support import cpu_has
-    if layer_ops(torch.bfloat16, "cpu") is None:
-        assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
+    made = _kernel_model(tmp_path, head_dim, "bfloat16", monkeypatch)
+    if made is None:
         return
-    taken = []
-    real = LayerOps.causal_attention
-    monkeypatch.setattr(LayerOps, "causal_attention",
-                        lambda self, q, *a: taken.append(real(self, q, *a) is not None) or real(self, q, *a))
-    path = make_checkpoint("llama", tmp_path, hidden_size=2 * head_dim, num_attention_heads=2,
-                           num_key_value_heads=1)
-    model, pool, runner = _ours(path, "bfloat16")
+    _, model, pool, runner, taken = made
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 16, 63, 64, 65, 150)]
     ours = _greedy(runner, pool, prompts, steps=0)[1][0].float()
