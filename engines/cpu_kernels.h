@@ -1,5 +1,6 @@
-// What the CPU kernels' sources share (engines/cpu_attention.cpp, cpu_products.cpp,
-// cpu_layer_ops.cpp, built into one library by engines/cpu_kernels.py): the status codes
+// What the CPU kernels' sources share (engines/cpu_decode_attention.cpp,
+// cpu_prefill_attention.cpp, cpu_products.cpp, cpu_layer_ops.cpp, built into one
+// library by engines/cpu_kernels.py): the status codes
 // the Python side reads, bfloat16 storage, the exp of the attention kernels' softmax, and
 // the AMX tile state.
 //

@@ -1,5 +1,5 @@
-"""The engine's CPU kernels, one small C++ library built from three sources that share
-`cpu_kernels.h`: `cpu_attention.cpp` (decode and causal prefill attention),
+"""The engine's CPU kernels, one small C++ library built from four sources that share
+`cpu_kernels.h`: `cpu_decode_attention.cpp`, `cpu_prefill_attention.cpp` (causal),
 `cpu_products.cpp` (matrix products and weight packings) and `cpu_layer_ops.cpp`
 (element-wise layer steps, argmax).
 
@@ -48,7 +48,8 @@ import torch
 log = logging.getLogger("zpd.engine")
 
 HEADER = Path(__file__).with_name("cpu_kernels.h")      # what the sources share
-SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp") for part in ("attention", "products", "layer_ops")]
+SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp")
+           for part in ("decode_attention", "prefill_attention", "products", "layer_ops")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see cpu_kernels.h
 LIBS = ["-lmvec", "-lm"]

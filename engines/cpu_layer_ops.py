@@ -1,6 +1,6 @@
 """A layer's element-wise steps, greedy argmax (engines/cpu_layer_ops.cpp) and a
-prompt's causal attention (engines/cpu_attention.cpp) in the CPU library, each one call
-instead of several torch ops; checked against torch's ops once per process
+prompt's causal attention (engines/cpu_prefill_attention.cpp) in the CPU library, each
+one call instead of several torch ops; checked against torch's ops once per process
 (`layer_ops`).
 """
 from __future__ import annotations
