@@ -40,6 +40,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,11 +140,12 @@ def _compile(compiler: str, out: Path) -> None:
 def _run_all(cmds: list[list[str]]) -> None:
     """Run `cmds` at once and wait for all; RuntimeError with the first failure's
     complaint (the others are killed), or if they take past BUILD_TIMEOUT_S."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
     procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for cmd in cmds]
     try:
         for cmd, proc in zip(cmds, procs):
-            _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+            _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-2000:]}")
     except subprocess.TimeoutExpired as e:

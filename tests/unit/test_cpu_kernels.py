@@ -145,6 +145,24 @@ exec {shutil.which("g++")} "$@"
     assert not list((tmp_path / "kernels").iterdir())
 
 
+def test_a_build_past_its_time_limit_fails_and_its_compilers_are_killed(fresh, tmp_path):
+    """The sources' compilers share one deadline (BUILD_TIMEOUT_S); past it the build
+    fails with a RuntimeError (the engine then stays on torch's path), the compilers
+    still running are killed rather than waited for, and nothing is left in the cache."""
+    import time
+    compiler = tmp_path / "cxx"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && exec echo slow 1.0\nexec sleep 60\n')
+    compiler.chmod(0o755)
+    fresh.setenv("CXX", str(compiler))
+    fresh.setattr(pd, "BUILD_TIMEOUT_S", 1)
+    (tmp_path / "kernels").mkdir()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="took over 1 s"):
+        pd.build(tmp_path / "kernels")
+    assert time.monotonic() - started < 10             # the 60 s compilers were not waited for
+    assert not list((tmp_path / "kernels").iterdir())
+
+
 @pytest.mark.parametrize("why", ["no compiler", "switched off", "build fails"])
 def test_without_a_kernel_decode_stays_on_torch_with_a_warning(fresh, caplog, why):
     if why == "no compiler":

@@ -54,9 +54,7 @@ def _timings(marks: dict, transfer_s: float) -> dict:
             "kv_dest_wait": ms(max(0.0, marks["write"] - marks["computed"])),
             "kv_transfer": ms(transfer_s)}
 
-# The longest a prefill waits for its KV writes in flight before its next forward (a
-# write over TCP on loopback: ~1 ms for a short prompt's KV, ~10 ms for 12 MB)
-WRITE_SETTLE_S = 0.02
+WRITE_SETTLE_S = 0.02     # writes' wait before a forward (loopback TCP: ~1 ms, ~10 ms for 12 MB)
 
 
 class PrefillScheduler:
@@ -156,10 +154,8 @@ class PrefillScheduler:
 
     def _settle_writes(self) -> None:
         """Give the writes in flight up to WRITE_SETTLE_S to land before a forward
-        blocks this loop: their kv_done, which is what lets the decode start, would
-        otherwise wait out the whole forward (a 2,048-token prompt's ~0.6 s here), and
-        the streams whose first token already went out would stall that long before
-        their second."""
+        blocks this loop: their kv_done, which lets the decode start (and a stream whose
+        first token is out go on), would otherwise wait out the whole forward."""
         end, fd = time.monotonic() + WRITE_SETTLE_S, self.core.backend.fileno()
         while self.by_transfer:
             left = end - time.monotonic()
