@@ -174,9 +174,10 @@ class AmxLinear(PackedLinear):
 
 class PanelLinear(PackedLinear):
     """float32 products of 9-64 rows (decode steps of larger batches) by AVX-512 FMAs
-    from panels of 16 outputs, 16 rows at a time. SmolLM2's 121 products on 2 threads
-    (median of 5 alternating rounds), against MKL's packed copies: 8 rows 38.2 -> 34.0
-    ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4."""
+    from panels of 16 outputs, up to 24 rows at a time (shared evenly: 25 -> 13 + 12).
+    SmolLM2's 121 products on 2 threads (median of 5 alternating rounds), against MKL's
+    packed copies: 8 rows 38.2 -> 34.0 ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4
+    (with 16-row blocks; engines/cpu_products.cpp has what 24 changed)."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
 

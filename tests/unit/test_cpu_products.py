@@ -80,7 +80,7 @@ PACKED_KINDS = [(torch.bfloat16, cp.AmxLinear, 2 ** -8, 1e-3), (torch.float32, c
 
 
 @pytest.mark.parametrize("dtype,kind,rtol,atol", PACKED_KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 8, 15, 16, 17, 31, 32, 33, 64, 100, 256])
+@pytest.mark.parametrize("rows", [1, 2, 8, 15, 16, 17, 31, 32, 33, 49, 64, 100, 256])
 @pytest.mark.parametrize("n,k", [(40, 64), (13, 96), (1, 32), (576, 1536), (960, 576)])
 def test_packed_products_equal_float64(dtype, kind, rtol, atol, rows, n, k):
     """Rows within, at and across the kernels' blocks of 16 and 32; outputs short of,
