@@ -14,7 +14,8 @@
   (float32, and bfloat16 where there is no AMX); `AmxLinear` and `PanelLinear`, by
   weights packed for the kernel (bfloat16 on AMX tiles, float32 in panels).
 - `LayerOps` (engines/cpu_layer_ops.py): a layer's element-wise steps in one pass
-  each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX).
+  each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX,
+  else on float32 copies).
 
 This module builds, caches and loads the library (`library`) and holds the decode
 attention's side; the others look their entry points up in the loaded library.

@@ -152,11 +152,14 @@ int panel_linear(const float *x, const float *packed, const float *bias, float *
     const size_t xt_bytes = (sizeof(float) * blocks * K * stride + 63) / 64 * 64;
     float *xt = static_cast<float *>(std::aligned_alloc(64, xt_bytes));
     if (!xt) return kNoMemory;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t k = 0; k < K; k++)
             for (int64_t m = 0; m < stride; m++)
                 xt[(b * K + k) * stride + m] = m < block_rows(b) ? x[(first_row(b) + m) * K + k] : 0.f;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * 16, width = N - n0 < 16 ? N - n0 : 16;
         const __mmask16 mask = width == 16 ? 0xffff : __mmask16((1u << width) - 1);
@@ -169,6 +172,7 @@ int panel_linear(const float *x, const float *packed, const float *bias, float *
             for (int m = 0; m < rows; m++)
                 _mm512_mask_storeu_ps(y + (first_row(blk) + m) * N + n0, mask, _mm512_add_ps(sums[m], b));
         }
+    }
     }
     std::free(xt);
     return kOk;

@@ -154,10 +154,11 @@ def test_bfloat16_causal_attention_is_as_close_as_torchs(n, hq, hkv, d):
     """The AMX kernel (blocks of 16 queries by 64 keys, packed in 32s): prompts within,
     at and past each block size. Its error against float64 is within 5% of torch's own
     bfloat16 flash attention's (both multiply in bfloat16 and round the weights to it);
-    without AMX it declines and the caller uses torch's."""
+    without AMX the float32 kernel runs on copies (so its error is the output's
+    rounding), and without AVX-512 it declines and the caller uses torch's."""
     q, k, v = _causal_inputs(n, hq, hkv, d, torch.bfloat16)
     got = _ops(torch.bfloat16).causal_attention(q, k, v, d ** -0.5)
-    if not cpu_has("amx_bf16"):
+    if not cpu_has("avx512f"):
         assert got is None
         return
     want = _causal_reference(q, k, v, d ** -0.5)

@@ -147,11 +147,11 @@ def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bfloat16_causal_kernel_gives_torchs_logits(tmp_path, head_dim, monkeypatch):
-    """The bfloat16 causal prefill kernel (AMX) in a model with heads of 64 and 128,
-    against the same engine on torch's flash attention: prompt logits to bfloat16's
-    rounding, the same greedy token wherever torch's top two are more than that apart
-    (a random bfloat16 model has near-ties), and every prompt of every layer took the
-    kernel where the CPU has AMX."""
+    """The bfloat16 causal prefill kernel (AMX; float32 copies without it) in a model
+    with heads of 64 and 128, against the same engine on torch's flash attention:
+    prompt logits to bfloat16's rounding, the same greedy token wherever torch's top
+    two are more than that apart (a random bfloat16 model has near-ties), and every
+    prompt of every layer took the kernel where the CPU has AVX-512."""
     from engines.cpu_layer_ops import LayerOps
     from tests.unit.cpu_support import cpu_has
     made = _kernel_model(tmp_path, head_dim, "bfloat16", monkeypatch)
@@ -161,7 +161,7 @@ def test_bfloat16_causal_kernel_gives_torchs_logits(tmp_path, head_dim, monkeypa
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 16, 63, 64, 65, 150)]
     ours = _greedy(runner, pool, prompts, steps=0)[1][0].float()
-    assert taken and all(taken) == cpu_has("amx_bf16")
+    assert taken and all(taken) == cpu_has("avx512f")
     monkeypatch.setattr(LayerOps, "causal_attention", lambda self, *a: None)
     theirs = _greedy(runner, pool, prompts, steps=0)[1][0].float()
     tol = 0.03 * theirs.abs().max().item()
