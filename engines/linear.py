@@ -21,8 +21,9 @@ is memory: a second copy of each projection and the head, made on first use;
 Where the CPU has them, engines/cpu_products.py's kernels come first: bfloat16
 weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
 oneDNN's packed copies at 16 rows 28.8 -> 16.2 ms, 32 rows 36.1 -> 20.6, even from
-128 rows on), float32 weights in panels for its AVX-512 kernel (9-64 rows; 16 rows
-41.7 -> 31.8 ms against MKL's), and float32 products of 1-8 rows (bfloat16 too
+128 rows on), float32 weights in panels for its AVX-512 kernel (9-64 rows, every
+size from 9 on a CPU not Intel's: `_panel_max_rows`; 16 rows 41.7 -> 31.8 ms
+against MKL's), and float32 products of 1-8 rows (bfloat16 too
 without AMX) go to its small-batch kernel, which needs no copy.
 
 Each packing is checked once per process before it is used (the library's against
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -75,13 +77,27 @@ PACKINGS = {
 def _kernel_packing(dtype: torch.dtype) -> Packing | None:
     """Weights packed for engines/cpu_products.py's packed-weight kernel of `dtype`,
     where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel),
-    float32 in panels for 9-64 rows."""
+    float32 in panels from 9 rows (to `_panel_max_rows`)."""
     kernel = cpu_products.packed_linear(dtype)
     if kernel is None:
         return None
-    rows, first = ((1, 256), True) if dtype == torch.bfloat16 else ((9, 64), False)
+    rows, first = ((1, 256), True) if dtype == torch.bfloat16 else ((9, _panel_max_rows()), False)
     return Packing(type(kernel).__name__, rows, kernel.pack,
                    lambda x, p, w, b: kernel(x, p, w.shape[0], b), fits=kernel.fits, before_small=first)
+
+
+def _panel_max_rows() -> int:
+    """The most rows of a float32 product the panel kernel takes: 64 where the CPU is
+    Intel's, none fewer elsewhere. Past 64 rows F.linear runs MKL's GEMM, as fast as
+    anything here on Intel (~200 GFLOP/s on two threads at 1,024 rows) but not on
+    other CPUs, where MKL takes a generic path: on an AMD EPYC (Zen 4, two threads),
+    SmolLM2's seven products of a layer at 128 / 256 / 1,024 rows took 6.0 / 11.1-11.8
+    / 38.3-48.7 ms by F.linear against 4.8 / 9.7-10.4 / 36.1-40.5 ms by the panels."""
+    try:
+        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        intel = True
+    return 64 if intel else 1 << 40
 
 
 def _candidates(dtype: torch.dtype) -> list[Packing]:
@@ -97,7 +113,7 @@ def _agrees(packing: Packing, dtype: torch.dtype) -> bool:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 64, generator=g).to(dtype).t().contiguous().t()   # column-major too
     b = torch.randn(40, generator=g).to(dtype)
-    lo, hi = packing.rows
+    lo, hi = packing.rows[0], min(packing.rows[1], 256)
     try:
         p = packing.pack(w)
         for n in sorted({lo, (lo + hi) // 2, hi}):

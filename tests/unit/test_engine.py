@@ -337,3 +337,18 @@ def test_a_copy_made_by_another_packing_is_not_used():
         packed._usable[torch.float32] = packing
         torch.testing.assert_close(packed.linear(x, w), want)
         assert packed.packed(w) and getattr(w, packed.ATTR)[0][2] == packing.name
+
+
+def test_float32_panels_take_prefills_only_off_intel(monkeypatch, tmp_path):
+    """The float32 panel kernel stops at 64 rows on an Intel CPU (MKL's GEMM is as
+    fast past that) and takes every size from 9 on others (MKL's generic path there
+    is slower); an unreadable /proc/cpuinfo counts as Intel's, the measured default."""
+    import engines.linear as lin
+    info = tmp_path / "cpuinfo"
+    monkeypatch.setattr(lin, "Path", lambda _: info)
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")
+    assert lin._panel_max_rows() == 64
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n")
+    assert lin._panel_max_rows() >= 1 << 20
+    info.unlink()
+    assert lin._panel_max_rows() == 64
