@@ -21,7 +21,8 @@ is memory: a second copy of each projection and the head, made on first use;
 Where the CPU has them, engines/cpu_products.py's kernels come first: bfloat16
 weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
 oneDNN's packed copies at 16 rows 28.8 -> 16.2 ms, 32 rows 36.1 -> 20.6, even from
-128 rows on), float32 weights in panels for its AVX-512 kernel (9-64 rows, every
+128 rows on), or without AMX in panels for its AVX512-BF16 kernel (9-256 rows; 16
+rows 23.6 -> 17.1 ms against oneDNN's on an AMD EPYC), float32 weights in panels for its AVX-512 kernel (9-64 rows, every
 size from 9 on a CPU not Intel's: `_panel_max_rows`; 16 rows 41.7 -> 31.8 ms
 against MKL's), and float32 products of 1-8 rows (bfloat16 too
 without AMX) go to its small-batch kernel, which needs no copy.
@@ -76,12 +77,18 @@ PACKINGS = {
 
 def _kernel_packing(dtype: torch.dtype) -> Packing | None:
     """Weights packed for engines/cpu_products.py's packed-weight kernel of `dtype`,
-    where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel),
-    float32 in panels from 9 rows (to `_panel_max_rows`)."""
+    where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel), else
+    in AVX512-BF16 panels for 9-256 rows; float32 in panels from 9 rows (to
+    `_panel_max_rows`)."""
     kernel = cpu_products.packed_linear(dtype)
     if kernel is None:
         return None
-    rows, first = ((1, 256), True) if dtype == torch.bfloat16 else ((9, _panel_max_rows()), False)
+    if isinstance(kernel, cpu_products.AmxLinear):
+        rows, first = (1, 256), True
+    elif isinstance(kernel, cpu_products.BPanelLinear):
+        rows, first = (9, 256), False
+    else:
+        rows, first = (9, _panel_max_rows()), False
     return Packing(type(kernel).__name__, rows, kernel.pack,
                    lambda x, p, w, b: kernel(x, p, w.shape[0], b), fits=kernel.fits, before_small=first)
 

@@ -70,13 +70,19 @@ def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
 
 
 def _packed_kernel_expected(dtype) -> bool:
-    if dtype == torch.bfloat16:
-        return all(cpu_has(f) for f in ("amx_bf16", "amx_tile", "avx512_bf16"))
-    return cpu_has("avx512f")
+    return cpu_has("avx512_bf16" if dtype == torch.bfloat16 else "avx512f")
+
+
+def _kind(dtype):
+    """The packed kernel this CPU should get: bfloat16 on AMX where it has it, else in
+    AVX512-BF16 panels; float32 in panels."""
+    if dtype == torch.float32:
+        return cp.PanelLinear
+    return cp.AmxLinear if all(cpu_has(f) for f in ("amx_bf16", "amx_tile")) else cp.BPanelLinear
 
 
 # panels sum each output in one float32 chain over K (1,536 terms here): 1e-4
-PACKED_KINDS = [(torch.bfloat16, cp.AmxLinear, 2 ** -8, 1e-3), (torch.float32, cp.PanelLinear, 1e-4, 1e-4)]
+PACKED_KINDS = [(torch.bfloat16, _kind(torch.bfloat16), 2 ** -8, 1e-3), (torch.float32, cp.PanelLinear, 1e-4, 1e-4)]
 
 
 @pytest.mark.parametrize("dtype,kind,rtol,atol", PACKED_KINDS)
@@ -104,7 +110,8 @@ def test_packed_products_equal_float64(dtype, kind, rtol, atol, rows, n, k):
 
 def test_pack_layouts():
     """AMX: element [b, s, h, r, n, j] is w[32 b + 16 h + n, 32 s + 2 r + j]; panels:
-    element [p, k, n] is w[16 p + n, k]; the rows that pad N are zero."""
+    element [p, k, n] is w[16 p + n, k]; bfloat16 panels: element [p, s, n, j] is
+    w[16 p + n, 2 s + j]; the rows that pad N are zero."""
     w = torch.arange(40 * 64, dtype=torch.float32).view(40, 64)
     packed = cp.AmxLinear.layout(w.to(torch.bfloat16))
     assert packed.shape == (2, 2, 2, 16, 16, 2)
@@ -116,6 +123,11 @@ def test_pack_layouts():
     for p, k, n in [(0, 0, 0), (1, 5, 9), (2, 63, 7)]:
         assert panels[p, k, n] == w[16 * p + n, k]
     assert not panels[2, :, 8:].any()
+    pairs = cp.BPanelLinear.layout(w.to(torch.bfloat16))
+    assert pairs.shape == (3, 32, 16, 2)
+    for p, s, n, j in [(0, 0, 0, 0), (1, 5, 9, 1), (2, 31, 7, 1)]:
+        assert pairs[p, s, n, j] == w.to(torch.bfloat16)[16 * p + n, 2 * s + j]
+    assert not pairs[2, :, 8:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -143,19 +155,23 @@ def test_packed_kernels_refuse_bad_shapes():
             kernel(torch.randn(2, 64).to(dtype), kernel.pack(w)[:1], 40)
         with pytest.raises(AssertionError):                      # another dtype
             kernel(torch.randn(2, 64).double(), kernel.pack(w), 8)
-    if cp.packed_linear(torch.bfloat16) is not None:             # AMX: K a multiple of 32
+    bf16 = cp.packed_linear(torch.bfloat16)
+    if bf16 is not None:             # AMX: K a multiple of 32; bfloat16 panels: K even
+        k = 48 if isinstance(bf16, cp.AmxLinear) else 47
         with pytest.raises(AssertionError):
-            cp.packed_linear(torch.bfloat16)(torch.randn(2, 48).to(torch.bfloat16),
-                                             torch.zeros(32 * 48, dtype=torch.bfloat16), 8)
+            bf16(torch.randn(2, k).to(torch.bfloat16), torch.zeros(32 * k, dtype=torch.bfloat16), 8)
     w = torch.randn(8, 64)
     assert not cp.AmxLinear.fits(torch.randn(8, 48).to(torch.bfloat16)) and not cp.AmxLinear.fits(w)
     assert cp.AmxLinear.fits(w.to(torch.bfloat16)) and cp.PanelLinear.fits(torch.randn(8, 48))
+    assert cp.BPanelLinear.fits(torch.randn(8, 46).to(torch.bfloat16))
+    assert not cp.BPanelLinear.fits(torch.randn(8, 47).to(torch.bfloat16)) and not cp.BPanelLinear.fits(w)
 
 
-@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, cp.AmxLinear), (torch.float32, cp.PanelLinear)])
-def test_a_wrong_packed_kernel_is_not_used(monkeypatch, caplog, dtype, kind):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_wrong_packed_kernel_is_not_used(monkeypatch, caplog, dtype):
     """A packing in the wrong layout (here: its last two dimensions swapped) is caught
     by the first-use check against float64."""
+    kind = _kind(dtype)
     if cp.packed_linear(dtype) is None:
         assert not _packed_kernel_expected(dtype)
         return
@@ -168,9 +184,10 @@ def test_a_wrong_packed_kernel_is_not_used(monkeypatch, caplog, dtype, kind):
 @pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 1), (torch.bfloat16, 3), (torch.bfloat16, 10),
                                          (torch.float32, 10)])
 def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
-    """The model's decode products go to the packed-weight kernel: in bfloat16 (AMX)
-    at every batch, none to the dot-product kernel or oneDNN; in float32 (panels) past
-    8 rows; and they give the tokens torch's products give."""
+    """The model's decode products go to the packed-weight kernel: in bfloat16 on AMX
+    at every batch, none to the dot-product kernel or oneDNN; in float32 and in
+    bfloat16 panels past 8 rows (the dot-product kernel below); and they give the
+    tokens torch's products give."""
     from engines.linear import PACKED
     kernel = cp.packed_linear(dtype)
     if kernel is None:
@@ -179,12 +196,17 @@ def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
     calls, small = [], []
     real = type(kernel).__call__
     monkeypatch.setattr(type(kernel), "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
-    monkeypatch.setattr(cp.SmallLinear, "__call__", lambda self, x, *a: small.append(x))
+    real_small = cp.SmallLinear.__call__
+    monkeypatch.setattr(cp.SmallLinear, "__call__",
+                        lambda self, x, *a: small.append(x.shape[0]) or real_small(self, x, *a))
     PACKED.configure(True)
     model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     prompts = [[5 + i, 6, 7 + i % 3] for i in range(batch)]
     with_kernel = _greedy_tokens(model, prompts)
-    assert calls.count(batch) >= 7 * len(model.net.linears()) and not small
+    if isinstance(kernel, cp.AmxLinear) or batch > cp.SmallLinear.ROWS:
+        assert calls.count(batch) >= 7 * len(model.net.linears()) and batch not in small
+    else:
+        assert small.count(batch) >= 7 * len(model.net.linears()) and batch not in calls
     assert PACKED.usable(dtype).name == type(kernel).__name__
     monkeypatch.setattr(PACKED, "enabled", False)
     monkeypatch.setattr(PACKED, "_usable", {})
@@ -193,8 +215,9 @@ def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
     PACKED.configure(True)
 
 
-@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, cp.AmxLinear), (torch.float32, cp.PanelLinear)])
-def test_a_packing_that_is_not_its_layout_is_not_used(monkeypatch, caplog, dtype, kind):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_packing_that_is_not_its_layout_is_not_used(monkeypatch, caplog, dtype):
+    kind = _kind(dtype)
     if cp.packed_linear(dtype) is None:
         assert not _packed_kernel_expected(dtype)
         return
@@ -204,14 +227,15 @@ def test_a_packing_that_is_not_its_layout_is_not_used(monkeypatch, caplog, dtype
 
 def _refused(monkeypatch, caplog, dtype, kind, message: str, **broken) -> None:
     """With `broken` attributes on the kernel class, the first-use check refuses it
-    (packed_linear gives None, logging `message`); with them gone, it is taken again."""
+    (packed_linear gives another kind or None, logging `message`); with them gone, it
+    is taken again."""
     for name, value in broken.items():
         monkeypatch.setattr(kind, name, value)
     cp.packed_linear.cache_clear()
     try:
-        assert cp.packed_linear(dtype) is None
+        assert not isinstance(cp.packed_linear(dtype), kind)
         assert message in caplog.text
     finally:
         monkeypatch.undo()
         cp.packed_linear.cache_clear()
-    assert cp.packed_linear(dtype) is not None
+    assert isinstance(cp.packed_linear(dtype), kind)
