@@ -174,9 +174,9 @@ class AmxLinear(PackedLinear):
 
 class PanelLinear(PackedLinear):
     """float32 products of 9-64 rows (decode steps of larger batches; prefills too on
-    CPUs not Intel's, engines/linear.py) by AVX-512 FMAs
-    from panels of 16 outputs, up to 24 rows at a time (shared evenly: 25 -> 13 + 12).
-    SmolLM2's 121 products on 2 threads (median of 5 alternating rounds), against MKL's
+    CPUs not Intel's, engines/linear.py) by AVX-512 FMAs from panels of 16 outputs, up
+    to 24 rows at a time (shared evenly: 25 -> 13 + 12). SmolLM2's 121 products on 2
+    threads of an Intel CPU (median of 5 alternating rounds), against MKL's
     packed copies: 8 rows 38.2 -> 34.0 ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4
     (with 16-row blocks; engines/cpu_products.cpp has what 24 changed)."""
 
