@@ -65,7 +65,36 @@ inline __m512 exp2_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+
+// The online softmax's update of one row of a block's kKeys scores: the row becomes
+// exp(s - m') in place, m' the row's new running maximum, and its running sum l gains
+// them; returns exp(m - m'), the factor for what the row's output has summed so far.
+template <int64_t kKeys>
+inline float softmax_update(float *srow, float &m, float &l) {
+    __m512 s[kKeys / 16], most = _mm512_set1_ps(m), sums = _mm512_setzero_ps();
+    for (int c = 0; c < kKeys / 16; c++) {
+        s[c] = _mm512_load_ps(srow + 16 * c);
+        most = _mm512_max_ps(most, s[c]);
+    }
+    const float top = _mm512_reduce_max_ps(most);
+    const __m512 t = _mm512_set1_ps(top), log2e = _mm512_set1_ps(kLog2e);
+    for (int c = 0; c < kKeys / 16; c++) {
+        const __m512 e = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(s[c], t), log2e));
+        _mm512_store_ps(srow + 16 * c, e);
+        sums = _mm512_add_ps(sums, e);
+    }
+    const float rescale = expf(m - top);
+    l = l * rescale + _mm512_reduce_add_ps(sums);
+    m = top;
+    return rescale;
+}
 #endif
+
+// Causal attention of one bfloat16 prompt by AVX512-BF16 dot products, where there is
+// no AMX (engines/cpu_prefill_attention_bf16.cpp; the arguments of the float32 kernel)
+int dot_causal_attention(const BF16 *q, const BF16 *k, const BF16 *v, int64_t k_stride,
+                         int64_t v_stride, int64_t n, int64_t hq, int64_t hkv, int64_t D,
+                         float scale, BF16 *out, int threads);
 
 #if defined(ZPD_AMX)
 struct alignas(64) TileConfig {

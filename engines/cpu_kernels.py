@@ -15,7 +15,7 @@
   weights packed for the kernel (bfloat16 on AMX tiles, float32 in panels).
 - `LayerOps` (engines/cpu_layer_ops.py): a layer's element-wise steps in one pass
   each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX,
-  else on float32 copies).
+  else by AVX512-BF16 dot products, else on float32 copies).
 
 This module builds, caches and loads the library (`library`) and holds the decode
 attention's side; the others look their entry points up in the loaded library.
@@ -51,7 +51,8 @@ log = logging.getLogger("zpd.engine")
 
 HEADER = Path(__file__).with_name("cpu_kernels.h")      # what the sources share
 SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp")
-           for part in ("decode_attention", "prefill_attention", "products", "layer_ops")]
+           for part in ("decode_attention", "prefill_attention", "prefill_attention_bf16", "products",
+                        "layer_ops")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see cpu_kernels.h
 LIBS = ["-lmvec", "-lm"]

@@ -1,6 +1,7 @@
 // Prefill attention of the engine's CPU library (shared definitions: cpu_kernels.h): a
 // prompt's causal attention to itself, block by block, float32 in AVX-512 and bfloat16
-// on AMX tiles (engines/cpu_layer_ops.py, `LayerOps.causal_attention`).
+// on AMX tiles, or by AVX512-BF16 dot products without AMX (cpu_prefill_attention_bf16.cpp)
+// (engines/cpu_layer_ops.py, `LayerOps.causal_attention`).
 #include "cpu_kernels.h"
 
 using namespace zpd;
@@ -63,25 +64,8 @@ void causal_item(const float *q, const float *keys_t, const float *v, int64_t v_
         }
         for (int64_t r = 0; r < padded; r += kPV) {        // softmax update, O += P V
             float rescale[kPV];
-            for (int i = 0; i < kPV; i++) {
-                float *srow = S + (r + i) * kKBlock;
-                __m512 s[kKBlock / 16], most = _mm512_set1_ps(m[r + i]), sums = _mm512_setzero_ps();
-                for (int c = 0; c < kKBlock / 16; c++) {
-                    s[c] = _mm512_load_ps(srow + 16 * c);
-                    most = _mm512_max_ps(most, s[c]);
-                }
-                const float top = _mm512_reduce_max_ps(most);
-                const __m512 t = _mm512_set1_ps(top), log2e = _mm512_set1_ps(kLog2e);
-                for (int c = 0; c < kKBlock / 16; c++) {
-                    const __m512 e = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(s[c], t), log2e));
-                    _mm512_store_ps(srow + 16 * c, e);
-                    sums = _mm512_add_ps(sums, e);
-                }
-                const float sum = _mm512_reduce_add_ps(sums);
-                rescale[i] = expf(m[r + i] - top);
-                l[r + i] = l[r + i] * rescale[i] + sum;
-                m[r + i] = top;
-            }
+            for (int i = 0; i < kPV; i++)
+                rescale[i] = softmax_update<kKBlock>(S + (r + i) * kKBlock, m[r + i], l[r + i]);
             __m512 acc[kPV][DV];
             for (int i = 0; i < kPV; i++)
                 for (int c = 0; c < DV; c++)
@@ -352,12 +336,10 @@ int zpd_causal_attention_bfloat16(const BF16 *q, const BF16 *k, const BF16 *v, i
                                   int64_t v_stride, int64_t n, int64_t hq, int64_t hkv, int64_t D,
                                   float scale, BF16 *out, int threads) {
 #if defined(ZPD_AMX)
-    return amx_causal_attention(q, k, v, k_stride, v_stride, n, hq, hkv, D, scale, out, threads);
-#else
-    (void)q, (void)k, (void)v, (void)k_stride, (void)v_stride, (void)n, (void)hq, (void)hkv, (void)D;
-    (void)scale, (void)out, (void)threads;
-    return kUnsupported;         // this CPU (or compiler) lacks AMX-BF16
+    const int status = amx_causal_attention(q, k, v, k_stride, v_stride, n, hq, hkv, D, scale, out, threads);
+    if (status != kUnsupported) return status;
 #endif
+    return dot_causal_attention(q, k, v, k_stride, v_stride, n, hq, hkv, D, scale, out, threads);
 }
 
 }  // extern "C"

@@ -154,8 +154,8 @@ def test_bfloat16_causal_attention_is_as_close_as_torchs(n, hq, hkv, d):
     """The AMX kernel (blocks of 16 queries by 64 keys, packed in 32s): prompts within,
     at and past each block size. Its error against float64 is within 5% of torch's own
     bfloat16 flash attention's (both multiply in bfloat16 and round the weights to it);
-    without AMX the float32 kernel runs on copies (so its error is the output's
-    rounding), and without AVX-512 it declines and the caller uses torch's."""
+    without AMX the same blocks by AVX512-BF16 dot products, or the float32 kernel on
+    copies; without AVX-512 it declines and the caller uses torch's."""
     q, k, v = _causal_inputs(n, hq, hkv, d, torch.bfloat16)
     got = _ops(torch.bfloat16).causal_attention(q, k, v, d ** -0.5)
     if not cpu_has("avx512f"):
@@ -169,6 +169,20 @@ def test_bfloat16_causal_attention_is_as_close_as_torchs(n, hq, hkv, d):
     ours_err, torchs_err = ((t.double() - want).abs() for t in (got, torchs))
     assert ours_err.max() <= 1.05 * torchs_err.max() + 1e-3
     assert ours_err.mean() <= 1.05 * torchs_err.mean() + 1e-4
+
+
+def test_bfloat16_causal_attention_without_its_kernels_runs_on_float32_copies(monkeypatch):
+    """Where the bfloat16 kernel declines (no AMX, no AVX512-BF16), a bfloat16 prompt
+    takes the float32 kernel on float32 copies: exactly its output, rounded."""
+    import engines.cpu_layer_ops as lo
+    ops, q, k, v = _ops(torch.bfloat16), *_causal_inputs(100, 9, 3, 64, torch.bfloat16)
+    if ops.causal_attention(q, k, v, 0.125) is None:
+        assert not cpu_has("avx512f")
+        return
+    monkeypatch.setattr(ops, "_causal", lambda *a: lo.UNSUPPORTED)
+    got = ops.causal_attention(q, k, v, 0.125)
+    want = _ops(torch.float32).causal_attention(q.float(), k.float(), v.float(), 0.125)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
 
 
 def test_causal_attention_leaves_what_it_does_not_take_to_torch():

@@ -147,7 +147,7 @@ def test_causal_kernel_matches_the_reference(tmp_path, head_dim, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bfloat16_causal_kernel_gives_torchs_logits(tmp_path, head_dim, monkeypatch):
-    """The bfloat16 causal prefill kernel (AMX; float32 copies without it) in a model
+    """The bfloat16 causal prefill kernel (AMX, or dot products) in a model
     with heads of 64 and 128, against the same engine on torch's flash attention:
     prompt logits to bfloat16's rounding, the same greedy token wherever torch's top
     two are more than that apart (a random bfloat16 model has near-ties), and every
