@@ -22,6 +22,8 @@ minutes per dtype (compilation); then it stays up and runs work it is sent on st
 Both sides are loaded at once and measured in alternating rounds (--rounds, the side
 that goes first alternating too): this machine's speed drifts by tens of percent over
 minutes, and a ratio is only as good as the closeness in time of its two halves. Each
+round waits for the machine to go idle first: vLLM's processes keep a core busy for
+~1 s after each request they serve, which took a core from zpd's next measurement. Each
 cell shows both sides' median rate and the median of the per-round ratios. Without
 --vllm-python (or when it cannot import vllm) the peer's columns are skipped and
 zpd's figures are still printed.
@@ -41,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import med, log_step  # noqa: E402  (also puts the repository on sys.path)
+from common import log_step, med, wait_quiet  # noqa: E402  (also puts the repository on sys.path)
 
 import torch  # noqa: E402
 
@@ -231,7 +233,7 @@ def compare(args, model: str, dtype: str, w: dict, peer: bool) -> tuple[dict, di
             sides = [("zpd", ours)] + ([("vllm", theirs)] if theirs else [])
             for name, side in sides if r % 2 == 0 else sides[::-1]:
                 log_step(f"{dtype}: round {r + 1}/{args.rounds}, {name}")
-                time.sleep(0.5)              # the other side's spinning threads settle
+                wait_quiet(10.0)    # vLLM's processes keep a core busy ~1 s after each request
                 got[name].append(rates(measure(side.run, w, args.prefill_runs), w, args.prefill_len))
     finally:
         for side in (ours, theirs):
