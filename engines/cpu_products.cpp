@@ -137,6 +137,16 @@ struct Float32Panel {
 };
 #endif
 #if defined(__AVX512BF16__)
+// 16 bfloat16 values under `mask` to and from float32 lanes (bias and outputs of the
+// bfloat16 panels and AMX products)
+inline __m512 load_bf16(const BF16 *p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store_bf16(BF16 *p, __mmask16 mask, __m512 v) {
+    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 struct BFloat16Panel {
     using T = BF16;
     using Step = uint32_t;                                // a pair of inputs
@@ -145,13 +155,8 @@ struct BFloat16Panel {
     static __m512 madd(__m512 acc, const BF16 *w, Step x) {
         return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_set1_epi32(int(x)));
     }
-    static __m512 load_bias(const BF16 *b, __mmask16 mask) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
-    static void store(BF16 *y, __mmask16 mask, __m512 v) {
-        _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(v));
-    }
+    static __m512 load_bias(const BF16 *b, __mmask16 mask) { return load_bf16(b, mask); }
+    static void store(BF16 *y, __mmask16 mask, __m512 v) { store_bf16(y, mask, v); }
 };
 #endif
 #if defined(__AVX512F__)
@@ -292,12 +297,6 @@ inline void prefetch_step(const BF16 *packed) {           // one step's two weig
     for (int off = 0; off < 2048; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-inline __m512 load_bias(const BF16 *bias, __mmask16 mask) {
-    if (!bias) return _mm512_setzero_ps();
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 // Rows m0..m0+mr-1 (mr <= 32) of outputs n0..n0+31 into `sums` [32][32].
 void amx_block(const BF16 *x, const BF16 *packed, int64_t K, int64_t mr, float (*sums)[32]) {
     const int64_t steps = K / 32, stride = K * 2;
@@ -347,8 +346,8 @@ int amx_linear(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y, int
             const int64_t n0 = nb * 32, width = N - n0 < 32 ? N - n0 : 32;
             const __mmask16 lo = width >= 16 ? 0xffff : __mmask16((1u << width) - 1);
             const __mmask16 hi = width <= 16 ? 0 : __mmask16((1u << (width - 16)) - 1);
-            const __m512 b0 = load_bias(bias ? bias + n0 : nullptr, lo);
-            const __m512 b1 = load_bias(bias ? bias + n0 + 16 : nullptr, hi);
+            const __m512 b0 = bias ? load_bf16(bias + n0, lo) : _mm512_setzero_ps();
+            const __m512 b1 = bias ? load_bf16(bias + n0 + 16, hi) : _mm512_setzero_ps();
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
                 const int64_t mr = M - m0 < 32 ? M - m0 : 32;
                 if (mr != configured) {
@@ -358,10 +357,8 @@ int amx_linear(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y, int
                 amx_block(x + m0 * K, packed + nb * (K / 32) * 1024, K, mr, sums);
                 for (int64_t m = 0; m < mr; m++) {
                     BF16 *out = y + (m0 + m) * N + n0;
-                    _mm256_mask_storeu_epi16(out, lo, (__m256i)_mm512_cvtneps_pbh(
-                        _mm512_add_ps(_mm512_load_ps(sums[m]), b0)));
-                    _mm256_mask_storeu_epi16(out + 16, hi, (__m256i)_mm512_cvtneps_pbh(
-                        _mm512_add_ps(_mm512_load_ps(sums[m] + 16), b1)));
+                    store_bf16(out, lo, _mm512_add_ps(_mm512_load_ps(sums[m]), b0));
+                    store_bf16(out + 16, hi, _mm512_add_ps(_mm512_load_ps(sums[m] + 16), b1));
                 }
             }
         }
