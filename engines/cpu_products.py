@@ -101,6 +101,8 @@ class PackedLinear(ABC):
     SYMBOL: str
     PACK_SYMBOL: str
     BLOCK: int            # outputs per block of the packing (N is padded to it)
+    ROWS: tuple[int, int]  # input rows it is used for (engines/linear.py)
+    BEFORE_SMALL = False   # used ahead of the 1-8 row kernel for the rows it covers
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = getattr(lib, self.SYMBOL)
@@ -158,6 +160,7 @@ class AmxLinear(PackedLinear):
     multiple of 32 (`fits`)."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_amx_bfloat16", "zpd_pack_amx_bfloat16", 32
+    ROWS, BEFORE_SMALL = (1, 256), True
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
@@ -181,6 +184,7 @@ class PanelLinear(PackedLinear):
     (with 16-row blocks; engines/cpu_products.cpp has what 24 changed)."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
+    ROWS = (9, 64)                                # more on CPUs not Intel's: engines/linear.py
 
     @staticmethod
     def layout(w: torch.Tensor) -> torch.Tensor:
@@ -200,6 +204,7 @@ class BPanelLinear(PackedLinear):
     even at 128 and 256; a batch-16 decode step of SmolLM2 39.9 -> 26.1 ms."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_bpanel_bfloat16", "zpd_pack_bpanel_bfloat16", 16
+    ROWS = (9, 256)
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
@@ -259,8 +264,8 @@ def packed_linear(dtype: torch.dtype) -> PackedLinear | None:
         try:
             kernel = kind(lib)
         except AttributeError as e:
-            log.warning("%s packed product kernel unavailable (%s); using torch's products", dtype, e)
-            return None
+            log.warning("%s packed product kernel unavailable (%s)", kind.__name__, e)
+            continue
         if _packed_agrees(kernel):
             return kernel
     return None

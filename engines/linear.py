@@ -83,19 +83,15 @@ def _kernel_packing(dtype: torch.dtype) -> Packing | None:
     kernel = cpu_products.packed_linear(dtype)
     if kernel is None:
         return None
-    if isinstance(kernel, cpu_products.AmxLinear):
-        rows, first = (1, 256), True
-    elif isinstance(kernel, cpu_products.BPanelLinear):
-        rows, first = (9, 256), False
-    else:
-        rows, first = (9, _panel_max_rows()), False
-    return Packing(type(kernel).__name__, rows, kernel.pack,
-                   lambda x, p, w, b: kernel(x, p, w.shape[0], b), fits=kernel.fits, before_small=first)
+    lo, hi = kernel.ROWS
+    rows = (lo, max(hi, _panel_max_rows())) if dtype == torch.float32 else (lo, hi)
+    return Packing(type(kernel).__name__, rows, kernel.pack, lambda x, p, w, b: kernel(x, p, w.shape[0], b),
+                   fits=kernel.fits, before_small=kernel.BEFORE_SMALL)
 
 
 def _panel_max_rows() -> int:
-    """The most rows of a float32 product the panel kernel takes: 64 where the CPU is
-    Intel's, none fewer elsewhere. Past 64 rows F.linear runs MKL's GEMM, as fast as
+    """The most rows of a float32 product the panel kernel takes: its own 64 where the
+    CPU is Intel's, none fewer elsewhere. Past 64 rows F.linear runs MKL's GEMM, as fast as
     anything here on Intel (~200 GFLOP/s on two threads at 1,024 rows) but not on
     other CPUs, where MKL takes a generic path: on an AMD EPYC (Zen 4, two threads),
     SmolLM2's seven products of a layer at 128 / 256 / 1,024 rows took 6.0 / 11.1-11.8

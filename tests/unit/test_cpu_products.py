@@ -239,3 +239,24 @@ def _refused(monkeypatch, caplog, dtype, kind, message: str, **broken) -> None:
         monkeypatch.undo()
         cp.packed_linear.cache_clear()
     assert isinstance(cp.packed_linear(dtype), kind)
+
+
+def test_a_kernel_missing_from_the_library_is_skipped(monkeypatch, caplog):
+    """A packed kind whose entry point the library lacks is logged and passed over:
+    bfloat16 goes on to its panels (where the CPU has AVX512-BF16), float32 to torch's
+    products (None)."""
+    if cp.packed_linear(torch.float32) is None:
+        assert not _packed_kernel_expected(torch.float32)
+        return
+    for kind in (cp.AmxLinear, cp.PanelLinear):
+        monkeypatch.setattr(kind, "SYMBOL", "zpd_no_such_kernel")
+    cp.packed_linear.cache_clear()
+    try:
+        assert cp.packed_linear(torch.float32) is None
+        got = cp.packed_linear(torch.bfloat16)
+        assert isinstance(got, cp.BPanelLinear) if _packed_kernel_expected(torch.bfloat16) else got is None
+        assert "AmxLinear packed product kernel unavailable" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cp.packed_linear.cache_clear()
+    assert isinstance(cp.packed_linear(torch.float32), cp.PanelLinear)
