@@ -1,8 +1,8 @@
 // What the CPU kernels' sources share (engines/cpu_decode_attention.cpp,
-// cpu_prefill_attention.cpp, cpu_products.cpp, cpu_layer_ops.cpp, built into one
-// library by engines/cpu_kernels.py): the status codes
-// the Python side reads, bfloat16 storage, the exp of the attention kernels' softmax, and
-// the AMX tile state.
+// cpu_prefill_attention.cpp, cpu_prefill_attention_bf16.cpp, cpu_products.cpp,
+// cpu_panel_products.cpp, cpu_layer_ops.cpp, built into one library by
+// engines/cpu_kernels.py): the status codes the Python side reads, bfloat16 storage, the
+// exp of the attention kernels' softmax, the AMX tile state and the weight packings' loop.
 //
 // Compiled with -ffast-math (at compile time only, so the library does not switch the
 // process's denormals off): reductions are reordered and vectorised. No infinity or NaN
@@ -114,6 +114,30 @@ inline bool amx_permitted() {             // Linux hands out AMX state only to a
 inline void load_tile_config(const TileConfig &c) {
     asm volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
+}
+#endif
+
+// The packings of engines/cpu_products.py (`AmxLinear.layout`, `PanelLinear.layout` say
+// the same in torch), from a row-major w [N, K], written in order, blocks shared among
+// threads: torch's strided copy took 5x (AMX) and 2.5x (panels) as long, and a weight
+// update repacks every weight on the next step.
+template <typename T, int64_t kOut, int64_t kIn>
+inline void pack_blocks(const T *w, T *out, int64_t N, int64_t K, int threads,
+                        void (*block)(const T *, T *, int64_t, int64_t, int64_t, int64_t)) {
+    const int64_t blocks = (N + kOut - 1) / kOut;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) block(w, out + b * kOut * K, N, K, b * kOut, kIn);
+}
+
+#if defined(__AVX512BF16__)
+// 16 bfloat16 values under `mask` to and from float32 lanes (bias and outputs of the
+// bfloat16 panels and AMX products)
+inline __m512 load_bf16(const BF16 *p, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline void store_bf16(BF16 *p, __mmask16 mask, __m512 v) {
+    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
 

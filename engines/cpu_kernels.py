@@ -1,6 +1,7 @@
-"""The engine's CPU kernels, one small C++ library built from four sources that share
-`cpu_kernels.h`: `cpu_decode_attention.cpp`, `cpu_prefill_attention.cpp` (causal),
-`cpu_products.cpp` (matrix products and weight packings) and `cpu_layer_ops.cpp`
+"""The engine's CPU kernels, one small C++ library built from sources that share
+`cpu_kernels.h`: `cpu_decode_attention.cpp`, `cpu_prefill_attention.cpp` and
+`cpu_prefill_attention_bf16.cpp` (causal), `cpu_products.cpp` and
+`cpu_panel_products.cpp` (matrix products and weight packings) and `cpu_layer_ops.cpp`
 (element-wise layer steps, argmax).
 
 - `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
@@ -52,7 +53,7 @@ log = logging.getLogger("zpd.engine")
 HEADER = Path(__file__).with_name("cpu_kernels.h")      # what the sources share
 SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp")
            for part in ("decode_attention", "prefill_attention", "prefill_attention_bf16", "products",
-                        "layer_ops")]
+                        "panel_products", "layer_ops")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see cpu_kernels.h
 LIBS = ["-lmvec", "-lm"]

@@ -1,9 +1,8 @@
 // Matrix products of the engine's CPU library (shared definitions: cpu_kernels.h):
 // - products of up to 8 rows by a row-major weight, float32 (AVX-512) or bfloat16
 //   (AVX512-BF16);
-// - bfloat16 products of any number of rows by a weight packed for AMX tiles, and
-//   products of more rows by a weight packed in panels of 16 outputs (float32 on
-//   AVX-512, bfloat16 on AVX512-BF16), with the packings themselves.
+// - bfloat16 products of any number of rows by a weight packed for AMX tiles, with its
+//   packing (the panel products: cpu_panel_products.cpp).
 #include "cpu_kernels.h"
 
 using namespace zpd;
@@ -106,135 +105,6 @@ int linear(const typename L::T *x, const typename L::T *w, const typename L::T *
 }
 #endif
 
-// Products of more rows by a weight packed in panels of 16 outputs (engines/
-// cpu_products.py, `PanelLinear` and `BPanelLinear`): y[M, N] = x[M, K] w[N, K]^T
-// (+ bias[N]), N padded to 16 with zero rows. float32 (AVX-512 FMAs): [N / 16][K][16];
-// bfloat16 without AMX (AVX512-BF16 dot products of input pairs, float32 sums):
-// [N / 16][K / 2][16][2]. A step is one input (a pair in bfloat16): each panel streams
-// once (prefetched kPanelAhead steps ahead) into blocks of up to kBlockRows rows of x,
-// one FMA per row and step with that row's step broadcast, one accumulator of 16
-// outputs per row; x is first transposed block by block, [blocks][steps][stride], so a
-// block's values of one step lie together. The rows are shared evenly among the blocks
-// (25 -> 13 + 12, not 24 + 1): a block of fewer than ~8 rows waits on its FMAs'
-// latency, not their throughput. Over bench_e2e's "mid" model's 43 products on one
-// thread (float32, alternating, median ms), 24-row blocks against 16-row ones: 17
-// rows 9.5 -> 8.4, 20 rows 10.6 -> 9.2, 24 rows 12.3 -> 10.8, 33 rows 16.7 -> 15.3; 9
-// and 16 rows the same.
-#if defined(__AVX512F__)
-constexpr int64_t kPanelAhead = 64;
-constexpr int kBlockRows = 24;    // most rows of x per pass over a panel: 24 accumulators
-
-struct Float32Panel {
-    using T = float;
-    using Step = float;                                   // one step of one row of x
-    static constexpr int64_t kPerStep = 1;                // inputs per step
-    static Step step(const float *x) { return *x; }
-    static __m512 madd(__m512 acc, const float *w, Step x) {
-        return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_set1_ps(x), acc);
-    }
-    static __m512 load_bias(const float *b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
-    static void store(float *y, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(y, mask, v); }
-};
-#endif
-#if defined(__AVX512BF16__)
-// 16 bfloat16 values under `mask` to and from float32 lanes (bias and outputs of the
-// bfloat16 panels and AMX products)
-inline __m512 load_bf16(const BF16 *p, __mmask16 mask) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline void store_bf16(BF16 *p, __mmask16 mask, __m512 v) {
-    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-struct BFloat16Panel {
-    using T = BF16;
-    using Step = uint32_t;                                // a pair of inputs
-    static constexpr int64_t kPerStep = 2;
-    static Step step(const BF16 *x) { Step pair; std::memcpy(&pair, x, 4); return pair; }
-    static __m512 madd(__m512 acc, const BF16 *w, Step x) {
-        return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_set1_epi32(int(x)));
-    }
-    static __m512 load_bias(const BF16 *b, __mmask16 mask) { return load_bf16(b, mask); }
-    static void store(BF16 *y, __mmask16 mask, __m512 v) { store_bf16(y, mask, v); }
-};
-#endif
-#if defined(__AVX512F__)
-template <typename L, int R>
-inline void panel_block(const typename L::Step *xt, int64_t stride, const typename L::T *panel,
-                        int64_t steps, __m512 *sums) {
-    constexpr int64_t kWidth = 16 * L::kPerStep;          // elements of a panel per step
-    __m512 acc[R];
-    for (int m = 0; m < R; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < steps; k++) {
-        _mm_prefetch(reinterpret_cast<const char *>(panel + (k + kPanelAhead) * kWidth), _MM_HINT_T0);
-#pragma GCC unroll 32
-        for (int m = 0; m < R; m++) acc[m] = L::madd(acc[m], panel + k * kWidth, xt[k * stride + m]);
-    }
-    for (int m = 0; m < R; m++) sums[m] = acc[m];
-}
-
-template <typename L>
-using PanelFn = void (*)(const typename L::Step *, int64_t, const typename L::T *, int64_t, __m512 *);
-template <typename L, int... R>
-constexpr PanelFn<L> panel_fns[] = {panel_block<L, R + 1>...};
-
-template <typename L, int... R>
-PanelFn<L> panel_fn(int rows, std::integer_sequence<int, R...>) { return panel_fns<L, R...>[rows - 1]; }
-
-template <typename L>
-int panel_linear(const typename L::T *x, const typename L::T *packed, const typename L::T *bias,
-                 typename L::T *y, int64_t M, int64_t N, int64_t K, int threads) {
-    using Step = typename L::Step;
-    if (M < 1 || N < 1 || K < 1 || K % L::kPerStep || threads < 1) return kBadShape;
-    const int64_t panels = (N + 15) / 16, blocks = (M + kBlockRows - 1) / kBlockRows, steps = K / L::kPerStep;
-    const int64_t base = M / blocks, extra = M % blocks;     // block b: base + (b < extra) rows
-    auto first_row = [&](int64_t b) { return b * base + (b < extra ? b : extra); };
-    auto block_rows = [&](int64_t b) { return int(base + (b < extra)); };
-    const int64_t stride = base + (extra > 0);                 // x's rows per step in xt
-    const size_t xt_bytes = (sizeof(Step) * blocks * steps * stride + 63) / 64 * 64;
-    Step *xt = static_cast<Step *>(std::aligned_alloc(64, xt_bytes));
-    if (!xt) return kNoMemory;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t k = 0; k < steps; k++)
-            for (int64_t m = 0; m < stride; m++)
-                xt[(b * steps + k) * stride + m] =
-                    m < block_rows(b) ? L::step(x + (first_row(b) + m) * K + k * L::kPerStep) : Step(0);
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * 16, width = N - n0 < 16 ? N - n0 : 16;
-        const __mmask16 mask = width == 16 ? 0xffff : __mmask16((1u << width) - 1);
-        const __m512 b = bias ? L::load_bias(bias + n0, mask) : _mm512_setzero_ps();
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int rows = block_rows(blk);
-            __m512 sums[kBlockRows];
-            panel_fn<L>(rows, std::make_integer_sequence<int, kBlockRows>{})(
-                xt + blk * steps * stride, stride, packed + p * K * 16, steps, sums);
-            for (int m = 0; m < rows; m++)
-                L::store(y + (first_row(blk) + m) * N + n0, mask, _mm512_add_ps(sums[m], b));
-        }
-    }
-    }
-    std::free(xt);
-    return kOk;
-}
-#endif
-
-// The packings of engines/cpu_products.py (`AmxLinear.layout`, `PanelLinear.layout` say
-// the same in torch), from a row-major w [N, K], written in order, blocks shared among
-// threads: torch's strided copy took 5x (AMX) and 2.5x (panels) as long, and a weight
-// update repacks every weight on the next step.
-template <typename T, int64_t kOut, int64_t kIn>
-void pack_blocks(const T *w, T *out, int64_t N, int64_t K, int threads,
-                 void (*block)(const T *, T *, int64_t, int64_t, int64_t, int64_t)) {
-    const int64_t blocks = (N + kOut - 1) / kOut;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) block(w, out + b * kOut * K, N, K, b * kOut, kIn);
-}
-
 // AMX: [N / 32][K / 32][2][16][16][2], element [b, s, h, r, n, j] = w[32 b + 16 h + n][32 s + 2 r + j]
 void amx_pack_block(const BF16 *w, BF16 *out, int64_t N, int64_t K, int64_t n0, int64_t) {
     uint32_t *pairs = reinterpret_cast<uint32_t *>(out);     // [j] pairs move as one word
@@ -247,26 +117,6 @@ void amx_pack_block(const BF16 *w, BF16 *out, int64_t N, int64_t K, int64_t n0, 
                     if (row < N) std::memcpy(&pair, w + row * K + 32 * s + 2 * r, 4);
                     *pairs++ = pair;
                 }
-}
-
-// bfloat16 panels: [N / 16][K / 2][16][2], element [p, s, n, j] = w[16 p + n][2 s + j]
-void bpanel_pack_block(const BF16 *w, BF16 *out, int64_t N, int64_t K, int64_t n0, int64_t) {
-    uint32_t *pairs = reinterpret_cast<uint32_t *>(out);     // [j] pairs move as one word
-    for (int64_t n = 0; n < 16; n++) {                       // each row of w read in order
-        for (int64_t s = 0; s < K / 2; s++) {
-            uint32_t pair = 0;
-            if (n0 + n < N) std::memcpy(&pair, w + (n0 + n) * K + 2 * s, 4);
-            pairs[s * 16 + n] = pair;
-        }
-    }
-}
-
-// panels: [N / 16][K][16], element [p, k, n] = w[16 p + n][k]
-void panel_pack_block(const float *w, float *out, int64_t N, int64_t K, int64_t n0, int64_t) {
-    for (int64_t n = 0; n < 16; n++) {                  // each row of w read in order
-        const float *row = w + (n0 + n) * K;
-        for (int64_t k = 0; k < K; k++) out[k * 16 + n] = n0 + n < N ? row[k] : 0.f;
-    }
 }
 
 // bfloat16 products on AMX tiles: y[M, N] = x[M, K] w[N, K]^T (+ bias[N]), K a multiple of
@@ -396,38 +246,6 @@ int zpd_pack_amx_bfloat16(const BF16 *w, BF16 *out, int64_t N, int64_t K, int th
     if (N < 1 || K < 32 || K % 32 || threads < 1) return kBadShape;
     pack_blocks<BF16, 32, 32>(w, out, N, K, threads, amx_pack_block);
     return kOk;
-}
-
-int zpd_pack_panel_float32(const float *w, float *out, int64_t N, int64_t K, int threads) {
-    if (N < 1 || K < 1 || threads < 1) return kBadShape;
-    pack_blocks<float, 16, 1>(w, out, N, K, threads, panel_pack_block);
-    return kOk;
-}
-
-int zpd_linear_panel_float32(const float *x, const float *packed, const float *bias, float *y,
-                             int64_t M, int64_t N, int64_t K, int threads) {
-#if defined(__AVX512F__)
-    return panel_linear<Float32Panel>(x, packed, bias, y, M, N, K, threads);
-#else
-    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
-    return kUnsupported;         // this CPU (or compiler) lacks AVX-512
-#endif
-}
-
-int zpd_pack_bpanel_bfloat16(const BF16 *w, BF16 *out, int64_t N, int64_t K, int threads) {
-    if (N < 1 || K < 2 || K % 2 || threads < 1) return kBadShape;
-    pack_blocks<BF16, 16, 2>(w, out, N, K, threads, bpanel_pack_block);
-    return kOk;
-}
-
-int zpd_linear_bpanel_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y,
-                               int64_t M, int64_t N, int64_t K, int threads) {
-#if defined(__AVX512BF16__)
-    return panel_linear<BFloat16Panel>(x, packed, bias, y, M, N, K, threads);
-#else
-    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
-    return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
-#endif
 }
 
 int zpd_linear_amx_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y,

@@ -1,5 +1,6 @@
-"""Matrix products of the CPU library (engines/cpu_products.cpp), each checked against
-float64 once per process before engines/linear.py uses it:
+"""Matrix products of the CPU library (engines/cpu_products.cpp, the panels
+cpu_panel_products.cpp), each checked against float64 once per process before
+engines/linear.py uses it:
 
 - `SmallLinear`: 1-8 rows by a row-major weight (decode at small batches), float32 on
   AVX-512 and bfloat16 on AVX512-BF16; no copy of the weight.
@@ -178,10 +179,11 @@ class AmxLinear(PackedLinear):
 class PanelLinear(PackedLinear):
     """float32 products of 9-64 rows (decode steps of larger batches; prefills too on
     CPUs not Intel's, engines/linear.py) by AVX-512 FMAs from panels of 16 outputs, up
-    to 24 rows at a time (shared evenly: 25 -> 13 + 12). SmolLM2's 121 products on 2
+    to 24 rows at a time (shared evenly: 25 -> 13 + 12; past 64 rows 3 panels by 8
+    rows, engines/cpu_panel_products.cpp). SmolLM2's 121 products on 2
     threads of an Intel CPU (median of 5 alternating rounds), against MKL's
     packed copies: 8 rows 38.2 -> 34.0 ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4
-    (with 16-row blocks; engines/cpu_products.cpp has what 24 changed)."""
+    (with 16-row blocks; engines/cpu_panel_products.cpp has what 24 changed)."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
     ROWS = (9, 64)                                # more on CPUs not Intel's: engines/linear.py
@@ -197,8 +199,8 @@ class PanelLinear(PackedLinear):
 
 class BPanelLinear(PackedLinear):
     """bfloat16 products of 9-256 rows where the CPU has AVX512-BF16 but no AMX, by dot
-    products of input pairs (float32 sums) from panels of 16 outputs, up to 24 rows at
-    a time, as `PanelLinear`. SmolLM2's 121 products on 2 threads of an AMD EPYC
+    products of input pairs (float32 sums) from panels of 16 outputs, in the passes of
+    `PanelLinear`. SmolLM2's 121 products on 2 threads of an AMD EPYC
     (alternating, median ms), against oneDNN's packed copies: 9 rows 20.3 -> 14.4, 16
     rows 23.6 -> 17.1, 24 rows 30.2 -> 21.6, 32 rows 34.8 -> 28.9, 64 rows 62.2 -> 58.4,
     even at 128 and 256; a batch-16 decode step of SmolLM2 39.9 -> 26.1 ms."""
@@ -228,7 +230,7 @@ def _packed_agrees(kernel: PackedLinear) -> bool:
     g, dt = torch.Generator().manual_seed(0), kernel.DTYPE
     tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     try:
-        for n, k in ((40, 64), (13, 96), (64, 32)):
+        for n, k in ((40, 64), (13, 96), (64, 32), (24, 64)):
             w = torch.randn(n, k, generator=g).to(dt)
             b = torch.randn(n, generator=g).to(dt)
             packed = kernel.pack(w)

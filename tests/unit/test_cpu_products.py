@@ -86,11 +86,13 @@ PACKED_KINDS = [(torch.bfloat16, _kind(torch.bfloat16), 2 ** -8, 1e-3), (torch.f
 
 
 @pytest.mark.parametrize("dtype,kind,rtol,atol", PACKED_KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 8, 15, 16, 17, 31, 32, 33, 49, 64, 100, 256])
-@pytest.mark.parametrize("n,k", [(40, 64), (13, 96), (1, 32), (576, 1536), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 8, 15, 16, 17, 31, 32, 33, 49, 64, 65, 100, 203, 256])
+@pytest.mark.parametrize("n,k", [(40, 64), (13, 96), (1, 32), (80, 48), (576, 1536), (960, 576)])
 def test_packed_products_equal_float64(dtype, kind, rtol, atol, rows, n, k):
-    """Rows within, at and across the kernels' blocks of 16 and 32; outputs short of,
-    at and past their blocks; with and without a bias."""
+    """Rows within, at and across the kernels' blocks (16 and 32 rows on AMX; 24 rows
+    of x transposed, or past 64 rows 8 rows of x as it is, in panels); outputs short
+    of, at and past their blocks, panels in passes of 3, 2 and 1; with and without a
+    bias."""
     kernel = cp.packed_linear(dtype)
     if not _packed_kernel_expected(dtype):
         assert kernel is None
