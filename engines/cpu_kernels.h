@@ -66,9 +66,10 @@ inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// The online softmax's update of one row of a block's kKeys scores: the row becomes
-// exp(s - m') in place, m' the row's new running maximum, and its running sum l gains
-// them; returns exp(m - m'), the factor for what the row's output has summed so far.
+// The online softmax's update of one row of a block's kKeys scores, in log2 units (the
+// scale's product by log2 e applied): the row becomes 2^(s - m') in place, m' the row's
+// new running maximum, and its running sum l gains them; returns 2^(m - m'), the factor
+// for what the row's output has summed so far.
 template <int64_t kKeys>
 inline float softmax_update(float *srow, float &m, float &l) {
     __m512 s[kKeys / 16], most = _mm512_set1_ps(m), sums = _mm512_setzero_ps();
@@ -77,13 +78,13 @@ inline float softmax_update(float *srow, float &m, float &l) {
         most = _mm512_max_ps(most, s[c]);
     }
     const float top = _mm512_reduce_max_ps(most);
-    const __m512 t = _mm512_set1_ps(top), log2e = _mm512_set1_ps(kLog2e);
+    const __m512 t = _mm512_set1_ps(top);
     for (int c = 0; c < kKeys / 16; c++) {
-        const __m512 e = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(s[c], t), log2e));
+        const __m512 e = exp2_ps(_mm512_sub_ps(s[c], t));
         _mm512_store_ps(srow + 16 * c, e);
         sums = _mm512_add_ps(sums, e);
     }
-    const float rescale = expf(m - top);
+    const float rescale = exp2f(m - top);     // glibc's: exp2_ps on one lane took longer
     l = l * rescale + _mm512_reduce_add_ps(sums);
     m = top;
     return rescale;

@@ -54,7 +54,7 @@ void dot_item(const BF16 *q, const uint32_t *keys, const uint32_t *values, int64
         m[r] = kMasked;
         l[r] = 0.f;
     }
-    const __m512 scaled = _mm512_set1_ps(scale);
+    const __m512 scaled = _mm512_set1_ps(scale * kLog2e);   // scores in log2 units
     for (int64_t k0 = 0, b = 0; k0 < p1; k0 += kKBlock, b++) {
         const int64_t nk = p1 - k0 < kKBlock ? p1 - k0 : kKBlock;
         const uint32_t *KP = keys + b * kPairs * kKBlock, *VP = values + b * (kKBlock / 2) * D;
