@@ -34,6 +34,7 @@ constexpr int kBlockRows = 24;        // most rows of x transposed per pass over
 constexpr int kWidePanels = 3;        // past kNarrowMaxRows rows: panels per pass
 constexpr int kWideRows = 8;          //   and rows of x as it is per pass
 constexpr int64_t kNarrowMaxRows = 64;
+constexpr int kGatedPanels = 4, kGatedRows = 6;    // SiLU(gate) * up: 2 gate and 2 up panels
 
 struct Float32Panel {
     using T = float;
@@ -45,6 +46,7 @@ struct Float32Panel {
     }
     static __m512 load_bias(const float *b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
     static void store(float *y, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(y, mask, v); }
+    static __m512 round(__m512 v) { return v; }           // as stored in T
 };
 #endif
 #if defined(__AVX512BF16__)
@@ -58,11 +60,15 @@ struct BFloat16Panel {
     }
     static __m512 load_bias(const BF16 *b, __mmask16 mask) { return load_bf16(b, mask); }
     static void store(BF16 *y, __mmask16 mask, __m512 v) { store_bf16(y, mask, v); }
+    static __m512 round(__m512 v) {
+        const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
 };
 #endif
 #if defined(__AVX512F__)
 template <typename L, bool kTransposed, int P, int R>
-inline void panel_block(const typename L::T *x, int64_t stride, const typename L::T *panel,
+inline void panel_block(const typename L::T *x, int64_t stride, const typename L::T *const *panels,
                         int64_t steps, __m512 *sums) {
     constexpr int64_t kWidth = 16 * L::kPerStep;          // elements of a panel per step
     __m512 acc[P][R];
@@ -71,14 +77,13 @@ inline void panel_block(const typename L::T *x, int64_t stride, const typename L
     for (int64_t k = 0; k < steps; k++) {
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++)
-            _mm_prefetch(reinterpret_cast<const char *>(panel + (p * steps + k + kPanelAhead) * kWidth),
-                         _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char *>(panels[p] + (k + kPanelAhead) * kWidth), _MM_HINT_T0);
 #pragma GCC unroll 32
         for (int m = 0; m < R; m++) {
             const typename L::Step xs = L::step(x + (kTransposed ? k * stride + m * L::kPerStep
                                                                  : m * stride + k * L::kPerStep));
 #pragma GCC unroll 4
-            for (int p = 0; p < P; p++) acc[p][m] = L::madd(acc[p][m], panel + (p * steps + k) * kWidth, xs);
+            for (int p = 0; p < P; p++) acc[p][m] = L::madd(acc[p][m], panels[p] + k * kWidth, xs);
         }
     }
     for (int p = 0; p < P; p++)
@@ -86,7 +91,7 @@ inline void panel_block(const typename L::T *x, int64_t stride, const typename L
 }
 
 template <typename L>
-using PanelFn = void (*)(const typename L::T *, int64_t, const typename L::T *, int64_t, __m512 *);
+using PanelFn = void (*)(const typename L::T *, int64_t, const typename L::T *const *, int64_t, __m512 *);
 template <typename L, bool kTransposed, int P, int... R>
 constexpr PanelFn<L> panel_fns[] = {panel_block<L, kTransposed, P, R + 1>...};
 template <typename L, bool kTransposed, int P, int... R>
@@ -95,24 +100,43 @@ PanelFn<L> panel_fn(int rows, std::integer_sequence<int, R...>) {
 }
 
 // The kernel of a pass over `rows` rows of x: of one panel, from x transposed, or of
-// `panels` (1 to kWidePanels), from x as it is
+// `panels` (1 to kWidePanels, or kGatedPanels), from x as it is
 template <typename L>
 PanelFn<L> panel_fn(int panels, int rows, bool transposed) {
     using Wide = std::make_integer_sequence<int, kWideRows>;
     if (transposed) return panel_fn<L, true, 1>(rows, std::make_integer_sequence<int, kBlockRows>{});
-    if (panels == 1) return panel_fn<L, false, 1>(rows, Wide{});
-    return panels == 2 ? panel_fn<L, false, 2>(rows, Wide{}) : panel_fn<L, false, 3>(rows, Wide{});
+    switch (panels) {
+        case 1: return panel_fn<L, false, 1>(rows, Wide{});
+        case 2: return panel_fn<L, false, 2>(rows, Wide{});
+        case 3: return panel_fn<L, false, 3>(rows, Wide{});
+        default: return panel_fn<L, false, kGatedPanels>(rows, std::make_integer_sequence<int, kGatedRows>{});
+    }
 }
 
+// SiLU(gate) * up of 16 outputs from their float32 sums, rounded as engines/cpu_layer_ops
+// rounds them after an unfused product (its silu_mul): gate and up as stored in T, SiLU's
+// result too, then the product
+template <typename L>
+inline __m512 silu_times(__m512 gate, __m512 up) {
+    alignas(64) float g[16], silu[16];
+    _mm512_store_ps(g, L::round(gate));
+#pragma omp simd
+    for (int i = 0; i < 16; i++) silu[i] = g[i] / (1.f + expf(-g[i]));
+    return _mm512_mul_ps(L::round(_mm512_load_ps(silu)), L::round(up));
+}
+
+// y = x w^T (+ bias), or with `gated` (w: [gate; up], N / 2 outputs of each, N a multiple
+// of 64) y = SiLU(x w_gate^T) * (x w_up^T) [M, N / 2], each pass 2 panels of each half
 template <typename L>
 int panel_linear(const typename L::T *x, const typename L::T *packed, const typename L::T *bias,
-                 typename L::T *y, int64_t M, int64_t N, int64_t K, int threads) {
+                 typename L::T *y, int64_t M, int64_t N, int64_t K, int threads, bool gated = false) {
     using T = typename L::T;
-    if (M < 1 || N < 1 || K < 1 || K % L::kPerStep || threads < 1) return kBadShape;
-    const bool wide = M > kNarrowMaxRows;
-    const int64_t panels = (N + 15) / 16, steps = K / L::kPerStep, per_pass = wide ? kWidePanels : 1;
-    const int64_t groups = (panels + per_pass - 1) / per_pass, most = wide ? kWideRows : kBlockRows;
-    const int64_t blocks = (M + most - 1) / most;
+    if (M < 1 || N < 1 || K < 1 || K % L::kPerStep || threads < 1 || (gated && N % 64)) return kBadShape;
+    const bool wide = gated || M > kNarrowMaxRows;
+    const int64_t panels = (N + 15) / 16, steps = K / L::kPerStep, width_out = gated ? N / 2 : N;
+    const int64_t per_pass = gated ? kGatedPanels : wide ? kWidePanels : 1;
+    const int64_t groups = (panels + per_pass - 1) / per_pass;
+    const int64_t most = gated ? kGatedRows : wide ? kWideRows : kBlockRows, blocks = (M + most - 1) / most;
     const int64_t base = M / blocks, extra = M % blocks;     // block b: base + (b < extra) rows
     auto first_row = [&](int64_t b) { return b * base + (b < extra ? b : extra); };
     auto block_rows = [&](int64_t b) { return int(base + (b < extra)); };
@@ -135,11 +159,15 @@ int panel_linear(const typename L::T *x, const typename L::T *packed, const type
     }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t p0 = g * per_pass, count = panels - p0 < per_pass ? panels - p0 : per_pass;
-        __m512 b[kWidePanels];
-        __mmask16 masks[kWidePanels];
+        int64_t count = panels - g * per_pass < per_pass ? panels - g * per_pass : per_pass, at[kGatedPanels];
+        for (int64_t p = 0; p < count; p++)                    // the pass's panels: gated, 2 of each half
+            at[p] = gated ? (p / 2) * (panels / 2) + 2 * g + p % 2 : g * per_pass + p;
+        const T *from[kGatedPanels];
+        __m512 b[kGatedPanels];
+        __mmask16 masks[kGatedPanels];
         for (int64_t p = 0; p < count; p++) {
-            const int64_t n0 = (p0 + p) * 16, width = N - n0 < 16 ? N - n0 : 16;
+            const int64_t n0 = at[p] * 16, width = N - n0 < 16 ? N - n0 : 16;
+            from[p] = packed + n0 * K;
             masks[p] = width == 16 ? 0xffff : __mmask16((1u << width) - 1);
             b[p] = bias ? L::load_bias(bias + n0, masks[p]) : _mm512_setzero_ps();
         }
@@ -148,11 +176,17 @@ int panel_linear(const typename L::T *x, const typename L::T *packed, const type
             __m512 sums[kBlockRows];
             panel_fn<L>(int(count), rows, !wide)(
                 wide ? x + first_row(blk) * K : xt + blk * steps * stride * L::kPerStep, wide ? K : stride * L::kPerStep,
-                packed + p0 * K * 16, steps, sums);
-            for (int64_t p = 0; p < count; p++)
-                for (int m = 0; m < rows; m++)
-                    L::store(y + (first_row(blk) + m) * N + (p0 + p) * 16, masks[p],
-                             _mm512_add_ps(sums[p * rows + m], b[p]));
+                from, steps, sums);
+            for (int m = 0; m < rows; m++) {
+                T *out = y + (first_row(blk) + m) * width_out;
+                if (gated)
+                    for (int64_t p = 0; p < 2; p++)
+                        L::store(out + at[p] * 16, 0xffff, silu_times<L>(_mm512_add_ps(sums[p * rows + m], b[p]),
+                                                                     _mm512_add_ps(sums[(p + 2) * rows + m], b[p + 2])));
+                else
+                    for (int64_t p = 0; p < count; p++)
+                        L::store(out + at[p] * 16, masks[p], _mm512_add_ps(sums[p * rows + m], b[p]));
+            }
         }
     }
     }
@@ -201,6 +235,16 @@ int zpd_linear_panel_float32(const float *x, const float *packed, const float *b
 #endif
 }
 
+int zpd_linear_panel_gated_float32(const float *x, const float *packed, const float *bias, float *y,
+                                   int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(__AVX512F__)
+    return panel_linear<Float32Panel>(x, packed, bias, y, M, N, K, threads, true);
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return kUnsupported;
+#endif
+}
+
 int zpd_pack_bpanel_bfloat16(const BF16 *w, BF16 *out, int64_t N, int64_t K, int threads) {
     if (N < 1 || K < 2 || K % 2 || threads < 1) return kBadShape;
     pack_blocks<BF16, 16, 2>(w, out, N, K, threads, bpanel_pack_block);
@@ -214,6 +258,16 @@ int zpd_linear_bpanel_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bi
 #else
     (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
     return kUnsupported;         // this CPU (or compiler) lacks AVX512-BF16
+#endif
+}
+
+int zpd_linear_bpanel_gated_bfloat16(const BF16 *x, const BF16 *packed, const BF16 *bias, BF16 *y,
+                                     int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(__AVX512BF16__)
+    return panel_linear<BFloat16Panel>(x, packed, bias, y, M, N, K, threads, true);
+#else
+    (void)x, (void)packed, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+    return kUnsupported;
 #endif
 }
 

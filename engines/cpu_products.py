@@ -105,11 +105,16 @@ class PackedLinear(ABC):
     ROWS: tuple[int, int]  # input rows it is used for (engines/linear.py)
     BEFORE_SMALL = False   # used ahead of the 1-8 row kernel for the rows it covers
 
+    GATED_SYMBOL: str | None = None  # SiLU(gate) * up in the product (`gated`), where it has it
+
     def __init__(self, lib: ctypes.CDLL) -> None:
+        args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, C_INT64, C_INT64, C_INT64,
+                ctypes.c_int]
         self.fn = getattr(lib, self.SYMBOL)
-        self.fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                            C_INT64, C_INT64, C_INT64, ctypes.c_int]
-        self.fn.restype = ctypes.c_int
+        self.gated_fn = getattr(lib, self.GATED_SYMBOL) if self.GATED_SYMBOL else None
+        for f in (self.fn, self.gated_fn):
+            if f is not None:
+                f.argtypes, f.restype = args, ctypes.c_int
         self._pack = getattr(lib, self.PACK_SYMBOL)
         self._pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, C_INT64, C_INT64, ctypes.c_int]
         self._pack.restype = ctypes.c_int
@@ -137,14 +142,26 @@ class PackedLinear(ABC):
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [M, K]; packed: `pack` of an [n, K] weight; bias: [n] -> [M, n]."""
+        return self._run(self.fn, x, packed, n, n, bias)
+
+    def gated(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """SiLU(x w_gate^T) * (x w_up^T) of a packed [gate; up] weight of n rows (n / 2
+        each, n a multiple of 64): [M, n / 2], rounded as `silu_mul` after the product
+        would round it (engines/cpu_layer_ops.py), without writing the product."""
+        assert self.gated_fn is not None and n % 64 == 0
+        return self._run(self.gated_fn, x, packed, n, n // 2, bias)
+
+    def _run(self, fn, x: torch.Tensor, packed: torch.Tensor, n: int, out: int,
+             bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[1]
         assert x.dtype == packed.dtype == self.DTYPE and x.dim() == 2 and self.fits(x)
         assert packed.is_contiguous() and packed.numel() == -(-n // self.BLOCK) * self.BLOCK * k
         assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype and bias.numel() == n)
         x = x.contiguous()
-        y = torch.empty(x.shape[0], n, dtype=x.dtype)
-        status = self.fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        y = torch.empty(x.shape[0], out, dtype=x.dtype)
+        status = fn(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                    y.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{type(self).__name__} kernel: {describe(status)}")
         return y
@@ -186,6 +203,7 @@ class PanelLinear(PackedLinear):
     (with 16-row blocks; engines/cpu_panel_products.cpp has what 24 changed)."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
+    GATED_SYMBOL = "zpd_linear_panel_gated_float32"
     ROWS = (9, 64)                                # more on CPUs not Intel's: engines/linear.py
 
     @staticmethod
@@ -198,15 +216,19 @@ class PanelLinear(PackedLinear):
 
 
 class BPanelLinear(PackedLinear):
-    """bfloat16 products of 9-256 rows where the CPU has AVX512-BF16 but no AMX, by dot
+    """bfloat16 products of 9 rows and more where the CPU has AVX512-BF16 but no AMX, by dot
     products of input pairs (float32 sums) from panels of 16 outputs, in the passes of
     `PanelLinear`. SmolLM2's 121 products on 2 threads of an AMD EPYC
     (alternating, median ms), against oneDNN's packed copies: 9 rows 20.3 -> 14.4, 16
     rows 23.6 -> 17.1, 24 rows 30.2 -> 21.6, 32 rows 34.8 -> 28.9, 64 rows 62.2 -> 58.4,
-    even at 128 and 256; a batch-16 decode step of SmolLM2 39.9 -> 26.1 ms."""
+    even at 128 and 256; a batch-16 decode step of SmolLM2 39.9 -> 26.1 ms. Past 256
+    rows against the plain weights (F.linear, oneDNN's), SmolLM2's 4 products of a layer
+    at 256 / 512 / 1,024 rows: 5.07 / 9.60 / 18.21 -> 4.73 / 9.06 / 17.98 ms, and with
+    SiLU(gate) * up in the product the MLP's gate and up 9.64 -> 8.87 ms at 1,024."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.bfloat16, "zpd_linear_bpanel_bfloat16", "zpd_pack_bpanel_bfloat16", 16
-    ROWS = (9, 256)
+    GATED_SYMBOL = "zpd_linear_bpanel_gated_bfloat16"
+    ROWS = (9, 1 << 40)
 
     @classmethod
     def fits(cls, w: torch.Tensor) -> bool:
@@ -255,6 +277,36 @@ def _packed_agrees(kernel: PackedLinear) -> bool:
     return True
 
 
+def gated_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(x w_gate^T) * (x w_up^T) in float64, w = [gate; up]."""
+    y = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _gated_agrees(kernel: PackedLinear) -> bool:
+    """Whether the kernel's SiLU(gate) * up in the product gives float64's (to its
+    dtype's rounding), in passes of every row count up to and past its blocks (False,
+    with a warning, where not or where the library lacks it)."""
+    g, dt = torch.Generator().manual_seed(1), kernel.DTYPE
+    tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    try:
+        for n, k in ((64, 32), (192, 96)):
+            w, b = torch.randn(n, k, generator=g).to(dt), torch.randn(n, generator=g).to(dt)
+            packed = kernel.pack(w)
+            for rows in (1, 5, 6, 7, 13, 70):
+                x = torch.randn(rows, k, generator=g).to(dt)
+                for bias in (None, b):
+                    if not torch.allclose(kernel.gated(x, packed, n, bias).double(), gated_reference(x, w, bias), **tol):
+                        log.warning("the %s kernel's SiLU(gate) * up disagrees with float64; the "
+                                    "product and silu_mul stay apart", type(kernel).__name__)
+                        return False
+    except RuntimeError as e:
+        log.info("%s kernel's SiLU(gate) * up not used (%s)", type(kernel).__name__, e)
+        return False
+    return True
+
+
 @once
 def packed_linear(dtype: torch.dtype) -> PackedLinear | None:
     """The packed-weight product kernel for `dtype` (bfloat16: AMX, else AVX512-BF16
@@ -269,5 +321,7 @@ def packed_linear(dtype: torch.dtype) -> PackedLinear | None:
             log.warning("%s packed product kernel unavailable (%s)", kind.__name__, e)
             continue
         if _packed_agrees(kernel):
+            if kernel.gated_fn is not None and not _gated_agrees(kernel):
+                kernel.gated_fn = None
             return kernel
     return None

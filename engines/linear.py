@@ -21,11 +21,12 @@ is memory: a second copy of each projection and the head, made on first use;
 Where the CPU has them, engines/cpu_products.py's kernels come first: bfloat16
 weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
 oneDNN's packed copies at 16 rows 28.8 -> 16.2 ms, 32 rows 36.1 -> 20.6, even from
-128 rows on), or without AMX in panels for its AVX512-BF16 kernel (9-256 rows; 16
+128 rows on), or without AMX in panels for its AVX512-BF16 kernel (from 9 rows; 16
 rows 23.6 -> 17.1 ms against oneDNN's on an AMD EPYC), float32 weights in panels for its AVX-512 kernel (9-64 rows, every
 size from 9 on a CPU not Intel's: `_panel_max_rows`; 16 rows 41.7 -> 31.8 ms
 against MKL's), and float32 products of 1-8 rows (bfloat16 too
-without AMX) go to its small-batch kernel, which needs no copy.
+without AMX) go to its small-batch kernel, which needs no copy. Past 64 rows the
+panel kernels also give the MLP's SiLU(gate) * up in the product (`gated_linear`).
 
 Each packing is checked once per process before it is used (the library's against
 float64, torch's against `F.linear`), and one whose ops are missing or disagree is
@@ -48,6 +49,7 @@ from engines import cpu_products
 log = logging.getLogger("zpd.engine")
 
 PACK_BATCH_HINT = 16          # the batch both libraries pick their blocking for
+GATED_MIN_ROWS = 64           # fewer rows (decode steps): the product, then silu_mul
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Packing:
     mul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     fits: Callable[[torch.Tensor], bool] = lambda w: True      # weights it can pack
     before_small: bool = False     # used ahead of the 1-8 row kernel for rows it covers
+    gated: Callable | None = None  # SiLU(gate) * up in the product: `PackedWeights.gated_linear`
 
 
 PACKINGS = {
@@ -78,15 +81,16 @@ PACKINGS = {
 def _kernel_packing(dtype: torch.dtype) -> Packing | None:
     """Weights packed for engines/cpu_products.py's packed-weight kernel of `dtype`,
     where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel), else
-    in AVX512-BF16 panels for 9-256 rows; float32 in panels from 9 rows (to
+    in AVX512-BF16 panels from 9 rows; float32 in panels from 9 rows (to
     `_panel_max_rows`)."""
     kernel = cpu_products.packed_linear(dtype)
     if kernel is None:
         return None
     lo, hi = kernel.ROWS
     rows = (lo, max(hi, _panel_max_rows())) if dtype == torch.float32 else (lo, hi)
+    gated = None if kernel.gated_fn is None else lambda x, p, w, b: kernel.gated(x, p, w.shape[0], b)
     return Packing(type(kernel).__name__, rows, kernel.pack, lambda x, p, w, b: kernel(x, p, w.shape[0], b),
-                   fits=kernel.fits, before_small=kernel.BEFORE_SMALL)
+                   fits=kernel.fits, before_small=kernel.BEFORE_SMALL, gated=gated)
 
 
 def _panel_max_rows() -> int:
@@ -171,17 +175,34 @@ class PackedWeights:
             kernel = cpu_products.small_linear(w.dtype)
             if kernel is not None:
                 return kernel(x, w, bias)
-        if packing is None:
-            return F.linear(x, w, bias)
+        copy = None if packing is None else self._copy(w, packing)
+        return F.linear(x, w, bias) if copy is None else packing.mul(x, copy, w, bias)
+
+    def gated_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(x w_gate^T) * (x w_up^T) for w = [gate; up] in one pass of the panel
+        kernel, which reads x as it is past GATED_MIN_ROWS rows (prefills), where it
+        takes w: the product is not written, nor read again by a `silu_mul`. None
+        otherwise (the caller multiplies, then applies its silu_mul)."""
+        if w.device.type != "cpu" or x.dim() != 2 or x.shape[0] <= GATED_MIN_ROWS or w.shape[0] % 64:
+            return None
+        packing = self.usable(w.dtype)
+        if packing is None or packing.gated is None or not packing.fits(w) \
+                or not packing.rows[0] <= x.shape[0] <= packing.rows[1]:
+            return None
+        copy = self._copy(w, packing)
+        return None if copy is None else packing.gated(x, copy, w, None)
+
+    def _copy(self, w: torch.Tensor, packing: Packing) -> torch.Tensor | None:
+        """w's packed copy (made now if it has none of its current values)."""
         try:
             key = (w.data_ptr(), w._version, packing.name)
         except RuntimeError:                   # an inference tensor counts no versions
-            return F.linear(x, w, bias)
+            return None
         got = getattr(w, self.ATTR, None)
         if got is None or got[0] != key:
             got = (key, packing.pack(w.detach()))
             setattr(w, self.ATTR, got)
-        return packing.mul(x, got[1], w, bias)
+        return got[1]
 
     def packed(self, w: torch.Tensor) -> bool:
         """Whether `w` holds a packed copy of its current values."""
@@ -191,3 +212,4 @@ class PackedWeights:
 
 PACKED = PackedWeights()
 linear = PACKED.linear
+gated_linear = PACKED.gated_linear

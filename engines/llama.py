@@ -8,7 +8,7 @@ from torch import nn
 from engines.attention import DecodeMeta, PagedKV, PrefillMeta, decode_attention, prefill_attention
 from engines.config import ModelConfig
 from engines.cpu_layer_ops import LayerOps, layer_ops
-from engines.linear import linear
+from engines.linear import gated_linear, linear
 from engines.rope import RotaryEmbedding, apply_rotary
 
 # checkpoint name suffix -> (our parameter suffix, shard) for fused projections
@@ -92,9 +92,12 @@ class MLP(nn.Module):
         self.down_proj.weight = _param(cfg.hidden_size, self.inter)
 
     def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        if ops is not None:             # SiLU(gate) * up in the product where the kernel does it
+            h = gated_linear(x, self.gate_up_proj.weight)
+            if h is None:
+                h = ops.silu_mul(linear(x, self.gate_up_proj.weight))
+            return linear(h, self.down_proj.weight)
         gate_up = linear(x, self.gate_up_proj.weight)
-        if ops is not None:
-            return linear(ops.silu_mul(gate_up), self.down_proj.weight)
         gate, up = gate_up.split(self.inter, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj.weight)
 

@@ -262,3 +262,89 @@ def test_a_kernel_missing_from_the_library_is_skipped(monkeypatch, caplog):
         monkeypatch.undo()
         cp.packed_linear.cache_clear()
     assert isinstance(cp.packed_linear(torch.float32), cp.PanelLinear)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 65, 203])
+@pytest.mark.parametrize("n,k", [(64, 32), (192, 96), (3072, 576)])
+def test_gated_products_are_silu_mul_of_the_product(dtype, rows, n, k):
+    """SiLU(gate) * up in the panel kernels' product is bit for bit what silu_mul makes
+    of the product (so a prompt's tokens do not depend on which ran), and float64's to
+    the dtype's rounding; passes of every row count up to and past their 6 rows, with
+    and without a bias. Kernels without it (AMX) have none."""
+    from engines.cpu_layer_ops import layer_ops
+    kernel = cp.packed_linear(dtype)
+    if kernel is None or isinstance(kernel, cp.AmxLinear):
+        assert kernel is not None or not _packed_kernel_expected(dtype)
+        assert kernel is None or kernel.gated_fn is None
+        return
+    assert kernel.gated_fn is not None
+    g = torch.Generator().manual_seed(n + k + rows)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x, b = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    packed, ops = kernel.pack(w), layer_ops(dtype, "cpu")
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for bias in (None, b):
+        got = kernel.gated(x, packed, n, bias)
+        assert got.dtype == dtype and got.shape == (rows, n // 2)
+        assert torch.equal(got, ops.silu_mul(kernel(x, packed, n, bias)))
+        torch.testing.assert_close(got.double(), cp.gated_reference(x, w, bias), **tol)
+
+
+def test_gated_products_refuse_what_they_cannot_pair():
+    """The library refuses a [gate; up] weight whose halves are not whole pairs of
+    panels; `gated_linear` leaves such weights and decode-sized inputs to the product
+    and silu_mul."""
+    from engines.linear import GATED_MIN_ROWS, PACKED, gated_linear
+    kernel = cp.packed_linear(torch.float32)
+    if kernel is None:
+        assert not _packed_kernel_expected(torch.float32)
+        return
+    w, x = torch.randn(96, 32), torch.randn(70, 32)
+    packed, y = kernel.pack(w), torch.empty(70, 48)
+    assert kernel.gated_fn(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), 70, 96, 32, 1) == -1  # bad shape
+    assert gated_linear(x, w) is None
+    assert gated_linear(torch.randn(GATED_MIN_ROWS, 32), torch.randn(128, 32)) is None
+    wide = gated_linear(torch.randn(GATED_MIN_ROWS + 1, 32), torch.randn(128, 32))
+    assert (wide is not None) == (PACKED.usable(torch.float32).rows[1] > GATED_MIN_ROWS)  # not on Intel
+
+
+def test_a_wrong_gated_kernel_is_not_used(monkeypatch, caplog):
+    """A gated kernel that gives something else (here zeros) fails the first-use check:
+    the kernel is kept for products, without `gated`."""
+    kind = _kind(torch.bfloat16) if cp.packed_linear(torch.float32) is None else cp.PanelLinear
+    if cp.packed_linear(kind.DTYPE) is None or kind.GATED_SYMBOL is None:
+        assert not _packed_kernel_expected(kind.DTYPE) or kind is cp.AmxLinear
+        return
+    monkeypatch.setattr(kind, "gated", lambda self, x, p, n, b=None: x.new_zeros(x.shape[0], n // 2))
+    cp.packed_linear.cache_clear()
+    try:
+        kernel = cp.packed_linear(kind.DTYPE)
+        assert isinstance(kernel, kind) and kernel.gated_fn is None
+        assert "SiLU(gate) * up disagrees with float64" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cp.packed_linear.cache_clear()
+    assert cp.packed_linear(kind.DTYPE).gated_fn is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefills_take_silu_mul_in_the_product_where_the_kernel_does(monkeypatch, dtype):
+    """A prompt past 64 tokens runs its MLPs' gate and up through `gated` wherever the
+    packing of its dtype has it and covers those rows (panels; not AMX, not float32 past
+    64 rows on Intel, where MKL multiplies), and its tokens are those of the product
+    followed by silu_mul."""
+    import engines.llama as llama
+    from engines.linear import PACKED
+    model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
+    prompt = [[(7 * i) % 200 + 3 for i in range(100)]]
+    packing = PACKED.usable(dtype)
+    expected = packing is not None and packing.gated is not None and packing.rows[1] > 100
+    kernel, calls = cp.packed_linear(dtype), []
+    if kernel is not None:
+        real = type(kernel).gated
+        monkeypatch.setattr(type(kernel), "gated", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
+    fused = _greedy_tokens(model, prompt)
+    assert (calls.count(100) == len(model.net.model.layers)) == expected and (expected or not calls)
+    monkeypatch.setattr(llama, "gated_linear", lambda x, w: None)
+    assert _greedy_tokens(model, prompt) == fused
