@@ -159,9 +159,9 @@ int panel_linear(const typename L::T *x, const typename L::T *packed, const type
     }
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        int64_t count = panels - g * per_pass < per_pass ? panels - g * per_pass : per_pass, at[kGatedPanels];
-        for (int64_t p = 0; p < count; p++)                    // the pass's panels: gated, 2 of each half
-            at[p] = gated ? (p / 2) * (panels / 2) + 2 * g + p % 2 : g * per_pass + p;
+        const int64_t count = panels - g * per_pass < per_pass ? panels - g * per_pass : per_pass;
+        int64_t at[kGatedPanels];                              // the pass's panels (gated: 2 of each half)
+        for (int64_t p = 0; p < count; p++) at[p] = gated ? (p / 2) * (panels / 2) + 2 * g + p % 2 : g * per_pass + p;
         const T *from[kGatedPanels];
         __m512 b[kGatedPanels];
         __mmask16 masks[kGatedPanels];
