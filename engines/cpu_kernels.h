@@ -133,10 +133,10 @@ inline void pack_blocks(const T *w, T *out, int64_t N, int64_t K, int threads,
 #if defined(__AVX512BF16__)
 // 16 bfloat16 values under `mask` to and from float32 lanes (bias and outputs of the
 // bfloat16 panels and AMX products)
-inline __m512 load_bf16(const BF16 *p, __mmask16 mask) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+inline __m512 widen_bf16(__m256i halves) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
+inline __m512 load_bf16(const BF16 *p, __mmask16 mask) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, p)); }
 inline void store_bf16(BF16 *p, __mmask16 mask, __m512 v) {
     _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }

@@ -35,6 +35,8 @@ constexpr int kWidePanels = 3;        // past kNarrowMaxRows rows: panels per pa
 constexpr int kWideRows = 8;          //   and rows of x as it is per pass
 constexpr int64_t kNarrowMaxRows = 64;
 constexpr int kGatedPanels = 4, kGatedRows = 6;    // SiLU(gate) * up: 2 gate and 2 up panels
+static_assert(kWidePanels * kWideRows <= kBlockRows && kGatedPanels * kGatedRows <= kBlockRows,
+              "a pass's sums fit panel_linear's kBlockRows accumulators");
 
 struct Float32Panel {
     using T = float;
@@ -60,10 +62,7 @@ struct BFloat16Panel {
     }
     static __m512 load_bias(const BF16 *b, __mmask16 mask) { return load_bf16(b, mask); }
     static void store(BF16 *y, __mmask16 mask, __m512 v) { store_bf16(y, mask, v); }
-    static __m512 round(__m512 v) {
-        const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-    }
+    static __m512 round(__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); }
 };
 #endif
 #if defined(__AVX512F__)

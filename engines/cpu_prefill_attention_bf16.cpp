@@ -5,7 +5,8 @@
 // as dot products of bfloat16 pairs into float32 sums (VDPBF16PS): S = Q K^T pairs
 // inputs along D, K packed once per call per KV head and block as [D / 2][64][2];
 // O += P V pairs keys, V packed as [32][D][2], P rounded to bfloat16 first, as torch's
-// flash attention and the AMX kernel do; the scale is applied to S, so Q stays as given.
+// flash attention and the AMX kernel do; the scale (times log2 e: the softmax takes
+// base-2 scores) is applied to S, so Q stays as given.
 #include "cpu_kernels.h"
 
 namespace zpd {
@@ -58,7 +59,7 @@ void dot_item(const BF16 *q, const uint32_t *keys, const uint32_t *values, int64
     for (int64_t k0 = 0, b = 0; k0 < p1; k0 += kKBlock, b++) {
         const int64_t nk = p1 - k0 < kKBlock ? p1 - k0 : kKBlock;
         const uint32_t *KP = keys + b * kPairs * kKBlock, *VP = values + b * (kKBlock / 2) * D;
-        for (int64_t r = 0; r < padded; r += kRows) {      // S = scale Q K^T, masked
+        for (int64_t r = 0; r < padded; r += kRows) {      // S = scale log2(e) Q K^T, masked
             __m512 acc[kRows][kKBlock / 16];
             for (int i = 0; i < kRows; i++)
                 for (int c = 0; c < kKBlock / 16; c++) acc[i][c] = _mm512_setzero_ps();

@@ -302,7 +302,8 @@ def test_gated_products_refuse_what_they_cannot_pair():
         return
     w, x = torch.randn(96, 32), torch.randn(70, 32)
     packed, y = kernel.pack(w), torch.empty(70, 48)
-    assert kernel.gated_fn(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), 70, 96, 32, 1) == -1  # bad shape
+    status = kernel.gated_fn(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), 70, 96, 32, 1)
+    assert cp.describe(status) == "bad shape"
     assert gated_linear(x, w) is None
     assert gated_linear(torch.randn(GATED_MIN_ROWS, 32), torch.randn(128, 32)) is None
     wide = gated_linear(torch.randn(GATED_MIN_ROWS + 1, 32), torch.randn(128, 32))
