@@ -27,6 +27,7 @@ class PrefillMeta:
     write_rows: torch.Tensor      # [T] pool row of each token for layer 0, K
     starts: list[int] | None = None                       # None: no sequence has a prefix
     context_rows: list[torch.Tensor | None] | None = None  # [starts[i]] rows, layer 0, K
+    last: LastTokens | None = None                        # None: every token's output is read
 
 
 @dataclass
@@ -49,6 +50,18 @@ class DecodeMeta:
     kernel: PagedDecode | None = None
     read_rows: torch.Tensor | None = None   # [B, S] layer-0 K rows of each context (kernel)
     lengths: torch.Tensor | None = None     # [B] context lengths (kernel)
+
+
+@dataclass
+class LastTokens:
+    """The tokens of a prefill whose output is read: each sequence's last, for its
+    logits. The model's last layer computes only them past the KV write (the other
+    tokens' keys and values are all any later step reads of that layer), their
+    attention a decode step's over the pool, where the layer has just written every
+    token's keys and values; forward returns [B, hidden]. The others' attention, o_proj
+    and MLP in that layer were ~1/30 of SmolLM2's prefill."""
+    rows: torch.Tensor            # [B] their rows in the packed batch
+    attend: DecodeMeta            # their attention, each to its whole sequence
 
 
 def group_by_length(lengths: list[int]) -> list[list[int]]:

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.attention import DecodeMeta, PagedKV, PrefillMeta, decode_attention, prefill_attention
+from engines.attention import (DecodeMeta, LastTokens, PagedKV, PrefillMeta, decode_attention,
+                               prefill_attention)
 from engines.config import ModelConfig
 from engines.cpu_layer_ops import LayerOps, layer_ops
 from engines.linear import gated_linear, linear
@@ -53,7 +54,9 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: PagedKV,
-                layer: int, meta: PrefillMeta | DecodeMeta, ops: LayerOps | None = None) -> torch.Tensor:
+                layer: int, meta: PrefillMeta | DecodeMeta, ops: LayerOps | None = None,
+                last: LastTokens | None = None) -> torch.Tensor:
+        """-> [T, hidden]; with `last` (a prefill's last layer), of its rows only."""
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         if ops is not None and self.q_norm is None:
@@ -62,11 +65,14 @@ class Attention(nn.Module):
             if isinstance(meta, DecodeMeta):
                 q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
                 o = decode_attention(q, kv, layer, meta, self.scale)
+            elif last is not None:
+                q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
+                o = decode_attention(q[last.rows], kv, layer, last.attend, self.scale)
             else:
                 q, k = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq, keys=True)
                 v = qkv[:, (self.hq + self.hkv) * self.d:].view(t, self.hkv, self.d)
                 o = prefill_attention(q, k, v, meta, self.scale, kv, layer, ops)
-            return linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
+            return linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
         qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
         qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.q_norm is not None:
@@ -74,11 +80,13 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rope)                     # queries and keys in one pass
         q, k = qk[:, :self.hq], qk[:, self.hq:]
         kv.write(layer, meta.write_rows, k, v)
-        if isinstance(meta, PrefillMeta):
+        if last is not None:
+            o = decode_attention(q[last.rows], kv, layer, last.attend, self.scale)
+        elif isinstance(meta, PrefillMeta):
             o = prefill_attention(q, k, v, meta, self.scale, kv, layer)   # [T, Hq, D]
         else:
             o = decode_attention(q, kv, layer, meta, self.scale)
-        return linear(o.reshape(t, self.hq * self.d), self.o_proj.weight)
+        return linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -110,10 +118,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, ops: LayerOps | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, ops: LayerOps | None = None,
+                last: LastTokens | None = None) -> torch.Tensor:
         """`ops`: the compiled element-wise steps (engines/cpu_layer_ops.py), or None for
-        torch's ops."""
-        h = self.self_attn(self.input_layernorm(x, ops), rope, kv, self.index, meta, ops)
+        torch's ops. With `last`, only its rows come out."""
+        h = self.self_attn(self.input_layernorm(x, ops), rope, kv, self.index, meta, ops, last)
+        if last is not None:
+            x = x[last.rows]
         if ops is None:
             x = x + h
             h = self.post_attention_layernorm(x)
@@ -172,13 +183,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
                 meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last norm)."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last
+        norm), or of a prefill's meta.last tokens only, [B, hidden]."""
         rope = self.rotary.tables(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         ops = layer_ops(x.dtype, x.device.type)
-        for layer in self.model.layers:
+        *layers, final = self.model.layers
+        for layer in layers:
             x = layer(x, rope, kv, meta, ops)
-        return x
+        return final(x, rope, kv, meta, ops, meta.last if isinstance(meta, PrefillMeta) else None)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

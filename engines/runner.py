@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.attention import DecodeGroup, DecodeMeta, PrefillMeta, group_by_length
+from engines.attention import DecodeGroup, DecodeMeta, LastTokens, PrefillMeta, group_by_length
 from engines.kv_pool import KVPool
 from engines.loader import LoadedModel
 from engines.cpu_kernels import kernel_for
@@ -43,29 +43,33 @@ class ModelRunner:
             meta.context_rows = [self._rows(t, torch.arange(s, device=self.device)) if s else None
                                  for t, s in zip(tables, starts)]
         ids = self._tensor([t for p, s in zip(prompts, starts) for t in p[s:]])
-        hidden = self.model.net(ids, torch.cat(positions), self.pool.kv, meta)
         last = torch.cumsum(self._tensor(lens), 0) - 1
-        return self.model.net.logits(hidden[last])
+        ends = [len(p) - 1 for p in prompts]
+        meta.last = LastTokens(last, self._decode_meta(rows[last], ends, page_tables))
+        hidden = self.model.net(ids, torch.cat(positions), self.pool.kv, meta)   # [B, hidden]
+        return self.model.net.logits(hidden)
 
     def decode(self, tokens: list[int], positions: list[int],
                page_tables: list[list[int]]) -> torch.Tensor:
         """Feed token i at position i of its sequence; it attends to positions 0..pos."""
         pos = self._tensor(positions)
         own = self._tensor([pt[p // self.page_size] for pt, p in zip(page_tables, positions)])
-        write_rows = own * self.page_stride + pos % self.page_size
-        if self.kernel is not None:
-            everyone = list(range(len(positions)))
-            meta = DecodeMeta(write_rows, [], self.kernel, self._read_rows(everyone, positions, page_tables),
-                              pos + 1)
-        else:
-            groups = group_by_length(positions)
-            whole = len(groups) == 1
-            if whole:                              # one group: the batch's own row order
-                groups = [list(range(len(positions)))]
-            meta = DecodeMeta(write_rows, [self._group(rows, positions, page_tables, whole)
-                                           for rows in groups])
+        meta = self._decode_meta(own * self.page_stride + pos % self.page_size, positions, page_tables)
         hidden = self.model.net(self._tensor(tokens), pos, self.pool.kv, meta)
         return self.model.net.logits(hidden)
+
+    def _decode_meta(self, write_rows: torch.Tensor, positions: list[int],
+                     page_tables: list[list[int]]) -> DecodeMeta:
+        """Batch row i at positions[i] of its sequence, attending to positions 0..positions[i]."""
+        if self.kernel is not None:
+            everyone = list(range(len(positions)))
+            return DecodeMeta(write_rows, [], self.kernel, self._read_rows(everyone, positions, page_tables),
+                              self._tensor(positions) + 1)
+        groups = group_by_length(positions)
+        whole = len(groups) == 1
+        if whole:                                  # one group: the batch's own row order
+            groups = [list(range(len(positions)))]
+        return DecodeMeta(write_rows, [self._group(rows, positions, page_tables, whole) for rows in groups])
 
     def _read_rows(self, rows: list[int], positions: list[int],
                    page_tables: list[list[int]]) -> torch.Tensor:
