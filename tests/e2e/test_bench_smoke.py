@@ -43,6 +43,7 @@ RUNS = {
     "bench_transfer.py": (["--repeats", "1", "--tokens", "256"], [r"ratio"]),
     "bench_loop.py": (["--quick"], [r"ratio"]),
     "bench_peer.py": (["--smoke"], [r"float32\s+zpd [\d.]+\s+zpd [\d.]+\s+zpd [\d.]+"]),
+    "bench_peer_products.py": (["--smoke"], [r"gate/up 3072x576(\s+[\d.]+){4}", r"sum(\s+[\d.]+){3}"]),
     "bench_models.py": (["--repeats", "1", "--new-tokens", "4", "--batches", "2",
                          "--dtypes", "float32", "--no-hf-load"],
                         [r"float32\s+[\d.]+\s+\d+\s+nan\s+nan",
