@@ -33,10 +33,12 @@ class ModelRunner:
         before it is in its pages already: a cached prefix); logits of each prompt's
         last token."""
         starts = starts or [0] * len(prompts)
+        lens = [len(p) - s for p, s in zip(prompts, starts)]
+        if min(lens) < 1:      # its last token would be another prompt's (the cache leaves one)
+            raise ValueError(f"a prefill computes at least one token of each prompt: {lens}")
         tables = [self._tensor(pt) for pt in page_tables]
         positions = [torch.arange(s, len(p), device=self.device) for p, s in zip(prompts, starts)]
         rows = torch.cat([self._rows(t, pos) for t, pos in zip(tables, positions)])
-        lens = [len(p) - s for p, s in zip(prompts, starts)]
         meta = PrefillMeta(lens, rows)
         if any(starts):
             meta.starts = starts

@@ -56,7 +56,7 @@ def test_last_tokens_only_equal_every_token(monkeypatch, dtype, tolerance, prefi
     with monkeypatch.context() as m:
         whole_forward(m)
         want = prefill(tables[1])
-    assert got.shape == want.shape == (len(prompts), engine.compute.runner.model.cfg.vocab_size)
+    assert got.shape == want.shape == (len(prompts), runner.model.cfg.vocab_size)
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     for p, mine, theirs in zip(prompts, *tables):
         for a, b in zip(pool_contents(runner, pool, mine, len(p)), pool_contents(runner, pool, theirs, len(p))):
@@ -78,3 +78,13 @@ def test_generation_after_it_reads_the_last_layers_keys(monkeypatch):
     with monkeypatch.context() as m:
         whole_forward(m)
         assert run() == got
+
+
+def test_a_prompt_with_nothing_left_to_compute_is_refused():
+    """Its last token would be the previous prompt's row of the batch: refused, not guessed."""
+    engine = OfflineEngine(load_model("tiny", dtype="float32"))
+    runner, pool = engine.compute.runner, engine.compute.pool
+    prompts = [[3, 4, 5], [6, 7]]
+    tables = [pool.allocator.alloc(pool.pages_for(len(p))) for p in prompts]
+    with pytest.raises(ValueError, match="at least one token"):
+        runner.prefill(prompts, tables, [0, 2])
