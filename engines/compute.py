@@ -16,9 +16,9 @@ class Compute:
     def __init__(self, model: LoadedModel, pool: KVPool) -> None:
         self.model, self.pool = model, pool
         self.runner = ModelRunner(model, pool)
-        self.sampler = Sampler()
-        self.stop = StopChecker(() if model.cfg.eos_token_ids is None else model.cfg.eos_token_ids,
-                                model.tokenizer)
+        eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
+        self.sampler = Sampler(eos)
+        self.stop = StopChecker(eos, model.tokenizer)
 
     def prefill(self, reqs: list[Request], starts: list[int] | None = None) -> None:
         """Write the KV of each cached prefix (from position starts[i] on: what comes

@@ -114,6 +114,8 @@ class StopChecker:
 
     def __call__(self, req: Request) -> dict | None:
         p, token = req.params, req.output[-1]
+        if len(req.output) < p.min_new_tokens:      # SGLang's: no stop of any kind before
+            return None
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             return {"type": "stop", "matched": token}
         if p.stop and self.tokenizer is not None:

@@ -45,6 +45,7 @@ class SamplingParams:
     """One request's sampling; a value outside the bounds above raises ValueError
     naming the parameter (status 400 at a worker)."""
     max_new_tokens: int = 128
+    min_new_tokens: int = 0              # no EOS, stop token or stop string finishes it before
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                      # -1 or 0: no limit
@@ -71,6 +72,8 @@ class SamplingParams:
         return [
             ("max_new_tokens", _integer(self.max_new_tokens, 1, INT32_MAX),
              f"an integer in [1, {INT32_MAX}]"),
+            ("min_new_tokens", _integer(self.min_new_tokens, 0, _bound(self.max_new_tokens)),
+             "an integer in [0, max_new_tokens]"),
             ("temperature", _real(self.temperature, 0, 0) or _real(self.temperature, t_low, t_high),
              f"0 (greedy) or in [{t_low}, {t_high:g}]"),
             ("top_p", _real(self.top_p, TOP_P_MIN, 1.0), f"in [{TOP_P_MIN}, 1]"),
@@ -130,6 +133,12 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
+
+
+def _bound(max_new_tokens: object) -> int:
+    """max_new_tokens as min_new_tokens' upper bound (0 when it is itself invalid, whose
+    own check then names it first)."""
+    return max_new_tokens if _integer(max_new_tokens, 1, INT32_MAX) else 0
 
 
 def _as_tuple(value: object) -> object:
@@ -262,7 +271,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Picks one token per row. `steps[i]` is how many tokens row i has emitted so far."""
+    """Picks one token per row. `steps[i]` is how many tokens row i has emitted so far.
+    `eos_ids`: the model's end tokens, which a row may not draw (nor its own stop token
+    ids) before its min_new_tokens, as SGLang's min-new-tokens penalty does: their
+    logits become -inf, so greedy and sampled rows alike draw something else."""
+
+    def __init__(self, eos_ids: tuple[int, ...] = ()) -> None:
+        self.eos_ids = tuple(eos_ids)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
@@ -272,13 +287,17 @@ class Sampler:
                steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> Sampled:
         """The tokens, with the logprobs of the rows that ask (`token_logprobs`)."""
         penalised = [i for i, p in enumerate(params) if p.penalised]
+        banned = self._banned(params, steps, logits.shape[1])
         # Greedy rows alone need no float32 copy: the maximum is the same in the
         # model's dtype. A copy before writing: the model's logits are an inference
         # tensor, which may not be updated in place outside inference mode.
-        if penalised or any(not p.greedy or p.wants_logprobs for p in params):
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=bool(penalised))
+        written = bool(penalised or banned)
+        if written or any(not p.greedy or p.wants_logprobs for p in params):
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=written)
         for i in penalised:
             logits[i] = apply_penalties(logits[i].clone(), params[i], prompts[i], outputs[i])
+        for i, ids in banned.items():
+            logits[i, ids] = float("-inf")
         chosen = argmax(logits).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -286,6 +305,17 @@ class Sampler:
                                                     [step_seed(seeds[i], steps[i]) for i in sampled])):
                 chosen[i] = token
         return Sampled(chosen, *token_logprobs(logits, params, chosen))
+
+    def _banned(self, params: list[SamplingParams], steps: list[int], vocab: int
+                ) -> dict[int, list[int]]:
+        """Row -> the end tokens it may not draw yet (rows still short of min_new_tokens)."""
+        out = {}
+        for i, p in enumerate(params):
+            if steps[i] < p.min_new_tokens:
+                ids = sorted({t for t in self.eos_ids + p.stop_token_ids if 0 <= t < vocab})
+                if ids:
+                    out[i] = ids
+        return out
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> list[int]:
         """Inverse CDF, one uniform per row from its own generator: over the sorted,

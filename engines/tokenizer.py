@@ -35,8 +35,11 @@ class Tokenizer:
             return None
         return self.inner.id_to_token(token_id)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.inner.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens (<|im_end|>, ...) shown only when not
+        skipped (SGLang's `skip_special_tokens: false`). The library has no
+        `spaces_between_special_tokens`: Hugging Face's fast tokenizers ignore it too."""
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (how logprobs name a token)."""
