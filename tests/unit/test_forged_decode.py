@@ -157,3 +157,16 @@ def test_a_handler_that_raises_is_logged_and_its_message_dropped(cluster, monkey
     assert logged and "abort" in logged[0].getMessage() and "someone" in logged[0].getMessage()
     assert logged[0].exc_info is not None
     cluster.serves_again()
+
+
+def test_kv_done_claiming_more_cached_tokens_than_the_prompt_fails_the_request(cluster):
+    fake, forger = FakePrefill(cluster, "fake-c"), Forger(cluster)
+    forger.generate("cached", 9, fake.endpoint)
+    turn(cluster, fake, forger)
+    assert fake.dest(9) is not None
+    fake.send(KvDone(9, 0, 5, "tiny", cached_tokens=len(PROMPT) + 1))
+    turn(cluster, fake, forger)
+    finish = forger.finish["cached"]
+    assert finish["status_code"] == 500 and "cached_tokens" in finish["message"], finish
+    cluster.check_pages()
+    cluster.serves_again()

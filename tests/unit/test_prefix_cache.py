@@ -225,7 +225,44 @@ def test_retract_and_continue_stay_exact_with_a_cached_prefix(cluster):
     assert cluster.admin("continue")["ok"]
     got = cluster.run(rid)
     assert got.token_ids == continuation(load_model("tiny:7", dtype="float64"), prompt, before, 24)
+    # the recompute under new weights found nothing cached; the request's figure stays
+    assert got.meta["cached_tokens"] == 48
     cluster.check_pages()
+
+
+# --- cached_tokens in the finish meta -------------------------------------------------
+
+
+def hit_tokens(c: InprocCluster) -> int:
+    return c.prefill.status_fields()["counters"]["prefix_cache_hit_tokens"]
+
+
+def test_cached_tokens_are_what_the_prefill_took_from_its_cache(cluster):
+    """A cold prompt reports 0; one sharing a prefix with an earlier one reports the
+    tokens the prefill's cache matched (whole pages, never the page of the last token),
+    as the client's meta and as the router's running total."""
+    cold = cluster.run(cluster.submit(SYSTEM + [1, 2, 3], 4))
+    assert cold.meta["cached_tokens"] == 0 and hit_tokens(cluster) == 0
+    total = 0
+    for i, (prompt, want) in enumerate(((SYSTEM + [4, 5], 48), (SYSTEM[:40] + [9], 32),
+                                        (SYSTEM, 32), ([250, 249, 248], 0))):
+        before = hit_tokens(cluster)
+        got = cluster.run(cluster.submit(prompt, 4, stream=i % 2 == 0))
+        assert got.meta["cached_tokens"] == want == hit_tokens(cluster) - before, prompt
+        assert got.token_ids == reference(cluster, prompt, 4)
+        total += want
+    assert cluster.admin("status")["counters"]["cached_tokens"] == total
+    cluster.check_pages()
+
+
+def test_cached_tokens_are_0_with_the_cache_off():
+    off = InprocCluster(kv_cache_mb=2.0, prefix_cache=False)
+    try:
+        for _ in range(2):
+            assert off.run(off.submit(SYSTEM + [1, 2], 3)).meta["cached_tokens"] == 0
+        assert off.admin("status")["counters"]["cached_tokens"] == 0
+    finally:
+        off.close()
 
 
 # --- cache-aware routing -------------------------------------------------------------------

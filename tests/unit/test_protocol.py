@@ -404,3 +404,13 @@ def test_encode_rejects_non_float_logprobs(values: list) -> None:
                    logprobs=values)
     with pytest.raises(ProtocolError):
         encode(msg)
+
+
+def test_kv_done_cached_tokens_defaults_to_0_and_refuses_what_is_no_count() -> None:
+    head = {"v": p.PROTOCOL_VERSION, "type": "kv_done", "room": 1, "epoch": 0, "first_token": 3,
+            "weight_version": "v"}
+    assert decode([orjson.dumps(head)]).cached_tokens == 0          # a peer without the field
+    assert decode([orjson.dumps(head | {"cached_tokens": 32})]).cached_tokens == 32
+    for bad in (-1, "32", True, 1.5, None, [32]):
+        with pytest.raises(ProtocolError, match="cached_tokens"):
+            decode([orjson.dumps(head | {"cached_tokens": bad})])

@@ -249,7 +249,8 @@ class RouterServer:
         client, msg = self.queued.pop(rid)
         self.shares.release(rid)
         self.to_client(client, Tokens.abort(rid, status, reason, {
-            "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0}))
+            "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0,
+            "cached_tokens": 0}))
 
     def unpause(self) -> None:
         """After a successful continue: route what queued while paused."""

@@ -1,39 +1,51 @@
 """What the router has sent its clients, counted as it goes (never reset), for the
 `status` admin command and so for /metrics: every token a client receives (a streamed
-request's first token from its prefill included), and every request's end by reason
-and, for aborts and failures, by status code."""
+request's first token from its prefill included), every request's end by reason and,
+for aborts and failures, by status code, and the prompt tokens the ended requests'
+prefills took from their prefix caches. `gen_throughput` is the tokens clients
+received per second over the last few seconds (zpd/wire/recent.py)."""
 from __future__ import annotations
 
 from collections import Counter
 
 from zpd.wire.protocol import Tokens
+from zpd.wire.recent import Recent
+
+THROUGHPUT_SPAN_S = 10
 
 
 class Tally:
     def __init__(self) -> None:
         self.generation_tokens = 0
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.retractions = 0
         self.finished: Counter[str] = Counter()      # finish reason type -> requests
         self.aborted: Counter[str] = Counter()       # status code -> requests ended so
+        self.recent = Recent(THROUGHPUT_SPAN_S)      # tokens sent, per second
 
     def count(self, msg: object) -> None:
         if not isinstance(msg, Tokens):
             return
         self.generation_tokens += len(msg.token_ids)
+        if msg.token_ids:
+            self.recent.add(len(msg.token_ids))
         for end in msg.ends.values():                # checked by Tokens: dicts all the way
             finish, meta = end["finish"], end.get("meta", {})
             kind = str(finish.get("type"))
             self.finished[kind] += 1
             if kind == "abort":
                 self.aborted[str(finish.get("status_code"))] += 1
-            self.prompt_tokens += _count(meta.get("prompt_tokens"))
+            prompt = _count(meta.get("prompt_tokens"))
+            self.prompt_tokens += prompt
+            self.cached_tokens += min(_count(meta.get("cached_tokens")), prompt)
             self.retractions += _count(meta.get("retractions"))
 
     def fields(self) -> dict:
         return {"generation_tokens": self.generation_tokens, "prompt_tokens": self.prompt_tokens,
-                "retractions": self.retractions, "finished": dict(self.finished),
-                "aborted": dict(self.aborted)}
+                "cached_tokens": self.cached_tokens, "retractions": self.retractions,
+                "finished": dict(self.finished), "aborted": dict(self.aborted),
+                "gen_throughput": round(self.recent.per_second(), 3)}
 
 
 def _count(value: object) -> int:

@@ -119,7 +119,10 @@ class KvDone(Message):
     """Prefill → decode: the KV is written; ``first_token`` was sampled under
     ``weight_version``. When its request asked for logprobs, ``logprob`` holds the
     first token's (one entry) and, with top logprobs, ``top_ids``/``top_logprobs`` its
-    alternatives, highest first; otherwise they are None and not sent."""
+    alternatives, highest first; otherwise they are None and not sent.
+    ``cached_tokens``: the prompt tokens the prefill took from its prefix cache instead
+    of computing (0 from a peer that predates the field); the decode checks it against
+    the prompt's length."""
 
     TYPE: ClassVar[str] = "kv_done"
     room: int
@@ -130,8 +133,11 @@ class KvDone(Message):
     logprob: Optional[list[float]] = None
     top_ids: Optional[list[int]] = None
     top_logprobs: Optional[list[float]] = None
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.cached_tokens < 0:
+            raise ProtocolError(f"kv_done: cached_tokens {self.cached_tokens} is negative")
         if self.logprob is not None and len(self.logprob) != 1:
             raise ProtocolError(f"kv_done: {len(self.logprob)} logprobs for one first token")
         if (self.top_ids is None) != (self.top_logprobs is None) or \

@@ -24,7 +24,7 @@ from zpd.worker.core import WorkerCore
 from zpd.worker.fences import Fences
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
-from zpd.worker.parts import first_logprobs, token_part
+from zpd.worker.parts import cached_tokens, first_logprobs, token_part
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -251,13 +251,17 @@ class DecodeScheduler:
     def on_kv_done(self, job: DecodeJob, msg: KvDone) -> None:
         req = job.req
         req.timings = {k: v for k, v in msg.timings.items() if isinstance(v, (int, float))}
-        if not req.output:                  # after a recompute the decode has its tokens
+        cached = cached_tokens(req, msg)
+        problem = cached if isinstance(cached, str) else None
+        if problem is None and not req.output:   # after a recompute the decode has its tokens
             problem = self._take_first_token(req, msg)
-            if problem:                              # the write is over: nothing to fence
-                self.finish(job, INTERNAL, f"prefill {job.prefill} sent {problem}",
-                            tell_prefill=True, may_land=False)
-                return
-            req.finish = self.core.compute.stop(req)
+            req.finish = self.core.compute.stop(req) if problem is None else None
+        if problem:                              # the write is over: nothing to fence
+            self.finish(job, INTERNAL, f"prefill {job.prefill} sent {problem}",
+                        tell_prefill=True, may_land=False)
+            return
+        if job.cached_tokens is None:            # a recompute's figure is not the request's
+            job.cached_tokens = cached
         log.info("rid=%r room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
         if self.cache is not None:          # its prefix's full pages are complete now
             self.cache.insert(self._keys(job), req.pages, job.skip)
@@ -315,7 +319,7 @@ class DecodeScheduler:
         meta = {}
         if req.finished:
             final = response(req, self.core.model.tokenizer)
-            meta = final["meta"] | {"text": final["text"]}
+            meta = final["meta"] | {"text": final["text"], "cached_tokens": job.cached_tokens or 0}
             log.info("rid=%r room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
         self.core.queue_token(job.client, token_part(req, start, meta))
@@ -384,7 +388,7 @@ class DecodeScheduler:
         held = {p for j in self.jobs.values() for p in j.req.pages}   # shared pages once
         cache = cache_status(self.cache)
         return {"kv_pages": {"held": len(held), "fenced": self.fences.pages,
-                             "cached": cache["cached"]},
+                             "cached": cache["cached"]}, "page_size": self.pool.layout.page_size,
                 "prefix_cache": cache["prefix_cache"], "counters": cache["counters"],
                 "queues": {"waiting_pages": phases.count(DecodePhase.WAITING),
                            "waiting_kv": phases.count(DecodePhase.TRANSFERRING),

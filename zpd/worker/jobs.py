@@ -70,6 +70,7 @@ class DecodeJob:
     asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
     skip: int = 0            # leading prefix pages from the prefix cache (not transferred)
     prefix_keys: tuple | None = None     # (weight version, prefix length, page keys)
+    cached_tokens: int | None = None     # prompt tokens its first prefill took from its cache
 
     @property
     def write_may_land(self) -> bool:

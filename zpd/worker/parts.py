@@ -43,6 +43,16 @@ def first_logprobs(req: Request, msg: KvDone) -> tuple[float | None, list | None
     return (msg.logprob[0] if p.wants_logprobs else None), top
 
 
+def cached_tokens(req: Request, msg: KvDone) -> int | str:
+    """The prompt tokens a `kv_done`'s prefill took from its prefix cache, or why the
+    figure cannot be right (it cannot exceed what was computed: the prompt, or after a
+    retraction the prompt and the output but its last token)."""
+    computed = len(req.prompt) + max(0, len(req.output) - 1)
+    if not 0 <= msg.cached_tokens <= computed:
+        return f"cached_tokens {msg.cached_tokens}, outside [0, {computed}]"
+    return min(msg.cached_tokens, len(req.prompt))
+
+
 def read_early_entry(req: Request, got: object, vocab: int) -> tuple | str:
     """(token, version, logprob, top) from a `TokenPart.early_entry` for this request, or
     why it cannot be taken (then the request is recomputed without it)."""

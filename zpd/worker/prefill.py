@@ -24,6 +24,7 @@ from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, 
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute, Tokens
+from zpd.wire.recent import Recent
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
@@ -76,6 +77,7 @@ class PrefillScheduler:
         self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0,
                          "kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
                          "kv_transfer_failures": 0}
+        self.recent_cache = Recent(60, width=2)      # (cached, looked-up) prompt tokens
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
                          Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
                          KvFailed: self.on_kv_failed, Abort: self.on_abort}
@@ -183,6 +185,7 @@ class PrefillScheduler:
             if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
                 break
             job.req.pages, job.skip = self._pages(keys, n), hit
+            self.recent_cache.add(hit * self.page_size, n)
             self.move(job, JobPhase.COMPUTING)
             batch.append(job)
             tokens += n - hit * self.page_size
@@ -363,7 +366,8 @@ class PrefillScheduler:
                 first = job.req.output[-1] if job.req.output else -1
                 self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version,
                                                   _timings(job.marks, c.seconds),
-                                                  **first_logprob_fields(job.req)))
+                                                  **first_logprob_fields(job.req),
+                                                  cached_tokens=job.skip * self.page_size))
                 self.end(job, None, "")
 
     # --- endings ---------------------------------------------------------------------
@@ -434,8 +438,11 @@ class PrefillScheduler:
         phases = [j.phase for j in jobs]
         held = {p for j in owners for p in j.req.pages}       # shared cached pages once
         cache = cache_status(self.cache)
+        hits, asked = self.recent_cache.totals()     # the last minute's, for /metrics
         return {"kv_pages": {"held": len(held), "fenced": 0, "cached": cache["cached"]},
-                "prefix_cache": cache["prefix_cache"],
+                "page_size": self.page_size,
+                "prefix_cache": cache["prefix_cache"] | {
+                    "recent_hit_rate": round(hits / asked, 4) if asked else 0.0},
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
