@@ -47,10 +47,10 @@ def test_stop_strings_hold_back_text_until_they_cannot_match_and_the_final_text_
 
 
 def test_no_stop_trim_keeps_the_matched_stop_string():
-    sampling, trim = engine_sampling({"stop": ["b"], "no_stop_trim": True, "n": 1,
-                                      "skip_special_tokens": True, "top_k": None})
-    assert sampling == {"stop": ["b"]} and not trim
-    out = Output(0, GenRequest(sampling, input_ids=[1], trim_stop=trim), TOK)
+    sp = engine_sampling({"stop": ["b"], "no_stop_trim": True, "n": 1,
+                          "skip_special_tokens": True, "top_k": None})
+    assert sp.engine == {"stop": ["b"]} and not sp.trim
+    out = Output(0, GenRequest(sp.engine, input_ids=[1], trim_stop=sp.trim), TOK)
     out.add(chunk("r", [97, 98], {"type": "stop", "matched": "b"}, {}, "a"))
     assert out.text == "ab"
 
@@ -73,8 +73,16 @@ def test_native_answer_has_sglang_logprob_triples_and_weight_versions():
     m = a["meta_info"]
     assert m["output_token_logprobs"] == [[-0.5, 72, None], [-0.25, 105, None], [-2.0, 33, None]]
     assert m["output_top_logprobs"][2] == [[-2.0, 33, None], [-2.5, 72, None]]
-    assert m["weight_version"] == "v1" and m["weight_versions"] == ["v1"] * 3
+    assert m["weight_version"] == "v1" and m["weight_versions"] == [
+        {"version": "v1", "start": 0, "end": 3}]
+    assert m["output_token_weight_versions"] == ["v1"] * 3
     assert m["retractions"] == 1 and m["prompt_tokens"] == 2 and m["completion_tokens"] == 3
+    assert m["finish_reason"] == {"type": "length", "length": 3} and m["cached_tokens"] == 0
+    assert type(m["e2e_latency"]) is float and 0 <= m["e2e_latency"] < 5
+    assert set(m) == {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                      "cached_tokens", "e2e_latency", "weight_version", "weight_versions",
+                      "output_token_weight_versions", "retractions", "output_token_logprobs",
+                      "output_top_logprobs"}
     assert native_answer(out, text_in_logprobs=True)["meta_info"]["output_token_logprobs"][0] == \
         [-0.5, 72, "H"]
     plain = Output(0, GenRequest({}, input_ids=[1]), TOK)
@@ -148,8 +156,7 @@ def test_n_copies_are_prompt_major_and_seeds_differ():
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "stop": 3}, "stop"),
     ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
-    ({"prompt": "a", "bogus": 1}, "bogus"),
-    ({"prompt": "a", "stream_options": {"nope": 1}}, "stream_options"),
+    ({"prompt": "a", "stream_options": {"include_usage": 1}}, "include_usage"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "seed": 2 ** 63 - 1, "n": 2}, "seed"),
     ({"prompt": ["a"] * 600, "n": 2}, "more than 1024"),
@@ -216,15 +223,25 @@ def test_native_bodies_as_slime_and_areal_send_them():
     ({"input_ids": [1, "2"]}, "input_ids[1]"),
     ({"input_ids": [[1], []]}, "input_ids[1]"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -5}}, "max_new_tokens"),
-    ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "temprature"),
-    ({"input_ids": [1], "sampling_params": {"n": 2}}, "n must be 1"),
+    ({"input_ids": [1], "sampling_params": {"n": 0}}, "'n'"),
+    ({"input_ids": [1], "sampling_params": {"n": True}}, "'n'"),
+    ({"input_ids": [1], "sampling_params": {"n": 1025}}, "'n'"),
+    ({"input_ids": [[1], [2]], "sampling_params": {"n": 600}}, "more than 1024"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {}]}, "same for every prompt"),
+    ({"input_ids": [1], "sampling_params": {"n": 2, "seed": 2 ** 63 - 1}}, "seed"),
     ({"input_ids": [1], "sampling_params": [{}]}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "2 prompts"),
-    ({"text": ["a", "b"], "rid": "x"}, "rid"),
+    ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+    ({"text": ["a", "b"], "rid": ["x", 3]}, "rid[1]"),
+    ({"text": ["a", "b"], "rid": "x" * 255}, "at most 256"),
+    ({"input_ids": [1], "rid": ["x"]}, "rid"),
+    ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob"),
+    ({"text": ["a", "b"], "return_logprob": [True, 1]}, "return_logprob[1]"),
+    ({"text": ["a", "b"], "top_logprobs_num": [1, 21]}, "top_logprobs_num[1]"),
+    ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
     ({"input_ids": [1], "stream": "yes"}, "stream"),
     ({"input_ids": [1], "top_logprobs_num": 99}, "top_logprobs_num"),
     ({"input_ids": [1], "image_data": "x.png"}, "image_data"),
-    ({"input_ids": [1], "what": 1}, "what"),
     ({"input_ids": [1], "rid": "x" * 300}, "at most 256"),
     ({"input_ids": [1], "rid": ""}, "rid"),
     ({"input_ids": [[1]] * 1025}, "more than 1024"),

@@ -17,7 +17,7 @@ def test_generate_single_batch_and_stream():
     f = front()
     status, body = call(f, "POST", "/generate", {"input_ids": [1, 2, 3]})
     assert status == 200 and body["text"] == "Hi!" and body["output_ids"] == [72, 105, 33]
-    assert body["meta_info"]["finish_reason"] == {"type": "length"}
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     status, body = call(f, "POST", "/generate", {"text": ["a", "b"], "sampling_params": {
         "max_new_tokens": 3}})
     assert status == 200 and [b["text"] for b in body] == ["Hi!", "Hi!"]
@@ -27,7 +27,7 @@ def test_generate_single_batch_and_stream():
     assert status == 200 and events[-1] == "[DONE]"
     assert [e["text"] for e in events[:-1]] == ["H", "Hi", "Hi!"]         # cumulative
     assert [e["output_ids"] for e in events[:-1]] == [[72], [72, 105], [72, 105, 33]]
-    assert events[-2]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
 def test_an_abort_answers_200_but_a_refusal_answers_400():
@@ -39,7 +39,8 @@ def test_an_abort_answers_200_but_a_refusal_answers_400():
         assert body["error"]["code"] == 400 and body["error"]["type"] == "invalid_request_error"
     f = front(FakeBackend(lambda req, rid: tiny_answer(req, rid, [72], ABORT)))
     status, body = call(f, "POST", "/generate", {"input_ids": [1]})
-    assert status == 200 and body["meta_info"]["finish_reason"] == ABORT
+    assert status == 200
+    assert body["meta_info"]["finish_reason"] == ABORT | {"err_type": "ServiceUnavailableError"}
     status, body = call(f, "POST", "/v1/completions", {"prompt": [1]})
     assert status == 503 and body["error"]["code"] == 503 and "unavailable" in body["error"]["message"]
     status, events = call(f, "POST", "/v1/completions", {"prompt": [1], "stream": True})

@@ -2,7 +2,7 @@
 the keys), and answering JSON or an error in OpenAI's shape."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
@@ -10,6 +10,7 @@ from aiohttp import web
 from engines.chat import ChatTemplate
 from engines.tokenizer import Tokenizer
 from zpd.http.records import BadRequest, error_body, json_object
+from zpd.http.sglang_fields import UnknownFields
 from zpd.http.streams import Backend
 
 
@@ -25,6 +26,7 @@ class Front:
     admin_api_key: str | None = None
     router: str = ""
     weights_timeout: float = 600.0       # seconds update_weights_from_disk may take
+    unknown_fields: UnknownFields = field(default_factory=UnknownFields)   # warned once each
 
     def needs_text(self, what: str) -> None:
         """BadRequest unless the model has a tokenizer (to show `what` as text)."""

@@ -2,10 +2,13 @@
 speaks to SGLang (slime, AReaL, verl's HTTP adapter) speaks to zpd by changing a URL.
 
 A prompt is `text` or `input_ids`; a list of them is a batch, answered with a list.
-`stream: true` answers server-sent events, each carrying the text and output_ids so
-far, ending with `data: [DONE]`. A request that ends in an abort or failure still
-answers 200 with finish_reason {"type": "abort", "status_code", "message"}; one the
-workers refuse as malformed (400, nothing generated) answers HTTP 400.
+`sampling_params.n` > 1 runs n generations of each prompt (copy-major, as SGLang
+orders them) and answers a list even for one prompt. Which fields are taken, ignored
+or refused: sglang_fields.py. `stream: true` answers server-sent events, each
+carrying the text and output_ids so far, ending with `data: [DONE]`. A request that
+ends in an abort or failure still answers 200 with finish_reason {"type": "abort",
+"status_code", "message", "err_type"}; one the workers refuse as malformed (400,
+nothing generated) answers HTTP 400.
 """
 from __future__ import annotations
 
@@ -17,60 +20,93 @@ from aiohttp import web
 
 from engines.sampler import SamplingParams
 from zpd.http.front import FRONT, Front, json_response, read_body
-from zpd.http.output import Output
-from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
-                              checked_sampling, integer, logprob_sampling, refuse_set,
-                              refuse_unknown, rid_field, take, text_field, token_ids)
+from zpd.http.output import Output, meta_info
+from zpd.http.records import (MAX_REQUESTS, MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
+                              check_count, checked_sampling, integer, item_rids, logprob_sampling,
+                              seeded_copies, take, text_field, token_ids)
+from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
 from zpd.http.streams import EventStream, follow, run_all
 
 routes = web.RouteTableDef()
 
 ENGINE_SAMPLING = frozenset(f.name for f in fields(SamplingParams))
-# SGLang sampling names zpd takes without acting on them: skip_special_tokens (zpd's text
-# always skips them) and spaces_between_special_tokens (so none are shown).
-IGNORED_SAMPLING = frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
-SAMPLING = ENGINE_SAMPLING | IGNORED_SAMPLING | {"no_stop_trim", "n", "sampling_seed"}
-
 PROMPT = ("text", "input_ids")
-OPTIONS = ("sampling_params", "rid", "stream", "return_logprob", "top_logprobs_num",
-           "return_text_in_logprobs")
-# taken and ignored: bookkeeping of SGLang's own that changes no answer
-IGNORED = ("log_metrics", "logprob_start_len", "no_logs", "custom_labels", "priority",
-           "extra_key", "conversation_id", "data_parallel_rank")
-# taken only when absent, null or empty: what zpd cannot do
-UNSUPPORTED = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id",
-               "custom_logit_processor", "return_hidden_states", "session_params",
-               "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-               "modalities", "return_entropy", "background")
 
 
 @dataclass(frozen=True)
 class NativeGenerate:
-    """A /generate body, checked: one GenRequest per prompt."""
+    """A /generate body, checked: one GenRequest per generation (copy-major)."""
     items: list[GenRequest]
-    batch: bool
+    batch: bool                      # answered with a list
     stream: bool
     text_in_logprobs: bool
+    unknown: tuple[str, ...] = ()    # names neither SGLang nor OpenAI has (warned, dropped)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One prompt's sampling_params: what goes to the engine, and what the front does."""
+    engine: dict
+    trim: bool = True                # cut the text before a matched stop (not no_stop_trim)
+    skip_special: bool = True
+    n: int = 1
+    unknown: tuple[str, ...] = ()
 
 
 def parse_generate(body: dict) -> NativeGenerate:
-    refuse_unknown(body, PROMPT + OPTIONS + IGNORED + UNSUPPORTED)
-    refuse_set(body, UNSUPPORTED)
+    unknown = screen(body, GENERATE)
     prompts, batch = _prompts(body)
-    check_count(len(prompts))
-    samplings = _per_prompt(body, "sampling_params", len(prompts), dict, batch)
-    rids = _per_prompt(body, "rid", len(prompts), str, batch)
+    raws = _per_prompt(body, "sampling_params", len(prompts), dict, batch)
+    samplings = [engine_sampling(raw or {}) for raw in raws]
+    n = _parallel(samplings)
+    check_count(len(prompts), n)
+    listed = n == 1 and batch           # per-prompt lists of logprob fields (SGLang's rule)
+    wants = _per_item(body, "return_logprob", len(prompts), listed, boolean, False)
+    tops = _per_item(body, "top_logprobs_num", len(prompts), listed,
+                     integer(0, MAX_TOP_LOGPROBS), 0)
+    _no_prompt_logprobs(body, wants, listed)
+    rids = item_rids(body.get("rid"), len(prompts), n, batch)
     stream = take(body, "stream", boolean, False)
-    logprobs = logprob_sampling(take(body, "return_logprob", boolean, False),
-                                take(body, "top_logprobs_num", integer(0, MAX_TOP_LOGPROBS), 0))
+    copies = [seeded_copies(checked_sampling(sp.engine | logprob_sampling(wants[p], tops[p])), n)
+              for p, sp in enumerate(samplings)]
     items = []
-    for i, (prompt, raw, rid) in enumerate(zip(prompts, samplings, rids)):
-        if rid is not None:
-            rid_field(f"rid[{i}]" if batch else "rid", rid)
-        sampling, trim = engine_sampling(raw or {})
-        items.append(GenRequest(checked_sampling(sampling | logprobs), rid=rid, stream=stream,
-                                trim_stop=trim, **prompt))
-    return NativeGenerate(items, batch, stream, take(body, "return_text_in_logprobs", boolean, False))
+    for j in range(n):
+        for p, prompt in enumerate(prompts):
+            items.append(GenRequest(copies[p][j], rid=rids[len(items)], stream=stream,
+                                    trim_stop=samplings[p].trim,
+                                    skip_special=samplings[p].skip_special, **prompt))
+    names = tuple(unknown) + tuple(f"sampling_params.{u}" for sp in samplings for u in sp.unknown)
+    return NativeGenerate(items, batch or n > 1, stream,
+                          take(body, "return_text_in_logprobs", boolean, False),
+                          tuple(dict.fromkeys(names)))
+
+
+def _parallel(samplings: list[Sampling]) -> int:
+    """The n every prompt's sampling_params agree on (SGLang requires one)."""
+    ns = {s.n for s in samplings}
+    if len(ns) != 1:
+        raise BadRequest("'sampling_params.n' must be the same for every prompt")
+    return ns.pop()
+
+
+def _per_item(body: dict, name: str, count: int, listed: bool, check: Any, default: Any) -> list:
+    """One value for every prompt: a single value, or (`listed`: a batch with n = 1)
+    a list of one per prompt."""
+    value = body.get(name)
+    if type(value) is list and listed:
+        if len(value) != count:
+            raise BadRequest(f"{name!r} has {len(value)} entries for {count} prompts")
+        return [default if v is None else check(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [take(body, name, check, default)] * count
+
+
+def _no_prompt_logprobs(body: dict, wants: list[bool], listed: bool) -> None:
+    """logprob_start_len >= 0 with return_logprob asks for prompt logprobs: refused."""
+    starts = _per_item(body, "logprob_start_len", len(wants), listed,
+                       integer(-1, 2 ** 31 - 1), -1)
+    if any(w and s >= 0 for w, s in zip(wants, starts)):
+        raise BadRequest("'logprob_start_len' >= 0 asks for prompt logprobs, which this "
+                         "server does not return (use -1)")
 
 
 def _prompts(body: dict) -> tuple[list[dict], bool]:
@@ -90,7 +126,7 @@ def _prompts(body: dict) -> tuple[list[dict], bool]:
 
 
 def _per_prompt(body: dict, name: str, n: int, kind: type, batch: bool) -> list[Any]:
-    """One value for every prompt: one value for all, or (in a batch) a list of them."""
+    """One object for every prompt: one for all, or (in a batch) a list of them."""
     value = body.get(name)
     if value is None:
         return [None] * n
@@ -99,28 +135,29 @@ def _per_prompt(body: dict, name: str, n: int, kind: type, batch: bool) -> list[
             raise BadRequest(f"{name!r} has {len(value)} entries for {n} prompts")
         for i, v in enumerate(value):
             if v is not None and type(v) is not kind:
-                raise BadRequest(f"{name}[{i}] must be {'an object' if kind is dict else 'a string'}")
+                raise BadRequest(f"{name}[{i}] must be an object")
         return value
     if type(value) is not kind:
-        raise BadRequest(f"{name!r} must be {'an object' if kind is dict else 'a string'}"
+        raise BadRequest(f"{name!r} must be an object"
                          + (" or a list of them, one per prompt" if batch else ""))
-    if kind is str and batch:
-        raise BadRequest(f"{name!r} of a batch must be a list, one per prompt")
     return [value] * n
 
 
-def engine_sampling(raw: dict) -> tuple[dict, bool]:
-    """SGLang's sampling_params -> (the engine's sampling dict, whether to trim the
-    stop string off the text). Nulls count as absent."""
-    refuse_unknown(raw, SAMPLING, "sampling_params")
-    raw = {k: v for k, v in raw.items() if v is not None}
-    if raw.pop("n", 1) != 1:
-        raise BadRequest("sampling_params.n must be 1 (send the prompt n times, or use "
-                         "/v1/completions with n)")
+def engine_sampling(raw: dict) -> Sampling:
+    """SGLang's sampling_params -> the engine's sampling dict and the front's options.
+    Nulls count as absent; names neither SGLang nor zpd has are dropped (and named)."""
+    unknown = tuple(screen(raw, SAMPLING, "sampling_params."))
+    raw = {k: v for k, v in known(SAMPLING, raw).items() if v is not None}
+    n = take(raw, "n", integer(1, MAX_REQUESTS), 1)
     if "sampling_seed" in raw:
         raw.setdefault("seed", raw.pop("sampling_seed"))
     trim = not take(raw, "no_stop_trim", boolean, False)
-    return {k: v for k, v in raw.items() if k in ENGINE_SAMPLING}, trim
+    skip = take(raw, "skip_special_tokens", boolean, True)
+    take(raw, "spaces_between_special_tokens", boolean)
+    if raw.get("min_new_tokens") == 0 and type(raw["min_new_tokens"]) is int:
+        del raw["min_new_tokens"]       # the default: engines that predate it take the rest
+    engine = {k: v for k, v in raw.items() if k in ENGINE_SAMPLING}
+    return Sampling(engine, trim, skip, n, unknown)
 
 
 def _non_empty(value: list, name: str) -> None:
@@ -130,11 +167,7 @@ def _non_empty(value: list, name: str) -> None:
 
 def native_answer(out: Output, text_in_logprobs: bool = False) -> dict:
     """One request's answer (or its progress so far) in SGLang's shape."""
-    versions = out.weight_versions
-    meta = {"id": out.rid, "finish_reason": out.finish,
-            "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-            "weight_version": versions[-1] if versions else None, "weight_versions": versions,
-            "retractions": int(out.meta.get("retractions", 0))}
+    meta = meta_info(out)
     if out.req.logprobs:
         def named(token_id: int) -> str | None:
             return out.token_text(token_id) if text_in_logprobs else None
@@ -154,6 +187,7 @@ def refusal(out: Output) -> BadRequest:
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_generate(await read_body(request))
+    front.unknown_fields.note(req.unknown, "/generate")
     if any(item.text is not None for item in req.items):
         front.needs_text("a text prompt")
     if req.stream:

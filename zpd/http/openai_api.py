@@ -33,6 +33,7 @@ async def models(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_completion(await read_body(request))
+    front.unknown_fields.note(req.unknown, "/v1/completions")
     if any(p.get("text") is not None for p in req.prompts):
         front.needs_text("a text prompt")
     echoes = [_prompt_text(front, p) for p in req.prompts] if req.echo else None
@@ -43,6 +44,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_chat(await read_body(request))
+    front.unknown_fields.note(req.unknown, "/v1/chat/completions")
     if front.chat is None:
         raise BadRequest(f"{front.text_problem or 'the model has no chat template'}: "
                          "use /v1/completions or /generate with a prompt or token ids")

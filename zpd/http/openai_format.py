@@ -104,8 +104,14 @@ def abort_error(out: Output) -> dict:
 
 
 def usage(outs: list[Output], n: int) -> dict:
-    """A prompt counts once however many copies of it ran."""
-    prompt = sum(o.prompt_tokens for o in outs if o.index % n == 0)
+    """A prompt counts once however many copies of it ran, its cached tokens too
+    (prompt_tokens_details, as SGLang's, once the workers report them)."""
+    firsts = [o for o in outs if o.index % n == 0]
+    prompt = sum(o.prompt_tokens for o in firsts)
     completion = sum(o.completion_tokens for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    counts = {"prompt_tokens": prompt, "completion_tokens": completion,
+              "total_tokens": prompt + completion}
+    if any("cached_tokens" in o.meta for o in outs):
+        cached = sum(int(o.meta.get("cached_tokens", 0)) for o in firsts)
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return counts

@@ -1,10 +1,12 @@
 """OpenAI's completions and chat completions bodies, checked into GenRequest records.
 
 Sampling fields keep OpenAI's names where they differ from the engine's
-(max_tokens, max_completion_tokens); vLLM's and SGLang's extensions that the engine
-has (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are taken too.
-`n` copies of each prompt run as n requests, prompt-major; with a seed, copy i gets
-seed + i so the copies differ.
+(max_tokens, max_completion_tokens, min_tokens); vLLM's and SGLang's extensions that
+the engine has (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) are
+taken too, and SGLang's output options (no_stop_trim, skip_special_tokens, rid).
+Which fields are taken, ignored or refused: sglang_fields.py. `n` copies of each
+prompt run as n requests, prompt-major; with a seed, copy i gets seed + i so the
+copies differ.
 """
 from __future__ import annotations
 
@@ -14,23 +16,16 @@ from typing import Any
 from engines.chat import check_messages
 from engines.sampler import INT32_MAX
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
-                              checked_sampling, integer, logprob_sampling, refuse_set,
-                              refuse_unknown, seeded_copies, stop_strings, string, take, token_ids)
+                              checked_sampling, integer, item_rids, logprob_sampling,
+                              seeded_copies, stop_strings, take, token_ids)
+from zpd.http.sglang_fields import CHAT, COMPLETION, screen
 
 MAX_N = 128
 COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 
 SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
             "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
-COMMON = SAMPLING + ("model", "max_tokens", "n", "stream", "stream_options", "stop", "user",
-                     "skip_special_tokens")
-COMPLETION = COMMON + ("prompt", "logprobs", "echo", "best_of", "logit_bias", "suffix")
-CHAT = COMMON + ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata",
-                 "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
-                 "functions", "function_call", "response_format", "modalities", "audio",
-                 "prediction", "logit_bias", "reasoning_effort")
-UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "audio",
-               "prediction", "reasoning_effort")
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 
 @dataclass(frozen=True)
@@ -44,10 +39,11 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: int | None          # top-N per token (0: the sampled token only); None: none
     echo: bool = False
+    unknown: tuple[str, ...] = () # names neither SGLang nor OpenAI has (warned, dropped)
 
 
 def parse_completion(body: dict) -> OpenAIRequest:
-    _common_checks(body, COMPLETION)
+    unknown = screen(body, COMPLETION)
     n = take(body, "n", integer(1, MAX_N), 1)
     if take(body, "best_of", integer(1, MAX_N), n) != n:
         raise BadRequest("'best_of' must equal n (every copy generated is returned)")
@@ -58,17 +54,11 @@ def parse_completion(body: dict) -> OpenAIRequest:
     sampling = _sampling(body, take(body, "max_tokens", integer(1, INT32_MAX),
                                     COMPLETION_MAX_TOKENS))
     return _request(body, prompts, n, sampling | logprob_sampling(top is not None, top or 0), top,
-                    take(body, "echo", boolean, False))
+                    unknown, take(body, "echo", boolean, False))
 
 
 def parse_chat(body: dict) -> OpenAIRequest:
-    _common_checks(body, CHAT)
-    if body.get("tool_choice") not in (None, "none"):
-        raise BadRequest("'tool_choice' is not supported by this server (tools are not)")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise BadRequest("'response_format' other than {\"type\": \"text\"} is not supported")
-    if body.get("modalities") not in (None, ["text"]):
-        raise BadRequest("'modalities' other than [\"text\"] is not supported")
+    unknown = screen(body, CHAT)
     n = take(body, "n", integer(1, MAX_N), 1)
     want = take(body, "logprobs", boolean, False)
     top = take(body, "top_logprobs", integer(0, MAX_TOP_LOGPROBS))
@@ -79,16 +69,7 @@ def parse_chat(body: dict) -> OpenAIRequest:
         max_tokens = take(body, "max_tokens", integer(1, INT32_MAX))
     prompts = [{"messages": chat_messages(body.get("messages"))}]
     sampling = _sampling(body, max_tokens) | logprob_sampling(want, top or 0)
-    return _request(body, prompts, n, sampling, (top or 0) if want else None)
-
-
-def _common_checks(body: dict, known: tuple[str, ...]) -> None:
-    refuse_unknown(body, known)
-    refuse_set(body, UNSUPPORTED)
-    take(body, "model", string)
-    take(body, "user", string)
-    if take(body, "skip_special_tokens", boolean, True) is not True:
-        raise BadRequest("'skip_special_tokens' false is not supported (the text skips them)")
+    return _request(body, prompts, n, sampling, (top or 0) if want else None, unknown)
 
 
 def _sampling(body: dict, max_tokens: int | None) -> dict:
@@ -98,19 +79,33 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
         sampling["stop"] = stop
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
+    min_tokens = take(body, "min_tokens", integer(0, INT32_MAX), 0)
+    if min_tokens:
+        sampling["min_new_tokens"] = min_tokens
     return sampling
 
 
 def _request(body: dict, prompts: list[dict], n: int, sampling: dict, top: int | None,
-             echo: bool = False) -> OpenAIRequest:
+             unknown: list[str], echo: bool = False) -> OpenAIRequest:
     stream = take(body, "stream", boolean, False)
     options = take(body, "stream_options", _object, {})
-    refuse_unknown(options, ("include_usage", "continuous_usage_stats"), "stream_options")
+    unknown += [f"stream_options.{k}" for k in options if k not in STREAM_OPTIONS]
     include_usage = take(options, "include_usage", boolean, False)
     check_count(len(prompts), n)
     copies = seeded_copies(checked_sampling(sampling), n)
-    items = [GenRequest(copy, stream=stream, **prompt) for prompt in prompts for copy in copies]
-    return OpenAIRequest(items, prompts, n, stream, stream and include_usage, top, echo)
+    rids = _prompt_major(item_rids(body.get("rid"), len(prompts), n, len(prompts) > 1),
+                         len(prompts), n)
+    output = {"trim_stop": not take(body, "no_stop_trim", boolean, False),
+              "skip_special": take(body, "skip_special_tokens", boolean, True)}
+    items = [GenRequest(copy, stream=stream, rid=rids[p * n + j], **output, **prompt)
+             for p, prompt in enumerate(prompts) for j, copy in enumerate(copies)]
+    return OpenAIRequest(items, prompts, n, stream, stream and include_usage, top, echo,
+                         tuple(unknown))
+
+
+def _prompt_major(rids: list, prompts: int, n: int) -> list:
+    """item_rids' copy-major order (j * prompts + p) as OpenAI's choices' (p * n + j)."""
+    return [rids[j * prompts + p] for p in range(prompts) for j in range(n)]
 
 
 def completion_prompts(value: Any) -> list[dict]:

@@ -10,6 +10,8 @@ stop string they matched, so what was streamed stays a prefix of the final text)
 """
 from __future__ import annotations
 
+import time
+
 from engines.tokenizer import Tokenizer
 from zpd.http.records import GenRequest
 
@@ -21,8 +23,8 @@ class Detokenizer:
     the last stable point, so tokenizers whose pieces depend on their left neighbour
     (SentencePiece's leading spaces) come out as a whole decode would."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, skip_special: bool = True) -> None:
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.ids: list[int] = []
         self.text = ""
         self._prefix = self._read = 0      # ids[prefix:read] is what `text` last ended with
@@ -31,15 +33,18 @@ class Detokenizer:
         self.ids.extend(ids)
         if self.tokenizer is None or not ids:
             return
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        after = self.tokenizer.decode(self.ids[self._prefix:])
+        before = self.decode(self.ids[self._prefix:self._read])
+        after = self.decode(self.ids[self._prefix:])
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(self.ids)
 
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, self.skip_special)
+
     def whole(self) -> str:
         """Every id decoded at once (the final text when the stop string stays)."""
-        return "" if self.tokenizer is None else self.tokenizer.decode(self.ids)
+        return self.decode(self.ids)
 
 
 class Output:
@@ -54,7 +59,8 @@ class Output:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.finish: dict | None = None
         self.meta: dict = {}
-        self.detok = Detokenizer(tokenizer)
+        self.detok = Detokenizer(tokenizer, req.skip_special)
+        self.finished_at: float | None = None
         self._final_text: str | None = None
         self._hold = max(map(len, req.stop), default=1) - 1   # chars a stop string may still take
         self._shown = 0                  # characters of text already streamed
@@ -73,12 +79,25 @@ class Output:
         self.detok.add(ids)
         if chunk["finished"]:
             self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}
+            self.finished_at = time.monotonic()
             self._final_text = self._finished_text(chunk.get("text"))
 
     def _finished_text(self, worker_text: str | None) -> str:
-        if not self.req.trim_stop or worker_text is None:
+        """The workers' text (cut before a matched stop string, special tokens
+        skipped) where it is what was asked; else decoded here from the ids. Trimmed,
+        a matched stop string goes, and so does a matched stop token's text (SGLang's
+        trim: `<|im_end|>` is not shown even with skip_special_tokens false)."""
+        if self.req.trim_stop and self.req.skip_special and worker_text is not None:
+            return worker_text
+        if not self.req.trim_stop:
             return self.detok.whole()
-        return worker_text
+        matched = (self.finish or {}).get("matched")
+        if type(matched) is int and self.token_ids and self.token_ids[-1] == matched:
+            return self.detok.decode(self.token_ids[:-1])
+        text = self.detok.whole()
+        if type(matched) is str and matched in text:
+            return text[:text.index(matched)]
+        return text
 
     @property
     def finished(self) -> bool:
@@ -137,3 +156,53 @@ class Output:
 
     def token_text(self, token_id: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.token_text(token_id)
+
+    @property
+    def e2e_latency(self) -> float:
+        """Seconds from the front taking the request to its end (or to now)."""
+        return (self.finished_at or time.monotonic()) - self.req.received
+
+
+# SGLang's err_type of an abort, from zpd's status codes (its HTTP errors' class names).
+ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
+             413: "BadRequestError", 499: None, 500: "InternalServerError",
+             503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+def finish_reason(out: Output) -> dict | None:
+    """The finish reason in SGLang's shape: a length finish says its length, an abort
+    its err_type."""
+    finish = out.finish
+    if finish is None:
+        return None
+    if finish.get("type") == "length":
+        return finish | {"length": out.completion_tokens}
+    if finish.get("type") == "abort":
+        return finish | {"err_type": ERR_TYPES.get(out.status, "InternalServerError")}
+    return finish
+
+
+def version_spans(versions: list[str]) -> list[dict]:
+    """Per-token weight versions as SGLang's spans: each run of one version is
+    {"version", "start", "end"} over output token positions, `end` exclusive."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def meta_info(out: Output) -> dict:
+    """SGLang's meta_info for one request (logprobs aside): `weight_versions` are its
+    spans, zpd's per-token list is `output_token_weight_versions`."""
+    versions = out.weight_versions
+    return {"id": out.rid, "finish_reason": finish_reason(out),
+            "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
+            "cached_tokens": int(out.meta.get("cached_tokens", 0)),
+            "e2e_latency": out.e2e_latency,
+            "weight_version": versions[-1] if versions else None,
+            "weight_versions": version_spans(versions),
+            "output_token_weight_versions": versions,
+            "retractions": int(out.meta.get("retractions", 0))}

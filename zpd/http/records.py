@@ -7,7 +7,8 @@ on every route). JSON null counts as absent, as it does for the APIs we mirror.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import orjson
@@ -43,7 +44,9 @@ class GenRequest:
     messages: list[dict] | None = None
     rid: str | None = None
     stream: bool = False
-    trim_stop: bool = True       # the text ends before a matched stop string (SGLang's default)
+    trim_stop: bool = True       # the text ends before a matched stop (SGLang's default)
+    skip_special: bool = True    # the text leaves special tokens out (SGLang's default)
+    received: float = field(default_factory=time.monotonic)    # when the front took it
 
     @property
     def logprobs(self) -> bool:
@@ -169,6 +172,30 @@ def rid_field(name: str, value: Any) -> str:
     if not text_field(name, value) or len(value) > MAX_RID_CHARS:
         raise BadRequest(f"{name!r} must be at most {MAX_RID_CHARS} characters")
     return value
+
+
+def item_rids(value: Any, prompts: int, n: int, batch: bool) -> list[str | None]:
+    """A rid for each of `prompts` x `n` generations, copy-major (copy j of prompt p at
+    j * prompts + p), as SGLang names them: one rid for a single generation; in a
+    batch, a string is a prefix (rid_0, rid_1, ...) and a list names each prompt
+    (rid_j for its copy j when n > 1). Each is checked (MAX_RID_CHARS)."""
+    total = prompts * n
+    if value is None:
+        return [None] * total
+    if type(value) is str and total == 1 and not batch:
+        return [rid_field("rid", value)]
+    if type(value) is str:
+        rid_field("rid", value)
+        return [rid_field("rid", f"{value}_{i}") for i in range(total)]
+    if type(value) is not list or not batch:
+        raise BadRequest("'rid' must be a string" + (" or a list of strings, one per prompt"
+                                                     if batch else ""))
+    if len(value) != prompts:
+        raise BadRequest(f"'rid' has {len(value)} entries for {prompts} prompts")
+    names = [rid_field(f"rid[{i}]", r) for i, r in enumerate(value)]
+    if n == 1:
+        return names
+    return [rid_field(f"rid[{p}]", f"{names[p]}_{j}") for j in range(n) for p in range(prompts)]
 
 
 def seeded_copies(sampling: dict, n: int) -> list[dict]:

@@ -1,0 +1,224 @@
+"""SGLang's request fields, each with what zpd does with it: one readable place.
+
+The lists are the field names of SGLang's current request types (read from its
+sources: `GenerateReqInput` in managers/io_struct.py, `SamplingParams` in
+sampling/sampling_params.py, `CompletionRequest` and `ChatCompletionRequest` in
+entrypoints/openai/protocol.py), plus OpenAI's own names. Each field is
+
+- IMPLEMENTED: a parser in native.py or openai_protocol.py reads and checks it;
+- IGNORED: accepted whatever its value, because no value asks for anything zpd
+  lacks (bookkeeping, routing hints, observability, defaults sglang-router sends);
+- REFUSED: accepted only while its value asks for nothing (null, false, "", [], {},
+  a list of those, or one of the rule's `idle` values); any other value is a 400
+  that names the field. These are features zpd does not have.
+
+A name on none of the lists is accepted, logged once at WARNING (UnknownFields), and
+never reaches the engine, as SGLang's dataclass bodies drop what they do not declare.
+
+Why checker functions and tables rather than pydantic models: the bodies are checked
+by records.py's checkers (`take`, exact type checks: `True` is not an integer, `1.0`
+is not a token id) with the bounds and messages the hardening and fuzz tests pin
+(MAX_REQUESTS, token id ranges, rid length, text limits); pydantic's lax mode would
+coerce what those tests require refused, its strict mode words every error its own
+way, and it would be a new dependency of the HTTP front. The tables below give what
+a model would have given: SGLang's field list, readable in one place.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from zpd.http.records import BadRequest
+
+log = logging.getLogger("zpd.http.fields")
+
+IMPLEMENTED, IGNORED, REFUSED = "implemented", "ignored", "refused"
+MAX_REMEMBERED = 256        # unknown names remembered for warn-once (a client picks them)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What zpd does with one field; `idle`: values of a REFUSED field that ask for
+    nothing besides the empty ones, `why`: the missing feature, for the error."""
+    kind: str
+    idle: tuple = ()
+    why: str = ""
+
+
+IMPL, IGN = Rule(IMPLEMENTED), Rule(IGNORED)
+
+
+def refused(why: str, *idle: Any) -> Rule:
+    return Rule(REFUSED, idle, why)
+
+
+MULTIMODAL = refused("zpd serves text models")
+LORA = refused("zpd has no LoRA adapters")
+GRAMMAR = refused("zpd has no constrained decoding")
+HIDDEN = refused("zpd does not return hidden states")
+PD_BOOTSTRAP = refused("zpd moves the KV cache itself; SGLang's bootstrap server is not used")
+NOT_RETURNED = refused("zpd does not return it")
+
+# sampling_params of /generate (SGLang's SamplingParams), and zpd's own engine names.
+SAMPLING: dict[str, Rule] = {
+    "max_new_tokens": IMPL, "min_new_tokens": IMPL, "stop": IMPL, "stop_token_ids": IMPL,
+    "temperature": IMPL, "top_p": IMPL, "top_k": IMPL, "min_p": IMPL,
+    "frequency_penalty": IMPL, "presence_penalty": IMPL, "repetition_penalty": IMPL,
+    "n": IMPL, "ignore_eos": IMPL, "skip_special_tokens": IMPL, "no_stop_trim": IMPL,
+    "sampling_seed": IMPL,
+    # Hugging Face's fast tokenizers (what SGLang decodes with) ignore it; so does ours.
+    "spaces_between_special_tokens": IGN,
+    "custom_params": IGN,            # read only by a custom logit processor, refused below
+    "stream_interval": IGN,          # how often SGLang streams; zpd streams every chunk
+    "stop_regex": refused("zpd has no regex stop conditions"),
+    "json_schema": GRAMMAR, "regex": GRAMMAR, "ebnf": GRAMMAR, "structural_tag": GRAMMAR,
+    "logit_bias": refused("zpd has no logit bias"),
+    "beam_width": refused("zpd has no beam search", 1),
+    # zpd's engine names (SamplingParams fields of its own)
+    "seed": IMPL, "return_logprob": IMPL, "top_logprobs_num": IMPL,
+}
+
+# POST /generate (SGLang's GenerateReqInput)
+GENERATE: dict[str, Rule] = {
+    "text": IMPL, "input_ids": IMPL, "sampling_params": IMPL, "rid": IMPL, "stream": IMPL,
+    "return_logprob": IMPL, "top_logprobs_num": IMPL, "return_text_in_logprobs": IMPL,
+    # prompt logprobs are refused where asked for (native.py: with return_logprob)
+    "logprob_start_len": IMPL,
+    "session_id": IGN, "log_metrics": IGN, "routed_experts_start_len": IGN,
+    "routed_dp_rank": IGN, "data_parallel_rank": IGN, "disagg_prefill_dp_rank": IGN,
+    "kv_router_hint": IGN, "routing_key": IGN, "conversation_id": IGN,
+    "http_worker_ipc": IGN, "priority": IGN, "extra_key": IGN, "no_logs": IGN,
+    "custom_labels": IGN, "return_bytes": IGN, "external_trace_header": IGN,
+    "received_time": IGN, "max_dynamic_patch": IGN, "min_dynamic_patch": IGN,
+    "image_max_dynamic_patch": IGN, "video_max_dynamic_patch": IGN, "images_config": IGN,
+    "input_embeds": refused("zpd takes text or token ids"),
+    "image_data": MULTIMODAL, "video_data": MULTIMODAL, "audio_data": MULTIMODAL,
+    "mm_hashes": MULTIMODAL, "mm_content_hashes": MULTIMODAL, "use_audio_in_video": MULTIMODAL,
+    "video_config": MULTIMODAL, "modalities": MULTIMODAL, "need_wait_for_mm_inputs": MULTIMODAL,
+    "num_items_assigned": MULTIMODAL, "encoder_urls": MULTIMODAL,
+    "token_ids_logprob": NOT_RETURNED, "return_sampling_mask": NOT_RETURNED,
+    "return_flat_raw_top_logprobs": NOT_RETURNED, "return_flat_raw_top_logprobs_b64": NOT_RETURNED,
+    "return_hidden_states": HIDDEN, "return_routed_experts": NOT_RETURNED,
+    "return_indexer_topk": NOT_RETURNED, "return_entropy": NOT_RETURNED,
+    "return_prompt_token_ids": NOT_RETURNED,
+    "session_params": refused("zpd has no sessions"),
+    "lora_path": LORA, "lora_id": LORA,
+    "custom_logit_processor": refused("zpd runs no custom logit processors"),
+    "positional_embed_overrides": refused("zpd takes text or token ids"),
+    "bootstrap_host": PD_BOOTSTRAP, "bootstrap_port": PD_BOOTSTRAP,
+    "bootstrap_room": PD_BOOTSTRAP, "bootstrap_pair_key": PD_BOOTSTRAP,
+    "decode_tp_size": PD_BOOTSTRAP,
+    "background": refused("zpd has no background responses"),
+    "require_reasoning": refused("zpd has no reasoning controls"),
+    "max_thinking_tokens": refused("zpd has no reasoning controls"),
+    "multi_item_delimiter_indices": refused("zpd has no multi-item scoring"),
+    "cache_salt": refused("zpd's prefix cache has no namespaces"),
+}
+
+# What /v1/completions and /v1/chat/completions share (SGLang's and OpenAI's names).
+_OPENAI_COMMON: dict[str, Rule] = {
+    "model": IGN, "user": IGN, "frequency_penalty": IMPL, "presence_penalty": IMPL,
+    "max_tokens": IMPL, "n": IMPL, "seed": IMPL, "stop": IMPL, "stream": IMPL,
+    "stream_options": IMPL, "temperature": IMPL, "top_p": IMPL, "top_k": IMPL, "min_p": IMPL,
+    "min_tokens": IMPL, "repetition_penalty": IMPL, "stop_token_ids": IMPL,
+    "no_stop_trim": IMPL, "ignore_eos": IMPL, "skip_special_tokens": IMPL, "rid": IMPL,
+    "routed_experts_start_len": IGN, "session_id": IGN, "custom_params": IGN,
+    "images_config": IGN, "routed_dp_rank": IGN, "disagg_prefill_dp_rank": IGN,
+    "data_parallel_rank": IGN, "extra_key": IGN, "ngram_corpus_id": IGN, "priority": IGN,
+    "custom_labels": IGN,
+    "logit_bias": refused("zpd has no logit bias"),
+    "return_hidden_states": HIDDEN, "return_routed_experts": NOT_RETURNED,
+    "return_cached_tokens_details": NOT_RETURNED, "return_token_ids": NOT_RETURNED,
+    "json_schema": GRAMMAR, "regex": GRAMMAR, "ebnf": GRAMMAR,
+    "stop_regex": refused("zpd has no regex stop conditions"),
+    "response_format": refused("zpd has no constrained decoding", {"type": "text"}),
+    "lora_path": LORA, "session_params": refused("zpd has no sessions"),
+    "custom_logit_processor": refused("zpd runs no custom logit processors"),
+    "bootstrap_host": PD_BOOTSTRAP, "bootstrap_port": PD_BOOTSTRAP,
+    "bootstrap_room": PD_BOOTSTRAP,
+    "cache_salt": refused("zpd's prefix cache has no namespaces"),
+}
+
+COMPLETION: dict[str, Rule] = _OPENAI_COMMON | {
+    "prompt": IMPL, "best_of": IMPL, "echo": IMPL, "logprobs": IMPL,
+    "suffix": refused("zpd has no insertion"),
+}
+
+CHAT: dict[str, Rule] = _OPENAI_COMMON | {
+    "messages": IMPL, "logprobs": IMPL, "top_logprobs": IMPL, "max_completion_tokens": IMPL,
+    "parallel_tool_calls": IGN, "metadata": IGN, "store": IGN, "service_tier": IGN,
+    "prompt_cache_key": IGN, "safety_identifier": IGN,
+    # zpd has no reasoning parser; SGLang without one returns the text whole either way.
+    "separate_reasoning": IGN, "stream_reasoning": IGN,
+    "max_dynamic_patch": IGN, "min_dynamic_patch": IGN,
+    "tools": refused("zpd has no tool calls"),
+    "tool_choice": refused("zpd has no tool calls", "none", "auto"),
+    "functions": refused("zpd has no tool calls"),
+    "function_call": refused("zpd has no tool calls", "none", "auto"),
+    "return_prompt_token_ids": NOT_RETURNED, "return_meta_info": NOT_RETURNED,
+    "reasoning_effort": refused("zpd has no reasoning controls"),
+    "reasoning": refused("zpd has no reasoning controls"),
+    "task": refused("zpd has no task tokens"),
+    "continue_final_message": refused("the workers render the template with a generation prompt"),
+    "chat_template_kwargs": refused("the workers render the template without extra variables"),
+    "use_audio_in_video": MULTIMODAL, "modalities": refused("zpd serves text", ["text"]),
+    "audio": MULTIMODAL,
+    "prediction": refused("zpd has no predicted outputs"),
+    "web_search_options": refused("zpd has no web search"),
+    "input_ids": refused("chat prompts are rendered from messages"),
+}
+
+
+def asks(value: Any, idle: tuple = ()) -> bool:
+    """Whether `value` asks for something: not null, false, "", [], {}, one of `idle`
+    (compared with its type: 1 is not true), nor a list of such."""
+    if value is None or value is False or (type(value) in (str, list, dict) and not value):
+        return False
+    if any(type(value) is type(i) and value == i for i in idle):
+        return False
+    if type(value) is list:
+        return any(asks(v, idle) for v in value)
+    return True
+
+
+def screen(body: dict, table: dict[str, Rule], where: str = "") -> list[str]:
+    """400 naming the first REFUSED field of `body` whose value asks for something;
+    the names `table` does not know (for UnknownFields), sorted."""
+    unknown = []
+    for name, value in body.items():
+        rule = table.get(name)
+        if rule is None:
+            unknown.append(name)
+        elif rule.kind == REFUSED and asks(value, rule.idle):
+            raise BadRequest(f"{where}{name!r} is not supported by this server ({rule.why})")
+    return sorted(unknown, key=str)
+
+
+def known(table: dict[str, Rule], body: dict) -> dict:
+    """`body` without the names `table` does not know."""
+    return {k: v for k, v in body.items() if k in table}
+
+
+class UnknownFields:
+    """Warns once per unknown field name. At most `limit` names are remembered, so a
+    client sending endless new names can grow neither memory nor the log: past the
+    limit one line says so and further new names go unlogged."""
+
+    def __init__(self, limit: int = MAX_REMEMBERED) -> None:
+        self.limit = limit
+        self.seen: set[str] = set()
+        self.full = False
+
+    def note(self, names: Iterable[str], where: str) -> None:
+        for name in names:
+            key = f"{where} {name}"[:300]
+            if key in self.seen or self.full:
+                continue
+            if len(self.seen) >= self.limit:
+                self.full = True
+                log.warning("%d unknown field names logged; further ones are not", self.limit)
+                continue
+            self.seen.add(key)
+            log.warning("%s: ignoring unknown field %r (neither SGLang nor OpenAI has it)",
+                        where, name[:100])
