@@ -14,6 +14,7 @@ from engines.chat import ChatTemplate, encode_chat
 from engines.config import ModelConfig, ModelError
 from engines.gguf_file import GGUFFile, is_gguf
 from engines.llama import LlamaForCausalLM
+from engines.overrides import ModelOverrides
 from engines.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
 from engines.tokenizer import Tokenizer
 from engines.vocab import tokenizer_from_gguf
@@ -135,34 +136,41 @@ def _text_from(src: Source, tokenizer, chat, spec: str) -> None:
         log.warning("%s: text prompts unavailable: %s", spec, e)
 
 
-def load_text(spec: str) -> tuple[Tokenizer | None, ChatTemplate | None, str]:
+def load_text(spec: str, overrides: ModelOverrides | None = None
+              ) -> tuple[Tokenizer | None, ChatTemplate | None, str]:
     """The tokenizer and chat template of model `spec`, without its weights (the HTTP
     front turns token ids into text with them): None for what the model lacks, and the
     problem a text or chat request is then told. ModelError for a spec that names no
-    model."""
+    model, or an override that cannot be honoured."""
     src = _source(resolve_spec(spec), text=True)
-    return src.tokenizer, src.chat, src.text_problem
+    o = overrides or ModelOverrides()
+    return o.text(o.config(src.cfg), src.tokenizer, src.chat, src.text_problem)
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
-               version: str | None = None) -> LoadedModel:
+               version: str | None = None, overrides: ModelOverrides | None = None) -> LoadedModel:
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     path = resolve_spec(spec)
     src = _source(path, text=True)
+    o = overrides or ModelOverrides()
+    cfg = o.config(src.cfg)
+    tokenizer, chat, problem = o.text(cfg, src.tokenizer, src.chat, src.text_problem)
     with torch.device(dev):
-        net = LlamaForCausalLM(src.cfg).to(dt)
+        net = LlamaForCausalLM(cfg).to(dt)
     if dev.type == "cpu" and dt == torch.float32 and cpu_products.small_linear(dt) is None:
         net.column_major_float32()         # F.linear's faster layout; the kernel wants row-major
     apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
     net.setup_rotary(dt, dev)
     net.eval()
-    return LoadedModel(spec, src.cfg, net, src.tokenizer, dev, dt,
-                       version or default_version(path), src.chat, src.text_problem)
+    return LoadedModel(spec, cfg, net, tokenizer, dev, dt,
+                       version or default_version(path), chat, problem)
 
 
 def update_weights(model: LoadedModel, path: str, version: str | None = None) -> str:
     """Replace the weights from checkpoint `path` (a directory or GGUF file) of the same
-    architecture. On any error the old weights stay. Returns the new version string."""
+    architecture. On any error the old weights stay. The version becomes `version`;
+    without one it stays what it was (SGLang's update_weights_from_disk does the same:
+    a version is only ever set by the caller). Returns the version."""
     path = resolve_spec(path)
     src = _source(path, text=False)
     cfg, tensors = src.cfg, src.tensors
@@ -172,7 +180,8 @@ def update_weights(model: LoadedModel, path: str, version: str | None = None) ->
                          f"({cfg.fingerprint()} vs {model.cfg.fingerprint()})")
     plan = read_checkpoint(model.net, tensors, path)
     apply_checkpoint(model.net, plan)
-    model.version = version or default_version(path)
+    if version:
+        model.version = version
     return model.version
 
 

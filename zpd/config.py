@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from engines.overrides import ModelOverrides
 from zpd.wire.protocol import MAX_FRAME_BYTES
 
 
@@ -97,6 +98,10 @@ class WorkerConfig:
     weight_version: str | None = None
     page_size: int = 16
     kv_cache_mb: float = 256
+    # SGLang's --mem-fraction-static: weights + KV take this fraction of the device's memory
+    # (zpd/ops/mem_fraction.py); None: the KV pool is kv_cache_mb
+    mem_fraction_static: float | None = None
+    overrides: ModelOverrides = field(default_factory=ModelOverrides)  # tokenizer, template, context
     clear_freed_pages: bool = False  # zero each KV page as it is freed (README, "Security")
     prefix_cache: bool = True        # a prefill keeps computed prompt pages for reuse
     max_batch: int = 64
@@ -137,6 +142,8 @@ class HttpConfig:
     """`zpd http`: an HTTP server that is a client of one router."""
     router: str = "127.0.0.1:5757"   # the router's endpoint (its default port)
     model: str = ""                  # the cluster's --model: its tokenizer and chat template
+    served_model_name: str | None = None  # the model id clients see (None: `model`)
+    overrides: ModelOverrides = field(default_factory=ModelOverrides)  # the workers' text overrides
     host: str = "127.0.0.1"
     port: int = 30000                # SGLang's default port; 0: any free port
     api_key: str | None = None       # Bearer token every route but /health needs

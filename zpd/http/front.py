@@ -18,7 +18,7 @@ from zpd.http.streams import Backend
 class Front:
     """Everything the routes share: the router, the model's text handling, the keys."""
     backend: Backend
-    model: str
+    model: str                           # the id clients see (--served-model-name, else --model)
     tokenizer: Tokenizer | None = None
     chat: ChatTemplate | None = None
     text_problem: str = ""               # why text or chat requests cannot be served
@@ -27,6 +27,8 @@ class Front:
     router: str = ""
     weights_timeout: float = 600.0       # seconds update_weights_from_disk may take
     unknown_fields: UnknownFields = field(default_factory=UnknownFields)   # warned once each
+    model_path: str = ""                 # --model (default: `model`)
+    tokenizer_path: str = ""             # --tokenizer-path (default: model_path)
 
     def needs_text(self, what: str) -> None:
         """BadRequest unless the model has a tokenizer (to show `what` as text)."""

@@ -23,12 +23,14 @@ log = logging.getLogger("zpd.http.server")
 
 
 def serve_http(cfg: HttpConfig) -> int:
-    tokenizer, chat, problem = load_text(cfg.model)
+    tokenizer, chat, problem = load_text(cfg.model, cfg.overrides)
     if problem:
         log.warning("model %s: %s (text or chat requests that need it get a 400)", cfg.model,
                     problem)
-    return asyncio.run(_serve(cfg, Front(None, cfg.model, tokenizer, chat, problem, cfg.api_key,
-                                         cfg.admin_api_key, cfg.router, cfg.weights_timeout)))
+    return asyncio.run(_serve(cfg, Front(
+        None, cfg.served_model_name or cfg.model, tokenizer, chat, problem, cfg.api_key,
+        cfg.admin_api_key, cfg.router, cfg.weights_timeout, model_path=cfg.model,
+        tokenizer_path=cfg.overrides.tokenizer_path or cfg.model)))
 
 
 async def _serve(cfg: HttpConfig, front: Front) -> int:

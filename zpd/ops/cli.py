@@ -13,12 +13,13 @@ from zpd.ops.exposure import check_bind, check_http_bind
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
 from zpd.env import configure_engine, http_keys
+from zpd.ops.mem_fraction import check_fraction, kv_cache_mb as kv_budget_mb
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
                              add_http_key_options, add_http_options, add_model_options,
-                             add_prompt_options, http_config,
+                             add_prompt_options, add_served_model_name, http_config,
                              add_router_options, add_sampling_options, add_worker_options,
-                             add_worker_server_options, router_config, sampling_dict,
-                             worker_argv, worker_config)
+                             add_worker_server_options, kv_cache_mb, model_overrides,
+                             router_config, sampling_dict, worker_argv, worker_config)
 from engines.request import StatusError
 
 
@@ -30,13 +31,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from engines.request import Request
 
     params = SamplingParams.from_dict(sampling_dict(args))
+    check_fraction(args.mem_fraction_static)
     tune_allocator()
     configure_engine()
-    model = load_model(args.model, args.device, args.dtype, args.weight_version)
+    model = load_model(args.model, args.device, args.dtype, args.weight_version,
+                       model_overrides(args))
     inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
     if not inputs:
         raise StatusError(400, "give at least one --prompt or --input-ids")
-    engine = OfflineEngine(model, args.kv_cache_mb, args.page_size, args.max_batch)
+    kv_mb = kv_budget_mb(args.mem_fraction_static, kv_cache_mb(args), model.net, model.device)
+    engine = OfflineEngine(model, kv_mb, args.page_size, args.max_batch)
     freeze_startup_objects()
     reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
     for out in engine.run(reqs):
@@ -104,6 +108,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         check_http_bind(args.host, args.api_key or http_keys()[0], args.insecure)
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
+    check_fraction(args.mem_fraction_static)
+    if args.context_length is not None and args.context_length < 1:
+        raise ValueError(f"--context-length must be at least 1, got {args.context_length}")
     for flag in ("prefill_threads", "decode_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
@@ -184,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "CPUs equally (at least one thread each) and each is bound to its own "
                          "CPUs while there are enough; this keeps the split but does not bind")
     add_default(la, "--host", RouterConfig, "interface for every process (default {default})")
-    add_default(la, "--port", RouterConfig, "router port (default {default}; 0 = any)", type=int)
+    add_default(la, "--port", RouterConfig, "router port (default {default}; 0 = any). SGLang's "
+                "--port is its HTTP port: that is --http-port here", type=int)
     la.add_argument("--ready-file", default=None,
                     help='write {"router": "H:P", "workers": [...]} here once all are ready')
     la.add_argument("--log-dir", default=None, help="one log file per process here (default: inherit stderr)")
@@ -193,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--http-port", type=int, default=None,
                     help="also start `zpd http` on this port (0 = any free port); the ready "
                          'file gains "http": "H:P"')
+    add_served_model_name(la)
     add_http_key_options(la)
     la.set_defaults(func=_cmd_launch)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from zpd.env import http_child_environ, http_keys
-from zpd.ops.options import router_argv
+from zpd.ops.options import HTTP_PASSTHROUGH, passthrough_argv, router_argv
 from zpd.ops.ready import write_ready_file
 
 log = logging.getLogger("zpd.ops.launch")
@@ -88,6 +88,7 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
     argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
                  "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
                  "--log-level", args.log_level] \
+        + passthrough_argv(args, HTTP_PASSTHROUGH) \
         + (["--curve-keys", args.curve_keys] if args.curve_keys else []) \
         + (["--insecure"] if args.insecure else [])
     return Child("http", argv, tmp / "http.json", log_dir / "http.log" if log_dir else None, env)

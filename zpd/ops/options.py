@@ -10,9 +10,11 @@ import os
 from typing import Any
 
 from engines.sampler import SamplingParams
+from engines.overrides import ModelOverrides
 from zpd.config import (Deadlines, HttpConfig, PromptLimits, RouterConfig, WorkerConfig,
                         default_of)
 from zpd.env import http_keys
+from zpd.ops.mem_fraction import check_fraction
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
@@ -40,20 +42,62 @@ INSECURE_HELP = ("serve without --curve-keys on a non-loopback --host (anyone wh
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", required=True,
-                   help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3) or 'tiny' "
-                        "(embedded default; 'tiny:SEED' for other weights)")
+    g.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3), a .gguf "
+                        "file, 'smollm2', or 'tiny' (embedded default; 'tiny:SEED' for other "
+                        "weights); --model-path is SGLang's name for it")
+    add_text_options(g)
+    g.add_argument("--context-length", type=int, default=None,
+                   help="serve at most this many tokens per request (prompt + max_new_tokens; "
+                        "SGLang's flag); at most the model's own max_position_embeddings, "
+                        "which is the default")
     add_default(g, "--device", WorkerConfig, "cpu or cuda[:N] (default {default})")
     add_default(g, "--dtype", WorkerConfig, "weights and KV dtype; float64 keeps near-ties out of "
                 "exactness tests", choices=["float32", "bfloat16", "float16", "float64"])
     add_default(g, "--weight-version", WorkerConfig,
                 "version string reported with every token (default: model name)")
     add_default(g, "--page-size", WorkerConfig, "tokens per KV page (default {default})", type=int)
-    add_default(g, "--kv-cache-mb", WorkerConfig, "KV pool size in MiB (default {default})",
-                type=float)
+    kv = g.add_mutually_exclusive_group()
+    # None when not given, so that giving both is refused (the default lives in WorkerConfig)
+    kv.add_argument("--kv-cache-mb", type=float, default=None,
+                    help=f"KV pool size in MiB (default {default_of(WorkerConfig, 'kv_cache_mb'):g})")
+    kv.add_argument("--mem-fraction-static", type=float, default=None,
+                    help="instead of --kv-cache-mb (SGLang's flag): weights + KV pool take this "
+                         "fraction of the device's memory; the pool gets fraction x total memory "
+                         "(GPU; on cpu the RAM, within the cgroup limit) minus the loaded "
+                         "weights. Each worker takes it: N workers sharing a device give 1/N each")
     add_default(g, "--max-batch", WorkerConfig, "most requests decoding at once, counting those "
                 "whose KV is still arriving (default {default})", type=int)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def add_text_options(g: argparse._ActionsContainer) -> None:
+    """SGLang's tokenizer and chat template flags: every process that turns text into
+    ids (workers, `zpd http`) must be given the same."""
+    g.add_argument("--tokenizer-path", default=None,
+                   help="tokenizer instead of the model's: a tokenizer.json, a directory with "
+                        "one (its chat template comes along), or a .gguf file; hub names are "
+                        "not fetched, and a tokenizer larger than the model's vocabulary is "
+                        "refused")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template instead of the model's (or the tokenizer's): a Jinja "
+                        "file, or the template text itself; SGLang's built-in names and JSON "
+                        "templates are refused")
+
+
+def model_overrides(args: argparse.Namespace) -> ModelOverrides:
+    """What the SGLang flags put in place of the model's own (None: not given)."""
+    return ModelOverrides(tokenizer_path=args.tokenizer_path, chat_template=args.chat_template,
+                          context_length=getattr(args, "context_length", None))
+
+
+def kv_cache_mb(args: argparse.Namespace) -> float:
+    """--kv-cache-mb, else WorkerConfig's default (a --mem-fraction-static replaces it)."""
+    if args.kv_cache_mb is None:
+        return default_of(WorkerConfig, "kv_cache_mb")
+    if not args.kv_cache_mb > 0:
+        raise ValueError(f"--kv-cache-mb must be positive, got {args.kv_cache_mb:g}")
+    return args.kv_cache_mb
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -158,10 +202,15 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
 def add_http_options(p: argparse.ArgumentParser) -> None:
     """`zpd http`: where it serves and which router it is a client of."""
     p.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default {ROUTER_ENDPOINT})")
-    p.add_argument("--model", required=True, help="the cluster's --model: its tokenizer and chat "
-                   "template turn token ids into text (its weights are not loaded)")
-    add_default(p, "--host", HttpConfig, "interface to serve on (default {default})")
-    add_default(p, "--port", HttpConfig, "port (default {default}; 0 = any free port)", type=int)
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="the cluster's --model: its tokenizer and chat template turn token ids "
+                        "into text (its weights are not loaded); --model-path is SGLang's name")
+    add_served_model_name(p)
+    add_text_options(p)
+    add_default(p, "--host", HttpConfig, "interface to serve on, as SGLang's --host "
+                "(default {default})")
+    add_default(p, "--port", HttpConfig, "port, as SGLang's --port (default {default}, SGLang's "
+                "too; 0 = any free port)", type=int)
     add_http_key_options(p)
     add_default(p, "--insecure", HttpConfig, "serve on a non-loopback --host without --api-key; "
                 "refused without this flag", action="store_true")
@@ -176,6 +225,12 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
                 type=float)
 
 
+def add_served_model_name(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id /v1/models, OpenAI answers, /get_server_info and the "
+                        "metrics' model_name report (SGLang's flag; default: --model as given)")
+
+
 def add_http_key_options(g: argparse._ActionsContainer) -> None:
     g.add_argument("--api-key", default=None, help="Bearer token every HTTP route but /health "
                    "needs ('Authorization: Bearer KEY'; default $ZPD_API_KEY, else none)")
@@ -188,6 +243,7 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
     """The HttpConfig that the flags of `zpd http` (and its environment) describe."""
     env_key, env_admin = http_keys()
     return HttpConfig(router=args.router, model=args.model, host=args.host, port=args.port,
+                      served_model_name=args.served_model_name, overrides=model_overrides(args),
                       api_key=args.api_key or env_key,
                       admin_api_key=args.admin_api_key or env_admin, insecure=args.insecure,
                       curve_keys=args.curve_keys, ready_file=args.ready_file,
@@ -238,10 +294,12 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     if args.weights_root is not None and not os.path.isdir(args.weights_root):
         # Found at the first update_weights, a typo would refuse every checkpoint.
         raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
+    check_fraction(args.mem_fraction_static)
     return WorkerConfig(
         role=role, model=args.model, host=args.host, port=args.port, device=args.device,
         dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
-        kv_cache_mb=args.kv_cache_mb, max_batch=args.max_batch,
+        kv_cache_mb=kv_cache_mb(args), mem_fraction_static=args.mem_fraction_static,
+        overrides=model_overrides(args), max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
@@ -278,12 +336,15 @@ def _endpoints(text: str) -> tuple[str, ...]:
 
 
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
+                      "mem_fraction_static", "tokenizer_path", "chat_template", "context_length",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
                       "weights_root",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")
+# What `zpd launch` hands its HTTP front: it must turn text into the workers' ids.
+HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template")
 # What `zpd launch` hands its router, besides the flags every launch sets.
 ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",
                       "max_client_tokens", "busy_poll_us")

@@ -29,6 +29,7 @@ from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
 from zpd.wire.security import WORKER_POLICY, Security
+from zpd.ops.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import WeightsAndMemory
 from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
@@ -47,9 +48,12 @@ class WorkerCore:
         self.cfg = cfg
         knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
         configure_engine()
-        self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version)
+        self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version,
+                                cfg.overrides)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
-        self.pool = KVPool.with_budget(self.layout, cfg.kv_cache_mb, self.model.dtype,
+        kv_mb = kv_cache_mb(cfg.mem_fraction_static, cfg.kv_cache_mb, self.model.net,
+                            self.model.device)
+        self.pool = KVPool.with_budget(self.layout, kv_mb, self.model.dtype,
                                        self.model.device, clear_on_free=cfg.clear_freed_pages)
         self.compute = Compute(self.model, self.pool)
         self.backend = backend or transport.create_backend(
