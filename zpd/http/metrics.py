@@ -1,4 +1,6 @@
-"""GET /metrics: Prometheus text, names `zpd:*` in the style of `vllm:*` / `sglang:*`.
+"""GET /metrics: Prometheus text, names `zpd:*` in the style of `vllm:*` / `sglang:*`,
+and the same figures again under SGLang's own names (zpd/http/sglang_metrics.py).
+The `zpd:*` duplicates of SGLang-named figures stay, for the users who read them.
 
 Two sources. Latencies are measured here, per request this front serves, by wrapping
 the router client (`MeteredBackend`): time to first token, inter-token latency,
@@ -19,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from zpd.http.front import FRONT
 from zpd.http.records import GenRequest
+from zpd.http.sglang_metrics import SglangCluster, SglangLatencies, number
 from zpd.http.streams import Backend
 
 routes = web.RouteTableDef()
@@ -29,10 +32,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 
 class RequestMetrics:
-    """The latency histograms of the requests this front serves."""
+    """The latency histograms of the requests this front serves (of the served model
+    `model`, SGLang's `model_name` label)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.model = model
+        self.sglang = SglangLatencies(self.registry, model)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -56,23 +62,30 @@ class MeteredBackend:
 
     def open(self, req: GenRequest, sink: Callable[[dict], None]) -> Callable[[], None]:
         m, start = self.metrics, time.perf_counter()
-        last = None
+        first = last = None
+        tokens = 0
 
         def timed(chunk: dict) -> None:
-            nonlocal last
+            nonlocal first, last, tokens
             now, n = time.perf_counter(), len(chunk["token_ids"])
             if n:
                 if last is None:
+                    first = now
                     m.ttft.observe(now - start)
+                    m.sglang.ttft.observe(now - start)
                 else:
                     for _ in range(n):        # a chunk of n tokens: n gaps of equal share
                         m.itl.observe((now - last) / n)
-                last = now
+                    m.sglang.gaps(now - last, n)
+                last, tokens = now, tokens + n
             if chunk["finished"]:
                 m.e2e.observe(now - start)
                 queued = chunk.get("meta", {}).get("timings", {}).get("prefill_queue")
-                if isinstance(queued, (int, float)):
-                    m.queue.observe(queued / 1e3)
+                queued = queued / 1e3 if type(queued) in (int, float) and queued >= 0 else None
+                if queued is not None:
+                    m.queue.observe(queued)
+                m.sglang.finished(now - start, None if first is None else now - first, tokens,
+                                  queued)
             sink(chunk)
         return self.inner.open(req, timed)
 
@@ -95,16 +108,17 @@ class ClusterCollector:
         up.add_metric([], 1.0 if s.get("ok") or s.get("workers") else 0.0)
         yield up
         yield from self._requests(s)
-        yield from self._workers(s.get("workers") or [])
-        yield from self._counters(s.get("counters") or {})
+        workers = s.get("workers") if isinstance(s.get("workers"), list) else []
+        yield from self._workers([w for w in workers if isinstance(w, dict)])
+        yield from self._counters(s.get("counters") if isinstance(s.get("counters"), dict) else {})
 
     def _requests(self, s: dict) -> Iterator[Metric]:
         running = GaugeMetricFamily("zpd:num_requests_running",
                                     "Requests the router has routed and not seen end.")
-        running.add_metric([], float(s.get("inflight") or 0))
+        running.add_metric([], number(s.get("inflight")))
         waiting = GaugeMetricFamily("zpd:num_requests_waiting",
                                     "Requests queued at the router (while paused).")
-        waiting.add_metric([], float(s.get("queued") or 0))
+        waiting.add_metric([], number(s.get("queued")))
         yield running
         yield waiting
 
@@ -130,13 +144,13 @@ class ClusterCollector:
         for w in workers:
             who = [str(w.get("endpoint")), str(w.get("role"))]
             alive.add_metric(who, 1.0 if w.get("ok") else 0.0)
-            for state, n in (w.get("kv_pages") or {}).items():
-                pages.add_metric(who + [state], float(n))
-            for queue, n in (w.get("queues") or {}).items():
-                queues.add_metric(who + [queue], float(n))
-            for key, value in (w.get("counters") or {}).items():
+            for state, n in _items(w.get("kv_pages")):
+                pages.add_metric(who + [str(state)], number(n))
+            for queue, n in _items(w.get("queues")):
+                queues.add_metric(who + [str(queue)], number(n))
+            for key, value in _items(w.get("counters")):
                 if key in counters:
-                    counters[key].add_metric(who, float(value))
+                    counters[key].add_metric(who, number(value))
         yield from (alive, pages, queues, *counters.values())
 
     def _counters(self, c: dict) -> Iterator[Metric]:
@@ -145,18 +159,24 @@ class ClusterCollector:
                                ("prompt_tokens", "prompt_tokens", "Prompt tokens of ended requests."),
                                ("retractions", "retractions", "Retractions of ended requests.")):
             family = CounterMetricFamily(f"zpd:{name}", doc)
-            family.add_metric([], float(c.get(key) or 0))
+            family.add_metric([], number(c.get(key)))
             yield family
         ended = CounterMetricFamily("zpd:request_finished", "Requests ended, by finish reason.",
                                     labels=["finished_reason"])
-        for reason, n in (c.get("finished") or {}).items():
-            ended.add_metric([reason], float(n))
+        for reason, n in _items(c.get("finished")):
+            ended.add_metric([str(reason)], number(n))
         aborted = CounterMetricFamily("zpd:request_aborted", "Requests ended in an abort or "
                                       "failure, by status code.", labels=["status_code"])
-        for code, n in (c.get("aborted") or {}).items():
-            aborted.add_metric([code], float(n))
+        for code, n in _items(c.get("aborted")):
+            aborted.add_metric([str(code)], number(n))
         yield ended
         yield aborted
+
+
+def _items(value: object) -> list:
+    """A status reply's dict as (key, value) pairs; anything else (workers are peers,
+    their replies untrusted) as none."""
+    return list(value.items()) if isinstance(value, dict) else []
 
 
 async def render(metrics: RequestMetrics, backend: Backend, timeout: float = 5.0) -> bytes:
@@ -164,12 +184,15 @@ async def render(metrics: RequestMetrics, backend: Backend, timeout: float = 5.0
     status = await backend.admin("status", timeout=timeout)
     cluster = CollectorRegistry()
     cluster.register(ClusterCollector(status))
+    cluster.register(SglangCluster(status, metrics.model))
     return generate_latest(metrics.registry) + generate_latest(cluster)
 
 
-def metered(backend: Backend) -> MeteredBackend:
-    """`backend` with a fresh set of histograms (itself if it already has them)."""
-    return backend if isinstance(backend, MeteredBackend) else MeteredBackend(backend, RequestMetrics())
+def metered(backend: Backend, model: str = "") -> MeteredBackend:
+    """`backend` with a fresh set of histograms for the served model `model` (itself if
+    it already has them)."""
+    return backend if isinstance(backend, MeteredBackend) else \
+        MeteredBackend(backend, RequestMetrics(model))
 
 
 @routes.get("/metrics")

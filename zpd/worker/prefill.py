@@ -442,7 +442,7 @@ class PrefillScheduler:
         return {"kv_pages": {"held": len(held), "fenced": 0, "cached": cache["cached"]},
                 "page_size": self.page_size,
                 "prefix_cache": cache["prefix_cache"] | {
-                    "recent_hit_rate": round(hits / asked, 4) if asked else 0.0},
+                    "recent_hit_tokens": hits, "recent_query_tokens": asked},
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
