@@ -84,10 +84,12 @@ def test_arguments_a_command_does_not_take_are_refused(cluster):
     still_serving(cluster)
 
 
-def test_a_null_version_means_the_checkpoints_name(cluster):
+def test_a_null_version_keeps_the_current_one(cluster):
+    """SGLang's update_weights_from_disk without a weight_version keeps the version."""
+    assert cluster.admin("update_weight_version", version="mine")["ok"]
     assert cluster.admin("pause", mode="retract")["ok"]
     assert cluster.admin("update_weights", path="tiny:7", version=None)["ok"]
-    assert cluster.decode.model.version == "tiny:7"
+    assert cluster.decode.model.version == cluster.prefill.model.version == "mine"
     assert cluster.admin("continue")["ok"]
 
 

@@ -26,15 +26,23 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.Namespace], dict]]] = {
     "continue": ("continue", "resume after pause (retracted requests are recomputed)",
                  lambda a: {}),
     "update-weights": ("update_weights", "load new weights from a checkpoint directory "
-                                         "(on every worker's host) while paused or idle",
+                                         "(on every worker's host) while paused or idle; "
+                                         "without --version the version stays as it is",
                        lambda a: {"path": a.path} | ({"version": a.version} if a.version else {})),
+    "update-weight-version": ("update_weight_version", "set the weight version the next tokens "
+                                                       "report (the weights stay as they are)",
+                              lambda a: {"version": a.version}),
     "status": ("status", "queues, KV pages, peers, weight version and pause mode per worker",
                lambda a: {}),
     "abort": ("abort", "end request RID with 499", lambda a: {"rid": a.rid}),
     "abort-all": ("abort_all", "end every request queued or in flight at the router with 499 "
                                "(a router only)", lambda a: {}),
-    "release-memory": ("release_memory", "free the KV pool's memory (while paused)", lambda a: {}),
-    "resume-memory": ("resume_memory", "allocate the KV pool again", lambda a: {}),
+    "release-memory": ("release_memory", "free the memory of the KV pool and/or the weights "
+                                         "(--tags; default all) while paused or idle",
+                       lambda a: {"tags": a.tags} if a.tags else {}),
+    "resume-memory": ("resume_memory", "allocate the KV pool again and/or restore the weights "
+                                       "(--tags; default all)",
+                      lambda a: {"tags": a.tags} if a.tags else {}),
     "flush-cache": ("flush_cache", "drop cached KV not held by a request", lambda a: {}),
 }
 
@@ -60,7 +68,13 @@ def add_admin_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentP
             c.add_argument("--mode", required=True, choices=["abort", "in_place", "retract"])
         elif name == "update-weights":
             c.add_argument("--path", required=True, help="checkpoint directory on the workers' hosts")
-            c.add_argument("--version", default=None, help="weight version string to report")
+            c.add_argument("--version", default=None, help="weight version string to report "
+                                                           "(default: keep the current one)")
+        elif name == "update-weight-version":
+            c.add_argument("--version", required=True, help="weight version string to report")
+        elif name in ("release-memory", "resume-memory"):
+            c.add_argument("--tags", nargs="+", choices=["kv_cache", "weights", "cuda_graph"],
+                           default=None, help="what to release or resume (default: all)")
         elif name == "abort":
             c.add_argument("rid", help="request id")
     p.set_defaults(func=run_admin)

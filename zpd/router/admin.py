@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from zpd.router.admin_args import BadArgs, admin_timeout, check_args
-from zpd.router.weight_sync import BLOCKED, RouterWeightSync
+from zpd.router.weight_sync import BLOCKED, COMMANDS as SYNC_COMMANDS, RouterWeightSync
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 
@@ -70,8 +70,7 @@ class RouterAdmin:
         if command in BLOCKED and self.sync.active is not None:
             reply(False, {"status": 409, "error": f"{command} while {self.sync.active}: wait "
                                                   "for it", "workers": []})
-        elif command in ("init_weights_update_group", "update_weights_from_distributed",
-                         "destroy_weights_update_group"):
+        elif command in SYNC_COMMANDS:
             self.sync.run(command, args, timeout, reply)
         elif command == "abort":
             self.abort(args, reply)
@@ -81,9 +80,11 @@ class RouterAdmin:
             self.pause(args, timeout, reply)
         elif command == "continue":
             self.continue_(args, timeout, reply)
-        elif command == "update_weights" and server.paused is None and server.inflight:
-            # an idle prefill would take the new weights while its decode keeps the old ones
-            reply(False, {"status": 409, "error": "update_weights while requests are in flight: "
+        elif command in ("update_weights", "release_memory") and server.paused is None \
+                and server.inflight:
+            # an idle prefill would take the new weights (or drop its memory) while its
+            # decode, still running, refuses: all workers must see the same state
+            reply(False, {"status": 409, "error": f"{command} while requests are in flight: "
                                                   "pause first", "workers": []})
         else:
             self.fan_out(command, args, server.workers, timeout,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from engines.tensor_payload import MAX_PAYLOAD_CHARS
 from engines.weight_push import MAX_TENSORS
 from zpd.worker.scheduler import PAUSE_MODES
 from zpd.worker.trainer_group import TRAINER_INITS
 
 MAX_TIMEOUT_S = 3600.0     # longest a fan-out waits for its workers' answers
+MAX_RANKS = 4096           # entries of serialized_named_tensors (one per worker at most)
 
 
 class BadArgs(ValueError):
@@ -25,8 +27,24 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _port(value: Any) -> bool:
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 5:
+        value = int(value)                 # AReaL sends the port as a string
+    return _int(value) and 1 <= value <= 65535
+
+
+def _payloads(value: Any) -> bool:
+    """serialized_named_tensors: all of it travels in one router frame (16 MiB)."""
+    return (isinstance(value, list) and 0 < len(value) <= MAX_RANKS
+            and all(isinstance(v, str) and v for v in value)
+            and sum(map(len, value)) <= MAX_PAYLOAD_CHARS)
+
+
 Check = tuple[Callable[[Any], bool], str]     # the test, and what it wants (for the error)
 TEXT: Check = (_text, "a non-empty string")
+TAGS: Check = (lambda v: v is None or (isinstance(v, list) and len(v) <= 8
+                                      and all(_text(t) and len(t) <= 64 for t in v)),
+               "null or a list of at most 8 tag names")
 
 # Each command the router knows -> the arguments it takes. Commands not named here
 # go to the workers as they are: each worker refuses (400) what it does not know.
@@ -35,13 +53,17 @@ ARGS: dict[str, dict[str, Check]] = {
                        f"one of {', '.join(PAUSE_MODES)}")},
     "continue": {},
     "update_weights": {"path": TEXT, "version": (lambda v: v is None or _text(v),
-                                                 "a non-empty string (or null: the path's name)")},
+                                                 "a non-empty string (or null: the version stays)")},
     "abort": {"rid": TEXT},
     "abort_all": {},
-    "status": {}, "release_memory": {}, "resume_memory": {}, "flush_cache": {},
+    "update_weight_version": {"version": TEXT},
+    "status": {}, "flush_cache": {},
+    # SGLang's memory tags; the workers check the names (zpd/worker/memory.py)
+    "release_memory": {"tags": TAGS}, "resume_memory": {"tags": TAGS},
     # trainer weight sync (zpd/router/weight_sync.py); workers check the tensors
     "init_weights_update_group": {
-        "master_address": TEXT, "master_port": (lambda v: _int(v) and 1 <= v <= 65535, "a port"),
+        "master_address": TEXT, "master_port": (_port, "a port (an integer or its decimal "
+                                                         "string, 1 to 65535)"),
         "rank_offset": (lambda v: _int(v) and 1 <= v < 1 << 16, "an integer >= 1 (rank 0 is "
                                                                 "the trainer)"),
         "world_size": (lambda v: _int(v) and 2 <= v <= 1 << 16, "an integer >= 2"),
@@ -57,12 +79,18 @@ ARGS: dict[str, dict[str, Check]] = {
         "load_format": (lambda v: v in (None, "flattened_bucket"),
                         'null (one broadcast per tensor) or "flattened_bucket"')},
     "destroy_weights_update_group": {"group_name": TEXT},
+    "update_weights_from_tensor": {
+        "serialized_named_tensors": (_payloads, f"a list of 1 to {MAX_RANKS} base64 strings of "
+                                                f"{MAX_PAYLOAD_CHARS} characters in all at most"),
+        "weight_version": (lambda v: v is None or _text(v), "a non-empty string (or null: the "
+                                                            "version stays)")},
 }
-REQUIRED = {"update_weights": ("path",), "abort": ("rid",),
+REQUIRED = {"update_weights": ("path",), "abort": ("rid",), "update_weight_version": ("version",),
             "init_weights_update_group": ("master_address", "master_port", "rank_offset",
                                           "world_size", "group_name"),
             "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name"),
-            "destroy_weights_update_group": ("group_name",)}
+            "destroy_weights_update_group": ("group_name",),
+            "update_weights_from_tensor": ("serialized_named_tensors",)}
 
 
 def check_args(command: str, args: dict) -> None:

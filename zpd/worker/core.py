@@ -258,7 +258,9 @@ class WorkerCore:
         # Counted from the scheduler's own records, so free + held + fenced + cached == total
         # is a real check: a page allocated to no live request or fence breaks it.
         return {"weight_version": self.model.version, "paused": self.paused,
-                "memory": self.memory.state, "device": str(self.pool.device),
+                "memory": self.memory.state, "weights_memory": self.memory.weights_state,
+                "device": str(self.pool.device), "dtype": str(self.model.dtype).removeprefix("torch."),
+                "context_length": self.model.cfg.max_position, "max_batch": self.cfg.max_batch,
                 "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
                              "fenced": pages["fenced"], "cached": pages.get("cached", 0)},
                 "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \

@@ -1,5 +1,11 @@
-"""A worker's weights and KV memory as admin commands: update_weights, release_memory,
-resume_memory, flush_cache."""
+"""A worker's weights and KV memory as admin commands: update_weights,
+update_weight_version, release_memory, resume_memory, flush_cache.
+
+release_memory / resume_memory take SGLang's `tags`: "kv_cache" (the KV pool),
+"weights" (the model's weights: engines/weight_release.py; resumed from a host copy
+on CUDA or a private spill file on CPU, bit for bit, never by a weight update), and
+"cuda_graph" (zpd has none: accepted, nothing to do). No tags: all of them. While
+either is released nothing is scheduled: requests wait, as while paused."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 import transport
+from engines import weight_release
 from engines.config import ModelError
 from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
@@ -20,6 +27,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("zpd.worker.memory")
 
 FORBIDDEN = 403
+KV, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+MEMORY_TAGS = (KV, WEIGHTS, CUDA_GRAPH)       # SGLang's names; cuda_graph: nothing here
+
+
+def memory_tags(args: dict) -> set[str]:
+    """The `tags` argument as a set (absent or null: every tag, as SGLang)."""
+    tags = args.get("tags")
+    if tags is None:
+        return set(MEMORY_TAGS)
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise StatusError(BAD_REQUEST, "tags must be a list of strings")
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise StatusError(BAD_REQUEST, f"unknown memory tag(s) {', '.join(map(repr, unknown))}; "
+                                       f"known: {', '.join(MEMORY_TAGS)}")
+    return set(tags)
 
 
 def checkpoint_source(path: str, root: str | None) -> str:
@@ -44,23 +67,42 @@ class WeightsAndMemory:
 
     def __init__(self, core: "WorkerCore") -> None:
         self.core = core
-        self.released = False               # KV pool dropped: schedule nothing
+        self.kv_released = False            # KV pool dropped
+        self.weights_held: weight_release.Released | None = None   # weights dropped
 
     def commands(self) -> dict[str, Callable[[dict, Respond], None]]:
         return {"update_weights": self.update_weights, "flush_cache": self.flush_cache,
+                "update_weight_version": self.update_weight_version,
                 "release_memory": self.release_memory, "resume_memory": self.resume_memory}
 
     @property
+    def released(self) -> bool:
+        """The KV pool or the weights are released: schedule nothing."""
+        return self.kv_released or self.weights_held is not None
+
+    @property
     def state(self) -> str:
-        return "released" if self.released else "resident"
+        """The KV pool's memory."""
+        return "released" if self.kv_released else "resident"
+
+    @property
+    def weights_state(self) -> str:
+        return "released" if self.weights_held is not None else "resident"
 
     @property
     def pool_addr(self) -> int:
         """The pool's address, 0 while its memory is released."""
-        return 0 if self.released else self.core.pool.data_ptr
+        return 0 if self.kv_released else self.core.pool.data_ptr
+
+    def require_weights(self, what: str) -> None:
+        """409 while the weights are released (a copy into them would fail)."""
+        if self.weights_held is not None:
+            raise StatusError(CONFLICT, f"{what} while the weights are released: "
+                                        "resume_memory (tags weights) first")
 
     def update_weights(self, args: dict, respond: Respond) -> None:
-        """Allowed while paused or idle; a bad checkpoint leaves the old weights."""
+        """Allowed while paused or idle; a bad checkpoint leaves the old weights. Without
+        a version the current one stays (SGLang's way)."""
         core = self.core
         path, version = args.get("path"), args.get("version")
         if not isinstance(path, str) or not path:
@@ -70,6 +112,7 @@ class WeightsAndMemory:
         source = checkpoint_source(path, core.cfg.weights_root)
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
+        self.require_weights("update_weights")
         try:
             with core.long_call():
                 new = load_new_weights(core.model, source, version)
@@ -78,6 +121,18 @@ class WeightsAndMemory:
         core.scheduler.on_weights_changed()
         log.warning("weights updated from %r: version %r", path, new)
         respond(True, {"weight_version": new})
+
+    def update_weight_version(self, args: dict, respond: Respond) -> None:
+        """Set the version the next tokens report; the weights stay as they are (SGLang's
+        /update_weight_version, after a push that named no version). The prefix cache
+        is keyed by version, so its entries are dropped as after an update."""
+        version = args.get("version")
+        if not isinstance(version, str) or not version:
+            raise StatusError(BAD_REQUEST, "update_weight_version needs a non-empty version")
+        old, self.core.model.version = self.core.model.version, version
+        self.core.scheduler.on_weights_changed()
+        log.warning("weight version %r -> %r (weights unchanged)", old, version)
+        respond(True, {"weight_version": version, "previous": old})
 
     def flush_cache(self, args: dict, respond: Respond) -> None:
         """Drop the prefix cache; refused while requests run (as SGLang does)."""
@@ -89,37 +144,77 @@ class WeightsAndMemory:
         respond(True, {"flushed_pages": freed})
 
     def release_memory(self, args: dict, respond: Respond) -> None:
-        """Drop the KV pool and its transport registration (e.g. to update weights in
-        the room it frees). Only with no page in use: pages are held or fenced exactly
-        while some request's KV, or a write into it, may still be there."""
-        pool = self.core.pool
-        if not self.released:
-            self.core.scheduler.flush_cache()      # cached pages no request uses go first
-            in_use = pool.allocator.allocated
-            if in_use:
-                raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "
-                                            "and wait for them first")
-            self.core.backend.unregister(pool.data_ptr)
-            pool.release_memory()
-            self.released = True
-            if pool.device.type == "cuda":
-                import torch
-                torch.cuda.empty_cache()
-            log.warning("KV pool memory released (%d bytes)", pool.nbytes)
-        respond(True, {"memory": self.state})
+        """Release what `tags` name (all by default). Every condition is checked first:
+        a refusal releases nothing."""
+        tags = memory_tags(args)
+        weights = WEIGHTS in tags and self.weights_held is None
+        kv = KV in tags and not self.kv_released
+        if weights:
+            self._check_weights_idle()
+        if kv:
+            self._check_kv_unused()
+        if kv:
+            self._release_kv()
+        if weights:
+            self.weights_held = weight_release.release(self.core.model.net, self.core.model.device)
+        respond(True, self._memory_fields())
 
     def resume_memory(self, args: dict, respond: Respond) -> None:
-        """Allocate and register the pool again; its address changes, so the
-        scheduler tells its peers before using it."""
-        pool = self.core.pool
-        if self.released:
-            pool.allocate_memory()
+        """Restore what `tags` name (all by default): the weights bit for bit from their
+        host copy or spill file, the KV pool newly allocated (its address changes, so
+        the scheduler tells its peers before using it)."""
+        tags = memory_tags(args)
+        if WEIGHTS in tags and self.weights_held is not None:
+            held, self.weights_held = self.weights_held, None
             try:
-                self.core.backend.register(pool.data_ptr, pool.nbytes)
-            except transport.TransportError as e:
-                pool.release_memory()
-                raise StatusError(INTERNAL, f"could not register the KV pool again: {e}") from None
-            self.released = False
-            self.core.scheduler.on_memory_resumed()
-            log.warning("KV pool memory resumed at %#x", pool.data_ptr)
-        respond(True, {"memory": self.state})
+                with self.core.long_call():
+                    weight_release.resume(held)
+            except (OSError, RuntimeError) as e:
+                raise StatusError(INTERNAL, f"could not restore the weights: {e}") from None
+            log.warning("weights resumed (%d bytes)", held.nbytes)
+        if KV in tags and self.kv_released:
+            self._resume_kv()
+        respond(True, self._memory_fields())
+
+    def _memory_fields(self) -> dict:
+        return {"memory": self.state, "weights_memory": self.weights_state}
+
+    def _check_weights_idle(self) -> None:
+        """No request may be running on them: idle, or paused with nothing in a batch
+        (retract and abort empty it; in_place keeps it)."""
+        core = self.core
+        if core.scheduler.busy() and core.paused not in ("retract", "abort"):
+            raise StatusError(CONFLICT, "releasing the weights while requests are running: "
+                                        "pause (retract or abort) or wait for them first")
+
+    def _check_kv_unused(self) -> None:
+        """Only with no page in use: pages are held or fenced exactly while some request's
+        KV, or a write into it, may still be there. Cached pages no request uses go first."""
+        self.core.scheduler.flush_cache()
+        in_use = self.core.pool.allocator.allocated
+        if in_use:
+            raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "
+                                        "and wait for them first")
+
+    def _release_kv(self) -> None:
+        """Drop the KV pool and its transport registration."""
+        pool = self.core.pool
+        self.core.backend.unregister(pool.data_ptr)
+        pool.release_memory()
+        self.kv_released = True
+        if pool.device.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()
+        log.warning("KV pool memory released (%d bytes)", pool.nbytes)
+
+    def _resume_kv(self) -> None:
+        pool = self.core.pool
+        pool.allocate_memory()
+        try:
+            self.core.backend.register(pool.data_ptr, pool.nbytes)
+        except transport.TransportError as e:
+            pool.release_memory()
+            raise StatusError(INTERNAL, f"could not register the KV pool again: {e}") from None
+        self.kv_released = False
+        self.core.scheduler.on_memory_resumed()
+        log.warning("KV pool memory resumed at %#x", pool.data_ptr)
