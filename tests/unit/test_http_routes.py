@@ -126,7 +126,8 @@ def test_admin_routes_make_one_router_call_each():
     assert f.backend.admins == [
         ("pause", {"mode": "retract"}), ("pause", {"mode": "abort"}), ("continue", {}),
         ("abort_all", {}), ("update_weights", {"path": "/ckpt", "version": "s2"}),
-        ("abort", {"rid": "x"}), ("abort_all", {}), ("flush_cache", {}), ("release_memory", {}),
+        ("abort", {"rid": "x"}), ("abort_all", {}), ("flush_cache", {}),
+        ("release_memory", {"tags": ["kv_cache"]}),
         ("resume_memory", {})]
     assert call(f, "GET", "/get_weight_version")[1]["weight_version"] == "v1"
     info = call(f, "GET", "/get_model_info")[1]

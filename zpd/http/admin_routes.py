@@ -1,24 +1,24 @@
-"""SGLang's operation routes: pause, continue, weight updates, aborts, memory, health
-and server info, each one admin command on the router (which fans it out to every
+"""SGLang's operation routes: pause, continue, weight updates and versions, aborts,
+the cache and memory, each one admin command on the router (which fans it out to every
 worker) answered as {"success": bool, "message": str, ...}; a failed command answers
-with the status the router or a worker gave it (409 wrong state, 404 unknown rid...)."""
+with the status the router or a worker gave it (409 wrong state...). Where SGLang serves
+a route for GET and POST (/flush_cache, the memory routes), so does zpd: slime and
+verl call GET /flush_cache. Health, server info and loads: zpd/http/info_routes.py."""
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 from aiohttp import web
 
-import zpd
-from zpd.http.front import FRONT, Front, error_response, json_response, read_body
-from zpd.http.records import (BadRequest, GenRequest, boolean, refuse_unknown, stop_strings,
-                              string, take, text_field)
-from zpd.http.streams import run_all
+from zpd.http.front import FRONT, Front, json_response, read_body
+from zpd.http.records import (BadRequest, boolean, refuse_unknown, stop_strings, string, take,
+                              text_field)
 
 routes = web.RouteTableDef()
 
 PAUSE_MODES = ("abort", "in_place", "retract")
-HEALTH_TIMEOUT_S = 20.0
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")     # SGLang's; cuda_graph: nothing here
+NOT_FOUND = 404
 
 
 def failure(reply: dict) -> tuple[int, str]:
@@ -34,8 +34,7 @@ def failure(reply: dict) -> tuple[int, str]:
 async def admin_answer(front: Front, command: str, done: str, timeout: float | None = None,
                        **args) -> web.Response:
     reply = await front.backend.admin(command, timeout, **args)
-    ok = bool(reply.get("ok")) and all(w.get("ok") for w in reply.get("workers", []))
-    if ok:
+    if _all_ok(reply):
         return json_response({"success": True, "message": done})
     status, message = failure(reply)
     return json_response({"success": False, "message": message}, status)
@@ -60,7 +59,8 @@ async def continue_generation(request: web.Request) -> web.Response:
 @routes.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     """{"model_path", "weight_version"}; SGLang's other options are taken where zpd
-    does the same anyway (load_format auto; the cache and pause are left as they are)."""
+    does the same anyway (load_format auto; the cache and pause are left as they are).
+    Without a weight_version the version stays what it was (SGLang's way)."""
     body = await read_body(request)
     refuse_unknown(body, ("model_path", "weight_version", "load_format", "abort_all_requests",
                           "flush_cache", "keep_pause", "is_async", "torch_empty_cache"))
@@ -82,15 +82,37 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 @routes.get("/get_weight_version")
 async def get_weight_version(request: web.Request) -> web.Response:
-    workers = await _status_workers(request.app[FRONT])
+    workers = await status_workers(request.app[FRONT])
     versions = Counter(w.get("weight_version") for w in workers)
     return json_response({"weight_version": versions.most_common(1)[0][0] if versions else None,
                           "weight_versions": {w["endpoint"]: w.get("weight_version")
                                               for w in workers}})
 
 
+@routes.post("/update_weight_version")
+async def update_weight_version(request: web.Request) -> web.Response:
+    """SGLang's {"new_version", "abort_all_requests"}: every worker reports `new_version`
+    for the tokens it makes from now on; the weights stay as they are."""
+    body = await read_body(request)
+    refuse_unknown(body, ("new_version", "abort_all_requests"))
+    version = take(body, "new_version", text_field)
+    if not version:
+        raise BadRequest("'new_version' is required (a non-empty string)")
+    front = request.app[FRONT]
+    if take(body, "abort_all_requests", boolean, False):
+        await front.backend.admin("abort_all")
+    reply = await front.backend.admin("update_weight_version", version=version)
+    if _all_ok(reply):
+        return json_response({"success": True, "message": f"Weight version updated to {version}",
+                              "new_version": version})
+    status, message = failure(reply)
+    return json_response({"success": False, "message": message}, status)
+
+
 @routes.post("/abort_request")
 async def abort_request(request: web.Request) -> web.Response:
+    """200 for a rid that is running (aborted), finished or unknown, as SGLang answers:
+    a client that aborts a request which just finished has nothing to handle."""
     body = await read_body(request)
     refuse_unknown(body, ("rid", "abort_all"))
     front = request.app[FRONT]
@@ -99,79 +121,67 @@ async def abort_request(request: web.Request) -> web.Response:
     rid = take(body, "rid", text_field)
     if rid is None:
         raise BadRequest("give 'rid' or \"abort_all\": true")
-    return await admin_answer(front, "abort", f"request {rid} aborted", rid=rid)
+    reply = await front.backend.admin("abort", rid=rid)
+    if _all_ok(reply):
+        return json_response({"success": True, "message": f"request {rid} aborted"})
+    status, message = failure(reply)
+    if status == NOT_FOUND:
+        return json_response({"success": True, "message": f"request {rid} is not running "
+                                                          "(finished or unknown): nothing to abort"})
+    return json_response({"success": False, "message": message}, status)
 
 
+@routes.get("/flush_cache")
 @routes.post("/flush_cache")
 async def flush_cache(request: web.Request) -> web.Response:
+    """GET or POST, answered as SGLang does: 200 with a line of text once flushed, 400
+    with the reason when it was not (requests running); slime retries until 200."""
     refuse_unknown(await read_body(request, required=False), ())
-    return await admin_answer(request.app[FRONT], "flush_cache", "cache flushed")
+    reply = await request.app[FRONT].backend.admin("flush_cache")
+    if _all_ok(reply):
+        return web.Response(text="Cache flushed.\n", status=200)
+    return web.Response(text=f"Cache not flushed: {failure(reply)[1]}\n", status=400)
 
 
+@routes.get("/release_memory_occupation")
 @routes.post("/release_memory_occupation")
 async def release_memory_occupation(request: web.Request) -> web.Response:
-    await _memory_body(request)
-    return await admin_answer(request.app[FRONT], "release_memory", "KV cache memory released")
+    tags = await _memory_tags(request)
+    return await admin_answer(request.app[FRONT], "release_memory",
+                              f"memory released ({', '.join(tags or MEMORY_TAGS)})",
+                              **({"tags": tags} if tags else {}))
 
 
+@routes.get("/resume_memory_occupation")
 @routes.post("/resume_memory_occupation")
 async def resume_memory_occupation(request: web.Request) -> web.Response:
-    await _memory_body(request)
-    return await admin_answer(request.app[FRONT], "resume_memory", "KV cache memory resumed")
+    tags = await _memory_tags(request)
+    return await admin_answer(request.app[FRONT], "resume_memory",
+                              f"memory resumed ({', '.join(tags or MEMORY_TAGS)})",
+                              **({"tags": tags} if tags else {}))
 
 
-async def _memory_body(request: web.Request) -> None:
-    """SGLang's {"tags": [...]}: zpd releases and resumes the KV pool whatever the tags
-    (weights stay in memory)."""
+async def _memory_tags(request: web.Request) -> list[str] | None:
+    """SGLang's {"tags": [...]} (absent or null: every tag): "kv_cache" is the KV pool,
+    "weights" the model's weights (restored bit for bit on resume from a host copy or
+    a private spill file, zpd/worker/memory.py), "cuda_graph" has nothing to release."""
     body = await read_body(request, required=False)
     refuse_unknown(body, ("tags",))
-    take(body, "tags", stop_strings)
+    tags = take(body, "tags", stop_strings)
+    unknown = sorted(set(tags or ()) - set(MEMORY_TAGS))
+    if unknown:
+        raise BadRequest(f"'tags': unknown tag(s) {', '.join(map(repr, unknown))}; known: "
+                         f"{', '.join(MEMORY_TAGS)}")
+    return sorted(set(tags)) if tags else None
 
 
-@routes.get("/health")
-async def health(request: web.Request) -> web.Response:
-    """The HTTP server is up (it asks nothing of the router: /health_generate does)."""
-    return web.Response(status=200)
+def _all_ok(reply: dict) -> bool:
+    return bool(reply.get("ok")) and all(w.get("ok") for w in reply.get("workers", []))
 
 
-@routes.get("/health_generate")
-async def health_generate(request: web.Request) -> web.Response:
-    """One token through the whole cluster."""
-    front = request.app[FRONT]
-    probe = GenRequest({"max_new_tokens": 1, "temperature": 0}, input_ids=[0])
-    try:
-        out, = await asyncio.wait_for(run_all(front.backend, [probe], None), HEALTH_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return error_response(f"no token within {HEALTH_TIMEOUT_S:g} s (paused or overloaded?)",
-                              503, "server_error")
-    if out.aborted:
-        return error_response(f"generation failed: {out.status} {out.finish.get('message')}",
-                              503, "server_error")
-    return web.Response(status=200)
-
-
-@routes.get("/get_model_info")
-async def get_model_info(request: web.Request) -> web.Response:
-    front = request.app[FRONT]
-    return json_response({"model_path": front.model, "tokenizer_path": front.model,
-                          "is_generation": True, "has_tokenizer": front.tokenizer is not None,
-                          "has_chat_template": front.chat is not None})
-
-
-@routes.get("/get_server_info")
-async def get_server_info(request: web.Request) -> web.Response:
-    front = request.app[FRONT]
-    reply = await front.backend.admin("status")
-    workers = reply.get("workers", [])
-    return json_response({
-        "version": zpd.__version__, "model_path": front.model, "router": front.router,
-        "paused": reply.get("paused"), "queued": reply.get("queued"),
-        "inflight": reply.get("inflight"), "router_ok": bool(reply.get("ok")),
-        "workers": [{k: w.get(k) for k in ("role", "endpoint", "ok", "weight_version", "paused",
-                                           "kv_pages", "queues")} for w in workers]})
-
-
-async def _status_workers(front: Front) -> list[dict]:
+async def status_workers(front: Front) -> list[dict]:
+    """The live workers of the router's status, in its order; BadRequest (its status)
+    when the router did not answer."""
     reply = await front.backend.admin("status")
     if not reply.get("ok") and not reply.get("workers"):
         status, message = failure(reply)

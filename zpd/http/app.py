@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from zpd.http import admin_routes, metrics, native, openai_api, sync_routes
+from zpd.http import admin_routes, info_routes, metrics, native, openai_api, sync_routes
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
 
@@ -22,6 +22,7 @@ log = logging.getLogger("zpd.http.app")
 PUBLIC = frozenset({"/health"})
 # Routes that change what every user sees: the admin key guards them when it is set.
 ADMIN = frozenset({"/pause_generation", "/continue_generation", "/update_weights_from_disk",
+                   "/update_weight_version",
                    "/abort_request", "/flush_cache", "/release_memory_occupation",
                    "/resume_memory_occupation", "/init_weights_update_group",
                    "/update_weights_from_distributed", "/destroy_weights_update_group"})
@@ -89,6 +90,6 @@ def build_app(front: Front, max_body_bytes: int = 64 << 20) -> web.Application:
     app = web.Application(middlewares=[errors, guard], client_max_size=max_body_bytes)
     front.backend = metrics.metered(front.backend)          # latencies for /metrics
     app[FRONT] = front
-    for module in (native, admin_routes, sync_routes, openai_api, metrics):
+    for module in (native, admin_routes, info_routes, sync_routes, openai_api, metrics):
         app.add_routes(module.routes)
     return app
