@@ -368,7 +368,7 @@ def main() -> int:
                      extra=("--http-port", "0", "--log-dir", str(tmp / "logs"),
                             "--log-level", "WARNING")) as cluster:
             url = f"http://{cluster.info['http']}"
-            workers = len(get(url, "/get_server_info")["workers"])
+            workers = get(url, "/get_server_info")["tp_size"]      # live worker ranks
             refs = [greedy(url)]
             ok("/update_weights_from_disk", post(url, "/update_weights_from_disk",
                                                  {"model_path": str(dirs[1])}, args.timeout))

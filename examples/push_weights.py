@@ -95,7 +95,7 @@ def main() -> None:
     url, key = args.url.rstrip("/"), args.admin_api_key
     tensors = load_weights(args.weights)
     with urllib.request.urlopen(url + "/get_server_info") as r:
-        workers = len(json.loads(r.read())["workers"])
+        workers = json.loads(r.read())["tp_size"]         # the worker ranks to count
     port = args.master_port or free_port()
     pool = ThreadPoolExecutor(1)
 
