@@ -12,22 +12,28 @@ HOSTFILE has one process per line, '#' starts a comment:
     prefill    10.0.0.1        5760   --ib-device mlx5_0
     decode     10.0.0.2        5770   --ib-device mlx5_0 --max-batch 128
     router     10.0.0.1        5757
+    http       10.0.0.1        30000  --served-model-name my-model
 
-role is prefill, decode or router (exactly one router); the extra options are
-split on whitespace. host is the address the
+role is prefill, decode, router (exactly one) or http (any number: zpd's HTTP
+front, SGLang's and OpenAI's APIs on that port, a client of the router; optional);
+the extra options are split on whitespace. host is the address the
 process binds and announces; it is started directly when host is this node
 (127.x, localhost, this node's name or one of its addresses) and over ssh
 otherwise, or always over ssh when written user@host. Workers start first; the
 router starts once every worker is ready, with the prefill and decode
-endpoints of the file. Each process logs to RUN_DIR/logs/ROLE-HOST-PORT.log on
+endpoints of the file; then each http front, given the router's endpoint. A
+front's API keys come from ZPD_API_KEY / ZPD_ADMIN_API_KEY in its own node's
+environment (a local one inherits this shell's; they never go on a command line),
+and a front on a non-loopback host needs one, or --insecure. Each process logs to RUN_DIR/logs/ROLE-HOST-PORT.log on
 its own node; pid files go to RUN_DIR/pids/ on this node.
 
-'stop' stops every process the last start recorded (router first), by pid:
+'stop' stops every process the last start recorded (http, then router), by pid:
 SIGTERM, then SIGKILL after 15 s.
 
 Environment (forwarded to every process, local or remote):
   ZPD_MODEL, ZPD_DEVICE, ZPD_DTYPE, ZPD_PROTOCOL, ZPD_IB_DEVICE, ZPD_KV_CACHE_MB,
   ZPD_CURVE_KEYS, ZPD_INSECURE, ZPD_LOG_LEVEL, ZPD_PYTHON   see scripts/launch_prefill.sh --help
+                       (and scripts/launch_http.sh --help)
   ZPD_RUN_DIR          logs and pid files (default RUN_DIR=<checkout>/run)
   ZPD_REMOTE_DIR       the checkout's path on remote nodes (default: this checkout's path)
   ZPD_SSH              ssh command (default: ssh -o BatchMode=yes)
@@ -62,7 +68,7 @@ pid_file() { echo "$run_dir/pids/$1-$2-$3.pid"; }
 
 stop_all() {
   local f role host port target pid local_ n=0
-  for role in router decode prefill; do
+  for role in http router decode prefill; do
     for f in "$run_dir"/pids/"$role"-*.pid; do
       [ -e "$f" ] || continue
       read -r target local_ pid port <"$f"
@@ -122,7 +128,7 @@ wait_ready() {   # role host port
 }
 
 start_all() {
-  local lines=() role target port rest prefill="" decode="" router_line="" line
+  local lines=() https=() role target port rest prefill="" decode="" router_line="" line
   while IFS= read -r line || [ -n "$line" ]; do
     line=${line%%#*}
     read -r role target port rest <<<"$line" || true
@@ -133,7 +139,8 @@ start_all() {
       decode) decode+="${decode:+,}${target#*@}:$port"; lines+=("$role $target $port $rest");;
       router) [ -z "$router_line" ] || { echo "launch_cluster.sh: more than one router" >&2; exit 2; }
               router_line="$role $target $port $rest";;
-      *) echo "launch_cluster.sh: unknown role '$role' (prefill, decode or router)" >&2; exit 2;;
+      http) https+=("$role $target $port $rest");;
+      *) echo "launch_cluster.sh: unknown role '$role' (prefill, decode, router or http)" >&2; exit 2;;
     esac
   done <"$hostfile"
   if [ -z "$prefill" ] || [ -z "$decode" ] || [ -z "$router_line" ]; then
@@ -158,8 +165,15 @@ start_all() {
   read -r -a f <<<"$router_line"
   start_one router "${f[1]}" "${f[2]}" --prefill "$prefill" --decode "$decode" "${f[@]:3}"
   wait_ready router "${f[1]#*@}" "${f[2]}"
+  local router_ep="${f[1]#*@}:${f[2]}" fronts=""
+  for line in "${https[@]}"; do
+    read -r -a f <<<"$line"
+    start_one http "${f[1]}" "${f[2]}" --router "$router_ep" "${f[@]:3}"
+    wait_ready http "${f[1]#*@}" "${f[2]}"
+    fronts+="; http http://${f[1]#*@}:${f[2]}"
+  done
   trap - ERR
-  echo "zpd cluster up: router ${f[1]#*@}:${f[2]}; prefill $prefill; decode $decode; logs in $run_dir/logs"
+  echo "zpd cluster up: router $router_ep; prefill $prefill; decode $decode$fronts; logs in $run_dir/logs"
 }
 
 case "$action" in

@@ -1,5 +1,5 @@
-"""scripts/launch_*.sh: a hostfile of local entries brings up 1P1D, answers, logs per
-process, and `stop` leaves nothing behind. The decode line is written user@host,
+"""scripts/launch_*.sh: a hostfile of local entries brings up 1P1D and an HTTP front,
+answers, logs per process, and `stop` leaves nothing behind. The decode line is written user@host,
 which always goes over ssh; a stand-in ssh runs the command here, so the remote
 path (command line, pid capture, remote stop) runs too."""
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import urllib.request
 from pathlib import Path
 
+import orjson
 import pytest
 
 from engines.loader import load_model
@@ -50,11 +52,12 @@ def recorded_pids(run_dir: Path) -> list[int]:
 
 
 def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
-    prefill, decode, router = free_ports(3)
+    prefill, decode, router, http = free_ports(4)
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"# a 1P1D cluster on this host\n"
                         f"prefill 127.0.0.1 {prefill} --threads 1  # direct\n"
                         f"\n"
+                        f"http 127.0.0.1 {http} --served-model-name scripted\n"
                         f"decode root@127.0.0.1 {decode} --threads 1\n"
                         f"router 127.0.0.1 {router}\n")
     fake_ssh = tmp_path / "ssh"
@@ -69,7 +72,8 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         started = cluster_script(hostfile, env)
         pids = recorded_pids(run_dir)
         assert started.returncode == 0, started.stdout + started.stderr
-        assert len(pids) == 3 and all(alive(p) for p in pids)
+        assert len(pids) == 4 and all(alive(p) for p in pids)
+        assert f"http http://127.0.0.1:{http}" in started.stdout
         assert set((tmp_path / "ssh-targets").read_text().split()) == {"root@127.0.0.1"}
 
         again = cluster_script(hostfile, env)          # refuses to start twice
@@ -82,17 +86,27 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         ref = OfflineEngine(load_model("tiny")).run(
             [Request("r", prompt, SamplingParams(temperature=0, max_new_tokens=5))])[0]
         assert out["output_ids"] == ref["output_ids"]
+        # the http line's front: a client of the file's router, with its extra options
+        body = orjson.dumps({"input_ids": prompt, "sampling_params": {"temperature": 0,
+                                                                      "max_new_tokens": 5}})
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{http}/generate", body), timeout=60) as r:
+            assert orjson.loads(r.read())["output_ids"] == ref["output_ids"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=60) as r:
+            assert [m["id"] for m in orjson.loads(r.read())["data"]] == ["scripted"]
 
         logs = {p.name.split("-")[0]: p.read_text() for p in (run_dir / "logs").glob("*.log")}
-        assert set(logs) == {"prefill", "decode", "router"}
+        assert set(logs) == {"prefill", "decode", "router", "http"}
         for role, text in logs.items():
+            if role == "http":
+                continue
             assert "rid='script-rid' room=" in text, (role, text[-2000:])
             if role != "router":
                 assert "epoch=0" in text, (role, text[-2000:])
 
         stopped = cluster_script(hostfile, env, "stop")
         assert stopped.returncode == 0, stopped.stderr
-        assert stopped.stdout.count("stopped ") == 3
+        assert stopped.stdout.count("stopped ") == 4
         assert not any(alive(p) for p in pids), "stop left processes behind"
         assert not list((run_dir / "pids").glob("*.pid"))
         assert not list((run_dir / "ready").glob("*.json"))
@@ -107,7 +121,10 @@ def test_scripts_document_their_options(tmp_path: Path) -> None:
                                                  "--log-file", "--curve-keys", "ZPD_MODEL"]),
                           ("launch_decode.sh", ["ZPD_DEVICE", "--dtype", "ZPD_IB_DEVICE"]),
                           ("launch_router.sh", ["--prefill", "ZPD_DECODE", "--log-file"]),
-                          ("launch_cluster.sh", ["HOSTFILE", "stop", "ZPD_SSH", "user@host"])):
+                          ("launch_http.sh", ["--router", "ZPD_API_KEY", "--served-model-name",
+                                              "30000"]),
+                          ("launch_cluster.sh", ["HOSTFILE", "stop", "ZPD_SSH", "user@host",
+                                                 "http ", "ZPD_ADMIN_API_KEY"])):
         out = subprocess.run(["bash", str(SCRIPTS / script), "--help"], capture_output=True,
                              text=True, timeout=30)
         assert out.returncode == 0 and all(w in out.stdout for w in words), (script, out.stdout)
@@ -117,4 +134,4 @@ def test_scripts_document_their_options(tmp_path: Path) -> None:
     assert out.returncode == 2 and "at least one prefill, one decode" in out.stderr
     bad.write_text("sidecar 127.0.0.1 1\n")
     out = cluster_script(bad, os.environ | {"ZPD_RUN_DIR": str(tmp_path / "run")})
-    assert out.returncode == 2 and "unknown role" in out.stderr
+    assert out.returncode == 2 and "unknown role" in out.stderr and "http" in out.stderr
