@@ -153,7 +153,6 @@ def engine_sampling(raw: dict) -> Sampling:
         raw.setdefault("seed", raw.pop("sampling_seed"))
     trim = not take(raw, "no_stop_trim", boolean, False)
     skip = take(raw, "skip_special_tokens", boolean, True)
-    take(raw, "spaces_between_special_tokens", boolean)
     if raw.get("min_new_tokens") == 0 and type(raw["min_new_tokens"]) is int:
         del raw["min_new_tokens"]       # the default: engines that predate it take the rest
     engine = {k: v for k, v in raw.items() if k in ENGINE_SAMPLING}

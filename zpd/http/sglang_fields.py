@@ -81,6 +81,7 @@ SAMPLING: dict[str, Rule] = {
 
 # POST /generate (SGLang's GenerateReqInput)
 GENERATE: dict[str, Rule] = {
+    "model": IGN,                    # not SGLang's, but sglang-router adds it to every body
     "text": IMPL, "input_ids": IMPL, "sampling_params": IMPL, "rid": IMPL, "stream": IMPL,
     "return_logprob": IMPL, "top_logprobs_num": IMPL, "return_text_in_logprobs": IMPL,
     # prompt logprobs are refused where asked for (native.py: with return_logprob)
@@ -191,7 +192,7 @@ def screen(body: dict, table: dict[str, Rule], where: str = "") -> list[str]:
         if rule is None:
             unknown.append(name)
         elif rule.kind == REFUSED and asks(value, rule.idle):
-            raise BadRequest(f"{where}{name!r} is not supported by this server ({rule.why})")
+            raise BadRequest(f"'{where}{name}' is not supported by this server ({rule.why})")
     return sorted(unknown, key=str)
 
 
