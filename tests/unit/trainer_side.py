@@ -23,7 +23,7 @@ class Trainer:
     """Rank 0. `join` and `push` run on a thread (the workers join and receive at the
     same time); `wait` returns what the thread raised, if anything."""
 
-    def __init__(self, world_size: int, trainer_init: str = "init_process_group",
+    def __init__(self, world_size: int, trainer_init: str = "init_custom_process_group",
                  group_name: str = "g", timeout_s: float = 30.0) -> None:
         self.port, self.world_size = free_port(), world_size
         self.trainer_init, self.group_name = trainer_init, group_name

@@ -25,7 +25,8 @@ ADMIN = frozenset({"/pause_generation", "/continue_generation", "/update_weights
                    "/update_weight_version",
                    "/abort_request", "/flush_cache", "/release_memory_occupation",
                    "/resume_memory_occupation", "/init_weights_update_group",
-                   "/update_weights_from_distributed", "/destroy_weights_update_group"})
+                   "/update_weights_from_distributed", "/destroy_weights_update_group",
+                   "/update_weights_from_tensor"})
 
 
 def keys_for(front: Front, path: str) -> tuple[str, ...]:

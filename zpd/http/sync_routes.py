@@ -1,13 +1,15 @@
 """SGLang's trainer weight-sync routes, each one admin command on the router
 (zpd/router/weight_sync.py says what the router and workers do):
 `init_weights_update_group`, `update_weights_from_distributed`,
-`destroy_weights_update_group`. Answers are {"success", "message", ...}."""
+`update_weights_from_tensor`, `destroy_weights_update_group`. Answers are
+{"success", "message", ...}."""
 from __future__ import annotations
 
 from typing import Any
 
 from aiohttp import web
 
+from engines.tensor_payload import MAX_PAYLOAD_CHARS
 from zpd.http.admin_routes import failure
 from zpd.http.front import FRONT, json_response, read_body
 from zpd.http.records import BadRequest, boolean, integer, refuse_unknown, string, take, text_field
@@ -15,7 +17,14 @@ from zpd.http.records import BadRequest, boolean, integer, refuse_unknown, strin
 routes = web.RouteTableDef()
 
 DEFAULT_GROUP = "weight_update_group"      # SGLang's default group name
-TRAINER_INITS = ("init_process_group", "init_custom_process_group")
+TRAINER_INITS = ("init_custom_process_group", "init_process_group")
+
+
+def port(name: str, value: Any) -> int:
+    """An integer, or its decimal string (AReaL sends `master_port` as one)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 5:
+        value = int(value)
+    return integer(1, 65535)(name, value)
 
 
 def _list(name: str, value: Any) -> list:
@@ -37,14 +46,19 @@ async def _answer(request: web.Request, command: str, done: str, timeout: float 
 @routes.post("/init_weights_update_group")
 async def init_weights_update_group(request: web.Request) -> web.Response:
     """Every worker joins the trainer's torch.distributed group as rank
-    rank_offset + i (i in the order of the router's status); the trainer is rank 0.
-    `backend` left out: nccl on CUDA workers, gloo on CPU ones. `trainer_init` (zpd's
-    own) says how the trainer made its side (zpd/worker/trainer_group.py)."""
+    rank_offset + i (i in the order of the router's status); the trainer is rank 0 and
+    builds its side as SGLang's init_custom_process_group does. `backend` left out:
+    nccl on CUDA workers, gloo on CPU ones. `trainer_init` (zpd's own):
+    "init_process_group" for a trainer that made its side with torch's
+    init_process_group (zpd/worker/trainer_group.py). `pp_rank`: 0 only (zpd has no
+    pipeline stages)."""
     body = await read_body(request)
     refuse_unknown(body, ("master_address", "master_port", "rank_offset", "world_size",
-                          "group_name", "backend", "trainer_init"))
+                          "group_name", "backend", "trainer_init", "pp_rank"))
+    if take(body, "pp_rank", integer(0, 1 << 16), 0) != 0:
+        raise BadRequest("'pp_rank' must be 0: zpd serves no pipeline stages")
     args = {"master_address": take(body, "master_address", text_field),
-            "master_port": take(body, "master_port", integer(1, 65535)),
+            "master_port": take(body, "master_port", port),
             "rank_offset": take(body, "rank_offset", integer(1, 1 << 16), 1),
             "world_size": take(body, "world_size", integer(2, 1 << 16)),
             "group_name": take(body, "group_name", text_field, DEFAULT_GROUP)}
@@ -93,6 +107,41 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         await front.backend.admin("abort_all")
     return await _answer(request, "update_weights_from_distributed",
                          f"weights received from group {args['group_name']!r}",
+                         front.weights_timeout, ("weight_version", "seconds"), **args)
+
+
+@routes.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """SGLang's {"serialized_named_tensors": [base64 of a ForkingPickler dump of
+    [(name, tensor), ...]] (one entry: every worker takes it; one per worker: worker i
+    takes entry i), "load_format": null, "flush_cache", "abort_all_requests",
+    "weight_version"}. The tensors stay in memory the trainer shares (shared memory
+    with torch's "file_system" strategy, or CUDA IPC): the trainer must run on the
+    workers' host. Two-phase, as update_weights_from_distributed; without a
+    weight_version the version stays."""
+    body = await read_body(request)
+    refuse_unknown(body, ("serialized_named_tensors", "load_format", "flush_cache",
+                          "abort_all_requests", "weight_version", "disable_draft_model",
+                          "torch_empty_cache"))
+    entries = take(body, "serialized_named_tensors", _list)
+    if not entries or not all(isinstance(e, str) and e for e in entries):
+        raise BadRequest("'serialized_named_tensors' must be a non-empty list of base64 strings")
+    if sum(map(len, entries)) > MAX_PAYLOAD_CHARS:
+        raise BadRequest(f"'serialized_named_tensors' holds more than {MAX_PAYLOAD_CHARS} "
+                         "characters: send shared-memory handles, not tensor bytes")
+    load_format = take(body, "load_format", string)
+    if load_format is not None:       # SGLang's "flattened_bucket" pickles classes of its own
+        raise BadRequest(f"'load_format' must be null here, not {load_format!r:.40}")
+    args = {"serialized_named_tensors": entries}
+    version = take(body, "weight_version", text_field)
+    if version is not None:
+        args["weight_version"] = version
+    for name in ("flush_cache", "disable_draft_model", "torch_empty_cache"):
+        take(body, name, boolean)     # nothing to do: zpd's caches follow the weights
+    front = request.app[FRONT]
+    if take(body, "abort_all_requests", boolean, False):
+        await front.backend.admin("abort_all")
+    return await _answer(request, "update_weights_from_tensor", "weights updated from tensors",
                          front.weights_timeout, ("weight_version", "seconds"), **args)
 
 

@@ -10,6 +10,9 @@ zpd/worker/weight_sync.py).
   a broken group (trainer gone, timeout) is left everywhere, so the trainer's next
   `init_weights_update_group` starts clean. New requests queue here from the first
   phase to the last, as while paused, so no request starts between the phases.
+- `update_weights_from_tensor`: the same two phases, each worker staging its
+  entry of SGLang's `serialized_named_tensors` (one entry: every worker takes it;
+  one per worker, in the order of `status`: worker i takes entry i).
 - `destroy_weights_update_group`: every worker leaves the group.
 """
 from __future__ import annotations
@@ -27,8 +30,9 @@ log = logging.getLogger("zpd.router.weight_sync")
 
 Reply = Callable[[bool, dict], None]
 # While a push is under way, these would change weights or let requests run.
-BLOCKED = frozenset({"continue", "update_weights", "update_weights_from_distributed",
-                     "init_weights_update_group", "destroy_weights_update_group"})
+COMMANDS = ("init_weights_update_group", "update_weights_from_distributed",
+            "update_weights_from_tensor", "destroy_weights_update_group")
+BLOCKED = frozenset({"continue", "update_weights", *COMMANDS})
 COMMIT_TIMEOUT_S = 60.0     # a commit is a local copy; this only bounds a wedged worker
 
 
@@ -47,6 +51,8 @@ class RouterWeightSync:
             self.init_group(args, timeout, reply)
         elif command == "update_weights_from_distributed":
             self.push(args, timeout, reply)
+        elif command == "update_weights_from_tensor":
+            self.push_tensors(args, timeout, reply)
         else:
             self.admin.fan_out("destroy_weights_update_group", args, self.server.workers, timeout,
                                lambda rs: reply(all(r["ok"] for r in rs), {"workers": rs}))
@@ -83,11 +89,15 @@ class RouterWeightSync:
                            lambda w: common | {"rank": ranks[w.endpoint], "timeout_s": timeout * 0.9},
                            workers, timeout, joined)
 
+    def _running(self, command: str, reply: Reply) -> bool:
+        if self.server.paused is None and self.server.inflight:
+            reply(False, {"status": 409, "error": f"{command} while requests are in flight: "
+                                                  "pause first", "workers": []})
+            return True
+        return False
+
     def push(self, args: dict, timeout: float, reply: Reply) -> None:
-        server = self.server
-        if server.paused is None and server.inflight:
-            reply(False, {"status": 409, "error": "update_weights_from_distributed while requests "
-                                                  "are in flight: pause first", "workers": []})
+        if self._running("update_weights_from_distributed", reply):
             return
         lengths = {len(args[k]) for k in ("names", "dtypes", "shapes")}
         if len(lengths) != 1:
@@ -95,21 +105,46 @@ class RouterWeightSync:
         self.pushes += 1
         name, update_id = args["group_name"], uuid.uuid4().hex
         version = args.get("weight_version") or f"{name}-{self.pushes}"
-        workers = server.workers
-        self.active = f"pushing weights from group {name!r}"
-        server.updating = True               # new requests queue until the commit is out
-        started = server.loop.time()
         stage = {k: args.get(k) for k in ("names", "dtypes", "shapes", "load_format")} | {
             "group_name": name, "update_id": update_id, "timeout_s": timeout * 0.9}
+        self._two_phase("stage_weights", lambda w: stage, update_id, version,
+                        f"group {name!r}", name, timeout, reply)
+
+    def push_tensors(self, args: dict, timeout: float, reply: Reply) -> None:
+        """SGLang's update_weights_from_tensor: the version is kept when none is given."""
+        if self._running("update_weights_from_tensor", reply):
+            return
+        workers, entries = self.server.workers, args["serialized_named_tensors"]
+        if len(entries) not in (1, len(workers)):
+            raise BadArgs(f"'serialized_named_tensors' has {len(entries)} entries: give one "
+                          f"(every worker takes it) or one per worker ({len(workers)})")
+        index = {w.endpoint: (i if len(entries) > 1 else 0) for i, w in enumerate(workers)}
+        update_id = uuid.uuid4().hex
+        self._two_phase("stage_tensors", lambda w: {"update_id": update_id,
+                                                    "payload": entries[index[w.endpoint]]},
+                        update_id, args.get("weight_version"), "tensors", None, timeout, reply)
+
+    def _two_phase(self, stage_command: str, stage: Callable, update_id: str,
+                   version: str | None, source: str, name: str | None, timeout: float,
+                   reply: Reply) -> None:
+        """Stage on every worker, then commit everywhere or discard everywhere. A
+        `version` of None keeps each worker's own."""
+        server = self.server
+        workers = server.workers
+        self.active = f"pushing weights from {source}"
+        server.updating = True               # new requests queue until the commit is out
+        started = server.loop.time()
 
         def staged(replies: list[dict]) -> None:
             if all(r["ok"] for r in replies):
                 left = max(COMMIT_TIMEOUT_S, timeout - (server.loop.time() - started))
-                self.admin.fan_out("commit_weights", {"update_id": update_id, "version": version},
+                self.admin.fan_out("commit_weights", {"update_id": update_id} |
+                                   ({"version": version} if version else {}),
                                    workers, left, committed)
                 return
             # A refusal (400) leaves the group usable: every worker drained the push.
-            broken = any(r.get("status") != 400 for r in replies if not r["ok"])
+            broken = name is not None and any(r.get("status") != 400
+                                              for r in replies if not r["ok"])
             log.warning("push %s not staged everywhere: discarded%s", update_id,
                         f"; group {name!r} left" if broken else "")
             self.admin.fan_out("discard_weights", {"update_id": update_id} |
@@ -129,9 +164,11 @@ class RouterWeightSync:
             if server.paused is None:
                 server.unpause()             # route what queued meanwhile
             seconds = server.loop.time() - started
-            log.warning("push %s from group %r: %s in %.3f s", update_id, name,
+            log.warning("push %s from %s: %s in %.3f s", update_id, source,
                         f"version {version!r} on every worker" if ok else "failed", seconds)
-            reply(ok, {"workers": replies, "weight_version": version if ok else None,
-                       "seconds": round(seconds, 6)})
+            got = {r.get("weight_version") for r in replies if r.get("ok")}
+            reply(ok, {"workers": replies, "seconds": round(seconds, 6),
+                       "weight_version": (version or (got.pop() if len(got) == 1 else None))
+                       if ok else None})
 
-        self.admin.fan_out("stage_weights", stage, workers, timeout, staged)
+        self.admin.fan_out(stage_command, stage, workers, timeout, staged)

@@ -6,15 +6,21 @@ The group is built from torch's public classes (the store from `rendezvous`, a
 `PrefixStore`, `ProcessGroupGloo` or `ProcessGroupNCCL`). Every rank of a group must
 use the same store keys, and the trainer decides them by how it creates its side:
 
-- "init_process_group": the trainer calls `torch.distributed.init_process_group(
-  backend, init_method="tcp://A:P", world_size=W, rank=0)` (shared/DESIGN.md).
-  Torch keys that group "default_pg/0/<device>/".
-- "init_custom_process_group": the trainer creates a named group as SGLang's
-  `init_custom_process_group(..., group_name=G)` does (slime, AReaL and verl ship a
-  copy): keys "G/G/<device>/".
+- "init_custom_process_group" (the default): the trainer creates a named group as
+  SGLang's `init_custom_process_group(..., group_name=G)` does (slime, AReaL and
+  verl ship a copy): `rendezvous("tcp://A:P")`, `PrefixStore(G, store)`, a new group
+  of the world size. Torch keys it "G/G/<device>/".
+- "init_process_group" (an explicit option): the trainer calls
+  `torch.distributed.init_process_group(backend, init_method="tcp://A:P", ...)`,
+  keyed "default_pg/0/<device>/".
 
-tests/unit/test_trainer_group.py joins a real trainer of each kind, so a torch
+tests/unit/test_weight_sync.py joins a real trainer of each kind, so a torch
 release that keys its groups differently fails there, not in a user's cluster.
+
+torch's TCPStore client ignores its timeout while it waits for a server that
+accepted the connection but never answers (measured with torch 2.13: a listening
+socket that never speaks holds `rendezvous` past 60 s with a 3 s timeout), so the
+caller runs `join` on a thread it can abandon (zpd/worker/weight_sync.py).
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ import torch.distributed as dist
 log = logging.getLogger("zpd.worker.trainer_group")
 
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}     # backend -> the device its keys name
-TRAINER_INITS = ("init_process_group", "init_custom_process_group")
+TRAINER_INITS = ("init_custom_process_group", "init_process_group")
+DEFAULT_TRAINER_INIT = "init_custom_process_group"     # SGLang's keying
 
 
 class GroupError(RuntimeError):

@@ -10,12 +10,21 @@ router drives (zpd/router/weight_sync.py):
 - `commit_weights` / `discard_weights`: the router commits only once every worker
   has staged everything, else discards everywhere.
 
-The staging memory is a second copy of the weights (engines/weight_push.Shadow),
-made when the first group is joined and kept while any group is: a push lands in
-place, and its commit swaps each fully pushed parameter with the model's.
+- `stage_tensors`: SGLang's update_weights_from_tensor, one rank's entry: decode
+  it (engines/tensor_payload.py, a restricted unpickler; the tensors are in memory
+  the trainer shares on this host), check it against the model, copy it into
+  staging; committed or discarded as above.
 - `destroy_weights_update_group`: leave the group.
 
-One background job (a join or a receive) runs at a time.
+The staging memory is a second copy of the weights (engines/weight_push.Shadow),
+made when the first group is joined and kept while any group is (a tensor push
+makes one for itself and drops it after): a push lands in place, and its commit
+swaps each fully pushed parameter with the model's.
+
+One background job (a join, a receive or a decode) runs at a time. A join is
+abandoned at its timeout (plus slack) or when its group is destroyed, even if
+torch never returns (trainer_group.py says when it does not): the worker is free
+for a retry, and a group that arrives late is closed.
 """
 from __future__ import annotations
 
@@ -29,10 +38,12 @@ import torch
 
 from engines.config import ModelError
 from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
-from engines.weight_push import (Announced, Shadow, announce, bucket_dtype, push_limit, sizes,
-                                 unflatten)
+from engines.tensor_payload import PayloadError, decode_named_tensors
+from engines.weight_push import (MAX_TENSORS, Announced, Shadow, announce, bucket_dtype,
+                                 push_limit, sizes, unflatten)
 from zpd.worker.scheduler import Respond
-from zpd.worker.trainer_group import BACKENDS, TRAINER_INITS, GroupError, TrainerGroup
+from zpd.worker.trainer_group import (BACKENDS, DEFAULT_TRAINER_INIT, TRAINER_INITS, GroupError,
+                                      TrainerGroup)
 
 if TYPE_CHECKING:
     from zpd.worker.core import WorkerCore
@@ -40,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zpd.worker.weight_sync")
 
 LOAD_FORMATS = (None, "flattened_bucket")
+JOIN_SLACK_S = 2.0          # past its timeout, a join torch has not ended is abandoned
 
 
 @dataclass(eq=False)
@@ -47,9 +59,17 @@ class Staged:
     """A push received in full (into the shadow), waiting for the router's commit or
     discard."""
     update_id: str
-    group: str
+    group: str | None          # None: a tensor push (update_weights_from_tensor)
     written: list[Announced]
     nbytes: int
+
+
+class _Abandoned(GroupError):
+    """A join given up on (timeout, or its group destroyed); torch may still be in it."""
+
+    def __init__(self, message: str, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def _text(args: dict, name: str, limit: int = 256) -> str:
@@ -66,6 +86,14 @@ def _int(args: dict, name: str, low: int, high: int) -> int:
         raise StatusError(BAD_REQUEST, f"{name!r} must be an integer in [{low}, {high}], "
                                        f"not {value!r:.40}")
     return value
+
+
+def _port(args: dict) -> int:
+    """`master_port`: an integer, or its decimal string (AReaL sends one)."""
+    value = args.get("master_port")
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 5:
+        value = int(value)
+    return _int({"master_port": value}, "master_port", 1, 65535)
 
 
 def _seconds(args: dict, name: str, default: float) -> float:
@@ -87,12 +115,14 @@ class WeightSync:
         self.shadow: Shadow | None = None        # staging: a second copy of the weights
         self.scratch: torch.Tensor | None = None     # bytes for what cannot land in place
         self.abandoned: set[str] = set()         # update ids discarded while receiving
+        self.job_token: object | None = None     # the running job's; None once it answered
+        self.job_abandon: Callable[[], None] | None = None     # ends a join now
         self.doomed: set[str] = set()            # groups to close once the job ends
 
     def commands(self) -> dict[str, Callable[[dict, Respond], None]]:
         return {"join_weights_group": self.join, "stage_weights": self.stage,
                 "commit_weights": self.commit, "discard_weights": self.discard,
-                "destroy_weights_update_group": self.destroy}
+                "destroy_weights_update_group": self.destroy, "stage_tensors": self.stage_tensors}
 
     def status(self) -> dict:
         return {"weight_groups": sorted(self.groups), "weights_staged": self.staged is not None,
@@ -106,11 +136,11 @@ class WeightSync:
         backend = args.get("backend") or ("nccl" if self.core.model.device.type == "cuda" else "gloo")
         if backend not in BACKENDS:
             raise StatusError(BAD_REQUEST, f"'backend' must be one of {', '.join(BACKENDS)}")
-        trainer_init = args.get("trainer_init", "init_process_group")
+        trainer_init = args.get("trainer_init", DEFAULT_TRAINER_INIT)
         if trainer_init not in TRAINER_INITS:
             raise StatusError(BAD_REQUEST, f"'trainer_init' must be one of {', '.join(TRAINER_INITS)}")
         address = _text(args, "master_address")
-        port = _int(args, "master_port", 1, 65535)
+        port = _port(args)
         world = _int(args, "world_size", 2, 1 << 16)
         rank = _int(args, "rank", 1, world - 1)
         timeout = _seconds(args, "timeout_s", 60.0)
@@ -119,7 +149,10 @@ class WeightSync:
         self._idle_or_409()
 
         def done(group: TrainerGroup | None, error: Exception | None) -> None:
-            if group is not None and name in self.doomed:
+            if isinstance(error, _Abandoned):
+                self.doomed.discard(name)
+                respond(False, {"status": 504 if error.timed_out else 409, "error": str(error)})
+            elif group is not None and name in self.doomed:
                 self.doomed.discard(name)
                 group.close()
                 respond(False, {"status": 409, "error": f"group {name!r} was destroyed "
@@ -140,7 +173,7 @@ class WeightSync:
                 log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)
             return group
 
-        self._background(f"joining {name}", name, done, work)
+        self._background(f"joining {name}", name, done, work, limit_s=timeout + JOIN_SLACK_S)
 
     def stage(self, args: dict, respond: Respond) -> None:
         """Receive one push into staging memory; answered once all of it arrived."""
@@ -208,10 +241,56 @@ class WeightSync:
 
         self._background(f"receiving {name}", name, done, receive)
 
+    def stage_tensors(self, args: dict, respond: Respond) -> None:
+        """SGLang's update_weights_from_tensor on this worker: `payload` is this rank's
+        entry of `serialized_named_tensors`. Decoded and checked off the loop, then
+        staged like a broadcast push; answered 400 (nothing staged) if refused."""
+        core = self.core
+        update_id = _text(args, "update_id")
+        payload = args.get("payload")
+        if not isinstance(payload, str) or not payload:
+            raise StatusError(BAD_REQUEST, "'payload' must be a non-empty base64 string")
+        if args.get("load_format") is not None:
+            raise StatusError(BAD_REQUEST, "'load_format' must be null: tensors come as "
+                                           "(name, tensor) pairs")
+        self._idle_or_409()
+        if core.paused is None and core.scheduler.busy():
+            raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
+        net, limit = core.model.net, push_limit(core.model.net)
+        self.staged = None                # a newer push replaces one never committed
+
+        def work() -> list[Announced]:
+            named = decode_named_tensors(payload, limit, MAX_TENSORS)
+            items = announce(net, [n for n, _ in named], [str(t.dtype) for _, t in named],
+                             [list(t.shape) for _, t in named])
+            if self.shadow is None:       # made here, off the loop: it copies the weights
+                self.shadow = Shadow(net, core.model.device)
+            with torch.no_grad():
+                for a, (_, tensor) in zip(items, named):
+                    target = self.shadow.target(a)
+                    if target is not None:
+                        target.copy_(tensor)
+            return items
+
+        def done(items: list[Announced] | None, error: Exception | None) -> None:
+            if isinstance(error, (PayloadError, ModelError)):
+                respond(False, {"status": 400, "error": f"{error}; nothing applied"})
+            elif error is not None:
+                respond(False, {"status": 500, "error": f"staging the tensors failed: {error}"})
+            elif update_id in self.abandoned:
+                self.abandoned.discard(update_id)
+                respond(False, {"status": 409, "error": "discarded while receiving"})
+            else:
+                self.staged = Staged(update_id, None, items, sum(a.nbytes for a in items))
+                respond(True, {"staged_tensors": len(items), "staged_bytes": self.staged.nbytes})
+            self._drop_shadow()
+
+        self._background("receiving tensors", None, done, work)
+
     def commit(self, args: dict, respond: Respond) -> None:
         core = self.core
         update_id = _text(args, "update_id")
-        version = _text(args, "version")
+        version = None if args.get("version") is None else _text(args, "version")   # None: kept
         staged = self.staged
         if staged is None or staged.update_id != update_id:
             raise StatusError(CONFLICT, f"no staged push {update_id!r} to commit")
@@ -225,17 +304,21 @@ class WeightSync:
             raise StatusError(INTERNAL, f"applying the pushed weights failed: {e}") from None
         finally:
             self.staged = None
-        core.model.version = version
+            self._drop_shadow()
+        if version is not None:
+            core.model.version = version
         core.scheduler.on_weights_changed()
-        log.warning("weights from group %r committed: version %r (%d elements, %.3f s)",
-                    staged.group, version, written, time.monotonic() - started)
-        respond(True, {"weight_version": version})
+        log.warning("weights from %s committed: version %r (%d elements, %.3f s)",
+                    f"group {staged.group!r}" if staged.group else "tensors", core.model.version,
+                    written, time.monotonic() - started)
+        respond(True, {"weight_version": core.model.version})
 
     def discard(self, args: dict, respond: Respond) -> None:
         """Drop a staged (or still arriving) push; with `destroy`, leave its group too."""
         update_id = _text(args, "update_id")
         if self.staged is not None and self.staged.update_id == update_id:
             self.staged = None
+            self._drop_shadow()
         elif self.job is not None and self.job.startswith("receiving"):
             self.abandoned.add(update_id)
         group = args.get("destroy")
@@ -253,8 +336,10 @@ class WeightSync:
     # --- helpers ---------------------------------------------------------------
 
     def _close(self, name: str) -> None:
-        """Leave group `name` now, or once the job using it ends."""
-        if self.job_group == name:
+        """Leave group `name` now, or once the job using it ends (a join: now)."""
+        if self.job_group == name and self.job_abandon is not None:
+            self.job_abandon()            # a join, maybe stuck in torch: answered, let go
+        elif self.job_group == name:
             self.doomed.add(name)
             return
         if self.staged is not None and self.staged.group == name:
@@ -262,21 +347,44 @@ class WeightSync:
         group = self.groups.pop(name, None)
         if group is not None:
             group.close()
-        if not self.groups and self.job is None:
-            self.shadow = self.scratch = None     # the staging memory goes with the last group
+        self._drop_shadow()
+
+    def _drop_shadow(self) -> None:
+        """The staging memory goes with the last group (a tensor push's, after it)."""
+        if not self.groups and self.job is None and self.staged is None:
+            self.shadow = self.scratch = None
 
     def _idle_or_409(self) -> None:
         if self.job is not None:
             raise StatusError(CONFLICT, f"busy {self.job}: one weight-sync step at a time")
 
-    def _background(self, job: str, group: str, done: Callable[[Any, Exception | None], None],
-                    work: Callable[[], Any]) -> None:
-        """Run `work` on a thread; `done(result, error)` runs on the scheduler's loop."""
-        self.job, self.job_group = job, group
+    def _background(self, job: str, group: str | None,
+                    done: Callable[[Any, Exception | None], None], work: Callable[[], Any],
+                    limit_s: float | None = None) -> None:
+        """Run `work` on a thread; `done(result, error)` runs on the scheduler's loop,
+        once. With `limit_s` (a join), the job can be abandoned: at that limit, or by
+        `job_abandon`; what the thread returns later is then closed."""
+        token, timers = object(), []
+        self.job, self.job_group, self.job_token = job, group, token
 
         def finish(result: Any, error: Exception | None) -> None:
-            self.job = self.job_group = None
+            if self.job_token is not token:       # abandoned: nobody waits for it now
+                if isinstance(result, TrainerGroup):
+                    log.warning("%s ended after it was abandoned: closed", job)
+                    result.close()
+                self._drop_shadow()
+                return
+            self.job = self.job_group = self.job_token = self.job_abandon = None
+            for timer in timers:
+                timer.cancel()
             done(result, error)
+
+        if limit_s is not None:
+            timers.append(self.core.loop.call_later(limit_s, lambda: finish(None, _Abandoned(
+                f"could not join weight group {group!r} within {limit_s:.1f} s (the trainer's "
+                "address accepted but never completed the rendezvous); nothing joined", True))))
+            self.job_abandon = lambda: finish(None, _Abandoned(
+                f"weight group {group!r} was destroyed while joining; nothing joined", False))
 
         def run() -> None:
             try:
