@@ -98,7 +98,7 @@ async def main(args: argparse.Namespace) -> int:
             meta = out["meta_info"]
             lps = meta.get("output_token_logprobs")
             mean = f", mean logprob {sum(lp for lp, _, _ in lps) / len(lps):.3f}" if lps else ""
-            print(f"rollout {i}: {len(out['output_ids'])} tokens: {spans(meta['weight_versions'])}"
+            print(f"rollout {i}: {len(out['output_ids'])} tokens: {spans(meta['output_token_weight_versions'])}"
                   f" (retracted {meta['retractions']}x{mean})")
         print(f"weight version now: {await server.weight_version()!r}")
     return 0

@@ -144,7 +144,11 @@ def test_slime_and_areal_payloads(cluster):
     status, body = http(cluster, "POST", "/generate", slime)
     assert status == 200 and len(body["output_ids"]) == 6
     assert body["meta_info"]["finish_reason"]["type"] == "length"
-    assert body["meta_info"]["weight_versions"] == [body["meta_info"]["weight_version"]] * 6
+    meta = body["meta_info"]
+    assert meta["output_token_weight_versions"] == [meta["weight_version"]] * 6
+    assert meta["weight_versions"] == [{"version": meta["weight_version"], "start": 0, "end": 6}]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0
     areal = {"input_ids": [9, 8, 7], "return_logprob": True, "stream": False, "sampling_params": {
         "top_p": 1.0, "top_k": 100000000, "max_new_tokens": 5, "temperature": 0.0,
         "stop_token_ids": [257], "frequency_penalty": 0.0, "ignore_eos": True}}
@@ -243,7 +247,7 @@ def test_pause_retract_update_continue_over_http(cluster, reference, gguf, tmp_p
                             {"model_path": gguf, "weight_version": first}, key=ADMIN)
         assert status == 200, body
     last = events[-1]
-    ids, versions = last["output_ids"], last["meta_info"]["weight_versions"]
+    ids, versions = last["output_ids"], last["meta_info"]["output_token_weight_versions"]
     assert len(ids) == 1200 and last["meta_info"]["retractions"] == 1
     cut = versions.index("w2")
     assert 0 < cut and set(versions[:cut]) == {first} and set(versions[cut:]) == {"w2"}
