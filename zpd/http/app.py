@@ -89,7 +89,7 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
 
 def build_app(front: Front, max_body_bytes: int = 64 << 20) -> web.Application:
     app = web.Application(middlewares=[errors, guard], client_max_size=max_body_bytes)
-    front.backend = metrics.metered(front.backend)          # latencies for /metrics
+    front.backend = metrics.metered(front.backend, front.model)    # latencies for /metrics
     app[FRONT] = front
     for module in (native, admin_routes, info_routes, sync_routes, openai_api, metrics):
         app.add_routes(module.routes)
