@@ -150,3 +150,18 @@ def test_the_spill_file_is_private_and_goes_on_resume():
     weight_release.resume(held)
     assert not os.path.exists(folder)
     assert all(torch.equal(p, want[n]) for n, p in model.net.named_parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_device_memory_goes_and_comes_back(big):
+    model = load_model(str(big), device="cuda", dtype="float32")
+    want = {n: p.detach().cpu() for n, p in model.net.named_parameters()}
+    size = sum(s.nbytes() for s in weight_release._storages(model.net))
+    torch.cuda.synchronize()
+    at_start = torch.cuda.memory_allocated()
+    held = weight_release.release(model.net, model.device)
+    assert at_start - torch.cuda.memory_allocated() >= 0.99 * size
+    assert held.path is None and sum(h.nbytes for h in held.host) == size
+    weight_release.resume(held)
+    assert torch.cuda.memory_allocated() - at_start < 0.01 * size
+    assert all(torch.equal(p.cpu(), want[n]) for n, p in model.net.named_parameters())
