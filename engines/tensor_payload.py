@@ -85,6 +85,15 @@ def _cls(value: Any, admitted: dict) -> type:
     return value.cls
 
 
+def _fits(offset: int, size: tuple[int, ...], stride: tuple[int, ...], elements: int) -> None:
+    """The view lies inside its storage (torch's set_ would grow a storage too small)."""
+    if len(size) != len(stride):
+        raise PayloadError(f"tensor size {size} and stride {stride} differ in length")
+    if 0 not in size and offset + sum((n - 1) * s for n, s in zip(size, stride)) >= elements:
+        raise PayloadError(f"tensor of size {size}, stride {stride} at offset {offset} does not "
+                           f"fit its storage of {elements} elements")
+
+
 def _dtype(value: Any) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise PayloadError(f"dtype {value!r:.40} is not a torch dtype")
@@ -158,7 +167,8 @@ class NamedTensorUnpickler(pickle.Unpickler):
                                "requires_grad)")
         offset, size, stride = _int("offset", metadata[0]), _ints("size", metadata[1]), \
             _ints("stride", metadata[2])
-        try:        # set_ checks the view against its storage's bounds
+        _fits(offset, size, stride, storage.size())
+        try:
             return reductions.rebuild_tensor(tensor_cls, storage,
                                              (offset, torch.Size(size), stride, metadata[3]))
         except RuntimeError as e:
@@ -177,6 +187,8 @@ class NamedTensorUnpickler(pickle.Unpickler):
         if not isinstance(requires_grad, bool) or not isinstance(event_sync, bool):
             raise PayloadError("requires_grad and event_sync_required must be booleans")
         self._take(_int("storage size", storage_bytes))
+        _fits(_int("offset", offset), _ints("size", size), _ints("stride", stride),
+              storage_bytes // _dtype(dtype).itemsize)
         args = (_cls(tensor_cls, _TENSORS), torch.Size(_ints("size", size)), _ints("stride", stride),
                 _int("offset", offset), _cls(storage_cls, _STORAGES), _dtype(dtype),
                 _int("device", device, 0, 1024), handle, storage_bytes,
