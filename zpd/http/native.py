@@ -56,6 +56,7 @@ class Sampling:
 def parse_generate(body: dict) -> NativeGenerate:
     unknown = screen(body, GENERATE)
     prompts, batch = _prompts(body)
+    check_count(len(prompts))
     raws = _per_prompt(body, "sampling_params", len(prompts), dict, batch)
     samplings = [engine_sampling(raw or {}) for raw in raws]
     n = _parallel(samplings)

@@ -92,13 +92,6 @@ def refuse_unknown(body: dict, known: Iterable[str], where: str = "the body") ->
         raise BadRequest(f"{where} has unknown or unsupported field(s): {', '.join(unknown)}")
 
 
-def refuse_set(body: dict, names: Iterable[str]) -> None:
-    """Fields zpd cannot honour: accepted only when absent, null or empty."""
-    for name in names:
-        if body.get(name) not in (None, False, "", [], {}):
-            raise BadRequest(f"{name!r} is not supported by this server")
-
-
 def boolean(name: str, value: Any) -> bool:
     if type(value) is not bool:
         raise BadRequest(f"{name!r} must be true or false, not {_kind(value)}")
