@@ -354,3 +354,15 @@ def test_metrics_move_by_what_was_generated(cluster):
     pages = {(s.labels["role"], s.labels["state"]): s.value for s in after["zpd:kv_pages"]}
     assert pages[("decode", "free")] == pages[("decode", "total")] > 0
     assert value(after["zpd:worker_up"], "zpd:worker_up") == 2
+    # the same under SGLang's names, labelled with the served model (its dashboard's)
+    assert moved("sglang:generation_tokens", "sglang:generation_tokens_total") == 14
+    assert moved("sglang:prompt_tokens", "sglang:prompt_tokens_total") == 5
+    assert moved("sglang:num_requests", "sglang:num_requests_total") == 2
+    assert moved("sglang:time_to_first_token_seconds",
+                 "sglang:time_to_first_token_seconds_count") == 2
+    assert moved("sglang:e2e_request_latency_seconds",
+                 "sglang:e2e_request_latency_seconds_count") == 2
+    assert value(after["sglang:gen_throughput"], "sglang:gen_throughput") > 0
+    assert value(after["sglang:max_total_num_tokens"], "sglang:max_total_num_tokens") > 0
+    for family in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:cache_hit_rate"):
+        assert after[family] and all(s.labels["model_name"] for s in after[family]), family
