@@ -200,3 +200,14 @@ def test_an_abort_finish_carries_sglangs_err_type(status, err_type):
     f = front(FakeBackend(lambda req, rid: tiny_answer(req, rid, [72], abort)))
     got, body = call(f, "POST", "/generate", {"input_ids": [1]})
     assert got == 200 and body["meta_info"]["finish_reason"] == abort | {"err_type": err_type}
+
+
+def test_a_matched_stop_token_leaves_the_text_unless_no_stop_trim():
+    stop = {"type": "stop", "matched": 33}                 # "!": a plain token, not special
+    f = front(FakeBackend(lambda req, rid: tiny_answer(req, rid, [72, 105, 33], stop)))
+    for stream in (False, True):
+        for trim, text in ((True, "Hi"), (False, "Hi!")):
+            status, got = call(f, "POST", "/generate", {"input_ids": [1], "stream": stream,
+                                                        "sampling_params": {"no_stop_trim": not trim}})
+            last = got[-2] if stream else got
+            assert status == 200 and last["text"] == text and last["output_ids"] == [72, 105, 33]

@@ -83,17 +83,19 @@ class Output:
             self._final_text = self._finished_text(chunk.get("text"))
 
     def _finished_text(self, worker_text: str | None) -> str:
-        """The workers' text (cut before a matched stop string, special tokens
-        skipped) where it is what was asked; else decoded here from the ids. Trimmed,
-        a matched stop string goes, and so does a matched stop token's text (SGLang's
-        trim: `<|im_end|>` is not shown even with skip_special_tokens false)."""
-        if self.req.trim_stop and self.req.skip_special and worker_text is not None:
-            return worker_text
+        """The final text, as SGLang trims it unless no_stop_trim: without a matched
+        stop string, and without a matched stop token's text (its id stays in
+        output_ids). The workers' text is that where it skips special tokens; else it
+        is decoded here (without a tokenizer here, the workers' is all there is)."""
+        if self.tokenizer is None:
+            return (worker_text or "") if self.req.trim_stop else ""
         if not self.req.trim_stop:
             return self.detok.whole()
         matched = (self.finish or {}).get("matched")
         if type(matched) is int and self.token_ids and self.token_ids[-1] == matched:
             return self.detok.decode(self.token_ids[:-1])
+        if self.req.skip_special and worker_text is not None:
+            return worker_text
         text = self.detok.whole()
         if type(matched) is str and matched in text:
             return text[:text.index(matched)]
