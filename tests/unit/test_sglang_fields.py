@@ -90,6 +90,9 @@ def test_unknown_names_are_warned_once_and_never_reach_the_router(caplog):
     assert sum("'mystery'" in m for m in lines) == 2         # once per route
     assert sum("'sampling_params.odd'" in m for m in lines) == 1
     assert all(r.sampling == {"max_new_tokens": 2} for r in f.backend.requests[:3])
+    assert parse_completion({"prompt": "a", "stream_options": {"nope": 1}, "zz": 2}).unknown == \
+        ("zz", "stream_options.nope")
+    assert parse_chat(CHAT_BODY | {"zz": 1}).unknown == ("zz",)
 
 
 def test_unknown_names_remembered_are_bounded(caplog):
