@@ -17,7 +17,7 @@ from engines.tiny import TINY_CONFIG, tiny_tokenizer
 from tests.unit.gguf_files import CHATML, write_tiny_gguf
 from zpd.config import HttpConfig, WorkerConfig
 from zpd.ops import mem_fraction
-from zpd.ops.cli import build_parser
+from zpd.ops.cli import build_parser, main
 from zpd.ops.options import HTTP_PASSTHROUGH, http_config, passthrough_argv, worker_argv, \
     worker_config
 
@@ -170,3 +170,16 @@ def test_chat_template_keeps_the_model_bos_and_eos(gguf: str) -> None:
     _, chat, _ = load_text(gguf, ModelOverrides(chat_template="{{ bos_token }}|{{ eos_token }}"))
     assert isinstance(chat, ChatTemplate)
     assert (chat.bos_token, chat.eos_token) == (own.bos_token, own.eos_token)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--chat-template", "chatml"), "SGLang's built-in template names"),
+    (("--context-length", "0"), "--context-length 0: must be in 1..4096"),
+    (("--tokenizer-path", "org/name"), "hub names are not fetched"),
+    (("--mem-fraction-static", "1"), "--mem-fraction-static must be in"),
+])
+def test_launch_refuses_before_starting_anything(monkeypatch, capsys, flags, message) -> None:
+    import zpd.ops.launch
+    monkeypatch.setattr(zpd.ops.launch, "launch", lambda *a: pytest.fail("launch started"))
+    assert main(["launch", "--model", "tiny", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -8,6 +8,7 @@ import sys
 import orjson
 
 from engines.config import ModelError
+from engines.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_bind, check_http_bind
 from zpd.ops.keys import add_keys_parser
@@ -109,8 +110,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     check_fraction(args.mem_fraction_static)
-    if args.context_length is not None and args.context_length < 1:
-        raise ValueError(f"--context-length must be at least 1, got {args.context_length}")
+    overrides = model_overrides(args)
+    if overrides != ModelOverrides():
+        from engines.loader import load_text
+        load_text(args.model, overrides)     # one clear error now, not one per worker's log
     for flag in ("prefill_threads", "decode_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
