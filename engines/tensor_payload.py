@@ -167,7 +167,7 @@ class NamedTensorUnpickler(pickle.Unpickler):
                                "requires_grad)")
         offset, size, stride = _int("offset", metadata[0]), _ints("size", metadata[1]), \
             _ints("stride", metadata[2])
-        _fits(offset, size, stride, storage.size())
+        _fits(offset, size, stride, storage._untyped_storage.nbytes() // storage.dtype.itemsize)
         try:
             return reductions.rebuild_tensor(tensor_cls, storage,
                                              (offset, torch.Size(size), stride, metadata[3]))

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zpd.worker.weight_sync")
 
 LOAD_FORMATS = (None, "flattened_bucket")
-JOIN_SLACK_S = 2.0          # past its timeout, a join torch has not ended is abandoned
+JOIN_SLACK_S = 2.0          # at most this long past its timeout, a join still in torch is abandoned
 
 
 @dataclass(eq=False)
@@ -173,7 +173,9 @@ class WeightSync:
                 log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)
             return group
 
-        self._background(f"joining {name}", name, done, work, limit_s=timeout + JOIN_SLACK_S)
+        # abandoned before the router's own wait (timeout / 0.9) ends, so the answer says why
+        self._background(f"joining {name}", name, done, work,
+                         limit_s=timeout + min(JOIN_SLACK_S, 0.05 * timeout))
 
     def stage(self, args: dict, respond: Respond) -> None:
         """Receive one push into staging memory; answered once all of it arrived."""
@@ -391,7 +393,11 @@ class WeightSync:
                 result, error = work(), None
             except (GroupError, RuntimeError, ValueError, OSError) as e:
                 result, error = None, e
-            self.core.loop.call_soon_threadsafe(finish, result, error)
+            try:
+                self.core.loop.call_soon_threadsafe(finish, result, error)
+            except OSError:               # the worker closed meanwhile (an abandoned join)
+                if isinstance(result, TrainerGroup):
+                    result.close()
 
         threading.Thread(target=run, name=f"zpd-weights-{group}", daemon=True).start()
 

@@ -1,0 +1,253 @@
+"""Trainer weight sync as SGLang's clients do it, in one process (the real router and
+workers of tests/unit/inproc.py; a gloo trainer on a thread, tests/unit/trainer_side.py):
+the group keyed as SGLang's init_custom_process_group by default, master_port as a
+string, a join that cannot complete, and update_weights_from_tensor with SGLang's
+payload. The HTTP routes' own checks run over the fake router (tests/unit/http_fake.py)."""
+from __future__ import annotations
+
+import base64
+import socket
+import threading
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions)
+
+from engines.loader import load_model
+from engines.tiny import tiny_state_dict
+from tests.unit.http_fake import call, front
+from tests.unit.inproc import InprocCluster
+from tests.unit.test_handoff import PROMPT, reference_tiny
+from tests.unit.test_weight_sync import admin, push, versions, weights_equal
+from tests.unit.trainer_side import Trainer
+
+W2 = tiny_state_dict(7)
+
+
+@pytest.fixture
+def cluster():
+    c = InprocCluster(kv_cache_mb=2.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def file_system():
+    """SGLang's trainers share CPU tensors this way for another process to map."""
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    yield
+    mp.set_sharing_strategy(before)
+
+
+def serialize(named) -> str:
+    return base64.b64encode(bytes(ForkingPickler.dumps(named))).decode()
+
+
+def idle(c: InprocCluster) -> bool:
+    return all(core.weight_sync.job is None and not core.weight_sync.groups
+               for core in (c.prefill, c.decode))
+
+
+# --- the group -----------------------------------------------------------------------
+
+
+def test_sglang_keyed_group_is_the_default_and_master_port_may_be_a_string(cluster):
+    """No trainer_init sent: the worker keys the group as SGLang's helper does."""
+    t = Trainer(world_size=3, trainer_init="init_custom_process_group", group_name="wg")
+    try:
+        t.join()
+        got = admin(cluster, "init_weights_update_group", master_address="127.0.0.1",
+                    master_port=str(t.port), rank_offset=1, world_size=3, group_name="wg")
+        assert got["ok"], got
+        assert t.wait() is None
+        assert push(cluster, t, W2, version="v2")["ok"]
+        assert versions(cluster) == ["v2", "v2"] and weights_equal(cluster, "tiny:7")
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "65536", "-1", " 80", 1.5])
+def test_a_bad_master_port_is_400_naming_it(cluster, port):
+    reply = cluster.admin("init_weights_update_group", master_address="127.0.0.1",
+                          master_port=port, rank_offset=1, world_size=3, group_name="g")
+    assert not reply["ok"] and reply["status"] == 400 and "master_port" in reply["error"], reply
+    assert idle(cluster)
+
+
+def test_a_join_that_never_completes_fails_in_time_and_a_retry_works(cluster):
+    """The trainer's port accepts and never speaks: torch's TCPStore waits past its
+    own timeout there, so the worker gives the join up at the timeout and is free."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        req = cluster.admin("init_weights_update_group", wait=False, master_address="127.0.0.1",
+                            master_port=silent.getsockname()[1], rank_offset=1, world_size=3,
+                            group_name="g", timeout=4.0)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not all(core.weight_sync.job for core in
+                                                 (cluster.prefill, cluster.decode)):
+            cluster.pump(1)
+        assert all(core.weight_sync.job == "joining g" for core in (cluster.prefill, cluster.decode))
+        cluster.advance(3.7)
+        assert req not in cluster.replies            # not before the timeout
+        cluster.advance(0.3)                         # the workers' 3.6 s + slack, under 4 s
+        reply = cluster.replies[req]
+        assert not reply["ok"], reply
+        errors = [w["error"] for w in reply["workers"]]
+        assert len(errors) == 2 and all("'g'" in e and "within" in e for e in errors), reply
+        assert idle(cluster)
+        t = Trainer(world_size=3, group_name="g")    # the same group, now reachable
+        try:
+            t.join()
+            got = admin(cluster, "init_weights_update_group", master_address="127.0.0.1",
+                        master_port=t.port, rank_offset=1, world_size=3, group_name="g")
+            assert got["ok"] and t.wait() is None, got
+            assert push(cluster, t, W2)["ok"] and weights_equal(cluster, "tiny:7")
+        finally:
+            t.close()
+    finally:
+        silent.close()                               # lets the abandoned threads end
+    cluster.serves_again()
+    end = time.monotonic() + 30                      # torch's retries, then its error
+    while any(t.name == "zpd-weights-g" for t in threading.enumerate()):
+        assert time.monotonic() < end, "an abandoned join never ended"
+        time.sleep(0.1)
+
+
+# --- update_weights_from_tensor --------------------------------------------------------
+
+
+def test_tensors_from_a_payload_move_every_worker(cluster, file_system):
+    reply = admin(cluster, "update_weights_from_tensor",
+                  serialized_named_tensors=[serialize(list(W2.items()))], weight_version="t1")
+    assert reply["ok"] and reply["weight_version"] == "t1", reply
+    assert versions(cluster) == ["t1", "t1"] and weights_equal(cluster, "tiny:7")
+    rid = cluster.submit(PROMPT, 8)
+    assert cluster.run(rid).token_ids == reference_tiny("tiny:7", PROMPT, 8)
+    assert cluster.answers[rid].weight_versions == ["t1"] * 8
+    assert all(core.weight_sync.shadow is None for core in (cluster.prefill, cluster.decode))
+    # without a version, the weights change and the version stays
+    reply = admin(cluster, "update_weights_from_tensor",
+                  serialized_named_tensors=[serialize(list(tiny_state_dict(3).items()))])
+    assert reply["ok"] and reply["weight_version"] == "t1", reply
+    assert versions(cluster) == ["t1", "t1"] and weights_equal(cluster, "tiny:3")
+    cluster.check_pages()
+
+
+def test_one_entry_per_worker_in_status_order(cluster, file_system):
+    mlp = lambda seed: [(n, t) for n, t in tiny_state_dict(seed).items() if ".mlp." in n]  # noqa: E731
+    reply = admin(cluster, "update_weights_from_tensor",
+                  serialized_named_tensors=[serialize(mlp(7)), serialize(mlp(3))])
+    assert reply["ok"], reply
+    order = [w.endpoint for w in cluster.router.workers]
+    cores = {core.endpoint: core for core in (cluster.prefill, cluster.decode)}
+    for endpoint, seed in zip(order, (7, 3)):
+        want = dict(load_model(f"tiny:{seed}", dtype="float64").net.named_parameters())
+        got = dict(cores[endpoint].model.net.named_parameters())
+        assert all(torch.equal(got[n], want[n]) for n in want if ".mlp." in n)
+
+
+def test_a_wrong_number_of_entries_is_400(cluster, file_system):
+    entry = serialize(list(W2.items()))
+    reply = cluster.admin("update_weights_from_tensor", serialized_named_tensors=[entry] * 3)
+    assert not reply["ok"] and reply["status"] == 400 and "one per worker (2)" in reply["error"]
+    for bad in ([], [""], [1], "x"):
+        reply = cluster.admin("update_weights_from_tensor", serialized_named_tensors=bad)
+        assert not reply["ok"] and reply["status"] == 400 and "serialized_named_tensors" in reply["error"]
+    assert versions(cluster) == ["tiny", "tiny"]
+
+
+def _evil() -> str:
+    return base64.b64encode(b"cos\nsystem\n(Vtrue\ntR.").decode()
+
+
+def _bad_shape() -> str:
+    name = "model.layers.0.self_attn.q_proj.weight"
+    return serialize([(n, t if n != name else torch.zeros(t.shape[0] + 1, t.shape[1]))
+                      for n, t in W2.items()])
+
+
+@pytest.mark.parametrize("payload, why", [
+    (_evil, "os.system"), (_bad_shape, "has shape"),
+    (lambda: serialize([("model.nope.weight", torch.zeros(2))]), "does not belong"),
+    (lambda: serialize([("model.norm.weight", torch.zeros(64, dtype=torch.int64))]), "int64"),
+])
+def test_a_refused_payload_is_400_and_changes_nothing(cluster, file_system, payload, why):
+    reply = admin(cluster, "update_weights_from_tensor", serialized_named_tensors=[payload()],
+                  weight_version="never")
+    assert not reply["ok"], reply
+    assert {w["status"] for w in reply["workers"]} == {400}
+    assert all(why in w["error"] for w in reply["workers"]), reply
+    assert versions(cluster) == ["tiny", "tiny"] and weights_equal(cluster, "tiny")
+    assert cluster.router.updating is False
+    cluster.serves_again()
+
+
+def test_tensors_pushed_while_requests_run_unpaused_are_409_paused_they_land(cluster, file_system):
+    rid = cluster.submit(PROMPT, 24)
+    cluster.until(lambda: rid in cluster.answers and cluster.answers[rid].token_ids)
+    entry = serialize(list(W2.items()))
+    reply = cluster.admin("update_weights_from_tensor", serialized_named_tensors=[entry])
+    assert not reply["ok"] and reply["status"] == 409
+    assert cluster.admin("pause", mode="retract")["ok"]
+    assert admin(cluster, "update_weights_from_tensor", serialized_named_tensors=[entry],
+                 weight_version="v2")["ok"]
+    assert cluster.admin("continue")["ok"]
+    got = cluster.run(rid)
+    assert set(got.weight_versions) == {"tiny", "v2"}
+    cluster.check_pages()
+
+
+# --- the HTTP routes' own checks ---------------------------------------------------------
+
+
+INIT = {"master_address": "127.0.0.1", "master_port": "29500", "rank_offset": 1,
+        "world_size": 3}
+
+
+def test_init_route_takes_a_string_port_and_pp_rank_zero_and_sends_no_trainer_init():
+    f = front()
+    status, body = call(f, "POST", "/init_weights_update_group", INIT | {"pp_rank": 0})
+    assert status == 200 and body["success"], body
+    command, args = f.backend.admins[-1]
+    assert command == "init_weights_update_group" and args["master_port"] == 29500
+    assert "trainer_init" not in args and args["group_name"] == "weight_update_group"
+    for bad, field in (({"master_port": "abc"}, "master_port"), ({"master_port": "70000"}, "master_port"),
+                       ({"pp_rank": 1}, "pp_rank"), ({"trainer_init": "x"}, "trainer_init")):
+        status, body = call(f, "POST", "/init_weights_update_group", INIT | bad)
+        assert status == 400 and field in body["error"]["message"], (bad, body)
+    assert len(f.backend.admins) == 1
+
+
+def test_tensor_route_passes_sglangs_payload_and_refuses_what_it_cannot_do():
+    f = front()
+    body = {"serialized_named_tensors": ["QUJD", "REVG"], "load_format": None, "flush_cache": True,
+            "abort_all_requests": False, "weight_version": "w9", "disable_draft_model": None}
+    status, answer = call(f, "POST", "/update_weights_from_tensor", body)
+    assert status == 200 and answer["success"], answer
+    assert f.backend.admins[-1] == ("update_weights_from_tensor", {
+        "serialized_named_tensors": ["QUJD", "REVG"], "weight_version": "w9"})
+    for bad, field in (({"serialized_named_tensors": []}, "serialized_named_tensors"),
+                       ({"serialized_named_tensors": [1]}, "serialized_named_tensors"),
+                       ({"serialized_named_tensors": ["A" * 70000]}, ""),     # over the body limit
+                       ({"load_format": "flattened_bucket"}, "load_format"),
+                       ({"flush_cache": "yes"}, "flush_cache")):
+        status, answer = call(f, "POST", "/update_weights_from_tensor", body | bad)
+        assert status in (400, 413) and field in str(answer), (bad, answer)
+    assert len(f.backend.admins) == 1
+
+
+def test_tensor_route_is_admin_guarded():
+    f = front(admin_api_key="adm", api_key="usr")
+    body = {"serialized_named_tensors": ["QUJD"]}
+    for headers in ({}, {"Authorization": "Bearer usr"}):
+        status, _ = call(f, "POST", "/update_weights_from_tensor", body, headers=headers)
+        assert status == 401
+    status, _ = call(f, "POST", "/update_weights_from_tensor", body,
+                     headers={"Authorization": "Bearer adm"})
+    assert status == 200 and f.backend.admins
