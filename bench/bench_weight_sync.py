@@ -214,7 +214,8 @@ class Trainer:
         port = free_port()
         answer = self.pool.submit(post, url, "/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": workers + 1, "group_name": GROUP, "backend": "gloo"}, timeout_s)
+            "world_size": workers + 1, "group_name": GROUP, "backend": "gloo",
+            "trainer_init": "init_process_group"}, timeout_s)      # this process's default group
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 world_size=workers + 1, rank=0,
                                 timeout=timedelta(seconds=timeout_s))

@@ -2,8 +2,10 @@
 torch.distributed, the calls slime, AReaL and verl make against SGLang:
 
 1. POST /init_weights_update_group and, at the same time, join the group as rank 0
-   (`init_process_group`: the HTTP call returns once every rank has joined);
-2. optionally pause_generation (retract: running requests keep their place);
+   the way SGLang's `init_custom_process_group` does (`trainer_group` below; the HTTP
+   call returns once every rank has joined);
+2. optionally pause_generation (retract: running requests keep their place), then
+   GET /flush_cache as slime and verl do;
 3. POST /update_weights_from_distributed with the names, dtypes and shapes, and at
    the same time broadcast each tensor from rank 0 in that order (or, with
    --bucket-mb, one flat bucket per call, load_format "flattened_bucket");
@@ -26,11 +28,13 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.distributed_c10d import _new_process_group_helper, _world
 
 
 def post(url: str, path: str, body: dict, key: str | None = None, timeout: float = 600) -> dict:
@@ -71,6 +75,33 @@ def buckets(tensors: dict[str, torch.Tensor], bucket_mb: float) -> list[list[str
     return out
 
 
+def trainer_group(backend: str, address: str, port: int, world_size: int,
+                  group_name: str) -> dist.ProcessGroup:
+    """Rank 0 of a named group, built as SGLang's `init_custom_process_group` (which
+    slime, AReaL and verl carry) builds it: the rendezvous store, a PrefixStore named
+    after the group, and torch's `_new_process_group_helper` for the group itself (the
+    call those frameworks make; torch has no public one for a named group over a given
+    store). zpd's workers key their side to match."""
+    timeout = timedelta(seconds=600)
+    store, _, _ = next(dist.rendezvous(f"tcp://{address}:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, 0, [], backend,
+                                         dist.PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}    # for dist.broadcast
+    return group
+
+
+def get_status(url: str, path: str, key: str | None = None) -> int:
+    """The HTTP status of GET `path` (slime retries /flush_cache until it is 200)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, headers=headers)) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -103,13 +134,16 @@ def main() -> None:
     answer = pool.submit(post, url, "/init_weights_update_group", {
         "master_address": args.master_address, "master_port": port, "rank_offset": 1,
         "world_size": workers + 1, "group_name": args.group_name, "backend": args.backend}, key)
-    dist.init_process_group(args.backend, init_method=f"tcp://{args.master_address}:{port}",
-                            world_size=workers + 1, rank=0)
+    group = trainer_group(args.backend, args.master_address, port, workers + 1, args.group_name)
     check("/init_weights_update_group", answer.result())
 
-    # 2. pause, 3. push, continue
+    # 2. pause, flush, 3. push, continue
     if args.pause:
         check("/pause_generation", post(url, "/pause_generation", {"mode": args.pause}, key))
+    flushed = get_status(url, "/flush_cache", key)
+    if flushed != 200:
+        sys.exit(f"GET /flush_cache failed: HTTP {flushed}")
+    print("GET /flush_cache: 200", flush=True)
     started = time.perf_counter()
     for names in buckets(tensors, args.bucket_mb):
         part = [tensors[n] for n in names]
@@ -121,10 +155,10 @@ def main() -> None:
         answer = pool.submit(post, url, "/update_weights_from_distributed", body, key)
         if args.bucket_mb > 0:
             flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in part])
-            dist.broadcast(flat, src=0)
+            dist.broadcast(flat, src=0, group=group)
         else:
             for t in part:
-                dist.broadcast(t.contiguous(), src=0)
+                dist.broadcast(t.contiguous(), src=0, group=group)
         check("/update_weights_from_distributed", answer.result())
     nbytes = sum(t.nbytes for t in tensors.values())
     print(f"pushed {len(tensors)} tensors, {nbytes / 2**20:.1f} MiB in "
@@ -135,7 +169,7 @@ def main() -> None:
     # 4. leave
     check("/destroy_weights_update_group",
           post(url, "/destroy_weights_update_group", {"group_name": args.group_name}, key))
-    dist.destroy_process_group()
+    dist.destroy_process_group(group)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Trainer weight sync end to end: `zpd launch --http-port` clusters (1P1D and 2P2D,
-float64) and real trainer processes, rank 0 of a gloo group on loopback:
-examples/push_weights.py (the calls a trainer makes, pause and continue included)
-and tests/e2e/trainer_proc.py (a trainer the test can stall, feed a bad tensor or kill)."""
+float64) and real trainer processes, rank 0 of a gloo group on loopback built as
+SGLang's init_custom_process_group builds it (no zpd-only field sent):
+examples/push_weights.py (the calls a trainer makes: pause, GET /flush_cache, push,
+continue), tests/e2e/trainer_proc.py (a trainer the test can stall, feed a bad
+tensor or kill), and examples/push_tensors.py (update_weights_from_tensor with
+SGLang's payload from another process on the host)."""
 from __future__ import annotations
 
 import json
@@ -88,8 +91,8 @@ class TrainerProc:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.trainer_proc", str(self.port),
                                       str(world), "7", *flags], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        status, answer = post(cluster, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": self.port, "rank_offset": 1,
+        status, answer = post(cluster, "/init_weights_update_group", {     # AReaL's string port
+            "master_address": "127.0.0.1", "master_port": str(self.port), "rank_offset": 1,
             "world_size": world, "group_name": GROUP, "backend": "gloo"})
         assert status == 200 and answer["success"], answer
         assert self.proc.stdout.readline().strip() == "joined"
@@ -133,6 +136,7 @@ def test_retract_push_continue_is_exact(request, shape, models):
                                "--version", "v2", "--pause", "retract"],
                               cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stdout + done.stderr
+        assert "GET /flush_cache: 200" in done.stdout
         assert "/continue_generation: continued" in done.stdout
         outs = col.wait()
         switched = 0
@@ -223,6 +227,38 @@ def test_heartbeats_flow_during_a_long_broadcast(one_one):
     assert versions(one_one) == {"slow"}
     assert "marked dead" not in one_one.log.read_text()
     assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+
+
+def get_json(cluster: Cluster, path: str) -> dict:
+    with urllib.request.urlopen(f"http://{cluster.info['http']}{path}") as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_update_weights_from_tensor_from_another_process(one_one, per_rank):
+    """examples/push_tensors.py, another process on the host, sends SGLang's payload
+    (ForkingPickler handles of shared memory): greedy output is the new weights',
+    /get_weight_version reports the version."""
+    seed, version = (5, "t5") if not per_rank else (6, "t6")
+    # Output to a file, not a pipe: the trainer's torch_shm_manager inherits it and
+    # lives on while a worker stays connected to it (torch's libshm keeps that socket).
+    out = one_one.log.parent / f"push_tensors_{seed}.out"
+    with open(out, "w") as sink:
+        done = subprocess.run([sys.executable, "examples/push_tensors.py", "--url",
+                               f"http://{one_one.info['http']}", "--weights", f"tiny:{seed}",
+                               "--version", version] + ["--per-rank"] * per_rank,
+                              cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=120)
+    assert done.returncode == 0, out.read_text()
+    assert "/update_weights_from_tensor: weights updated" in out.read_text()
+    assert get_json(one_one, "/get_weight_version")["weight_version"] == version
+    assert versions(one_one) == {version}
+    prompt = [9, 8, 7, 6, 5]
+    with one_one.client() as client:
+        got = client.generate(input_ids=prompt, sampling_params={
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        assert got["output_ids"] == _greedy(load_model(f"tiny:{seed}", dtype="float64"), prompt, 8)
+        assert got["output_ids"] != _greedy(load_model("tiny:7", dtype="float64"), prompt, 8)
+        assert_all_pages_free(client)
 
 
 # --- the prefix cache, across a push ---------------------------------------------------

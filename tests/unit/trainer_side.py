@@ -1,7 +1,7 @@
 """A trainer's side of weight sync, on threads of the test process: rank 0 of a real
-torch.distributed gloo group on loopback, made the way the contract says a trainer
-makes it (`init_process_group`) or the way SGLang-based frameworks do
-(`init_custom_process_group`, a named group that is not the default one)."""
+torch.distributed gloo group on loopback, made the way SGLang-based frameworks do
+(`init_custom_process_group`, a named group that is not the default one: zpd's
+default) or with torch's `init_process_group` (zpd's explicit option)."""
 from __future__ import annotations
 
 import socket
@@ -17,6 +17,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sglang_style_group(address: str, port: int, world_size: int, group_name: str, backend: str,
+                       timeout: timedelta) -> dist.ProcessGroup:
+    """Rank 0 of a named group built the way SGLang's init_custom_process_group builds
+    it (slime, AReaL and verl carry that helper): the rendezvous store at
+    tcp://address:port, a PrefixStore named after the group over it, and a new group
+    of `world_size` made by torch's `_new_process_group_helper`, which those frameworks
+    call (torch has no public call that makes a named group over a given store; the
+    keys it writes are what the workers must match), registered so `dist.broadcast`
+    takes it."""
+    store, _, _ = next(dist.rendezvous(f"tcp://{address}:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, 0, [], backend,
+                                         dist.PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
 
 
 class Trainer:
@@ -57,14 +75,8 @@ class Trainer:
             self._run(self._custom_group)
 
     def _custom_group(self) -> None:
-        """What SGLang's init_custom_process_group does (slime, AReaL copy it)."""
-        store, _, _ = next(dist.rendezvous(f"tcp://127.0.0.1:{self.port}", 0, self.world_size,
-                                           timeout=self.timeout))
-        store.set_timeout(self.timeout)
-        store = dist.PrefixStore(self.group_name, store)
-        self.group, _ = _new_process_group_helper(self.world_size, 0, [], "gloo", store,
-                                                  group_name=self.group_name, timeout=self.timeout)
-        _world.pg_group_ranks[self.group] = {i: i for i in range(self.world_size)}
+        self.group = sglang_style_group("127.0.0.1", self.port, self.world_size, self.group_name,
+                                        "gloo", self.timeout)
 
     def push(self, tensors: list[torch.Tensor], bucket: bool = False, stop_after: int | None = None) -> None:
         """Broadcast `tensors` (one flat bucket with `bucket`); with `stop_after`, the

@@ -44,7 +44,7 @@ class RouterAdmin:
         """Check the arguments, then run the command: bad input is answered 400 and
         changes nothing; a command that fails here is answered 500, never raised."""
         reply, args = self._replier(client, msg), dict(msg.args)
-        log.info("admin %r %r", msg.command, args)
+        log.info("admin %r %.400r", msg.command, args)     # bounded: a tensor payload is MiBs
         try:
             timeout = admin_timeout(args.pop("timeout", None), self.server.cfg.admin_timeout_s)
             check_args(msg.command, args)

@@ -213,7 +213,7 @@ class WorkerCore:
             respond(False, {"error": f"unknown command {msg.command!r}; known: "
                                      f"{', '.join(sorted(self.admin_commands))}", "status": 400})
             return
-        log.info("admin %s %s", msg.command, dict(msg.args))
+        log.info("admin %s %.400s", msg.command, dict(msg.args))     # bounded: payloads are MiBs
         try:
             command(dict(msg.args), respond)
         except StatusError as e:

@@ -135,8 +135,10 @@ class WeightsAndMemory:
         respond(True, {"weight_version": version, "previous": old})
 
     def flush_cache(self, args: dict, respond: Respond) -> None:
-        """Drop the prefix cache; refused while requests run (as SGLang does)."""
-        if self.core.scheduler.busy():
+        """Drop the prefix cache; refused while requests run unpaused (as SGLang does).
+        While paused it is allowed (a trainer's pause -> flush -> push): held requests
+        keep their pages, a retracted one holds none, as for a push's invalidate."""
+        if self.core.paused is None and self.core.scheduler.busy():
             raise StatusError(CONFLICT, "flush_cache while requests are running: pause or "
                                         "wait for them first")
         freed = self.core.scheduler.flush_cache()

@@ -42,6 +42,7 @@ from engines.tensor_payload import PayloadError, decode_named_tensors
 from engines.weight_push import (MAX_TENSORS, Announced, Shadow, announce, bucket_dtype,
                                  push_limit, sizes, unflatten)
 from zpd.worker.scheduler import Respond
+from zpd.worker.sync_args import int_arg, port_arg, seconds_arg, text_arg
 from zpd.worker.trainer_group import (BACKENDS, DEFAULT_TRAINER_INIT, TRAINER_INITS, GroupError,
                                       TrainerGroup)
 
@@ -72,37 +73,6 @@ class _Abandoned(GroupError):
         self.timed_out = timed_out
 
 
-def _text(args: dict, name: str, limit: int = 256) -> str:
-    value = args.get(name)
-    if not isinstance(value, str) or not value or len(value) > limit or not value.isprintable():
-        raise StatusError(BAD_REQUEST, f"{name!r} must be a printable string of 1 to {limit} "
-                                       f"characters, not {value!r:.60}")
-    return value
-
-
-def _int(args: dict, name: str, low: int, high: int) -> int:
-    value = args.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise StatusError(BAD_REQUEST, f"{name!r} must be an integer in [{low}, {high}], "
-                                       f"not {value!r:.40}")
-    return value
-
-
-def _port(args: dict) -> int:
-    """`master_port`: an integer, or its decimal string (AReaL sends one)."""
-    value = args.get("master_port")
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 5:
-        value = int(value)
-    return _int({"master_port": value}, "master_port", 1, 65535)
-
-
-def _seconds(args: dict, name: str, default: float) -> float:
-    value = args.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-        raise StatusError(BAD_REQUEST, f"{name!r} must be a number of seconds in (0, 86400]")
-    return float(value)
-
-
 class WeightSync:
     """The trainer groups this worker belongs to, and at most one staged push."""
 
@@ -131,7 +101,7 @@ class WeightSync:
     # --- commands --------------------------------------------------------------
 
     def join(self, args: dict, respond: Respond) -> None:
-        name = _text(args, "group_name")
+        name = text_arg(args, "group_name")
         # Left out: what the trainer would use with a worker like this one.
         backend = args.get("backend") or ("nccl" if self.core.model.device.type == "cuda" else "gloo")
         if backend not in BACKENDS:
@@ -139,11 +109,11 @@ class WeightSync:
         trainer_init = args.get("trainer_init", DEFAULT_TRAINER_INIT)
         if trainer_init not in TRAINER_INITS:
             raise StatusError(BAD_REQUEST, f"'trainer_init' must be one of {', '.join(TRAINER_INITS)}")
-        address = _text(args, "master_address")
-        port = _port(args)
-        world = _int(args, "world_size", 2, 1 << 16)
-        rank = _int(args, "rank", 1, world - 1)
-        timeout = _seconds(args, "timeout_s", 60.0)
+        address = text_arg(args, "master_address")
+        port = port_arg(args)
+        world = int_arg(args, "world_size", 2, 1 << 16)
+        rank = int_arg(args, "rank", 1, world - 1)
+        timeout = seconds_arg(args, "timeout_s", 60.0)
         if name in self.groups:
             raise StatusError(CONFLICT, f"already in weight group {name!r}: destroy it first")
         self._idle_or_409()
@@ -152,11 +122,6 @@ class WeightSync:
             if isinstance(error, _Abandoned):
                 self.doomed.discard(name)
                 respond(False, {"status": 504 if error.timed_out else 409, "error": str(error)})
-            elif group is not None and name in self.doomed:
-                self.doomed.discard(name)
-                group.close()
-                respond(False, {"status": 409, "error": f"group {name!r} was destroyed "
-                                                        "while joining"})
             elif group is not None:
                 self.groups[name] = group
                 respond(True, {"group_name": name, "rank": rank, "world_size": world})
@@ -180,13 +145,13 @@ class WeightSync:
     def stage(self, args: dict, respond: Respond) -> None:
         """Receive one push into staging memory; answered once all of it arrived."""
         core = self.core
-        name = _text(args, "group_name")
-        update_id = _text(args, "update_id")
+        name = text_arg(args, "group_name")
+        update_id = text_arg(args, "update_id")
         load_format = args.get("load_format")
         if load_format not in LOAD_FORMATS:
             raise StatusError(BAD_REQUEST, "'load_format' must be null (one broadcast per "
                                            "tensor) or \"flattened_bucket\"")
-        deadline = time.monotonic() + _seconds(args, "timeout_s", 600.0)
+        deadline = time.monotonic() + seconds_arg(args, "timeout_s", 600.0)
         group = self.groups.get(name)
         if group is None:
             raise StatusError(BAD_REQUEST, f"no weight group {name!r} here: "
@@ -248,7 +213,7 @@ class WeightSync:
         entry of `serialized_named_tensors`. Decoded and checked off the loop, then
         staged like a broadcast push; answered 400 (nothing staged) if refused."""
         core = self.core
-        update_id = _text(args, "update_id")
+        update_id = text_arg(args, "update_id")
         payload = args.get("payload")
         if not isinstance(payload, str) or not payload:
             raise StatusError(BAD_REQUEST, "'payload' must be a non-empty base64 string")
@@ -291,8 +256,8 @@ class WeightSync:
 
     def commit(self, args: dict, respond: Respond) -> None:
         core = self.core
-        update_id = _text(args, "update_id")
-        version = None if args.get("version") is None else _text(args, "version")   # None: kept
+        update_id = text_arg(args, "update_id")
+        version = None if args.get("version") is None else text_arg(args, "version")   # None: kept
         staged = self.staged
         if staged is None or staged.update_id != update_id:
             raise StatusError(CONFLICT, f"no staged push {update_id!r} to commit")
@@ -317,7 +282,7 @@ class WeightSync:
 
     def discard(self, args: dict, respond: Respond) -> None:
         """Drop a staged (or still arriving) push; with `destroy`, leave its group too."""
-        update_id = _text(args, "update_id")
+        update_id = text_arg(args, "update_id")
         if self.staged is not None and self.staged.update_id == update_id:
             self.staged = None
             self._drop_shadow()
@@ -329,7 +294,7 @@ class WeightSync:
         respond(True, {"discarded": update_id})
 
     def destroy(self, args: dict, respond: Respond) -> None:
-        name = _text(args, "group_name")
+        name = text_arg(args, "group_name")
         if name not in self.groups and self.job_group != name:
             raise StatusError(BAD_REQUEST, f"no weight group {name!r} here")
         self._close(name)

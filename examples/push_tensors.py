@@ -1,0 +1,82 @@
+"""A trainer on the workers' host pushing its weights through shared memory, the
+call slime's colocated mode and verl make against SGLang:
+POST /update_weights_from_tensor {"serialized_named_tensors": [...], ...}.
+
+Each entry is base64 of a torch `ForkingPickler` dump of `[(name, tensor), ...]`: only
+handles of the trainer's shared memory travel, so the zpd workers must run on this
+host. CPU tensors must be shared with torch's "file_system" strategy (the default,
+"file_descriptor", hands file descriptors to the trainer's own children only, and
+zpd refuses it); CUDA tensors travel as CUDA IPC handles. The trainer keeps the
+tensors alive until the answer, which comes once every worker has the new weights,
+or none has.
+
+    python examples/push_tensors.py --url http://127.0.0.1:30000 --weights tiny:7 --version v7
+
+One entry: every worker takes it; `--per-rank` sends one per worker (tp_size of
+/get_server_info), as a trainer whose ranks each hold their own shard does.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import urllib.error
+import urllib.request
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+import torch.multiprocessing.reductions  # noqa: F401  (torch's tensor reductions)
+from safetensors.torch import load_file
+
+
+def post(url: str, path: str, body: dict, key: str | None = None, timeout: float = 600) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def load_weights(spec: str) -> dict[str, torch.Tensor]:
+    if spec.startswith("tiny"):
+        from engines.tiny import tiny_seed, tiny_state_dict
+        return tiny_state_dict(tiny_seed(spec))
+    return {k: v for f in sorted(Path(spec).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One rank's entry: the tensors move to shared memory, their handles are pickled."""
+    return base64.b64encode(bytes(ForkingPickler.dumps(named))).decode()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", required=True, help="the cluster's HTTP API (zpd http / launch --http-port)")
+    ap.add_argument("--weights", required=True, help="tiny:SEED or a safetensors directory")
+    ap.add_argument("--version", default=None, help="weight version (left out: it stays)")
+    ap.add_argument("--per-rank", action="store_true", help="one entry per worker rank")
+    ap.add_argument("--admin-api-key", default=None)
+    args = ap.parse_args()
+    url = args.url.rstrip("/")
+    mp.set_sharing_strategy("file_system")
+    named = list(load_weights(args.weights).items())
+    entries = [serialize(named)]
+    if args.per_rank:
+        with urllib.request.urlopen(url + "/get_server_info") as r:
+            entries *= json.loads(r.read())["tp_size"]
+    body = {"serialized_named_tensors": entries, "load_format": None, "flush_cache": True,
+            "abort_all_requests": False, "weight_version": args.version}
+    status, answer = post(url, "/update_weights_from_tensor", body, args.admin_api_key)
+    if status != 200 or not answer.get("success"):
+        sys.exit(f"/update_weights_from_tensor failed: HTTP {status} {answer}")
+    print(f"/update_weights_from_tensor: {answer['message']} (version "
+          f"{answer.get('weight_version')!r}, {sum(map(len, entries))} payload characters)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
