@@ -65,6 +65,9 @@ _STORAGES = {("torch.storage", "UntypedStorage"): torch.UntypedStorage,
              ("torch.storage", "TypedStorage"): torch.TypedStorage,
              ("torch", "TypedStorage"): torch.TypedStorage}
 _REDUCTIONS = "torch.multiprocessing.reductions"
+# torch's dtypes by the names they pickle as (read from the module's namespace: a
+# getattr on torch could import a submodule the payload names)
+_DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 def _int(name: str, value: Any, low: int = 0, high: int = 1 << 48) -> int:
@@ -119,8 +122,8 @@ class NamedTensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.admitted:
             return self.admitted[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
         if name in ("DupFd", "rebuild_storage_fd"):
             raise PayloadError(f"the payload names {module}.{name}: its CPU tensors were "
                                f"shared by file descriptor, which this server cannot receive; "

@@ -62,7 +62,8 @@ def test_a_forking_pickler_payload_decodes_to_equal_tensors(strategy):
     ("torch", "load"), ("torch.serialization", "load"), ("torch.storage", "_load_from_bytes"),
     ("torch._utils", "_rebuild_tensor_v2"), ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
     ("torch.multiprocessing.reductions", "rebuild_event"), ("torch", "zeros"),
-    ("torch.nn", "Module"), ("collections", "OrderedDict"),
+    ("torch.nn", "Module"), ("collections", "OrderedDict"), ("torch", "_dynamo"),
+    ("torch", "Generator"), ("torch", "device"),
 ])
 def test_a_pickle_naming_another_callable_is_refused_naming_it(tmp_path, module, name):
     marker = tmp_path / "called"
