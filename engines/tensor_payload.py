@@ -15,6 +15,11 @@ torch's own reductions of a tensor name, and hands out checked wrappers of them:
   inert markers: a pickle cannot call them (a `torch.Tensor(n)` or
   `UntypedStorage(n)` would allocate what the pickle asks).
 
+With SGLang's load format "flattened_bucket" an entry is instead
+`{"flattened_tensor": T, "metadata": [FlattenedTensorMetadata(name, shape, dtype,
+start_idx, end_idx, numel), ...]}`: a class named FlattenedTensorMetadata (SGLang's,
+or a framework's copy of it) unpickles as `BucketEntry`, an inert record of ours.
+
 Everything else is refused naming it: arbitrary classes, torch.load's storage
 loaders, and `multiprocessing.resource_sharer.DupFd`, what torch's default
 "file_descriptor" strategy sends (the worker would connect to a socket the payload
@@ -29,6 +34,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import pickle
 import re
 from typing import Any
@@ -68,6 +74,22 @@ _REDUCTIONS = "torch.multiprocessing.reductions"
 # torch's dtypes by the names they pickle as (read from the module's namespace: a
 # getattr on torch could import a submodule the payload names)
 _DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+class BucketEntry:
+    """What a pickled FlattenedTensorMetadata becomes: its six fields, nothing run."""
+    FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+
+    def __init__(self, *args: Any) -> None:
+        if args:
+            raise PayloadError("FlattenedTensorMetadata is built from its state, not called")
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
+            state = state[0]                      # (dict, slots) as a dataclass may pickle
+        if not isinstance(state, dict) or set(state) - set(self.FIELDS):
+            raise PayloadError(f"FlattenedTensorMetadata state {state!r:.80} has other fields")
+        self.__dict__.update(state)
 
 
 def _int(name: str, value: Any, low: int = 0, high: int = 1 << 48) -> int:
@@ -122,6 +144,8 @@ class NamedTensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.admitted:
             return self.admitted[module, name]
+        if name == "FlattenedTensorMetadata":
+            return BucketEntry
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
         if name in ("DupFd", "rebuild_storage_fd"):
@@ -203,9 +227,10 @@ class NamedTensorUnpickler(pickle.Unpickler):
             raise PayloadError(f"CUDA IPC tensor could not be opened: {e}") from None
 
 
-def decode_named_tensors(payload: str, max_bytes: int,
-                         max_tensors: int) -> list[tuple[str, torch.Tensor]]:
-    """One rank's entry of `serialized_named_tensors`, as (name, tensor) pairs.
+def decode_named_tensors(payload: str, max_bytes: int, max_tensors: int,
+                         bucket: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """One rank's entry of `serialized_named_tensors`, as (name, tensor) pairs (with
+    `bucket`, SGLang's "flattened_bucket" format, as views of the flat tensor).
     PayloadError says what is wrong; the tensors view the trainer's memory."""
     if not isinstance(payload, str) or not 0 < len(payload) <= MAX_PAYLOAD_CHARS:
         raise PayloadError(f"a serialized_named_tensors entry must be a base64 string of 1 to "
@@ -221,7 +246,50 @@ def decode_named_tensors(payload: str, max_bytes: int,
     except Exception as e:       # a malformed pickle raises anything; nothing was kept
         raise PayloadError(f"a serialized_named_tensors entry is not a pickle of named tensors: "
                            f"{type(e).__name__}: {e}"[:300]) from None
-    return _checked(named, max_tensors)
+    return _unbucketed(named, max_tensors) if bucket else _checked(named, max_tensors)
+
+
+def _field(entry: Any, name: str) -> Any:
+    value = entry.get(name) if isinstance(entry, dict) else getattr(entry, name, None)
+    if value is None:
+        raise PayloadError(f"bucket metadata {entry!r:.60} lacks {name!r}")
+    return value
+
+
+def _unbucketed(bucket: Any, max_tensors: int) -> list[tuple[str, torch.Tensor]]:
+    """{"flattened_tensor", "metadata"} -> (name, view of the flat tensor) pairs: each
+    entry's slice [start_idx, end_idx) of it, viewed as its dtype, in its shape."""
+    if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
+        raise PayloadError('a flattened_bucket entry must be {"flattened_tensor", "metadata"}')
+    flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        raise PayloadError("flattened_tensor must be a contiguous 1-D tensor")
+    if not isinstance(metadata, list) or not 0 < len(metadata) <= max_tensors:
+        raise PayloadError(f"metadata must be a list of 1 to {max_tensors} entries")
+    out, left = [], flat.numel()      # the entries share the flat tensor, never reuse it
+    for entry in metadata:
+        if not isinstance(entry, (BucketEntry, dict)):
+            raise PayloadError(f"bucket metadata {entry!r:.60} is not FlattenedTensorMetadata")
+        name, dtype = _field(entry, "name"), _dtype(_field(entry, "dtype"))
+        shape = _ints("shape", _field(entry, "shape"))
+        start = _int("start_idx", _field(entry, "start_idx"), 0, flat.numel())
+        end = _int("end_idx", _field(entry, "end_idx"), start, flat.numel())
+        numel = _int("numel", _field(entry, "numel"))
+        if not isinstance(name, str) or math.prod(shape) != numel:
+            raise PayloadError(f"bucket entry {name!r:.60}: shape {shape} does not hold {numel}")
+        left -= end - start
+        if left < 0:
+            raise PayloadError("the bucket's entries cover more than its flat tensor")
+        part = flat[start:end]
+        try:
+            try:
+                out.append((name, part.view(dtype).view(shape)))
+            except RuntimeError:         # an offset not aligned to the dtype: a copy
+                out.append((name, part.clone().view(dtype).view(shape)))
+        except RuntimeError as e:
+            raise PayloadError(f"bucket entry {name!r:.60} does not fit [{start}, {end}) of "
+                               f"the flat tensor: {e}") from None
+    return out
 
 
 def _checked(named: Any, max_tensors: int) -> list[tuple[str, torch.Tensor]]:

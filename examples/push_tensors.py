@@ -14,6 +14,8 @@ or none has.
 
 One entry: every worker takes it; `--per-rank` sends one per worker (tp_size of
 /get_server_info), as a trainer whose ranks each hold their own shard does.
+`--bucket` sends SGLang's load_format "flattened_bucket": one flat tensor and a
+FlattenedTensorMetadata per tensor (fewer handles; slime's colocated default).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -49,9 +52,31 @@ def load_weights(spec: str) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(Path(spec).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+@dataclass
+class FlattenedTensorMetadata:
+    """SGLang's metadata of one tensor in a flat bucket (byte offsets here)."""
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def flattened(named: list[tuple[str, torch.Tensor]]) -> dict:
+    parts, metadata, at = [], [], 0
+    for name, t in named:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + raw.numel(),
+                                                t.numel()))
+        parts.append(raw)
+        at += raw.numel()
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
+
+
+def serialize(obj: object) -> str:
     """One rank's entry: the tensors move to shared memory, their handles are pickled."""
-    return base64.b64encode(bytes(ForkingPickler.dumps(named))).decode()
+    return base64.b64encode(bytes(ForkingPickler.dumps(obj))).decode()
 
 
 def main() -> None:
@@ -60,16 +85,18 @@ def main() -> None:
     ap.add_argument("--weights", required=True, help="tiny:SEED or a safetensors directory")
     ap.add_argument("--version", default=None, help="weight version (left out: it stays)")
     ap.add_argument("--per-rank", action="store_true", help="one entry per worker rank")
+    ap.add_argument("--bucket", action="store_true", help='load_format "flattened_bucket"')
     ap.add_argument("--admin-api-key", default=None)
     args = ap.parse_args()
     url = args.url.rstrip("/")
     mp.set_sharing_strategy("file_system")
     named = list(load_weights(args.weights).items())
-    entries = [serialize(named)]
+    entries = [serialize(flattened(named) if args.bucket else named)]
     if args.per_rank:
         with urllib.request.urlopen(url + "/get_server_info") as r:
             entries *= json.loads(r.read())["tp_size"]
-    body = {"serialized_named_tensors": entries, "load_format": None, "flush_cache": True,
+    body = {"serialized_named_tensors": entries, "flush_cache": True,
+            "load_format": "flattened_bucket" if args.bucket else None,
             "abort_all_requests": False, "weight_version": args.version}
     status, answer = post(url, "/update_weights_from_tensor", body, args.admin_api_key)
     if status != 200 or not answer.get("success"):

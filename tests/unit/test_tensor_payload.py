@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -30,6 +31,30 @@ def strategy():
 def serialize(named) -> str:
     """What SGLang's trainers send for one rank: base64 of a ForkingPickler dump."""
     return base64.b64encode(bytes(ForkingPickler.dumps(named))).decode()
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """The fields of SGLang's bucket metadata (its name is what the unpickler maps)."""
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def flattened(tensors: dict[str, torch.Tensor]) -> dict:
+    """SGLang's flattened bucket: every tensor's bytes back to back in one uint8 tensor,
+    byte offsets in the metadata."""
+    parts, metadata, at = [], [], 0
+    for name, t in tensors.items():
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + raw.numel(),
+                                                t.numel()))
+        parts.append(raw)
+        at += raw.numel()
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
 
 
 def calls(module: str, name: str, arg: str = "") -> str:
@@ -141,6 +166,51 @@ def test_bounds_on_bytes_count_and_size(strategy):
     for bad in ("", "not base64!", "A" * (MAX_PAYLOAD_CHARS + 4), 7):
         with pytest.raises(PayloadError):
             decode_named_tensors(bad, MB, 10)
+
+
+def test_a_flattened_bucket_decodes_to_views_of_its_tensor(strategy):
+    strategy("file_system")
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(5, dtype=torch.bfloat16),
+               "c": torch.randn(2, 2, dtype=torch.float64)}
+    got = decode_named_tensors(serialize(flattened(tensors)), MB, 10, bucket=True)
+    assert [n for n, _ in got] == list(tensors)
+    for (_, t), want in zip(got, tensors.values()):
+        assert t.dtype == want.dtype and torch.equal(t, want)
+    with pytest.raises(PayloadError):                  # a bucket is not a list of pairs
+        decode_named_tensors(serialize(flattened(tensors)), MB, 10)
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"end_idx": 10**6}, "end_idx"), ({"numel": 13}, "does not hold"),
+    ({"shape": torch.Size([4, 4])}, "does not hold"), ({"start_idx": 3}, "does not fit"),
+    ({"dtype": "float32"}, "dtype"), ({"name": None}, "lacks"),
+])
+def test_a_bucket_whose_metadata_lies_is_refused(strategy, change, why):
+    strategy("file_system")
+    bucket = flattened({"a": torch.randn(3, 4)})
+    for k, v in change.items():
+        setattr(bucket["metadata"][0], k, v)
+    with pytest.raises(PayloadError, match=why):
+        decode_named_tensors(serialize(bucket), MB, 10, bucket=True)
+
+
+def test_bucket_entries_cannot_reuse_the_flat_tensor(strategy):
+    """Overlapping entries could make each misaligned one a copy of all of it."""
+    strategy("file_system")
+    bucket = flattened({"a": torch.randn(3, 4)})
+    bucket["metadata"] *= 2
+    bucket["metadata"][1] = FlattenedTensorMetadata("b", torch.Size([3, 4]), torch.float32,
+                                                    0, 48, 12)
+    with pytest.raises(PayloadError, match="cover more"):
+        decode_named_tensors(serialize(bucket), MB, 10, bucket=True)
+
+
+def test_bucket_metadata_with_other_fields_is_refused(strategy):
+    strategy("file_system")
+    bucket = flattened({"a": torch.randn(3, 4)})
+    bucket["metadata"][0].extra = "x"
+    with pytest.raises(PayloadError, match="other fields"):
+        decode_named_tensors(serialize(bucket), MB, 10, bucket=True)
 
 
 @pytest.mark.parametrize("obj", [[], [("a",)], [(1, torch.ones(1))], [("a", [1.0])], "x",

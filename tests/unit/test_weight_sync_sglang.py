@@ -21,6 +21,7 @@ from engines.tiny import tiny_state_dict
 from tests.unit.http_fake import call, front
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_handoff import PROMPT, reference_tiny
+from tests.unit.test_tensor_payload import flattened
 from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
 
@@ -139,6 +140,17 @@ def test_tensors_from_a_payload_move_every_worker(cluster, file_system):
     cluster.check_pages()
 
 
+def test_a_flattened_bucket_moves_every_worker(cluster, file_system):
+    """SGLang's load_format "flattened_bucket": one flat tensor and its metadata."""
+    reply = admin(cluster, "update_weights_from_tensor", load_format="flattened_bucket",
+                  serialized_named_tensors=[serialize(flattened(W2))], weight_version="b7")
+    assert reply["ok"], reply
+    assert versions(cluster) == ["b7", "b7"] and weights_equal(cluster, "tiny:7")
+    reply = cluster.admin("update_weights_from_tensor", load_format="zip",
+                          serialized_named_tensors=["QUJD"])
+    assert not reply["ok"] and reply["status"] == 400 and "load_format" in reply["error"]
+
+
 def test_one_entry_per_worker_in_status_order(cluster, file_system):
     mlp = lambda seed: [(n, t) for n, t in tiny_state_dict(seed).items() if ".mlp." in n]  # noqa: E731
     reply = admin(cluster, "update_weights_from_tensor",
@@ -236,11 +248,14 @@ def test_tensor_route_passes_sglangs_payload_and_refuses_what_it_cannot_do():
     for bad, field in (({"serialized_named_tensors": []}, "serialized_named_tensors"),
                        ({"serialized_named_tensors": [1]}, "serialized_named_tensors"),
                        ({"serialized_named_tensors": ["A" * 70000]}, ""),     # over the body limit
-                       ({"load_format": "flattened_bucket"}, "load_format"),
+                       ({"load_format": "direct"}, "load_format"),
                        ({"flush_cache": "yes"}, "flush_cache")):
         status, answer = call(f, "POST", "/update_weights_from_tensor", body | bad)
         assert status in (400, 413) and field in str(answer), (bad, answer)
     assert len(f.backend.admins) == 1
+    status, _ = call(f, "POST", "/update_weights_from_tensor", body | {"load_format":
+                                                                       "flattened_bucket"})
+    assert status == 200 and f.backend.admins[-1][1]["load_format"] == "flattened_bucket"
 
 
 def test_tensor_route_is_admin_guarded():

@@ -114,7 +114,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """SGLang's {"serialized_named_tensors": [base64 of a ForkingPickler dump of
     [(name, tensor), ...]] (one entry: every worker takes it; one per worker: worker i
-    takes entry i), "load_format": null, "flush_cache", "abort_all_requests",
+    takes entry i), "load_format" (null, or "flattened_bucket": each entry pickles
+    {"flattened_tensor", "metadata"}), "flush_cache", "abort_all_requests",
     "weight_version"}. The tensors stay in memory the trainer shares (shared memory
     with torch's "file_system" strategy, or CUDA IPC): the trainer must run on the
     workers' host. Two-phase, as update_weights_from_distributed; without a
@@ -130,9 +131,12 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         raise BadRequest(f"'serialized_named_tensors' holds more than {MAX_PAYLOAD_CHARS} "
                          "characters: send shared-memory handles, not tensor bytes")
     load_format = take(body, "load_format", string)
-    if load_format is not None:       # SGLang's "flattened_bucket" pickles classes of its own
-        raise BadRequest(f"'load_format' must be null here, not {load_format!r:.40}")
+    if load_format not in (None, "flattened_bucket"):      # SGLang's "direct" and custom
+        raise BadRequest(f"'load_format' must be null or \"flattened_bucket\", not "
+                         f"{load_format!r:.40}")           # loaders name code of its own
     args = {"serialized_named_tensors": entries}
+    if load_format is not None:
+        args["load_format"] = load_format
     version = take(body, "weight_version", text_field)
     if version is not None:
         args["weight_version"] = version

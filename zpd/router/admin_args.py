@@ -83,7 +83,9 @@ ARGS: dict[str, dict[str, Check]] = {
         "serialized_named_tensors": (_payloads, f"a list of 1 to {MAX_RANKS} base64 strings of "
                                                 f"{MAX_PAYLOAD_CHARS} characters in all at most"),
         "weight_version": (lambda v: v is None or _text(v), "a non-empty string (or null: the "
-                                                            "version stays)")},
+                                                            "version stays)"),
+        "load_format": (lambda v: v in (None, "flattened_bucket"),
+                        'null ((name, tensor) pairs) or "flattened_bucket"')},
 }
 REQUIRED = {"update_weights": ("path",), "abort": ("rid",), "update_weight_version": ("version",),
             "init_weights_update_group": ("master_address", "master_port", "rank_offset",

@@ -121,6 +121,7 @@ class RouterWeightSync:
         index = {w.endpoint: (i if len(entries) > 1 else 0) for i, w in enumerate(workers)}
         update_id = uuid.uuid4().hex
         self._two_phase("stage_tensors", lambda w: {"update_id": update_id,
+                                                    "load_format": args.get("load_format"),
                                                     "payload": entries[index[w.endpoint]]},
                         update_id, args.get("weight_version"), "tensors", None, timeout, reply)
 

@@ -217,9 +217,10 @@ class WeightSync:
         payload = args.get("payload")
         if not isinstance(payload, str) or not payload:
             raise StatusError(BAD_REQUEST, "'payload' must be a non-empty base64 string")
-        if args.get("load_format") is not None:
-            raise StatusError(BAD_REQUEST, "'load_format' must be null: tensors come as "
-                                           "(name, tensor) pairs")
+        load_format = args.get("load_format")
+        if load_format not in LOAD_FORMATS:
+            raise StatusError(BAD_REQUEST, "'load_format' must be null ((name, tensor) pairs) "
+                                           "or \"flattened_bucket\"")
         self._idle_or_409()
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
@@ -227,7 +228,8 @@ class WeightSync:
         self.staged = None                # a newer push replaces one never committed
 
         def work() -> list[Announced]:
-            named = decode_named_tensors(payload, limit, MAX_TENSORS)
+            named = decode_named_tensors(payload, limit, MAX_TENSORS,
+                                         bucket=load_format == "flattened_bucket")
             items = announce(net, [n for n, _ in named], [str(t.dtype) for _, t in named],
                              [list(t.shape) for _, t in named])
             if self.shadow is None:       # made here, off the loop: it copies the weights
