@@ -27,7 +27,10 @@ names, with credentials it does not have).
 
 The memory the handles name is on the trainer's host: the worker must run there
 (SGLang's colocated mode). The bytes every storage maps, and the tensor count, are
-bounded by the caller.
+bounded by the caller. A payload can name any torch shared-memory segment on the
+host, so the route that takes it is admin-key guarded. Mapping a "file_system"
+segment connects the worker to the trainer's torch_shm_manager, and torch's libshm
+keeps that connection (and so that manager process) for the worker's life.
 """
 from __future__ import annotations
 

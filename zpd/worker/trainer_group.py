@@ -20,7 +20,10 @@ release that keys its groups differently fails there, not in a user's cluster.
 torch's TCPStore client ignores its timeout while it waits for a server that
 accepted the connection but never answers (measured with torch 2.13: a listening
 socket that never speaks holds `rendezvous` past 60 s with a 3 s timeout), so the
-caller runs `join` on a thread it can abandon (zpd/worker/weight_sync.py).
+caller runs `join` on a thread it can abandon (zpd/worker/weight_sync.py). Such a
+thread ends once the trainer's address closes the connection (torch then retries
+and fails within its timeout); a process that exits while one is still inside torch
+may print "terminate called without an active exception".
 """
 from __future__ import annotations
 
