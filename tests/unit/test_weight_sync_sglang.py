@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ from tests.unit.test_handoff import PROMPT, reference_tiny
 from tests.unit.test_tensor_payload import flattened
 from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
+from zpd.wire.loop import Loop
+from zpd.worker.weight_sync import WeightSync
 
 W2 = tiny_state_dict(7)
 
@@ -118,6 +121,35 @@ def test_a_join_that_never_completes_fails_in_time_and_a_retry_works(cluster):
     while any(t.name == "zpd-weights-g" for t in threading.enumerate()):
         assert time.monotonic() < end, "an abandoned join never ended"
         time.sleep(0.1)
+
+
+def test_a_stuck_join_is_answered_in_real_time():
+    """The same on a real clock: a worker's WeightSync over a real Loop answers a join
+    to a silent port within its timeout plus slack (torch alone would not)."""
+    loop = Loop()
+    core = SimpleNamespace(loop=loop, model=SimpleNamespace(device=torch.device("cpu")))
+    sync, answers = WeightSync(core), []
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        started = time.monotonic()
+        sync.join({"group_name": "stuck", "master_address": "127.0.0.1", "world_size": 2,
+                   "master_port": silent.getsockname()[1], "rank": 1, "timeout_s": 1.0},
+                  lambda ok, result: answers.append((ok, result)))
+        while not answers and time.monotonic() - started < 10:
+            loop.run_once(max_wait=0.05)
+        took = time.monotonic() - started
+        assert answers and not answers[0][0] and "'stuck'" in answers[0][1]["error"], answers
+        assert took < 1.0 + 0.05 + 0.5, took                 # timeout + slack + scheduling
+        assert sync.job is None and not sync.groups
+    finally:
+        silent.close()
+    end = time.monotonic() + 30
+    while any(t.name == "zpd-weights-stuck" for t in threading.enumerate()):
+        assert time.monotonic() < end, "an abandoned join never ended"
+        loop.run_once(max_wait=0.1)
+    loop.close()
 
 
 # --- update_weights_from_tensor --------------------------------------------------------
