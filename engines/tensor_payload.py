@@ -67,7 +67,8 @@ class _Marker:
         return f"<{self.cls.__module__}.{self.cls.__qualname__}>"
 
 
-_TENSORS = {("torch", "Tensor"): torch.Tensor, ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+_TENSORS = {("torch", "Tensor"): torch.Tensor,
+            ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
             ("torch.nn", "Parameter"): torch.nn.Parameter}
 _STORAGES = {("torch.storage", "UntypedStorage"): torch.UntypedStorage,
              ("torch", "UntypedStorage"): torch.UntypedStorage,
@@ -109,7 +110,8 @@ def _ints(name: str, value: Any) -> tuple[int, ...]:
 
 def _cls(value: Any, admitted: dict) -> type:
     if not isinstance(value, _Marker) or value.cls not in admitted.values():
-        raise PayloadError(f"{value!r:.60} is not one of {sorted(c.__name__ for c in admitted.values())}")
+        names = sorted(c.__name__ for c in admitted.values())
+        raise PayloadError(f"{value!r:.60} is not one of {names}")
     return value.cls
 
 
@@ -192,7 +194,8 @@ class NamedTensorUnpickler(pickle.Unpickler):
         tensor_cls = _cls(cls, _TENSORS)
         if not isinstance(storage, torch.TypedStorage):
             raise PayloadError(f"rebuild_tensor of {type(storage).__name__}, not a typed storage")
-        if not isinstance(metadata, tuple) or len(metadata) != 4 or not isinstance(metadata[3], bool):
+        if (not isinstance(metadata, tuple) or len(metadata) != 4
+                or not isinstance(metadata[3], bool)):
             raise PayloadError(f"tensor metadata {metadata!r:.80} is not (offset, size, stride, "
                                "requires_grad)")
         offset, size, stride = _int("offset", metadata[0]), _ints("size", metadata[1]), \
@@ -219,7 +222,8 @@ class NamedTensorUnpickler(pickle.Unpickler):
         self._take(_int("storage size", storage_bytes))
         _fits(_int("offset", offset), _ints("size", size), _ints("stride", stride),
               storage_bytes // _dtype(dtype).itemsize)
-        args = (_cls(tensor_cls, _TENSORS), torch.Size(_ints("size", size)), _ints("stride", stride),
+        args = (_cls(tensor_cls, _TENSORS), torch.Size(_ints("size", size)),
+                _ints("stride", stride),
                 _int("offset", offset), _cls(storage_cls, _STORAGES), _dtype(dtype),
                 _int("device", device, 0, 1024), handle, storage_bytes,
                 _int("storage offset", storage_offset), requires_grad, ref_handle,
