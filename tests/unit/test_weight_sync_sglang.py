@@ -248,6 +248,27 @@ def test_tensors_pushed_while_requests_run_unpaused_are_409_paused_they_land(clu
     cluster.check_pages()
 
 
+def test_released_weights_take_no_push_until_resumed(cluster, file_system):
+    """A push into weights whose memory is released would write into nothing: 409, and
+    nothing changes; resumed, the same push lands."""
+    entry = serialize(list(W2.items()))
+    assert cluster.admin("release_memory", tags=["weights"])["ok"]
+    reply = cluster.admin("update_weights_from_tensor", serialized_named_tensors=[entry],
+                          weight_version="v2")
+    assert not reply["ok"] and {w["status"] for w in reply["workers"] if not w["ok"]} == {409}
+    reply = cluster.admin("init_weights_update_group", master_address="127.0.0.1",
+                          master_port=1, rank_offset=1, world_size=3, group_name="g",
+                          timeout=2.0)
+    assert not reply["ok"] and {w["status"] for w in reply["workers"] if not w["ok"]} == {409}, reply
+    assert cluster.admin("resume_memory", tags=["weights"])["ok"]
+    assert versions(cluster) == ["tiny", "tiny"] and weights_equal(cluster, "tiny")
+    assert admin(cluster, "update_weights_from_tensor", serialized_named_tensors=[entry],
+                 weight_version="v2")["ok"]
+    assert versions(cluster) == ["v2", "v2"] and weights_equal(cluster, "tiny:7")
+    assert idle(cluster)
+    cluster.check_pages()
+
+
 # --- the HTTP routes' own checks ---------------------------------------------------------
 
 

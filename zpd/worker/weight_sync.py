@@ -117,6 +117,7 @@ class WeightSync:
         if name in self.groups:
             raise StatusError(CONFLICT, f"already in weight group {name!r}: destroy it first")
         self._idle_or_409()
+        self.core.memory.require_weights("init_weights_update_group")   # its shadow copies them
 
         def done(group: TrainerGroup | None, error: Exception | None) -> None:
             if isinstance(error, _Abandoned):
@@ -224,6 +225,7 @@ class WeightSync:
         self._idle_or_409()
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
+        core.memory.require_weights("update_weights_from_tensor")
         net, limit = core.model.net, push_limit(core.model.net)
         self.staged = None                # a newer push replaces one never committed
 
@@ -265,6 +267,7 @@ class WeightSync:
             raise StatusError(CONFLICT, f"no staged push {update_id!r} to commit")
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "requests started since the push was staged: pause first")
+        core.memory.require_weights("committing pushed weights")     # released since staged
         started = time.monotonic()
         try:
             with core.long_call():
