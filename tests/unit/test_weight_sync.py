@@ -173,10 +173,12 @@ def test_a_partial_push_changes_only_its_tensors(cluster, trainer):
     assert versions(cluster) == ["mlp-only"] * 2
 
 
-def test_a_version_is_given_when_the_trainer_names_none(cluster, trainer):
+def test_the_version_stays_when_the_trainer_names_none(cluster, trainer):
+    """SGLang's way, as update_weights_from_disk and _from_tensor: new weights, same name."""
     assert join(cluster, trainer)["ok"]
     reply = push(cluster, trainer, W2, version=None)
-    assert reply["ok"] and versions(cluster) == [reply["weight_version"]] * 2 != ["tiny"] * 2
+    assert reply["ok"] and reply["weight_version"] == "tiny", reply
+    assert versions(cluster) == ["tiny", "tiny"] and weights_equal(cluster, "tiny:7")
 
 
 # --- refusals and failures: every worker keeps the old weights ---------------------------

@@ -41,7 +41,6 @@ class RouterWeightSync:
         self.admin = admin
         self.server = admin.server
         self.active: str | None = None        # the push or join under way
-        self.pushes = 0
 
     def run(self, command: str, args: dict, timeout: float, reply: Reply) -> None:
         if self.active is not None:
@@ -102,9 +101,8 @@ class RouterWeightSync:
         lengths = {len(args[k]) for k in ("names", "dtypes", "shapes")}
         if len(lengths) != 1:
             raise BadArgs("'names', 'dtypes' and 'shapes' must have the same length")
-        self.pushes += 1
         name, update_id = args["group_name"], uuid.uuid4().hex
-        version = args.get("weight_version") or f"{name}-{self.pushes}"
+        version = args.get("weight_version")      # None: each worker keeps its own (SGLang's way)
         stage = {k: args.get(k) for k in ("names", "dtypes", "shapes", "load_format")} | {
             "group_name": name, "update_id": update_id, "timeout_s": timeout * 0.9}
         self._two_phase("stage_weights", lambda w: stage, update_id, version,
