@@ -9,7 +9,6 @@ import base64
 import socket
 import threading
 import time
-from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +21,7 @@ from engines.tiny import tiny_state_dict
 from tests.unit.http_fake import call, front
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_handoff import PROMPT, reference_tiny
-from tests.unit.test_tensor_payload import flattened
+from tests.unit.test_tensor_payload import flattened, serialize
 from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
 from zpd.wire.loop import Loop
@@ -45,10 +44,6 @@ def file_system():
     mp.set_sharing_strategy("file_system")
     yield
     mp.set_sharing_strategy(before)
-
-
-def serialize(named) -> str:
-    return base64.b64encode(bytes(ForkingPickler.dumps(named))).decode()
 
 
 def idle(c: InprocCluster) -> bool:
