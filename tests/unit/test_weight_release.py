@@ -4,6 +4,8 @@ nothing runs the model meanwhile, and a refusal releases nothing. Also the versi
 commands: update_weight_version, and update_weights without a version."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import stat
 
@@ -54,10 +56,13 @@ def test_released_weights_free_their_memory_and_come_back_bit_for_bit(big):
         params = {n: p.detach().clone() for n, p in c.decode.model.net.named_parameters()}
         size = weight_bytes(c.prefill) + weight_bytes(c.decode)
         assert size > 150e6
-        at_start = rss()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)      # earlier tests' freed heap goes now, not
+        at_start = rss()                             # with the release (seen: 2.1 GB in a full run)
         assert c.admin("release_memory", tags=["weights"])["ok"]
         dropped = at_start - rss()
-        assert 0.9 * size < dropped < 1.2 * size, (dropped, size)
+        assert weight_bytes(c.prefill) == weight_bytes(c.decode) == 0
+        assert dropped > 0.9 * size, (dropped, size)     # more may go: other frees
         assert states(c) == [("resident", "released")] * 2
         rid = c.submit(PROMPT, 12)                   # held: nothing may run the model now
         c.pump(60)

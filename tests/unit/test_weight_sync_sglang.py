@@ -122,7 +122,8 @@ def test_a_stuck_join_is_answered_in_real_time():
     """The same on a real clock: a worker's WeightSync over a real Loop answers a join
     to a silent port within its timeout plus slack (torch alone would not)."""
     loop = Loop()
-    core = SimpleNamespace(loop=loop, model=SimpleNamespace(device=torch.device("cpu")))
+    core = SimpleNamespace(loop=loop, model=SimpleNamespace(device=torch.device("cpu")),
+                           memory=SimpleNamespace(require_weights=lambda what: None))
     sync, answers = WeightSync(core), []
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
