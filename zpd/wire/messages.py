@@ -1,5 +1,6 @@
-"""The control plane's messages: one frozen, slotted dataclass per wire type, and
-``new_room``, which defines a request's room.
+"""The control plane's messages: one frozen, slotted dataclass per wire type (the
+token stream's, ``Tokens``, is in ``zpd.wire.tokens``), and ``new_room``, which
+defines a request's room.
 
 Each record's fields are its wire fields, in order; ``zpd.wire.protocol`` derives the
 codec from the annotations (``list[int]`` travels as an int32 blob, ``list[float]`` as a
@@ -10,8 +11,6 @@ here, so ``from zpd.wire.protocol import Generate`` is the usual import.
 from __future__ import annotations
 
 import random
-import types
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -173,204 +172,6 @@ class Recompute(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class TokenPart:
-    """One request's share of a ``Tokens`` message, in memory only (never sent alone):
-    its new tokens, one weight version each. ``finish`` is the finish_reason once the
-    request has ended, ``meta`` its final meta. ``logprobs`` (one per token) only when
-    the request asked for logprobs, ``top_logprobs`` (per token, [(token id, logprob),
-    ...] highest first) only when it asked for top logprobs; None otherwise."""
-
-    rid: str
-    token_ids: list[int]
-    weight_versions: list[str]
-    finish: Optional[dict] = None
-    meta: dict = field(default_factory=dict)
-    logprobs: Optional[list[float]] = None
-    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish is not None
-
-    @property
-    def logprob_mode(self) -> int:
-        """What the part carries besides tokens: 0 nothing, 1 logprobs, 2 logprobs and
-        top logprobs (the per-rid value of ``Tokens.logprob_mode``)."""
-        return 0 if self.logprobs is None else 1 if self.top_logprobs is None else 2
-
-    def early_entry(self) -> list:
-        """The part's first token as the router's ``continue`` carries it to a decode
-        (the first token a prefill sent ahead): [token, version], then its logprob and
-        [[token id, logprob], ...] alternatives when the part has them."""
-        entry: list = [self.token_ids[0], self.weight_versions[0]]
-        if self.logprobs is not None:
-            entry.append(self.logprobs[0])
-        if self.top_logprobs is not None:
-            entry.append([list(pair) for pair in self.top_logprobs[0]])
-        return entry
-
-    def skip(self, n: int) -> "TokenPart":
-        """The part without its first `n` tokens (and their logprobs)."""
-        return TokenPart(self.rid, self.token_ids[n:], self.weight_versions[n:], self.finish,
-                         self.meta, _tail(self.logprobs, n), _tail(self.top_logprobs, n))
-
-    def then(self, later: "TokenPart") -> "TokenPart":
-        """This part followed by a later one of the same request; the later one's
-        finish and meta win."""
-        return TokenPart(self.rid, self.token_ids + later.token_ids,
-                         self.weight_versions + later.weight_versions, later.finish, later.meta,
-                         _join(self.logprobs, later.logprobs),
-                         _join(self.top_logprobs, later.top_logprobs))
-
-    @classmethod
-    def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "TokenPart":
-        """A request's final answer when it ends in an abort or failure (``status``: a
-        DESIGN status code); the one place that builds that finish_reason."""
-        return cls(rid, [], [], {"type": "abort", "status_code": status, "message": message},
-                   dict(meta or {}))
-
-
-@dataclass(frozen=True, slots=True)
-class Tokens(Message):
-    """Worker → router → client: new tokens of one or more requests, so a decode step
-    costs one send per peer instead of one per request. Parallel arrays: request
-    ``rids[i]`` gets the next ``counts[i]`` entries of ``token_ids`` and
-    ``weight_versions``; ``ends`` maps each finished rid to ``{"finish": finish_reason,
-    "meta": meta}``. ``first``: a streamed request's first token, sent by its prefill
-    straight to the router ahead of the KV write (the decode sends it again later).
-
-    Logprobs, only for the requests that asked (all None, no frame, when none in the
-    message did): ``logprob_mode[i]`` is rid i's ``TokenPart.logprob_mode`` (0, 1, 2);
-    ``logprobs`` (float32) has one entry per token of each rid with mode 1 or 2, in
-    order; ``top_counts`` one per token of each rid with mode 2, the number of its
-    alternatives, whose ids and logprobs are the next that many entries of ``top_ids``
-    and ``top_logprobs`` (float32)."""
-
-    TYPE: ClassVar[str] = "tokens"
-    rids: list[str]
-    counts: list[int]
-    token_ids: list[int]
-    weight_versions: list[str]
-    ends: dict = field(default_factory=dict)
-    first: bool = False
-    logprob_mode: Optional[list[int]] = None
-    logprobs: Optional[list[float]] = None
-    top_counts: Optional[list[int]] = None
-    top_ids: Optional[list[int]] = None
-    top_logprobs: Optional[list[float]] = None
-
-    def __post_init__(self) -> None:
-        if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
-            raise ProtocolError(f"tokens: {len(self.counts)} counts for {len(self.rids)} rids")
-        if sum(self.counts) != len(self.token_ids) or len(self.token_ids) != len(self.weight_versions):
-            raise ProtocolError(f"tokens: counts sum to {sum(self.counts)} but there are "
-                                f"{len(self.token_ids)} ids and {len(self.weight_versions)} versions")
-        rids = set(self.rids)
-        if len(rids) != len(self.rids):
-            raise ProtocolError("tokens: a rid appears twice")
-        for rid, end in self.ends.items():
-            # An end without a finish_reason would make the part look unfinished.
-            if rid not in rids or type(end) is not dict or type(end.get("finish")) is not dict \
-                    or type(end.get("meta", {})) is not dict:
-                raise ProtocolError(f"tokens: bad end for rid {rid!r}")
-        self._check_logprobs()
-
-    def _check_logprobs(self) -> None:
-        """Every logprob array holds exactly what ``logprob_mode`` and the counts say."""
-        mode = self.logprob_mode
-        if mode is None:
-            if (self.logprobs, self.top_counts, self.top_ids, self.top_logprobs) != (None,) * 4:
-                raise ProtocolError("tokens: logprob arrays without logprob_mode")
-            return
-        if len(mode) != len(self.rids) or any(m not in (0, 1, 2) for m in mode):
-            raise ProtocolError(f"tokens: logprob_mode {mode[:8]} for {len(self.rids)} rids")
-        with_logprobs = sum(c for c, m in zip(self.counts, mode) if m)
-        if self.logprobs is None or len(self.logprobs) != with_logprobs:
-            raise ProtocolError(f"tokens: {with_logprobs} tokens with logprobs but "
-                                f"{_size(self.logprobs)} logprobs")
-        with_top = sum(c for c, m in zip(self.counts, mode) if m == 2)
-        if 2 not in mode:
-            if (self.top_counts, self.top_ids, self.top_logprobs) != (None,) * 3:
-                raise ProtocolError("tokens: top logprobs where no rid has mode 2")
-            return
-        if self.top_counts is None or len(self.top_counts) != with_top or \
-                any(n < 0 for n in self.top_counts):
-            raise ProtocolError(f"tokens: {with_top} tokens with top logprobs but top_counts "
-                                f"has {_size(self.top_counts)}")
-        alternatives = sum(self.top_counts)
-        if _size(self.top_ids) != alternatives or _size(self.top_logprobs) != alternatives:
-            raise ProtocolError(f"tokens: top_counts sum to {alternatives} but there are "
-                                f"{_size(self.top_ids)} ids and {_size(self.top_logprobs)} logprobs")
-
-    @classmethod
-    def pack(cls, parts: Sequence[TokenPart], first: bool = False) -> "Tokens":
-        """One message for many parts (distinct rids)."""
-        return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
-                   [i for t in parts for i in t.token_ids],
-                   [v for t in parts for v in t.weight_versions],
-                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first,
-                   **_pack_logprobs(parts))
-
-    @classmethod
-    def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "Tokens":
-        """The whole message that ends one request with ``status`` (see TokenPart.abort)."""
-        return cls.pack([TokenPart.abort(rid, status, message, meta)])
-
-    def unpack(self) -> list[TokenPart]:
-        """The parts, in order."""
-        out, at = [], 0
-        logprobs = _Reader(self.logprobs or [])
-        counts, ids, values = (_Reader(a or []) for a in (self.top_counts, self.top_ids,
-                                                          self.top_logprobs))
-        for rid, n, mode in zip(self.rids, self.counts, self.logprob_mode or [0] * len(self.rids)):
-            end = self.ends.get(rid) or {}
-            top = None if mode < 2 else [list(zip(ids.take(k), values.take(k)))
-                                         for k in counts.take(n)]
-            out.append(TokenPart(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
-                                 end.get("finish"), end.get("meta", {}),
-                                 logprobs.take(n) if mode else None, top))
-            at += n
-        return out
-
-
-def _pack_logprobs(parts: Sequence[TokenPart]) -> dict:
-    """``Tokens``' logprob fields for `parts`: none at all when no part has logprobs."""
-    modes = [t.logprob_mode for t in parts]
-    if not any(modes):
-        return {}
-    out = {"logprob_mode": modes, "logprobs": [v for t in parts for v in t.logprobs or []]}
-    if 2 in modes:
-        tops = [top for t in parts for top in t.top_logprobs or []]
-        out |= {"top_counts": [len(top) for top in tops],
-                "top_ids": [i for top in tops for i, _ in top],
-                "top_logprobs": [v for top in tops for _, v in top]}
-    return out
-
-
-class _Reader:
-    """Consecutive slices of one list."""
-
-    def __init__(self, values: list) -> None:
-        self.values, self.at = values, 0
-
-    def take(self, n: int) -> list:
-        self.at += n
-        return self.values[self.at - n:self.at]
-
-
-def _size(values: Optional[list]) -> int:
-    return -1 if values is None else len(values)
-
-
-def _tail(values: Optional[list], n: int) -> Optional[list]:
-    return None if values is None else values[n:]
-
-
-def _join(a: Optional[list], b: Optional[list]) -> Optional[list]:
-    return None if a is None and b is None else (a or []) + (b or [])
-
-
-@dataclass(frozen=True, slots=True)
 class Accepted(Message):
     """Router → client, at once for every Generate it receives, whatever it then does
     with it (routes it, queues it while paused, or answers an error): the client
@@ -440,12 +241,3 @@ class Error(Message):
     status: int
     reason: str
     rid: str = ""
-
-
-MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
-    {
-        cls.TYPE: cls
-        for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                    Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error)
-    }
-)

@@ -1,5 +1,6 @@
 """The control plane's wire format and its single codec; the typed messages it
-carries are defined in ``zpd.wire.messages`` and re-exported here.
+carries are defined in ``zpd.wire.messages`` and ``zpd.wire.tokens`` and re-exported
+here, with ``MESSAGE_TYPES``, every type by its wire name.
 
 Wire: a multipart message ``[header, *blobs]``. ``header`` is an orjson object
 ``{"v": PROTOCOL_VERSION, "type": <TYPE>, ...fields}``. Fields typed
@@ -29,8 +30,9 @@ import orjson
 
 # The usual import path for every message name (``from zpd.wire.protocol import ...``).
 from zpd.wire.messages import (
-    MESSAGE_TYPES, Abort, Accepted, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest,
-    KvDone, KvFailed, Message, Ping, Pong, ProtocolError, Recompute, TokenPart, Tokens, new_room)
+    Abort, Accepted, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest, KvDone,
+    KvFailed, Message, Ping, Pong, ProtocolError, Recompute, new_room)
+from zpd.wire.tokens import TokenPart, Tokens
 
 __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Error", "Generate", "Hello", "HelloAck",
            "KvDest", "KvDone", "KvFailed", "Message", "Ping", "Pong", "ProtocolError", "Recompute",
@@ -38,6 +40,10 @@ __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Error", "Generate", "Hel
            "MAX_FRAME_BYTES", "MAX_FRAMES", "encode", "decode"]
 
 PROTOCOL_VERSION = 1
+
+MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
+    {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
+                               Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error)})
 
 # The largest frame a bound socket accepts (ZeroMQ's MAXMSGSIZE bounds each frame, not
 # a message). The largest legitimate ones are a generate's: its ids as int32 (at most
