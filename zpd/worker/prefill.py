@@ -18,18 +18,17 @@ import time
 from collections import deque
 
 import transport
-from engines.prefix_cache import PrefixCache, cache_status
 from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
                              validate_prefix)
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute, Tokens
-from zpd.wire.recent import Recent
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.parts import first_logprob_fields, token_part
 from zpd.worker.peers import DecodePeers, skipped
+from zpd.worker.prompt_pages import PromptPages
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
 
@@ -71,13 +70,12 @@ class PrefillScheduler:
         self.transfer_ids = itertools.count(1)
         self.page_size = self.pool.layout.page_size
         # --clear-freed-pages asks that no request's KV outlive it: nothing is cached then
-        self.cache = PrefixCache(self.pool.allocator, self.page_size) \
-            if core.cfg.prefix_cache and not core.cfg.clear_freed_pages else None
+        self.pages = PromptPages(self.pool, core.cfg.prefix_cache and not core.cfg.clear_freed_pages,
+                                 lambda: core.model.version)
         # cumulative, reported in status for /metrics
         self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0,
                          "kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
                          "kv_transfer_failures": 0}
-        self.recent_cache = Recent(60, width=2)      # (cached, looked-up) prompt tokens
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
                          Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
                          KvFailed: self.on_kv_failed, Abort: self.on_abort}
@@ -114,21 +112,8 @@ class PrefillScheduler:
     def has_work(self) -> bool:
         return self._fits(self.pending[0]) if self.pending else False
 
-    def _keys(self, job: PrefillJob) -> list[bytes]:
-        """The prefix-cache keys of the job's prompt under the current weights."""
-        version = self.core.model.version
-        if job.prefix_keys is None or job.prefix_keys[0] != version:
-            job.prefix_keys = (version, self.cache.keys(job.req.prompt, version))
-        return job.prefix_keys[1]
-
     def _fits(self, job: PrefillJob) -> bool:
-        n = len(job.req.prompt)
-        need, room = self.pool.pages_for(n), self.pool.allocator.free
-        if self.cache is not None:
-            hit = self.cache.peek(self._keys(job), n)
-            need -= hit
-            room += max(0, self.cache.evictable - hit)     # its own hits are not room
-        return self.core.schedulable() and need <= room
+        return self.core.schedulable() and self.pages.fits(job)
 
     def step(self) -> None:
         if self.pending and self.by_transfer:
@@ -147,8 +132,7 @@ class PrefillScheduler:
         done = time.monotonic()
         for job in batch:
             job.marks |= {"forward": started, "computed": done}
-            if self.cache is not None:
-                self.cache.insert(self._keys(job), job.req.pages, job.skip)
+            self.pages.computed(job)
         self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) - j.skip * self.page_size
                                                        for j in batch)
         self.counters["prefill_forward_seconds"] += done - started
@@ -176,37 +160,19 @@ class PrefillScheduler:
             if not self._fits(job):
                 break
             n = len(job.req.prompt)
-            keys = self._keys(job) if self.cache is not None else []
-            hit = self.cache.peek(keys, n) if self.cache is not None else 0
+            keys, hit = self.pages.keys(job), self.pages.hit(job)
             # wait for a batch-mate only for a page this prompt could take from the cache
             # (the page of its last token is always computed)
             if keys and hit < (n - 1) // self.page_size and keys[hit] in computing:
                 continue
             if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
                 break
-            job.req.pages, job.skip = self._pages(keys, n), hit
-            self.recent_cache.add(hit * self.page_size, n)
+            self.pages.take(job)
             self.move(job, JobPhase.COMPUTING)
             batch.append(job)
             tokens += n - hit * self.page_size
             computing.update(keys[hit:])
         return batch
-
-    def _pages(self, keys: list[bytes], n: int) -> list[int]:
-        """A prompt's pages: its cached prefix's (referenced), then new ones (evicting
-        idle cached pages for room). `_fits` said they are there."""
-        if self.cache is None:
-            return self.pool.allocator.alloc(self.pool.pages_for(n))
-        cached = self.cache.match(keys, n)
-        rest = self.pool.pages_for(n) - len(cached)
-        self.cache.make_room(rest)
-        return cached + self.pool.allocator.alloc(rest)
-
-    def free_pages(self, pages: list[int]) -> None:
-        """Give a job's pages back: the cache's are released to it, the rest freed."""
-        own = self.cache.release(pages) if self.cache is not None else pages
-        if own:
-            self.pool.allocator.free_pages(own)
 
     def after_compute(self, batch: list[PrefillJob]) -> None:
         for job in batch:
@@ -226,7 +192,7 @@ class PrefillScheduler:
                 self.end(job, INTERNAL, reason)
                 continue
             # Its decode is not known until its kv_dest comes: refused, as at admission.
-            self.free_pages(job.req.pages)
+            self.pages.free(job.req.pages)
             job.req.pages, job.failure = [], (INTERNAL, reason)
             self.move(job, JobPhase.REJECTED)
 
@@ -389,7 +355,7 @@ class PrefillScheduler:
         if job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req is not None and job.req.pages:
-            self.free_pages(job.req.pages)
+            self.pages.free(job.req.pages)
             job.req.pages = []
 
     # --- pause, continue, status (the core's admin commands call these) ---------------
@@ -424,25 +390,23 @@ class PrefillScheduler:
 
     def on_weights_changed(self) -> None:
         """KV computed under the old weights must never be used again."""
-        if self.cache is not None:
-            freed = self.cache.invalidate()
+        if self.pages.cache is not None:
+            freed = self.pages.invalidate()
             log.info("prefix cache invalidated (new weights): %d pages freed", freed)
 
     def flush_cache(self) -> int:
         """Drop every cached page (the caller checked no request runs)."""
-        return self.cache.invalidate() if self.cache is not None else 0
+        return self.pages.invalidate()
 
     def status(self) -> dict:
         jobs = list(self.jobs.values())
         owners = {j for j in jobs + list(self.by_transfer.values()) if j.req is not None}
         phases = [j.phase for j in jobs]
         held = {p for j in owners for p in j.req.pages}       # shared cached pages once
-        cache = cache_status(self.cache)
-        hits, asked = self.recent_cache.totals()     # the last minute's, for /metrics
+        cache = self.pages.status()
         return {"kv_pages": {"held": len(held), "fenced": 0, "cached": cache["cached"]},
                 "page_size": self.page_size,
-                "prefix_cache": cache["prefix_cache"] | {
-                    "recent_hit_tokens": hits, "recent_query_tokens": asked},
+                "prefix_cache": cache["prefix_cache"],
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
                            "writing": len(self.by_transfer),
