@@ -10,7 +10,6 @@ held in memory twice.
 from __future__ import annotations
 
 import re
-import struct
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from engines.config import ModelConfig, ModelError
+from engines.gguf_header import BadHeader, read_header
 
 # GGUF architecture -> (Hugging Face architecture, q/k rows permuted by llama.cpp)
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -62,17 +62,17 @@ class GGUFFile:
     """One opened GGUF file. Every problem with it is a ModelError naming the file."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf  # lazily: only GGUF users need the package
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelError(f"{path}: no such GGUF file")
         try:
-            self.reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, OSError, KeyError, struct.error) as e:
-            raise ModelError(f"{path}: not a readable GGUF file (truncated or corrupt?): "
-                             f"{type(e).__name__}: {e}") from None
-        self.meta: dict[str, Any] = {k: f.contents() for k, f in self.reader.fields.items()}
+            header = read_header(self.path)   # every count bounded (engines/gguf_header.py)
+        except BadHeader as e:
+            raise ModelError(f"{path}: not a readable GGUF file: {e}") from None
+        except OSError as e:
+            raise ModelError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from None
+        self.meta: dict[str, Any] = header.meta
+        self.infos = header.tensors
         self.arch = str(self.meta.get("general.architecture", "?"))
         if self.arch not in ARCHITECTURES:
             raise ModelError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
@@ -82,7 +82,7 @@ class GGUFFile:
     def _check_tensor_types(self) -> None:
         from gguf import quants
 
-        for t in self.reader.tensors:
+        for t in self.infos:
             kind = t.tensor_type
             # the package's own table of types it can dequantize (I8..I64, Q8_K... are not)
             if kind.name not in _PLAIN and kind not in quants._type_traits:
@@ -98,8 +98,8 @@ class GGUFFile:
     def config(self) -> ModelConfig:
         """The model's config, spelled as a Hugging Face config.json would be."""
         hf_arch, _ = ARCHITECTURES[self.arch]
-        names = {t.name for t in self.reader.tensors}
-        embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        names = {t.name for t in self.infos}
+        embd = next((t for t in self.infos if t.name == "token_embd.weight"), None)
         if embd is None:
             raise ModelError(f"{self.path}: no token_embd.weight tensor")
         raw = {
@@ -151,11 +151,11 @@ class GGUFFile:
         read it only by calling the third item."""
         cfg = self.config()
         permuted = ARCHITECTURES[self.arch][1]
-        for t in self.reader.tensors:
+        for t in self.infos:
             name = hf_name(t.name)
             if name is None:
                 raise ModelError(f"{self.path}: unexpected tensor {t.name!r}")
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))   # ggml lists dims inner first
+            shape = tuple(reversed(t.shape))       # ggml lists dims inner first
             heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
             rows = next((h for k, h in heads.items() if permuted and f".{k}." in name), 0)
             yield name, shape, _reader(t, shape, rows)

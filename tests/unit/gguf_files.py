@@ -3,6 +3,7 @@
 a byte-level vocabulary equal to the tiny model's tokenizer."""
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +104,36 @@ def quantized_close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
     """Within `tol` of the tensor's largest magnitude: quantization's error, not a
     misplaced row (which would be off by the weights' own size)."""
     return float(np.abs(a - b).max()) <= tol * float(np.abs(b).max())
+
+
+# --- hand-made headers, for files the gguf writer refuses to write ---------------------
+
+
+def gguf_string(text: str | bytes, length: int | None = None) -> bytes:
+    """A GGUF string; `length` overrides the declared byte count."""
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw) if length is None else length) + raw
+
+
+def gguf_kv(key: str, kind: int, payload: bytes) -> bytes:
+    """One metadata entry: key, value type (GGUFValueType), the value's bytes."""
+    return gguf_string(key) + struct.pack("<I", kind) + payload
+
+
+def gguf_array(kind: int, count: int, items: bytes = b"") -> bytes:
+    """An array value (type 9): element type, declared count, the elements' bytes."""
+    return struct.pack("<IQ", kind, count) + items
+
+
+def gguf_tensor(name: str, dims: list[int], kind: int = 0, offset: int = 0) -> bytes:
+    """One tensor's info: name, dims (ggml order), GGML type, offset in the data."""
+    return gguf_string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, kind, offset)
+
+
+def raw_gguf(path: Path, kvs: list[bytes] = (), tensors: list[bytes] = (), n_kv: int | None = None,
+             n_tensors: int | None = None, tail: bytes = b"") -> Path:
+    """A GGUF v3 file from raw parts; the counts default to the parts given."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv)
+    path.write_bytes(head + b"".join(kvs) + b"".join(tensors) + tail)
+    return path
