@@ -115,6 +115,9 @@ class WorkerConfig:
     weights_root: str | None = None  # update_weights loads only from under here; None: anywhere
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
+    # --weight-sync-timeout: the most seconds a trainer's join or push may take here; past it
+    # the helper receiving it is killed and the old weights stay (zpd/worker/weight_sync.py)
+    weight_sync_timeout: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -131,10 +134,16 @@ class RouterConfig:
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
-    # Each client's share (zpd/router/shares.py). The defaults are generous; set from the
-    # decodes' KV pool, they keep one client from starving the others (README, "Limits").
-    max_client_requests: int = 1024  # --max-client-requests: in flight + queued
-    max_client_tokens: int = 1 << 22  # --max-client-tokens: prompt + max_new_tokens in flight
+    # Each client's share (zpd/router/shares.py): past it, its requests wait their turn.
+    # The defaults are generous; set from the decodes' KV pool, they keep one client from
+    # starving the others (README, "Limits").
+    max_client_requests: int = 1024  # --max-client-requests: routed at once
+    max_client_tokens: int = 1 << 22  # --max-client-tokens: prompt + max_new_tokens routed
+    # The waiting room (zpd/router/admission.py): requests routed to the workers at once
+    # (0: 64 per decode), how many may wait, and how long (seconds) each may.
+    max_concurrent_requests: int = 0  # --max-concurrent-requests (sglang-router's name)
+    queue_size: int = 1 << 14        # --queue-size: past it, 429 "queue full"
+    queue_timeout: float = 300.0     # --queue-timeout: past it, 503 "queue timeout"
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,20 @@ class HttpConfig:
     admin_timeout: float = 30.0      # seconds an admin command may take (update: weights_timeout)
     weights_timeout: float = 600.0   # seconds a weight update (disk or a trainer's push) may take
     max_body_bytes: int = 64 << 20   # a request body larger than this is refused (413)
+    # Connections and bodies (zpd/http/connections.py, body.py): slow or idle ones are closed.
+    keepalive_timeout: float = 75.0  # --keepalive-timeout: idle between requests
+    header_timeout: float = 10.0     # --header-timeout: a request's headers, from its first byte
+    body_timeout: float = 60.0       # --body-timeout: a request's body, once its route reads it (408)
+    max_connections: int = 0         # --max-connections: open at once (0: 3/4 of the fd limit)
+    allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: Host names a keyless front answers
+    # What one call may ask for and how its stream is written (README, "HTTP server"):
+    # refused with 400 before anything reaches the router, or aborted when unread.
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # the cluster's caps
+    max_batch_requests: int = 1024   # --max-batch-requests: generations per call (prompts x n)
+    incremental_streaming_output: bool = False  # SGLang's flag: /generate events carry only news
+    max_event_logprobs: int = 1 << 15  # --max-event-logprobs: per cumulative /generate event
+    stream_write_timeout: float = 60.0  # a stream its client has not read for this long is aborted
+    stream_buffer_bytes: int = 1 << 20  # a stream's unsent bytes before its writes wait
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -87,15 +87,18 @@ def test_default_of() -> None:
 
 def test_limit_flags_reach_router_and_workers_through_launch() -> None:
     la = parse("launch", "--model", "tiny", "--max-text-bytes", "100", "--max-input-ids", "50",
-               "--max-client-requests", "7", "--max-client-tokens", "900")
+               "--max-client-requests", "7", "--max-client-tokens", "900",
+               "--max-concurrent-requests", "12", "--queue-size", "34", "--queue-timeout", "5.5")
     assert worker_config(parse("decode", *worker_argv(la)), "decode").prompt_limits == \
         PromptLimits(100, 50)
     r = router_config(parse("router", "--prefill", "a:1", "--decode", "b:2", *router_argv(la)))
     assert (r.prompt_limits, r.max_client_requests, r.max_client_tokens) == \
         (PromptLimits(100, 50), 7, 900)
+    assert (r.max_concurrent_requests, r.queue_size, r.queue_timeout) == (12, 34, 5.5)
     assert router_argv(parse("launch", "--model", "tiny")) == [
         "--max-text-bytes", str(1 << 20), "--max-input-ids", str(1 << 20),
         "--max-client-requests", "1024", "--max-client-tokens", str(1 << 22),
+        "--max-concurrent-requests", "0", "--queue-size", str(1 << 14), "--queue-timeout", "300.0",
         "--busy-poll-us", str(default_of(RouterConfig, "busy_poll_us"))]
 
 

@@ -13,7 +13,7 @@ from tests.unit.inproc import InprocCluster, reference
 from zpd.config import PromptLimits
 from zpd.router.shares import ClientShares
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Generate, Ping, Pong, Tokens
+from zpd.wire.protocol import Generate, Ping, Pong
 from zpd.worker.decode import DecodePhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
@@ -119,43 +119,7 @@ def test_pings_are_answered_while_a_long_text_is_tokenized(cluster, monkeypatch)
 # --- each client's share of the router -----------------------------------------------
 
 
-def read_all(dealer: Dealer, c: InprocCluster, rid: str) -> dict:
-    """Pump until `rid`'s final answer reaches `dealer` (not the cluster's client)."""
-    for _ in range(400):
-        c.pump(1)
-        while (msg := dealer.recv()) is not None:
-            for part in msg.unpack() if isinstance(msg, Tokens) else []:
-                if part.rid == rid and part.finished:
-                    return part.finish
-    raise AssertionError(f"no answer for {rid}")
-
-
-@pytest.mark.parametrize("limits, what", [({"max_client_requests": 3}, "max-client-requests"),
-                                           ({"max_client_tokens": 3 * (len(PROMPT) + 4)},
-                                            "max-client-tokens")])
-def test_a_client_past_its_share_gets_503_at_once_another_is_served(limits, what):
-    c = InprocCluster(router_args=limits)
-    other = Dealer(c.ctx, c.router.endpoint, identity=b"other")
-    try:
-        mine = [c.submit(PROMPT, 4) for _ in range(3)]
-        c.pump(1)
-        assert not any(c.finished(r) for r in mine)
-        over = c.submit(PROMPT, 4)
-        c.pump(1)                                  # one turn: answered, never queued
-        assert c.answers[over].status == 503
-        assert c.answers[over].finish["message"].startswith("busy:")
-        assert what in c.answers[over].finish["message"]
-        other.send(Generate("theirs", PROMPT, GREEDY))
-        assert read_all(other, c, "theirs")["type"] == "length"
-        for rid in mine:
-            assert c.run(rid).token_ids == reference(c, PROMPT, 4)
-        again = c.submit(PROMPT, 4)                # the share came back with the answers
-        assert c.run(again).finish["type"] == "length"
-        assert c.router.shares.held == {}
-        c.check_pages()
-    finally:
-        other.close()
-        c.close()
+# A client past its share now waits its turn: tests/unit/test_router_queue.py.
 
 
 def test_one_request_larger_than_a_whole_share_is_400():
@@ -173,7 +137,7 @@ def test_share_comes_back_on_abort_queue_and_refusal(cluster):
     c.admin("pause", mode="in_place")
     queued = c.submit(PROMPT, 4)
     c.pump(2)
-    assert c.router.shares.held                    # queued while paused: charged
+    assert queued in c.router.queued and c.router.shares.held == {}   # charged once routed
     c.abort(queued)
     assert c.run(queued).status == 499
     bad = c.submit(PROMPT, 0)                      # the workers refuse it (400)
@@ -194,12 +158,12 @@ def test_share_comes_back_when_its_client_hangs_up(cluster):
     c.admin("pause", mode="in_place")
     gone.send(Generate("queued", PROMPT, GREEDY))
     c.pump(2)
-    assert b"gone" in c.router.shares.held
+    assert c.router.admission.of_client(b"gone") == ["queued"]
     gone.close()
     # ZeroMQ's I/O thread drops the client's pipe on its own time, not the test
     # clock's: on a loaded machine a ping can still go through just after close().
     deadline = time.monotonic() + 10.0
-    while c.router.shares.held and time.monotonic() < deadline:
+    while len(c.router.queued) and time.monotonic() < deadline:
         c.advance(0.25)                            # the router's pings find it gone
         time.sleep(0.01)
     assert c.router.shares.held == {} and not c.router.queued

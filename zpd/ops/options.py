@@ -13,7 +13,7 @@ from engines.sampler import SamplingParams
 from engines.overrides import ModelOverrides
 from zpd.config import (Deadlines, HttpConfig, PromptLimits, RouterConfig, WorkerConfig,
                         default_of)
-from zpd.env import http_keys
+from zpd.ops.exposure import check_admin_key, given_http_keys
 from zpd.ops.mem_fraction import check_fraction
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
@@ -167,6 +167,10 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
                 "under this directory (relative paths are taken from it; anything else is 403); "
                 "default: any path on the worker's host")
+    add_default(g, "--weight-sync-timeout", WorkerConfig, "seconds a trainer's "
+                "init_weights_update_group or weight push may take on a worker before it fails "
+                "with 504, the old weights kept (default {default}); `zpd admin "
+                "cancel-weight-update` ends one sooner", type=float)
     add_default(g, "--clear-freed-pages", WorkerConfig, "zero every KV page when it is freed, so "
                 "no request's KV outlives it in memory (Mooncake lets any engine that reaches its "
                 "port read registered memory; README, Security); costs a memset per freed page",
@@ -223,6 +227,27 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
                 "update_weights_from_disk, or a trainer's push from its first broadcast to the "
                 "commit (a stalled trainer fails the push after this; default {default})",
                 type=float)
+    add_prompt_limit_options(p)
+    add_http_front_options(p)
+
+
+def add_http_front_options(g: argparse._ActionsContainer) -> None:
+    """`zpd http` (and `zpd launch` for it): what one call may ask for, and its streams."""
+    add_default(g, "--max-batch-requests", HttpConfig, "generations one HTTP call may start "
+                "(prompts x n); more is refused with 400 (default {default})", type=int)
+    add_default(g, "--incremental-streaming-output", HttpConfig, "each streamed /generate event "
+                "carries only the text, output_ids and logprobs new since the last (SGLang's "
+                "flag); by default each carries everything so far, as SGLang's",
+                action="store_true")
+    add_default(g, "--max-event-logprobs", HttpConfig, "without --incremental-streaming-output, "
+                "refuse (400) a streamed /generate whose events could repeat more logprob "
+                "entries than this: max_new_tokens x (1 + top_logprobs_num) (default {default})",
+                type=int)
+    add_default(g, "--stream-write-timeout", HttpConfig, "a stream whose client reads nothing "
+                "for this many seconds is closed and its requests aborted (default {default})",
+                type=float)
+    add_default(g, "--stream-buffer-bytes", HttpConfig, "bytes of a stream the front holds "
+                "unsent before it waits for the client (default {default})", type=int)
 
 
 def add_served_model_name(g: argparse._ActionsContainer) -> None:
@@ -237,17 +262,49 @@ def add_http_key_options(g: argparse._ActionsContainer) -> None:
     g.add_argument("--admin-api-key", default=None, help="Bearer token the admin routes need "
                    "(pause, continue, update weights, abort, memory, flush); without it they "
                    "take --api-key (default $ZPD_ADMIN_API_KEY)")
+    g.add_argument("--api-key-file", default=None, help="read --api-key from this file (its "
+                   "first line; a key on the command line is readable by every local user)")
+    g.add_argument("--admin-api-key-file", default=None, help="read --admin-api-key from this "
+                   "file. An admin key needs --curve-keys (or --insecure): without CURVE any "
+                   "local process can send admin commands to the router directly")
+    add_http_guard_options(g)
+
+
+def add_http_guard_options(g: argparse._ActionsContainer) -> None:
+    """The HTTP front's defences against slow, idle and browser clients (README, "Security")."""
+    add_default(g, "--keepalive-timeout", HttpConfig, "seconds an HTTP connection may stay "
+                "idle between requests (default {default})", type=float)
+    add_default(g, "--header-timeout", HttpConfig, "seconds a request's headers may take from "
+                "its first byte (default {default})", type=float)
+    add_default(g, "--body-timeout", HttpConfig, "seconds a request's body may take to arrive "
+                "(408 after; default {default})", type=float)
+    add_default(g, "--max-connections", HttpConfig, "HTTP connections open at once; past it the "
+                "one idle longest is closed, or the new one refused (default {default}: three "
+                "quarters of the descriptor limit)", type=int)
+    g.add_argument("--allowed-hosts", default=None, help="without --api-key, the front answers "
+                   "only requests whose Host is an IP address, localhost, its --host or this "
+                   "machine's name (against DNS rebinding): comma-separated further names, or "
+                   "'*' for any")
 
 
 def http_config(args: argparse.Namespace) -> HttpConfig:
     """The HttpConfig that the flags of `zpd http` (and its environment) describe."""
-    env_key, env_admin = http_keys()
+    api_key, admin_key = given_http_keys(args)
+    check_admin_key(admin_key, args.curve_keys, args.insecure)
     return HttpConfig(router=args.router, model=args.model, host=args.host, port=args.port,
                       served_model_name=args.served_model_name, overrides=model_overrides(args),
-                      api_key=args.api_key or env_key,
-                      admin_api_key=args.admin_api_key or env_admin, insecure=args.insecure,
+                      api_key=api_key, admin_api_key=admin_key, insecure=args.insecure,
+                      keepalive_timeout=args.keepalive_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout, max_connections=args.max_connections,
+                      allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",")
+                                          if h.strip()),
                       curve_keys=args.curve_keys, ready_file=args.ready_file,
-                      connect_timeout=args.connect_timeout, weights_timeout=args.weights_timeout)
+                      connect_timeout=args.connect_timeout, weights_timeout=args.weights_timeout,
+                      prompt_limits=prompt_limits(args), max_batch_requests=args.max_batch_requests,
+                      incremental_streaming_output=args.incremental_streaming_output,
+                      max_event_logprobs=args.max_event_logprobs,
+                      stream_write_timeout=args.stream_write_timeout,
+                      stream_buffer_bytes=args.stream_buffer_bytes)
 
 
 def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
@@ -259,12 +316,26 @@ def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
 
 
 def add_client_limit_options(g: argparse._ActionsContainer) -> None:
-    """The router: each client's share; past it, 503 "busy" at once (README, "Limits")."""
-    add_default(g, "--max-client-requests", RouterConfig, "requests one client may have in "
-                "flight or queued (default {default})", type=int)
-    add_default(g, "--max-client-tokens", RouterConfig, "prompt + max_new_tokens summed over "
-                "one client's requests in flight: its share of KV pages, in tokens "
-                "(default {default})", type=int)
+    """The router: each client's share and the queue where requests past it, or past
+    --max-concurrent-requests, wait their turn (README, "Limits")."""
+    add_default(g, "--max-client-requests", RouterConfig, "one client's share: requests it may "
+                "have routed to the workers at once; more wait in the router's queue, served "
+                "round-robin between clients, then between the users a client names (the HTTP "
+                "front names each caller) (default {default})", type=int)
+    add_default(g, "--max-client-tokens", RouterConfig, "one client's share of KV pages, in "
+                "tokens: prompt + max_new_tokens summed over its routed requests; more wait. "
+                "A single request needing more is refused with 400 (default {default})", type=int)
+    add_default(g, "--max-concurrent-requests", RouterConfig, "requests routed to the workers "
+                "at once, all clients together; the rest wait in the router's queue, so the "
+                "workers' own queues stay short (their --kv-wait-timeout never fires for "
+                "load). About the decodes' --max-batch times their number (default "
+                "{default}: 64 per decode)", type=int)
+    add_default(g, "--queue-size", RouterConfig, "requests that may wait in the router's "
+                "queue; one more is refused with 429 'queue full' (Retry-After at the HTTP "
+                "front) (default {default})", type=int)
+    add_default(g, "--queue-timeout", RouterConfig, "seconds a request may wait in the "
+                "router's queue (paused or not) before it ends with 503 'queue timeout' "
+                "(default {default})", type=float)
 
 
 def add_liveness_options(g: argparse._ActionsContainer, config: type) -> None:
@@ -295,6 +366,8 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         # Found at the first update_weights, a typo would refuse every checkpoint.
         raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
     check_fraction(args.mem_fraction_static)
+    if not 0 < args.weight_sync_timeout <= 86400:          # NaN fails too
+        raise ValueError("--weight-sync-timeout must be a number of seconds in (0, 86400]")
     return WorkerConfig(
         role=role, model=args.model, host=args.host, port=args.port, device=args.device,
         dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
@@ -304,7 +377,8 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
-        prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args))
+        prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args),
+        weight_sync_timeout=args.weight_sync_timeout)
 
 
 def prompt_limits(args: argparse.Namespace) -> PromptLimits:
@@ -328,7 +402,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         curve_keys=args.curve_keys, insecure=args.insecure,
                         prompt_limits=prompt_limits(args),
                         max_client_requests=args.max_client_requests,
-                        max_client_tokens=args.max_client_tokens)
+                        max_client_tokens=args.max_client_tokens,
+                        max_concurrent_requests=args.max_concurrent_requests,
+                        queue_size=args.queue_size, queue_timeout=args.queue_timeout)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:
@@ -340,14 +416,20 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
-                      "weights_root",
+                      "weights_root", "weight_sync_timeout",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")
 # What `zpd launch` hands its HTTP front: it must turn text into the workers' ids.
-HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template")
+HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template",
+                    "max_text_bytes", "max_input_ids", "max_batch_requests",
+                    "incremental_streaming_output", "max_event_logprobs",
+                    "stream_write_timeout", "stream_buffer_bytes",
+                    "keepalive_timeout", "header_timeout", "body_timeout", "max_connections",
+                    "allowed_hosts")
 # What `zpd launch` hands its router, besides the flags every launch sets.
 ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",
-                      "max_client_tokens", "busy_poll_us")
+                      "max_client_tokens", "max_concurrent_requests", "queue_size",
+                      "queue_timeout", "busy_poll_us")
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

@@ -9,13 +9,14 @@ import random
 import signal
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
 from zpd.config import RouterConfig
 from zpd.ops.ready import write_ready_file
 from zpd.router.admin import RouterAdmin
+from zpd.router.admission import QUEUE_TIMEOUT, RETRY_AFTER_S, Admission, Waiting
 from zpd.router.affinity import PrefixAffinity
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
@@ -23,12 +24,16 @@ from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
 from zpd.wire.security import ROUTER_POLICY, Security
+from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, Pong, TokenPart,
                                Tokens, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
 MAX_REASON = 200       # characters of a client's abort reason passed on
+# --max-concurrent-requests 0: this many per decode, the decodes' default --max-batch,
+# so a decode's own queue stays short (README, "Limits")
+CONCURRENT_PER_DECODE = 64
 
 
 @dataclass(eq=False)
@@ -62,6 +67,10 @@ class RouterServer:
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
         self.cfg, self.loop = cfg, loop or Loop(busy_poll=cfg.busy_poll_us / 1e6)
         self.shares = ClientShares(cfg.max_client_requests, cfg.max_client_tokens)  # checks them
+        self.admission = Admission(cfg.queue_size, cfg.queue_timeout)   # what waits, fairly
+        if cfg.max_concurrent_requests < 0:
+            raise ValueError("--max-concurrent-requests must be at least 0 (0: 64 per decode)")
+        self.max_concurrent = cfg.max_concurrent_requests or CONCURRENT_PER_DECODE * len(cfg.decode)
         self.tally = Tally()                             # what clients got, for /metrics
         self.security = Security(cfg.curve_keys, ctx)
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
@@ -80,8 +89,7 @@ class RouterServer:
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
         self.paused: str | None = None
-        self.queued: dict[str, tuple[bytes, Generate]] = {}     # arrived while paused
-        self.updating = False       # a weight push is under way: queue new requests too
+        self.updating = False       # a weight push is under way: route nothing new either
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
         self.loop.add_socket(self.front, self.on_client)
@@ -113,12 +121,13 @@ class RouterServer:
             w.dealer.send(Ping(seq, now, self.endpoint))
             w.clock.pinged(now)
         self.probe_clients(Ping(seq, now, self.endpoint))
+        self.expire_waiting(now)
 
     def probe_clients(self, ping: Ping) -> None:
         """A client that hung up (crashed, closed its socket) can take no tokens: end its
         requests now instead of generating to max_new_tokens for no one. A ping it
         ignores is the probe: ZeroMQ refuses it at once once the client is gone."""
-        clients = {f.client for f in self.inflight.values()} | {c for c, _ in self.queued.values()}
+        clients = {f.client for f in self.inflight.values()} | self.admission.clients()
         for client in clients:
             self.to_client(client, ping)
 
@@ -128,15 +137,14 @@ class RouterServer:
             self.client_gone(client)
 
     def client_gone(self, client: bytes) -> None:
-        queued = [rid for rid, (c, _) in self.queued.items() if c == client]
+        queued = self.admission.of_client(client)
         running = [rid for rid, f in self.inflight.items() if f.client == client]
         if not queued and not running:
             return
         log.warning("client %r disconnected: ending its %d requests", client[:32],
                     len(queued) + len(running))
         for rid in queued:
-            del self.queued[rid]
-            self.shares.release(rid)
+            self.admission.remove(rid)          # never charged: nothing else to give back
         for rid in running:
             self.on_abort(Abort(rid, 499, "client disconnected"))
 
@@ -172,30 +180,51 @@ class RouterServer:
         else:
             log.warning("dropping unexpected %s from client %r", msg.TYPE, identity[:32])
 
+    @property
+    def queued(self) -> Admission:
+        """The requests waiting here, as admin commands read them (len, in, by rid)."""
+        return self.admission
+
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
         # Before anything else, so a client learns at once that a router listens here.
         self.front.send(client, Accepted(rid))
-        if rid in self.inflight or rid in self.queued:
+        if rid in self.inflight or rid in self.admission:
             self.to_client(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
-        refused = self.over_limits(client, rid, msg)
+        tokens = request_tokens(msg)
+        refused = self.refusal(msg, tokens)
+        if refused is None:
+            self.admission.add(Waiting(rid, client, msg.user, msg, tokens, self.loop.time()))
+            self.dispatch()
+            refused = self.admission.overflow(rid)
         if refused is not None:
             log.info("rid=%s from client %r refused: %d %s", rid, client[:32], *refused)
-            self.to_client(client, Tokens.abort(rid, *refused))
-            return
-        if self.paused is not None or self.updating:
-            self.queued[rid] = (client, msg)     # runs after continue (or the weight push)
-            return
-        self.route(client, msg, rid)
+            self.to_client(client, ended(rid, *refused, msg))
 
-    def over_limits(self, client: bytes, rid: str, msg: Generate) -> tuple[int, str] | None:
-        """Why the request may not run (status, message), or None: then it is charged to
-        its client's share until the router forgets it (zpd/router/shares.py)."""
-        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat)
-        if refusal is not None:
-            return 400, refusal
-        return self.shares.take(client, rid, request_tokens(msg))
+    def refusal(self, msg: Generate, tokens: int) -> tuple[int, str] | None:
+        """Why the request may never run (400, message), or None."""
+        problem = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat) or \
+            user_problem(msg.user)
+        return (400, problem) if problem is not None else self.shares.too_big(tokens)
+
+    def dispatch(self) -> None:
+        """Route waiting requests, in the fair order of zpd/router/admission.py, while
+        the router runs and fewer than --max-concurrent-requests are routed; each is
+        charged to its client's share (zpd/router/shares.py) until its end."""
+        while self.admission and self.paused is None and not self.updating \
+                and len(self.inflight) < self.max_concurrent:
+            entry = self.admission.next(self.shares)
+            if entry is None:
+                return
+            self.shares.take(entry.client, entry.rid, entry.tokens, entry.user)
+            self.route(entry.client, entry.msg, entry.rid)
+
+    def expire_waiting(self, now: float) -> None:
+        for entry in self.admission.expired(now):
+            log.info("rid=%s from client %r: queue timeout", entry.rid, entry.client[:32])
+            self.to_client(entry.client, ended(entry.rid, QUEUE_TIMEOUT,
+                                               self.admission.timeout_message(entry, now), entry.msg))
 
     def route(self, client: bytes, msg: Generate, rid: str) -> None:
         prefill, decode = self.pick_prefill(msg), self.pick("decode")
@@ -215,8 +244,8 @@ class RouterServer:
 
     def owner(self, rid: str) -> bytes | None:
         """The identity of the client that submitted `rid` (None: no such request here)."""
-        if rid in self.queued:
-            return self.queued[rid][0]
+        if rid in self.admission:
+            return self.admission.owner(rid)
         flight = self.inflight.get(rid)
         return None if flight is None else flight.client
 
@@ -237,7 +266,7 @@ class RouterServer:
     def on_abort(self, msg: Abort) -> None:
         """End `msg.rid` with the status given (callers are the router's own: a client's
         abort comes through `on_client_abort`)."""
-        if msg.rid in self.queued:
+        if msg.rid in self.admission:
             self.end_queued(msg.rid, msg.status or 499, msg.reason or "aborted")
         flight = self.inflight.get(msg.rid)
         if flight is None:
@@ -246,18 +275,13 @@ class RouterServer:
         flight.prefill.dealer.send(msg)
 
     def end_queued(self, rid: str, status: int, reason: str) -> None:
-        client, msg = self.queued.pop(rid)
-        self.shares.release(rid)
-        self.to_client(client, Tokens.abort(rid, status, reason, {
-            "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0,
-            "cached_tokens": 0}))
+        entry = self.admission.remove(rid)
+        self.to_client(entry.client, ended(rid, status, reason, entry.msg))
 
     def unpause(self) -> None:
-        """After a successful continue: route what queued while paused."""
+        """After a successful continue (or the end of a weight push): route what waits."""
         self.paused = None
-        for rid in list(self.queued):
-            client, msg = self.queued.pop(rid)
-            self.route(client, msg, rid)
+        self.dispatch()
 
     # --- workers ----------------------------------------------------------------
 
@@ -300,6 +324,7 @@ class RouterServer:
                 by_client.setdefault(flight.client, []).append(part)
         for client, mine in by_client.items():
             self.to_client(client, Tokens.pack(mine))
+        self.dispatch()                      # finished requests made room
 
     def _settle(self, part: TokenPart) -> tuple[InFlight | None, TokenPart | None]:
         """The request's flight and what of the decode's `part` the client has not had
@@ -335,6 +360,17 @@ class RouterServer:
         self.front.close()
         self.loop.close()
         self.security.close()
+
+
+def ended(rid: str, status: int, reason: str, msg: Generate) -> Tokens:
+    """The answer to a request that ends before it was routed; a refusal of the queue
+    (429, 503) says when to retry (`retry_after`, seconds, in its finish_reason)."""
+    part = TokenPart.abort(rid, status, reason, {
+        "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0,
+        "cached_tokens": 0})
+    if status in (429, 503):
+        part = replace(part, finish=part.finish | {"retry_after": RETRY_AFTER_S})
+    return Tokens.pack([part])
 
 
 def client_reason(reason: str) -> str:

@@ -1,15 +1,18 @@
-"""Each client's share of the router: how many requests it may have in flight or
-queued, and how many KV tokens they may hold. Past either, a request is answered
-at once (503, "busy: ...") instead of waiting for pages another client holds.
+"""Each client's share of the router: how many requests it may have routed to the
+workers at once, and how many KV tokens they may hold. A request past either waits
+its turn in the router's queue (zpd/router/admission.py) instead of taking pages
+another client needs; only one that alone needs more tokens than a whole share is
+refused (400), as it could never run.
 
 A client is its identity on the router's front socket (one connection). Tokens are
 the router's proxy for KV pages: a decode reserves pages for prompt +
 max_new_tokens (pages = tokens / page_size) when it admits a request."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from engines.request import BAD_REQUEST, UNAVAILABLE
+from engines.request import BAD_REQUEST
 from engines.sampler import SamplingParams
 from zpd.config import chat_bytes, default_of, utf8_len
 from zpd.wire.protocol import Generate
@@ -32,14 +35,17 @@ def request_tokens(msg: Generate) -> int:
 
 @dataclass
 class Share:
-    """What one client holds: rid -> tokens charged."""
+    """What one client holds: rid -> tokens charged, and its requests per user."""
     rids: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
+    users: Counter = field(default_factory=Counter)     # user -> requests routed
+    user_of: dict[str, str] = field(default_factory=dict)
 
 
 class ClientShares:
-    """The router's charges, per client; every request charged must be released once,
-    when the router forgets it (answered, refused after queueing, or never routed)."""
+    """The router's charges, per client, for the requests it routed; every request
+    charged must be released once, when the router forgets it (answered, or its
+    routing failed)."""
 
     def __init__(self, max_requests: int, max_tokens: int) -> None:
         if max_requests < 1 or max_tokens < 1:
@@ -48,25 +54,36 @@ class ClientShares:
         self.held: dict[bytes, Share] = {}
         self.owner: dict[str, bytes] = {}          # rid -> the client it is charged to
 
-    def take(self, client: bytes, rid: str, tokens: int) -> tuple[int, str] | None:
-        """Charge `rid` to `client`; or (status, message) if it may not run now."""
-        if tokens > self.max_tokens:
-            return BAD_REQUEST, (f"the request needs {tokens} tokens of KV (prompt + "
-                                 f"max_new_tokens), more than one client may hold "
-                                 f"(--max-client-tokens {self.max_tokens})")
-        share = self.held.get(client) or Share()
-        if len(share.rids) >= self.max_requests:
-            return UNAVAILABLE, (f"busy: this client has {len(share.rids)} requests in flight, "
-                                 f"its share (--max-client-requests {self.max_requests})")
-        if share.tokens + tokens > self.max_tokens:
-            return UNAVAILABLE, (f"busy: this client's requests hold {share.tokens} tokens of "
-                                 f"KV and this one needs {tokens}; its share is "
-                                 f"{self.max_tokens} (--max-client-tokens)")
+    def too_big(self, tokens: int) -> tuple[int, str] | None:
+        """(400, why) for a request that alone needs more than a whole share."""
+        if tokens <= self.max_tokens:
+            return None
+        return BAD_REQUEST, (f"the request needs {tokens} tokens of KV (prompt + "
+                             f"max_new_tokens), more than one client may hold "
+                             f"(--max-client-tokens {self.max_tokens})")
+
+    def fits(self, client: bytes, tokens: int) -> bool:
+        """May `client` have one more request of `tokens` routed now?"""
+        share = self.held.get(client)
+        return share is None or (len(share.rids) < self.max_requests
+                                 and share.tokens + tokens <= self.max_tokens)
+
+    def take(self, client: bytes, rid: str, tokens: int, user: str = "") -> None:
+        """Charge `rid` to `client` (the caller checked `fits`)."""
         self.release(rid)                          # a stale charge must not count twice
+        share = self.held.setdefault(client, Share())
         share.rids[rid] = tokens
         share.tokens += tokens
-        self.held[client], self.owner[rid] = share, client
-        return None
+        share.users[user] += 1
+        share.user_of[rid] = user
+        self.owner[rid] = client
+
+    def routed(self, client: bytes, user: str | None = None) -> int:
+        """Requests `client` (or that user of it) has routed now."""
+        share = self.held.get(client)
+        if share is None:
+            return 0
+        return len(share.rids) if user is None else share.users.get(user, 0)
 
     def release(self, rid: str) -> None:
         """Give back `rid`'s charge (nothing if it has none)."""
@@ -75,5 +92,9 @@ class ClientShares:
             return
         share = self.held[client]
         share.tokens -= share.rids.pop(rid)
+        user = share.user_of.pop(rid)
+        share.users[user] -= 1
+        if not share.users[user]:
+            del share.users[user]
         if not share.rids:
             del self.held[client]

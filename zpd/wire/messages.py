@@ -64,6 +64,21 @@ class Generate(Message):
     # a conversation {"messages": [{"role", "content"}, ...]} that the workers render with
     # the model's chat template and tokenize, when input_ids and text are empty
     chat: dict = field(default_factory=dict)
+    # Who the client submits for, among its own users (the HTTP front names each HTTP
+    # caller): the router's second level of fairness, after the client itself. At most
+    # MAX_USER_CHARS printable characters (the router refuses others with 400); ""
+    # is the client itself. Not passed on to the workers.
+    user: str = ""
+
+
+MAX_USER_CHARS = 128
+
+
+def user_problem(user: str) -> str | None:
+    """Why `user` is no valid Generate.user (None: it is)."""
+    if len(user) > MAX_USER_CHARS or not user.isprintable():
+        return f"user must be at most {MAX_USER_CHARS} printable characters"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

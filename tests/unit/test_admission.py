@@ -1,0 +1,176 @@
+"""The router's waiting room (zpd/router/admission.py) on its own: fair order between
+clients and between one client's users, the queue bound, the queue timeout on a
+clock the test moves, and removal (abort, client gone) that leaves nothing behind."""
+from __future__ import annotations
+
+import pytest
+
+from zpd.router.admission import QUEUE_FULL, Admission, Waiting
+from zpd.router.shares import ClientShares
+from zpd.wire.protocol import Generate
+
+
+def entry(rid: str, client: bytes = b"a", user: str = "", tokens: int = 10,
+          since: float = 0.0) -> Waiting:
+    return Waiting(rid, client, user, Generate(rid, [1, 2]), tokens, since)
+
+
+def drain(room: Admission, shares: ClientShares | None = None) -> list[str]:
+    """What leaves the room, in order, when nothing routed ever ends (with `shares`,
+    each is charged to it) or (without) when each ends before the next is taken."""
+    out = []
+    for _ in range(1000):
+        got = room.next(shares or ClientShares(1000, 10**9))
+        if got is not None and shares is not None:
+            shares.take(got.client, got.rid, got.tokens, got.user)
+        if got is None:
+            return out
+        out.append(got.rid)
+    raise AssertionError("the room never ran dry")
+
+
+def empty(room: Admission) -> bool:
+    return not room.waiting and not room.rids and len(room) == 0
+
+
+def test_clients_take_turns_whatever_each_submitted():
+    room = Admission(100, 60)
+    for i in range(4):
+        room.add(entry(f"a{i}", b"a"))
+    room.add(entry("b0", b"b"))
+    room.add(entry("c0", b"c"))
+    room.add(entry("b1", b"b"))
+    assert drain(room) == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+    assert empty(room)
+
+
+def test_the_client_or_user_with_fewest_routed_goes_first():
+    """A flood's first requests ran before the light user's arrived: the light user is
+    next, not after one more turn of the flood."""
+    shares, room = ClientShares(1000, 10**9), Admission(100, 60)
+    for i in range(3):
+        shares.take(b"front", f"ran{i}", 10, "alice")
+    for i in range(3):
+        room.add(entry(f"alice{i}", b"front", user="alice"))
+    room.add(entry("bob0", b"front", user="bob"))
+    room.add(entry("bob1", b"front", user="bob"))
+    shares.take(b"busy", "ran", 10)
+    room.add(entry("busy0", b"busy"))
+    room.add(entry("idle0", b"idle"))
+    assert drain(room, shares) == ["idle0", "busy0", "bob0", "bob1", "alice0", "alice1",
+                                   "alice2"]
+    assert empty(room)
+
+
+def test_users_of_one_client_take_turns_and_cannot_outnumber_other_clients():
+    """The HTTP front is one client: its callers share its turns, never more."""
+    room = Admission(100, 60)
+    for i in range(3):
+        room.add(entry(f"flood{i}", b"front", user="alice"))
+    room.add(entry("bob0", b"front", user="bob"))
+    for i, user in enumerate(["m1", "m2", "m3", "m4"]):     # invented names: one client still
+        room.add(entry(f"inv{i}", b"mallory", user=user))
+    room.add(entry("other0", b"other"))
+    assert drain(room) == ["flood0", "inv0", "other0", "bob0", "inv1", "flood1", "inv2",
+                           "flood2", "inv3"]
+    assert empty(room)
+
+
+def test_a_client_past_its_share_is_skipped_and_keeps_its_place():
+    shares = ClientShares(max_requests=1, max_tokens=100)
+    room = Admission(100, 60)
+    shares.take(b"a", "running", 10)
+    room.add(entry("a0", b"a"))
+    room.add(entry("b0", b"b"))
+    room.add(entry("b1", b"b"))
+    assert room.next(shares).rid == "b0"                 # a is full: b goes first
+    shares.take(b"b", "b0", 10)
+    assert room.next(shares) is None                     # both full now
+    shares.release("running")
+    assert room.next(shares).rid == "a0"                 # a kept its place ahead of b
+    shares.release("b0")
+    assert room.next(shares).rid == "b1"
+    assert empty(room)
+
+
+def test_a_user_whose_request_does_not_fit_lets_smaller_ones_of_its_client_pass():
+    shares = ClientShares(max_requests=10, max_tokens=100)
+    room = Admission(100, 60)
+    shares.take(b"front", "big-running", 60)
+    room.add(entry("big", b"front", user="alice", tokens=60))
+    room.add(entry("small", b"front", user="bob", tokens=30))
+    assert room.next(shares).rid == "small"
+    shares.take(b"front", "small", 30, "bob")
+    shares.release("big-running")
+    assert room.next(shares).rid == "big"                # alice's turn once it fits
+
+
+def test_the_queue_bound_refuses_only_the_newcomer():
+    room = Admission(2, 60)
+    for rid in ("a", "b"):
+        room.add(entry(rid))
+        assert room.overflow(rid) is None
+    room.add(entry("c"))
+    status, why = room.overflow("c")
+    assert status == QUEUE_FULL == 429 and why.startswith("queue full") and "--queue-size 2" in why
+    assert list(room) == ["a", "b"] and "c" not in room
+    assert room.overflow("a") is None                    # one already queued stays
+
+
+def test_queue_size_zero_refuses_what_cannot_run_at_once():
+    room = Admission(0, 60)
+    room.add(entry("now"))
+    assert room.next(ClientShares(1, 100)).rid == "now"
+    assert room.overflow("now") is None                  # routed: not waiting
+    room.add(entry("later"))
+    assert room.overflow("later")[0] == 429 and empty(room)
+
+
+def test_queue_timeout_takes_out_exactly_the_late_ones_oldest_first():
+    room = Admission(100, queue_timeout=10.0)
+    room.add(entry("old", since=0.0))
+    room.add(entry("mid", b"b", since=5.0))
+    room.add(entry("new", b"a", user="u", since=9.0))
+    assert room.expired(10.0) == []                      # exactly the timeout: still in time
+    assert [e.rid for e in room.expired(15.5)] == ["old", "mid"]
+    assert list(room) == ["new"] and room.clients() == {b"a"}
+    late = room.expired(100.0)
+    assert [e.rid for e in late] == ["new"] and "queue timeout" in room.timeout_message(late[0], 100.0)
+    assert empty(room)
+
+
+def test_remove_by_rid_and_by_client_leaves_nothing_behind():
+    room = Admission(100, 60)
+    room.add(entry("a0", b"a", "x"))
+    room.add(entry("a1", b"a", "y"))
+    room.add(entry("b0", b"b"))
+    assert room.owner("a1") == b"a" and room.owner("zz") is None
+    assert room.remove("a1").rid == "a1" and room.remove("a1") is None
+    assert sorted(room.of_client(b"a")) == ["a0"]
+    for rid in room.of_client(b"a"):                     # the client hung up
+        room.remove(rid)
+    assert room.clients() == {b"b"}
+    room.remove("b0")
+    assert empty(room)
+
+
+@pytest.mark.parametrize("size, timeout", [(-1, 60), (10, 0)])
+def test_bad_bounds_are_refused(size, timeout):
+    with pytest.raises(ValueError, match="queue"):
+        Admission(size, timeout)
+
+
+def test_shares_fit_and_refuse_only_a_request_bigger_than_a_share():
+    shares = ClientShares(max_requests=2, max_tokens=100)
+    assert shares.too_big(100) is None
+    status, why = shares.too_big(101)
+    assert status == 400 and "--max-client-tokens 100" in why
+    shares.take(b"a", "r1", 60)
+    assert shares.fits(b"a", 40) and not shares.fits(b"a", 41) and shares.fits(b"b", 100)
+    shares.take(b"a", "r2", 10, "u")
+    assert not shares.fits(b"a", 1)                      # two requests: its share
+    assert (shares.routed(b"a"), shares.routed(b"a", "u"), shares.routed(b"a", "v")) == (2, 1, 0)
+    shares.release("r1")
+    shares.release("r2")
+    shares.release("r2")                                 # twice: nothing more
+    assert shares.held == {} and shares.owner == {}
