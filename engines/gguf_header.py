@@ -23,7 +23,8 @@ import numpy as np
 
 MAX_KV = 1 << 16            # metadata keys
 MAX_TENSORS = 1 << 16
-MAX_ARRAY = 1 << 22         # elements of one metadata array
+MAX_ARRAY = 1 << 20         # elements of one metadata array
+MAX_ELEMENTS = 1 << 22      # elements of all metadata arrays together (each a Python object)
 MAX_STRING = 1 << 24        # bytes of one string (chat templates: tens of KB)
 MAX_NAME = 1 << 12          # bytes of a key or a tensor name
 MAX_DEPTH = 2               # an array of arrays, no deeper
@@ -68,6 +69,7 @@ class _Cursor:
 
     def __init__(self, buf: np.ndarray) -> None:
         self.buf, self.pos, self.order = buf, 0, "<"
+        self.elements = 0       # metadata array elements so far
 
     @property
     def left(self) -> int:
@@ -155,6 +157,9 @@ class _Cursor:
         if kind not in MIN_SIZE:
             raise BadHeader(f"{what} has unknown element type {kind}")
         self._within(f"elements in {what}", count, MAX_ARRAY, MIN_SIZE[kind])
+        self.elements += count
+        if self.elements > MAX_ELEMENTS:
+            raise BadHeader(f"metadata arrays hold over {MAX_ELEMENTS} elements in all")
         if kind in SCALARS:                   # one numpy call, however long
             dtype = np.dtype(SCALARS[kind]).newbyteorder(self.order)
             values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()

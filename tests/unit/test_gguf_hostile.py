@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf")   # imported now: its import is not the reade
 
 from engines.config import ModelError
 from engines.gguf_file import GGUFFile
-from engines.gguf_header import MAX_ARRAY, MAX_DEPTH, MAX_STRING, MAX_TENSORS
+from engines.gguf_header import MAX_ARRAY, MAX_DEPTH, MAX_ELEMENTS, MAX_STRING, MAX_TENSORS
 from tests.unit.gguf_files import (gguf_array, gguf_kv, gguf_string, gguf_tensor, raw_gguf,
                                    write_tiny_gguf)
 from tests.unit.inproc import reference
@@ -34,8 +34,8 @@ def nested(depth: int) -> bytes:
 
 HOSTILE = {
     # a 2 MB file of such arrays once cost each worker 20 s and 1.4 GB
-    "array past the file": ([ARCH, gguf_kv("x", ARRAY, gguf_array(U8, 1 << 20))], {},
-                            "1048576 elements in array 'x' cannot fit"),
+    "array past the file": ([ARCH, gguf_kv("x", ARRAY, gguf_array(U8, MAX_ARRAY))], {},
+                            f"{MAX_ARRAY} elements in array 'x' cannot fit"),
     "array over the cap": ([gguf_kv("x", ARRAY, gguf_array(U8, MAX_ARRAY + 1))], {},
                            f"elements in array 'x'; at most {MAX_ARRAY}"),
     "strings past the file": ([gguf_kv("t", ARRAY, gguf_array(STRING, 100_000))], {},
@@ -89,6 +89,16 @@ def test_a_hostile_header_is_refused_before_allocating(tmp_path, case):
 def test_a_hostile_tensor_is_refused_before_allocating(tmp_path, case):
     tensors, match = TENSORS[case]
     refused(raw_gguf(tmp_path / "t.gguf", [ARCH], tensors, tail=b"\0" * 64), match)
+
+
+def test_all_arrays_together_are_capped(tmp_path):
+    """Each element becomes a Python object: the arrays' total is capped too (the
+    file's bytes are read, so here the cost grows with the file, not its counts)."""
+    full = gguf_array(U8, MAX_ARRAY, bytes(MAX_ARRAY))
+    kvs = [gguf_kv(f"x{i}", ARRAY, full) for i in range(MAX_ELEMENTS // MAX_ARRAY + 1)]
+    path = raw_gguf(tmp_path / "e.gguf", kvs)
+    with pytest.raises(ModelError, match=f"metadata arrays hold over {MAX_ELEMENTS} elements"):
+        GGUFFile(path)
 
 
 def test_duplicate_keys_and_bad_text_are_refused(tmp_path):
