@@ -24,8 +24,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the model wants around a
-        plain text (BOS for most), which a rendered chat prompt already contains."""
-        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+        plain text (BOS for most), which a rendered chat prompt already contains.
+
+        Through `encode_batch`, which releases the GIL while the Rust side works;
+        `encode` does not. A megabyte of text takes about a second, during which a
+        worker's ping responder thread must run (issue 30, item 3: a held GIL got both
+        workers declared dead). Same ids, about 1 us more per call: no short-text path."""
+        return self.inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def token_to_id(self, token: str) -> int | None:
         return self.inner.token_to_id(token)

@@ -18,8 +18,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def gguf_meta(path: Path) -> dict:
     """A file's metadata as the engine reads it (GGUFFile.meta), without its model checks."""
-    import gguf
-    return {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    from engines.gguf_header import read_header
+    return read_header(Path(path)).meta
 
 
 def gguf_name(hf: str) -> str:
