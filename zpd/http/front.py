@@ -9,6 +9,7 @@ from aiohttp import web
 
 from engines.chat import ChatTemplate
 from engines.tokenizer import Tokenizer
+from zpd.config import HttpConfig
 from zpd.http.records import BadRequest, error_body, json_object
 from zpd.http.sglang_fields import UnknownFields
 from zpd.http.streams import Backend
@@ -29,6 +30,7 @@ class Front:
     unknown_fields: UnknownFields = field(default_factory=UnknownFields)   # warned once each
     model_path: str = ""                 # --model (default: `model`)
     tokenizer_path: str = ""             # --tokenizer-path (default: model_path)
+    config: HttpConfig = field(default_factory=HttpConfig)   # caps and streaming of the routes
 
     def needs_text(self, what: str) -> None:
         """BadRequest unless the model has a tokenizer (to show `what` as text)."""

@@ -5,7 +5,11 @@ A prompt is `text` or `input_ids`; a list of them is a batch, answered with a li
 `sampling_params.n` > 1 runs n generations of each prompt (copy-major, as SGLang
 orders them) and answers a list even for one prompt. Which fields are taken, ignored
 or refused: sglang_fields.py. `stream: true` answers server-sent events, each
-carrying the text and output_ids so far, ending with `data: [DONE]`. A request that
+carrying the text, output_ids and logprobs so far (SGLang's default), or with
+--incremental-streaming-output only what is new since the last event (SGLang's
+flag), ending with `data: [DONE]`. As each cumulative event repeats every logprob so
+far, a cumulative stream that could carry more than --max-event-logprobs logprob
+entries in one event (max_new_tokens x (1 + top_logprobs_num)) is refused. A request that
 ends in an abort or failure still answers 200 with finish_reason {"type": "abort",
 "status_code", "message", "err_type"}; one the workers refuse as malformed (400,
 nothing generated) answers HTTP 400.
@@ -18,19 +22,22 @@ from typing import Any
 
 from aiohttp import web
 
-from engines.sampler import SamplingParams
+from engines.sampler import INT32_MAX, SamplingParams
+from zpd.config import HttpConfig, default_of
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info
-from zpd.http.records import (MAX_REQUESTS, MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
-                              check_count, checked_sampling, integer, item_rids, logprob_sampling,
-                              seeded_copies, take, text_field, token_ids)
+from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
+                              check_prompts, checked_sampling, integer, item_rids,
+                              logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
-from zpd.http.streams import EventStream, follow, run_all
+from zpd.http.streams import EventStream, Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
 ENGINE_SAMPLING = frozenset(f.name for f in fields(SamplingParams))
 PROMPT = ("text", "input_ids")
+DEFAULTS = HttpConfig()
+MAX_NEW_TOKENS = default_of(SamplingParams, "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -53,14 +60,15 @@ class Sampling:
     unknown: tuple[str, ...] = ()
 
 
-def parse_generate(body: dict) -> NativeGenerate:
+def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     unknown = screen(body, GENERATE)
     prompts, batch = _prompts(body)
-    check_count(len(prompts))
+    check_count(len(prompts), 1, cfg.max_batch_requests)
+    check_prompts(prompts, cfg.prompt_limits, next(iter(prompts[0])))
     raws = _per_prompt(body, "sampling_params", len(prompts), dict, batch)
     samplings = [engine_sampling(raw or {}) for raw in raws]
     n = _parallel(samplings)
-    check_count(len(prompts), n)
+    check_count(len(prompts), n, cfg.max_batch_requests)
     listed = n == 1 and batch           # per-prompt lists of logprob fields (SGLang's rule)
     wants = _per_item(body, "return_logprob", len(prompts), listed, boolean, False)
     tops = _per_item(body, "top_logprobs_num", len(prompts), listed,
@@ -76,10 +84,26 @@ def parse_generate(body: dict) -> NativeGenerate:
             items.append(GenRequest(copies[p][j], rid=rids[len(items)], stream=stream,
                                     trim_stop=samplings[p].trim,
                                     skip_special=samplings[p].skip_special, **prompt))
+    if stream and not cfg.incremental_streaming_output:
+        _fits_events(items, cfg.max_event_logprobs)
     names = tuple(unknown) + tuple(f"sampling_params.{u}" for sp in samplings for u in sp.unknown)
     return NativeGenerate(items, batch or n > 1, stream,
                           take(body, "return_text_in_logprobs", boolean, False),
                           tuple(dict.fromkeys(names)))
+
+
+def _fits_events(items: list[GenRequest], cap: int) -> None:
+    """A cumulative event repeats every logprob so far: refuse a stream whose last
+    event could carry more than `cap` entries (each token's logprob and top ones)."""
+    for item in items:
+        if item.logprobs:
+            tokens = item.sampling.get("max_new_tokens", MAX_NEW_TOKENS)
+            if tokens * (1 + item.top_logprobs) > cap:
+                raise BadRequest(
+                    f"a streamed /generate repeats every logprob so far in each event: "
+                    f"max_new_tokens={tokens} x (1 + top_logprobs_num={item.top_logprobs}) is "
+                    f"more than {cap} entries per event (--max-event-logprobs); ask for fewer, "
+                    "do not stream, or start the server with --incremental-streaming-output")
 
 
 def _parallel(samplings: list[Sampling]) -> int:
@@ -149,7 +173,7 @@ def engine_sampling(raw: dict) -> Sampling:
     Nulls count as absent; names neither SGLang nor zpd has are dropped (and named)."""
     unknown = tuple(screen(raw, SAMPLING, "sampling_params."))
     raw = {k: v for k, v in known(SAMPLING, raw).items() if v is not None}
-    n = take(raw, "n", integer(1, MAX_REQUESTS), 1)
+    n = take(raw, "n", integer(1, INT32_MAX), 1)      # prompts x n is capped by the caller
     if "sampling_seed" in raw:
         raw.setdefault("seed", raw.pop("sampling_seed"))
     trim = not take(raw, "no_stop_trim", boolean, False)
@@ -167,16 +191,31 @@ def _non_empty(value: list, name: str) -> None:
 
 def native_answer(out: Output, text_in_logprobs: bool = False) -> dict:
     """One request's answer (or its progress so far) in SGLang's shape."""
-    meta = meta_info(out)
+    return _answer(out, out.text, range(len(out.token_ids)), text_in_logprobs)
+
+
+def native_delta(out: Output, text_in_logprobs: bool = False) -> dict | None:
+    """What SGLang's --incremental-streaming-output sends: the text, output_ids,
+    logprobs and weight versions new since the last (counts in meta_info stay whole);
+    None when nothing is new."""
+    text, tokens = out.new_text(), out.new_tokens()
+    if not (text or tokens or out.finished):
+        return None
+    return _answer(out, text, tokens, text_in_logprobs)
+
+
+def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool) -> dict:
+    meta = meta_info(out, tokens)
+    ids = out.token_ids[tokens.start:tokens.stop]
     if out.req.logprobs:
         def named(token_id: int) -> str | None:
             return out.token_text(token_id) if text_in_logprobs else None
-        meta["output_token_logprobs"] = [[lp, t, named(t)]
-                                         for lp, t in zip(out.logprobs, out.token_ids)]
+        meta["output_token_logprobs"] = [[lp, t, named(t)] for lp, t in
+                                         zip(out.logprobs[tokens.start:tokens.stop], ids)]
         if out.req.top_logprobs:
             meta["output_top_logprobs"] = [[[lp, t, named(t)] for t, lp in top]
-                                           for top in out.top_logprobs]
-    return {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
+                                           for top in out.top_logprobs[tokens.start:tokens.stop]]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 def refusal(out: Output) -> BadRequest:
@@ -186,7 +225,7 @@ def refusal(out: Output) -> BadRequest:
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    req = parse_generate(await read_body(request))
+    req = parse_generate(await read_body(request), front.config)
     front.unknown_fields.note(req.unknown, "/generate")
     if any(item.text is not None for item in req.items):
         front.needs_text("a text prompt")
@@ -201,11 +240,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> web.StreamResponse:
-    events = EventStream(request)
-    async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
-        async for out in outs:
-            if events.response is None and out.refused:
-                raise refusal(out)
-            answer = native_answer(out, req.text_in_logprobs)
-            await events.send(answer | {"index": out.index} if req.batch else answer)
-    return await events.close()
+    cfg = front.config
+    events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
+    event = native_delta if cfg.incremental_streaming_output else native_answer
+    try:
+        async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
+            async for out in outs:
+                if events.response is None and out.refused:
+                    raise refusal(out)
+                answer = event(out, req.text_in_logprobs)
+                if answer is not None:
+                    await events.send(answer | {"index": out.index} if req.batch else answer)
+        return await events.close()
+    except Stalled:
+        return events.abandon([item.rid or "" for item in req.items])

@@ -16,7 +16,7 @@ from zpd.http.openai_format import Answer, abort_error
 from zpd.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from zpd.http.output import Output
 from zpd.http.records import BadRequest
-from zpd.http.streams import EventStream, follow, run_all
+from zpd.http.streams import EventStream, Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
@@ -32,7 +32,7 @@ async def models(request: web.Request) -> web.Response:
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    req = parse_completion(await read_body(request))
+    req = parse_completion(await read_body(request), front.config)
     front.unknown_fields.note(req.unknown, "/v1/completions")
     if any(p.get("text") is not None for p in req.prompts):
         front.needs_text("a text prompt")
@@ -43,7 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    req = parse_chat(await read_body(request))
+    req = parse_chat(await read_body(request), front.config)
     front.unknown_fields.note(req.unknown, "/v1/chat/completions")
     if front.chat is None:
         raise BadRequest(f"{front.text_problem or 'the model has no chat template'}: "
@@ -72,21 +72,27 @@ async def _answer(request: web.Request, front: Front, req: OpenAIRequest, answer
 
 async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer: Answer,
                   echoes: list[str] | None) -> web.StreamResponse:
-    events, started = EventStream(request), set()
+    cfg = front.config
+    events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
+    started: set[int] = set()
     finished: list[Output] = []
-    async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
-        async for out in outs:
-            if events.response is None and out.refused:
-                raise BadRequest(str(out.finish.get("message", "bad request")))
-            text, tokens = out.new_text(), out.new_tokens()
-            first = out.index not in started
-            if not (first or text or tokens or out.finished):
-                continue
-            started.add(out.index)
-            echo = echoes[out.index // req.n] if echoes else ""
-            await events.send(answer.chunk(out, text, tokens, first, echo, req.include_usage))
-            if out.finished:
-                finished.append(out)
-    if req.include_usage:
-        await events.send(answer.usage_chunk(finished, req.n))
-    return await events.close()
+    try:
+        async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
+            async for out in outs:
+                if events.response is None and out.refused:
+                    raise BadRequest(str(out.finish.get("message", "bad request")))
+                text, tokens = out.new_text(), out.new_tokens()
+                first = out.index not in started
+                if not (first or text or tokens or out.finished):
+                    continue
+                started.add(out.index)
+                echo = echoes[out.index // req.n] if echoes else ""
+                await events.send(answer.chunk(out, text, tokens, first, echo,
+                                               req.include_usage))
+                if out.finished:
+                    finished.append(out)
+        if req.include_usage:
+            await events.send(answer.usage_chunk(finished, req.n))
+        return await events.close()
+    except Stalled:
+        return events.abandon([item.rid or "" for item in req.items])

@@ -15,12 +15,14 @@ from typing import Any
 
 from engines.chat import check_messages
 from engines.sampler import INT32_MAX
+from zpd.config import HttpConfig
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
-                              checked_sampling, integer, item_rids, logprob_sampling,
-                              seeded_copies, stop_strings, take, token_ids)
+                              check_prompts, checked_sampling, integer, item_rids,
+                              logprob_sampling, seeded_copies, stop_strings, take, token_ids)
 from zpd.http.sglang_fields import CHAT, COMPLETION, screen
 
 MAX_N = 128
+DEFAULTS = HttpConfig()
 COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 
 SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
@@ -42,7 +44,7 @@ class OpenAIRequest:
     unknown: tuple[str, ...] = () # names neither SGLang nor OpenAI has (warned, dropped)
 
 
-def parse_completion(body: dict) -> OpenAIRequest:
+def parse_completion(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
     unknown = screen(body, COMPLETION)
     n = take(body, "n", integer(1, MAX_N), 1)
     if take(body, "best_of", integer(1, MAX_N), n) != n:
@@ -51,13 +53,14 @@ def parse_completion(body: dict) -> OpenAIRequest:
         raise BadRequest("'prompt' is required")
     top = take(body, "logprobs", integer(0, MAX_TOP_LOGPROBS))
     prompts = completion_prompts(body["prompt"])
+    check_prompts(prompts, cfg.prompt_limits, "prompt")
     sampling = _sampling(body, take(body, "max_tokens", integer(1, INT32_MAX),
                                     COMPLETION_MAX_TOKENS))
     return _request(body, prompts, n, sampling | logprob_sampling(top is not None, top or 0), top,
-                    unknown, take(body, "echo", boolean, False))
+                    unknown, cfg, take(body, "echo", boolean, False))
 
 
-def parse_chat(body: dict) -> OpenAIRequest:
+def parse_chat(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
     unknown = screen(body, CHAT)
     n = take(body, "n", integer(1, MAX_N), 1)
     want = take(body, "logprobs", boolean, False)
@@ -68,8 +71,9 @@ def parse_chat(body: dict) -> OpenAIRequest:
     if max_tokens is None:
         max_tokens = take(body, "max_tokens", integer(1, INT32_MAX))
     prompts = [{"messages": chat_messages(body.get("messages"))}]
+    check_prompts(prompts, cfg.prompt_limits, "messages")
     sampling = _sampling(body, max_tokens) | logprob_sampling(want, top or 0)
-    return _request(body, prompts, n, sampling, (top or 0) if want else None, unknown)
+    return _request(body, prompts, n, sampling, (top or 0) if want else None, unknown, cfg)
 
 
 def _sampling(body: dict, max_tokens: int | None) -> dict:
@@ -86,12 +90,12 @@ def _sampling(body: dict, max_tokens: int | None) -> dict:
 
 
 def _request(body: dict, prompts: list[dict], n: int, sampling: dict, top: int | None,
-             unknown: list[str], echo: bool = False) -> OpenAIRequest:
+             unknown: list[str], cfg: HttpConfig, echo: bool = False) -> OpenAIRequest:
     stream = take(body, "stream", boolean, False)
     options = take(body, "stream_options", _object, {})
     unknown += [f"stream_options.{k}" for k in options if k not in STREAM_OPTIONS]
     include_usage = take(options, "include_usage", boolean, False)
-    check_count(len(prompts), n)
+    check_count(len(prompts), n, cfg.max_batch_requests)
     copies = seeded_copies(checked_sampling(sampling), n)
     rids = _prompt_major(item_rids(body.get("rid"), len(prompts), n, len(prompts) > 1),
                          len(prompts), n)

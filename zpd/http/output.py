@@ -184,11 +184,12 @@ def finish_reason(out: Output) -> dict | None:
     return finish
 
 
-def version_spans(versions: list[str]) -> list[dict]:
+def version_spans(versions: list[str], start: int = 0) -> list[dict]:
     """Per-token weight versions as SGLang's spans: each run of one version is
-    {"version", "start", "end"} over output token positions, `end` exclusive."""
+    {"version", "start", "end"} over output token positions, `end` exclusive;
+    `versions` are those of the tokens from position `start` on."""
     spans: list[dict] = []
-    for i, v in enumerate(versions):
+    for i, v in enumerate(versions, start):
         if spans and spans[-1]["version"] == v:
             spans[-1]["end"] = i + 1
         else:
@@ -196,15 +197,19 @@ def version_spans(versions: list[str]) -> list[dict]:
     return spans
 
 
-def meta_info(out: Output) -> dict:
+def meta_info(out: Output, tokens: range | None = None) -> dict:
     """SGLang's meta_info for one request (logprobs aside): `weight_versions` are its
-    spans, zpd's per-token list is `output_token_weight_versions`."""
-    versions = out.weight_versions
+    spans, zpd's per-token list is `output_token_weight_versions`; both only of the
+    output tokens in `tokens` when given (an incremental event), the counts whole."""
+    every = out.weight_versions
+    tokens = range(len(every)) if tokens is None else tokens
+    versions = every[tokens.start:tokens.stop] if tokens.start or tokens.stop < len(every) \
+        else every
     return {"id": out.rid, "finish_reason": finish_reason(out),
             "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
             "cached_tokens": int(out.meta.get("cached_tokens", 0)),
             "e2e_latency": out.e2e_latency,
-            "weight_version": versions[-1] if versions else None,
-            "weight_versions": version_spans(versions),
+            "weight_version": every[-1] if every else None,
+            "weight_versions": version_spans(versions, tokens.start),
             "output_token_weight_versions": versions,
             "retractions": int(out.meta.get("retractions", 0))}

@@ -14,9 +14,10 @@ from typing import Any, Callable, Iterable
 import orjson
 
 from engines.sampler import INT32_MAX, SamplingParams
+from zpd.config import HttpConfig, PromptLimits, default_of
 
 MAX_TOP_LOGPROBS = 20
-MAX_REQUESTS = 1024        # generations one HTTP call may start (prompts x n)
+MAX_REQUESTS = default_of(HttpConfig, "max_batch_requests")   # generations per call (prompts x n)
 MAX_RID_CHARS = 256
 LOGPROB_KEYS = ("return_logprob", "top_logprobs_num")    # in the wire's sampling dict
 
@@ -155,10 +156,24 @@ def logprob_sampling(want: bool, top: int) -> dict:
     return {"return_logprob": True, "top_logprobs_num": top} if want else {}
 
 
-def check_count(prompts: int, n: int = 1) -> None:
-    if prompts * n > MAX_REQUESTS:
-        raise BadRequest(f"{prompts} prompts x n={n} is more than {MAX_REQUESTS} generations "
-                         "in one request")
+def check_count(prompts: int, n: int = 1, cap: int = MAX_REQUESTS) -> None:
+    """Each generation is a request at the router: one call may start `cap` of them."""
+    if prompts * n > cap:
+        raise BadRequest(f"{prompts} prompt(s) x 'n'={n} is more than {cap} generations in "
+                         "one request (--max-batch-requests): lower 'n' or split the batch")
+
+
+def check_prompts(prompts: list[dict], limits: PromptLimits, name: str) -> None:
+    """The cluster's prompt caps, checked here so that an over-limit prompt never reaches
+    the router (whose frame limit a large one would exceed): 400 naming the prompt and
+    the flag. `prompts`: {"text"}, {"input_ids"} or {"messages"} each; `name` is the
+    field they came from (indexed when there are several)."""
+    for i, prompt in enumerate(prompts):
+        messages = prompt.get("messages")
+        why = limits.refusal(prompt.get("input_ids") or [], prompt.get("text") or "",
+                             {"messages": messages} if messages is not None else None)
+        if why is not None:
+            raise BadRequest(f"{name}[{i}]: {why}" if len(prompts) > 1 else f"{name}: {why}")
 
 
 def rid_field(name: str, value: Any) -> str:

@@ -30,7 +30,7 @@ def serve_http(cfg: HttpConfig) -> int:
     return asyncio.run(_serve(cfg, Front(
         None, cfg.served_model_name or cfg.model, tokenizer, chat, problem, cfg.api_key,
         cfg.admin_api_key, cfg.router, cfg.weights_timeout, model_path=cfg.model,
-        tokenizer_path=cfg.overrides.tokenizer_path or cfg.model)))
+        tokenizer_path=cfg.overrides.tokenizer_path or cfg.model, config=cfg)))
 
 
 async def _serve(cfg: HttpConfig, front: Front) -> int:

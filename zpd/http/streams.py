@@ -6,13 +6,18 @@ queues them for the route's task, so a token costs one task switch, the route's.
 Leaving `follow` early, by an error or by the handler's cancellation when the HTTP
 client disconnects, closes every request, and each closed one is aborted at the
 router (499).
+
+An EventStream never lets a client that stops reading hold the front's memory or the
+workers' pages: past `buffer_bytes` unsent its writes wait for the client, and a write
+that waits `write_timeout` seconds raises Stalled; the route then leaves `follow` (its
+requests are aborted) and `abandon`s the connection.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import orjson
 from aiohttp import web
@@ -27,6 +32,10 @@ log = logging.getLogger("zpd.http.streams")
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+
+
+class Stalled(Exception):
+    """The client has read nothing of its stream for the write timeout."""
 
 
 class Backend(Protocol):
@@ -93,23 +102,55 @@ async def run_all(backend: Backend, items: list[GenRequest],
 
 class EventStream:
     """An SSE answer, opened only at its first event so that a request refused before
-    anything was generated can still be answered with a plain HTTP error."""
+    anything was generated can still be answered with a plain HTTP error.
 
-    def __init__(self, request: web.Request) -> None:
+    The transport pauses past `buffer_bytes` unsent, and aiohttp waits for it to drain
+    at least every 64 KiB written: what one stream holds unsent is at most
+    buffer_bytes + 64 KiB + one event (the event size is capped by the routes)."""
+
+    def __init__(self, request: web.Request, write_timeout: float = 60.0,
+                 buffer_bytes: int = 1 << 20) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
+        self.write_timeout, self.buffer_bytes = write_timeout, buffer_bytes
 
     async def send(self, obj: dict) -> None:
-        if self.response is None:
-            self.response = web.StreamResponse(headers=SSE_HEADERS)
-            await self.response.prepare(self.request)
-        await self.response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        await self._write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
     async def close(self) -> web.StreamResponse:
         """Write [DONE] and end the answer."""
+        await self._write(DONE)
+        await self._bounded(self.response.write_eof())
+        return self.response
+
+    def abandon(self, rids: list[str]) -> web.StreamResponse:
+        """Drop the connection of a stalled stream and what it has unsent (its requests
+        were aborted when the route left `follow`)."""
+        peer = self.request.remote or "?"
+        log.warning("stream to %s: the client read nothing for %g s; its connection is closed "
+                    "and its %d request(s) aborted (%s)", peer, self.write_timeout, len(rids),
+                    ", ".join(r or "?" for r in rids[:4]) + (", ..." if len(rids) > 4 else ""))
+        if self.request.transport is not None:
+            self.request.transport.abort()
+        return self.response
+
+    async def _write(self, data: bytes) -> None:
         if self.response is None:
             self.response = web.StreamResponse(headers=SSE_HEADERS)
             await self.response.prepare(self.request)
-        await self.response.write(DONE)
-        await self.response.write_eof()
-        return self.response
+            self._limit_buffer()
+        await self._bounded(self.response.write(data))
+
+    def _limit_buffer(self) -> None:
+        transport = self.request.transport
+        try:
+            transport.set_write_buffer_limits(high=self.buffer_bytes)
+        except (AttributeError, NotImplementedError):    # no transport, or one without limits
+            pass
+
+    async def _bounded(self, write: Awaitable[None]) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout):
+                await write
+        except TimeoutError:
+            raise Stalled() from None

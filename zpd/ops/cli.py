@@ -16,7 +16,8 @@ from zpd.config import RouterConfig
 from zpd.env import configure_engine, http_keys
 from zpd.ops.mem_fraction import check_fraction, kv_cache_mb as kv_budget_mb
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
-                             add_http_key_options, add_http_options, add_model_options,
+                             add_http_front_options, add_http_key_options, add_http_options,
+                             add_model_options,
                              add_prompt_options, add_served_model_name, http_config,
                              add_router_options, add_sampling_options, add_worker_options,
                              add_worker_server_options, kv_cache_mb, model_overrides,
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                          'file gains "http": "H:P"')
     add_served_model_name(la)
     add_http_key_options(la)
+    add_http_front_options(la)
     la.set_defaults(func=_cmd_launch)
 
     h = sub.add_parser("http", parents=[common], help="serve SGLang's and OpenAI's HTTP APIs",
