@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from tests.unit.fake_workers import FakeCluster
 from zpd.client import Client, NoAnswerError
 from zpd.config import RouterConfig
 from zpd.router.server import RouterServer
@@ -136,3 +137,19 @@ def test_cli_generate_fails_fast_naming_the_address(dead_endpoint: str) -> None:
     assert out.returncode != 0 and dead_endpoint in out.stderr, out.stderr
     assert "zpd generate: error: no answer from router" in out.stderr, out.stderr
     assert took < 15, took      # interpreter and torch import included; not the 300 s timeout
+
+
+def test_a_client_submitting_more_than_its_share_at_once_has_none_refused() -> None:
+    """Issue 30: 1,100 requests from one zpd.Client once got 76 refusals (503 "busy",
+    past --max-client-requests 1024); now the ones past its share or past
+    --max-concurrent-requests wait their turn, and the decode never holds more."""
+    cluster = FakeCluster(hold=0.002)
+    try:
+        with Client(cluster.endpoint, timeout=120, connect_timeout=10) as client:
+            out = client.generate_many([{"input_ids": [1, 2, 3]} for _ in range(1100)])
+        assert [r["finish_reason"] for r in out] == [{"type": "length"}] * 1100
+        assert len(cluster.decode.seen) == 1100
+        assert cluster.decode.most <= cluster.router.max_concurrent == 64
+        assert cluster.router.shares.held == {} and len(cluster.router.queued) == 0
+    finally:
+        cluster.close()

@@ -9,9 +9,10 @@ import zmq
 import zmq.asyncio
 
 from zpd.http.records import GenRequest
-from zpd.http.router_client import RouterClient
-from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, TokenPart,
-                               Tokens, decode, encode)
+from zpd.http.router_client import USER, RouterClient, http_user
+from zpd.wire.messages import MAX_USER_CHARS
+from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Generate,
+                               Ping, TokenPart, Tokens, decode, encode)
 
 
 class ScriptedRouter:
@@ -160,4 +161,53 @@ def test_open_hands_every_chunk_to_its_sink_and_close_after_the_end_sends_nothin
         assert isinstance(msg, Admin)
         await router.send(who, AdminReply(msg.req_id, True, {}))
         await status
+    run(test)
+
+
+# --- issue 30: the caller's identity, and no frame the router would refuse -------------
+
+
+def test_each_request_names_its_http_caller_as_the_routers_user():
+    async def test(router, client):
+        async def as_user(user: str, rid: str) -> None:
+            USER.set(user)                       # what the key check does per HTTP request
+            client.open(GenRequest({}, input_ids=[1], rid=rid), lambda chunk: None)
+        await asyncio.create_task(as_user("key:abc@10.0.0.7", "a"))
+        await asyncio.create_task(as_user("10.0.0.8", "b"))
+        client.open(GenRequest({}, input_ids=[1], rid="c"), lambda chunk: None)
+        got = {}
+        for _ in range(3):
+            _, msg = await router.recv()
+            got[msg.rid] = msg.user
+        assert got == {"a": "key:abc@10.0.0.7", "b": "10.0.0.8", "c": ""}
+    run(test)
+
+
+def test_http_user_is_the_address_and_a_hash_of_the_key_never_the_key():
+    assert http_user("10.1.2.3", b"", keyed=False) == "10.1.2.3"
+    assert http_user("10.1.2.3", b"sekrit", keyed=False) == "10.1.2.3"    # no keys: not a key
+    keyed = http_user("10.1.2.3", b"sekrit", keyed=True)
+    assert keyed.startswith("key:") and keyed.endswith("@10.1.2.3") and "sekrit" not in keyed
+    assert keyed != http_user("10.1.2.3", b"other", keyed=True)
+    assert http_user(None, b"", keyed=False) == "unknown"
+    assert len(http_user("f" * 300, b"k", keyed=True)) <= MAX_USER_CHARS
+
+
+def test_a_request_too_large_for_one_router_frame_is_400_here_and_the_link_lives():
+    """Issue 30 item 4: the router drops a connection that sends a frame past
+    MAX_FRAME_BYTES, and with it every HTTP caller's stream; such a request must end
+    at the front, for its caller only."""
+    async def test(router, client):
+        big = await asyncio.wait_for(collect(client.stream(
+            GenRequest({}, text="a" * (MAX_FRAME_BYTES + 1), rid="big"))), 5)
+        assert big[-1]["finish_reason"]["status_code"] == 400
+        assert "too large" in big[-1]["finish_reason"]["message"]
+        ids = await asyncio.wait_for(collect(client.stream(
+            GenRequest({}, input_ids=[1] * (MAX_FRAME_BYTES // 4 + 1), rid="ids"))), 5)
+        assert ids[-1]["finish_reason"]["status_code"] == 400
+        small = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="ok"))))
+        who, msg = await router.recv()
+        assert isinstance(msg, Generate) and msg.rid == "ok"     # nothing big went out
+        await router.send(who, Tokens.pack([TokenPart("ok", [5], ["v"], {"type": "length"}, {})]))
+        assert (await asyncio.wait_for(small, 5))[-1]["token_ids"] == [5]
     run(test)

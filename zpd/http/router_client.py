@@ -7,12 +7,20 @@ A request the router does not acknowledge within `connect_timeout`, or any reque
 in flight once the router has been silent for `router_silence` (it pings every
 client with requests in flight, so silence means it is gone), ends with a 503
 chunk: every stream the routes read ends, whatever happens to the router.
+
+Each request names its HTTP caller (USER, set per HTTP request by the key check) as
+`Generate.user`, so the router's fair queue takes turns between callers, not only
+between connections (zpd/router/admission.py). A request is encoded before it is
+sent: one whose frame the router would refuse (MAX_FRAME_BYTES) ends here with 400,
+since the router drops a connection that sends one, every caller's requests with it.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import uuid
+from contextvars import ContextVar
 from typing import AsyncIterator, Callable
 
 import zmq
@@ -21,12 +29,27 @@ import zmq.asyncio
 from zpd.client import asks_logprobs, chunk_of, generate_message
 from zpd.http.records import GenRequest
 from zpd.wire.net import Curve, SocketOptions, configure_socket, parse_endpoint
-from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Message, ProtocolError,
-                               TokenPart, Tokens, decode, encode)
+from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Message,
+                               ProtocolError, TokenPart, Tokens, decode, encode)
 
 log = logging.getLogger("zpd.http.router_client")
 
 UNAVAILABLE = 503
+BAD_REQUEST = 400
+
+# Who the current HTTP request is for (`http_user`); "" outside one: the front itself.
+USER: ContextVar[str] = ContextVar("zpd_http_user", default="")
+
+
+def http_user(remote: str | None, token: bytes, keyed: bool) -> str:
+    """An HTTP caller as the router's fairness sees it: its address and, where API keys
+    are set, which key it presented (a hash: the key itself never leaves the front).
+    The address is the peer's (never a header a caller writes), without its port, so
+    one caller's many connections are one user."""
+    who = remote or "unknown"
+    if keyed and token:
+        who = f"key:{hashlib.sha256(token).hexdigest()[:16]}@{who}"
+    return who[:128]
 
 Sink = Callable[[dict], None]       # takes each chunk of one request; the last is finished
 
@@ -123,8 +146,12 @@ class RouterClient:
             sink(chunk)
 
     def _submit(self, rid: str, req: GenRequest) -> None:
-        msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages)
-        if not self._send(msg):
+        msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages,
+                               USER.get())
+        frames = self._frames(rid, msg)
+        if frames is None:
+            return
+        if not self._send(msg, frames):
             self._end(rid, abort_chunk(rid, UNAVAILABLE, f"cannot reach the router "
                                        f"{self.endpoint}: its send queue is full"))
             return
@@ -132,6 +159,21 @@ class RouterClient:
         loop = asyncio.get_running_loop()
         self._heard = max(self._heard, loop.time())       # silence counts from here
         loop.call_later(self.connect_timeout, self._check_acked, rid)
+
+    def _frames(self, rid: str, msg: Message) -> list[bytes] | None:
+        """`msg` encoded; None (and `rid` ended with 400) where the router would refuse it."""
+        try:
+            frames = encode(msg)
+        except ProtocolError as e:
+            self._end(rid, abort_chunk(rid, BAD_REQUEST, f"the request cannot be sent: {e.reason}"))
+            return None
+        largest = max(len(f) for f in frames)
+        if largest > MAX_FRAME_BYTES:
+            self._end(rid, abort_chunk(rid, BAD_REQUEST, (
+                f"the request is too large: its prompt takes {largest} bytes on the wire, more "
+                f"than the router accepts in one frame ({MAX_FRAME_BYTES}); send a shorter one")))
+            return None
+        return frames
 
     def _check_acked(self, rid: str) -> None:
         if rid in self._unacked and rid in self._sinks:
@@ -165,9 +207,10 @@ class RouterClient:
 
     # --- the socket ---------------------------------------------------------------
 
-    def _send(self, msg: Message) -> bool:
-        """Queue `msg` without waiting; False when the socket's queue is full."""
-        done = self._sock.send_multipart(encode(msg), flags=zmq.DONTWAIT)
+    def _send(self, msg: Message, frames: list[bytes] | None = None) -> bool:
+        """Queue `msg` (as `frames`, if encoded already) without waiting; False when the
+        socket's queue is full."""
+        done = self._sock.send_multipart(frames or encode(msg), flags=zmq.DONTWAIT)
         if done.exception() is not None:
             log.warning("dropped %s to the router %s: %s", msg.TYPE, self.endpoint, done.exception())
             return False

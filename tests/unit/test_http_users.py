@@ -1,0 +1,75 @@
+"""Issue 30 item 5: the HTTP front names each caller to the router, so one HTTP call
+(8 prompts x n 128) no longer takes the front's whole router quota: another caller's
+request is served at the next free slot."""
+from __future__ import annotations
+
+import asyncio
+
+from tests.unit.fake_workers import FakeCluster
+from tests.unit.http_fake import FakeBackend, call, front
+from zpd.http.records import GenRequest
+from zpd.http.router_client import USER, RouterClient
+
+
+class UserRecorder(FakeBackend):
+    """Records the user each request was opened for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users: list[str] = []
+
+    def open(self, req, sink):
+        self.users.append(USER.get())
+        return super().open(req, sink)
+
+
+def test_each_http_caller_is_its_address_or_its_keys_hash_never_the_key():
+    backend = UserRecorder()
+    assert call(front(backend), "POST", "/generate", {"input_ids": [1]})[0] == 200
+    assert backend.users == ["127.0.0.1"]
+    keyed = UserRecorder()
+    headers = {"Authorization": "Bearer sekrit-key"}
+    assert call(front(keyed, api_key="sekrit-key"), "POST", "/generate",
+                {"input_ids": [[1], [2]]}, headers=headers)[0] == 200
+    assert len(keyed.users) == 2 and keyed.users[0] == keyed.users[1]
+    assert keyed.users[0].startswith("key:") and keyed.users[0].endswith("@127.0.0.1")
+    assert "sekrit" not in keyed.users[0]
+
+
+def test_another_callers_request_passes_a_flood_from_one_http_call():
+    cluster = FakeCluster(hold=0.01, max_concurrent_requests=4)
+
+    async def go() -> tuple[list[str], int]:
+        client = RouterClient(cluster.endpoint, connect_timeout=10, router_silence=30)
+        await client.start()
+        done: list[str] = []
+        finished = asyncio.Event()
+
+        def sink(chunk: dict) -> None:
+            if chunk["finished"]:
+                assert chunk["finish_reason"] == {"type": "length"}, chunk
+                done.append(chunk["rid"])
+                if len(done) == 201:
+                    finished.set()
+
+        async def submit(user: str, rids: list[str]) -> None:
+            USER.set(user)                      # what the key check does per HTTP request
+            for rid in rids:
+                client.open(GenRequest({}, input_ids=[1], rid=rid), sink)
+        try:
+            await asyncio.create_task(submit("10.0.0.1", [f"a{i}" for i in range(200)]))
+            await asyncio.sleep(0.05)           # the flood is at the router first
+            before = len(done)
+            await asyncio.create_task(submit("10.0.0.2", ["b"]))
+            await asyncio.wait_for(finished.wait(), 60)
+        finally:
+            await client.close()
+        return done, before
+
+    try:
+        done, before = asyncio.run(go())
+    finally:
+        cluster.close()
+    # b waits for one of the four slots, not for the ~180 of a's requests queued before it
+    assert before < 150 and done.index("b") - before <= 8, (before, done.index("b"))
+    assert sorted(done) == sorted([f"a{i}" for i in range(200)] + ["b"])
