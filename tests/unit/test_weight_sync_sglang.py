@@ -79,26 +79,26 @@ def test_a_bad_master_port_is_400_naming_it(cluster, port):
 
 def test_a_join_that_never_completes_fails_in_time_and_a_retry_works(cluster):
     """The trainer's port accepts and never speaks: torch's TCPStore waits past its
-    own timeout there, so the worker gives the join up at the timeout and is free."""
+    own timeout there, so the worker kills the helper process joining for it at the
+    timeout and is free at once."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     try:
+        started = time.monotonic()
         req = cluster.admin("init_weights_update_group", wait=False, master_address="127.0.0.1",
                             master_port=silent.getsockname()[1], rank_offset=1, world_size=3,
                             group_name="g", timeout=4.0)
-        end = time.monotonic() + 5
-        while time.monotonic() < end and not all(core.weight_sync.job for core in
-                                                 (cluster.prefill, cluster.decode)):
+        end = time.monotonic() + 15
+        while req not in cluster.replies:
+            assert time.monotonic() < end, "the join was not bounded"
             cluster.pump(1)
-        assert all(core.weight_sync.job == "joining g" for core in (cluster.prefill, cluster.decode))
-        cluster.advance(3.7)
-        assert req not in cluster.replies            # not before the timeout
-        cluster.advance(0.3)                         # the workers' 3.6 s + slack, under 4 s
-        reply = cluster.replies[req]
+            time.sleep(0.001)
+        took, reply = time.monotonic() - started, cluster.replies[req]
+        assert 3.6 <= took < 4.0 + 3.0, took          # the workers' 3.6 s, not before
         assert not reply["ok"], reply
         errors = [w["error"] for w in reply["workers"]]
-        assert len(errors) == 2 and all("'g'" in e and "within" in e for e in errors), reply
+        assert len(errors) == 2 and all("'g'" in e and "timed out" in e for e in errors), reply
         assert idle(cluster)
         t = Trainer(world_size=3, group_name="g")    # the same group, now reachable
         try:
@@ -110,20 +110,21 @@ def test_a_join_that_never_completes_fails_in_time_and_a_retry_works(cluster):
         finally:
             t.close()
     finally:
-        silent.close()                               # lets the abandoned threads end
+        silent.close()
     cluster.serves_again()
-    end = time.monotonic() + 30                      # torch's retries, then its error
-    while any(t.name == "zpd-weights-g" for t in threading.enumerate()):
-        assert time.monotonic() < end, "an abandoned join never ended"
-        time.sleep(0.1)
+    for thread in [t for t in threading.enumerate() if t.name == "zpd-weights-g"]:
+        thread.join(5)                               # it answered: it ends at once
+        assert not thread.is_alive()
 
 
 def test_a_stuck_join_is_answered_in_real_time():
     """The same on a real clock: a worker's WeightSync over a real Loop answers a join
-    to a silent port within its timeout plus slack (torch alone would not)."""
+    to a silent port within its timeout plus the helper's start (torch alone would
+    not answer)."""
     loop = Loop()
     core = SimpleNamespace(loop=loop, model=SimpleNamespace(device=torch.device("cpu")),
-                           memory=SimpleNamespace(require_weights=lambda what: None))
+                           memory=SimpleNamespace(require_weights=lambda what: None),
+                           cfg=SimpleNamespace(weight_sync_timeout=300.0))
     sync, answers = WeightSync(core), []
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -137,14 +138,15 @@ def test_a_stuck_join_is_answered_in_real_time():
             loop.run_once(max_wait=0.05)
         took = time.monotonic() - started
         assert answers and not answers[0][0] and "'stuck'" in answers[0][1]["error"], answers
-        assert took < 1.0 + 0.05 + 0.5, took                 # timeout + slack + scheduling
+        assert answers[0][1]["status"] == 504
+        # the timeout, plus (the first time in a process) starting the helpers' forkserver
+        assert took < 1.0 + 3.0, took
         assert sync.job is None and not sync.groups
     finally:
         silent.close()
-    end = time.monotonic() + 30
-    while any(t.name == "zpd-weights-stuck" for t in threading.enumerate()):
-        assert time.monotonic() < end, "an abandoned join never ended"
-        loop.run_once(max_wait=0.1)
+    for thread in [t for t in threading.enumerate() if t.name == "zpd-weights-stuck"]:
+        thread.join(5)                               # it answered: it ends at once
+        assert not thread.is_alive()
     loop.close()
 
 
@@ -316,3 +318,18 @@ def test_tensor_route_is_admin_guarded():
     status, _ = call(f, "POST", "/update_weights_from_tensor", body,
                      headers={"Authorization": "Bearer adm"})
     assert status == 200 and f.backend.admins
+
+
+def test_cancel_route_is_admin_guarded_and_sends_the_command():
+    f = front(admin_api_key="adm", api_key="usr")
+    for headers in ({}, {"Authorization": "Bearer usr"}):
+        status, _ = call(f, "POST", "/cancel_weight_update", {}, headers=headers)
+        assert status == 401
+    assert not f.backend.admins
+    status, body = call(f, "POST", "/cancel_weight_update", {"x": 1},
+                        headers={"Authorization": "Bearer adm"})
+    assert status == 400 and not f.backend.admins, body
+    status, body = call(f, "POST", "/cancel_weight_update", None,
+                        headers={"Authorization": "Bearer adm"})
+    assert status == 200 and body["success"], body
+    assert f.backend.admins[-1] == ("cancel_weight_update", {})

@@ -1,8 +1,9 @@
 """SGLang's trainer weight-sync routes, each one admin command on the router
 (zpd/router/weight_sync.py says what the router and workers do):
 `init_weights_update_group`, `update_weights_from_distributed`,
-`update_weights_from_tensor`, `destroy_weights_update_group`. Answers are
-{"success", "message", ...}."""
+`update_weights_from_tensor`, `destroy_weights_update_group`, and zpd's own
+`cancel_weight_update`. Answers are {"success", "message", ...}; a failed step's
+message names each worker that failed, its step and tensor, and why."""
 from __future__ import annotations
 
 from typing import Any
@@ -156,3 +157,15 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     name = take(body, "group_name", text_field, DEFAULT_GROUP)
     return await _answer(request, "destroy_weights_update_group",
                          f"weight group {name!r} destroyed", None, (), group_name=name)
+
+
+@routes.post("/cancel_weight_update")
+async def cancel_weight_update(request: web.Request) -> web.Response:
+    """zpd's own (the admin key guards it): end the init_weights_update_group or weight
+    push under way. That call then answers 409 "cancelled by admin"; every worker keeps
+    its old weights and version, leaves the trainer's group, and takes a new
+    init_weights_update_group at once. Nothing under way: success, nothing changes."""
+    body = await read_body(request, required=False)
+    refuse_unknown(body, ())
+    return await _answer(request, "cancel_weight_update", "weight update cancelled", None,
+                         ("workers",))

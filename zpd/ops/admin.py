@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.Namespace], dict]]] = {
                                        "(--tags; default all)",
                       lambda a: {"tags": a.tags} if a.tags else {}),
     "flush-cache": ("flush_cache", "drop cached KV not held by a request", lambda a: {}),
+    "cancel-weight-update": ("cancel_weight_update", "end a trainer's weight push or "
+                                                     "init_weights_update_group under way: every "
+                                                     "worker keeps its old weights and leaves "
+                                                     "the trainer's group", lambda a: {}),
 }
 
 

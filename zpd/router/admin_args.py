@@ -79,6 +79,8 @@ ARGS: dict[str, dict[str, Check]] = {
         "load_format": (lambda v: v in (None, "flattened_bucket"),
                         'null (one broadcast per tensor) or "flattened_bucket"')},
     "destroy_weights_update_group": {"group_name": TEXT},
+    # ends the join or push under way on every worker (zpd/worker/weight_sync.py); never blocked
+    "cancel_weight_update": {},
     "update_weights_from_tensor": {
         "serialized_named_tensors": (_payloads, f"a list of 1 to {MAX_RANKS} base64 strings of "
                                                 f"{MAX_PAYLOAD_CHARS} characters in all at most"),

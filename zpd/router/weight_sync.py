@@ -34,6 +34,9 @@ COMMANDS = ("init_weights_update_group", "update_weights_from_distributed",
             "update_weights_from_tensor", "destroy_weights_update_group")
 BLOCKED = frozenset({"continue", "update_weights", *COMMANDS})
 COMMIT_TIMEOUT_S = 60.0     # a commit is a local copy; this only bounds a wedged worker
+# Of a command's timeout, the workers' (they answer first, saying why); zpd launch gives
+# its HTTP front a --weights-timeout above the workers' --weight-sync-timeout / this.
+WORKER_SHARE = 0.9
 
 
 class RouterWeightSync:
@@ -85,7 +88,7 @@ class RouterWeightSync:
             reply(False, {"workers": replies, "ranks": ranks})
 
         self.admin.fan_out("join_weights_group",
-                           lambda w: common | {"rank": ranks[w.endpoint], "timeout_s": timeout * 0.9},
+                           lambda w: common | {"rank": ranks[w.endpoint], "timeout_s": timeout * WORKER_SHARE},
                            workers, timeout, joined)
 
     def _running(self, command: str, reply: Reply) -> bool:
@@ -104,7 +107,7 @@ class RouterWeightSync:
         name, update_id = args["group_name"], uuid.uuid4().hex
         version = args.get("weight_version")      # None: each worker keeps its own (SGLang's way)
         stage = {k: args.get(k) for k in ("names", "dtypes", "shapes", "load_format")} | {
-            "group_name": name, "update_id": update_id, "timeout_s": timeout * 0.9}
+            "group_name": name, "update_id": update_id, "timeout_s": timeout * WORKER_SHARE}
         self._two_phase("stage_weights", lambda w: stage, update_id, version,
                         f"group {name!r}", name, timeout, reply)
 

@@ -1,0 +1,272 @@
+"""Trainer weight sync against a broken trainer (issue 30): one that broadcasts more
+or fewer bytes than it announced, stalls mid-push, or whose address accepts and
+never answers; and an admin's cancel. After each, every worker has its old weights
+and version, serves, and a fresh join and push work at once.
+
+The real router and workers run in this process (tests/unit/inproc.py), the trainer
+on a thread (tests/unit/trainer_side.py); each worker's group lives in a helper
+process (zpd/worker/sync_helper.py), which is what an oversized broadcast kills."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from engines.tiny import tiny_state_dict
+from tests.unit.inproc import InprocCluster
+from tests.unit.test_weight_sync import admin, join, push, versions, weights_equal
+from tests.unit.trainer_side import Trainer, announce
+from zpd.worker.sync_helper import FILL, check
+
+W2 = tiny_state_dict(7)
+NAMES = list(W2)
+LIMIT_S = 3.0          # the admin timeout given: workers get 0.9 of it
+
+
+@pytest.fixture
+def cluster():
+    c = InprocCluster(kv_cache_mb=2.0)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def trainer():
+    t = Trainer(world_size=3, timeout_s=10.0)
+    yield t
+    t.close()
+
+
+def broken_push(c: InprocCluster, t: Trainer, sent: list[torch.Tensor], **extra) -> dict:
+    """Announce W2, broadcast `sent` instead; the answer."""
+    t.push(sent)
+    got = admin(c, "update_weights_from_distributed", group_name=t.group_name,
+                weight_version="bad", **announce(W2), **extra)
+    return got
+
+
+def unchanged_and_serving(c: InprocCluster) -> None:
+    assert versions(c) == ["tiny", "tiny"] and weights_equal(c, "tiny")
+    for core in (c.prefill, c.decode):
+        assert core.weight_sync.job is None and core.weight_sync.staged is None
+    assert c.router.updating is False
+    c.serves_again()
+
+
+def fresh_push_works(c: InprocCluster) -> None:
+    """A new group (the old one may be gone) and a good push, at once."""
+    for core in (c.prefill, c.decode):
+        for name in list(core.weight_sync.groups):
+            core.weight_sync._close(name)
+    again = Trainer(world_size=3, group_name="again")
+    try:
+        assert join(c, again)["ok"]
+        reply = push(c, again, W2, version="v2")
+        assert reply["ok"], reply
+        assert versions(c) == ["v2", "v2"] and weights_equal(c, "tiny:7")
+    finally:
+        again.close()
+
+
+def failures(reply: dict) -> list[dict]:
+    return [w for w in reply["workers"] if not w["ok"]]
+
+
+# --- the checks the helper makes on each received tensor ----------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_check_finds_short_and_nan_tensors(dtype):
+    good = torch.randn(5, dtype=dtype)
+    raw = torch.full((good.nbytes,), FILL, dtype=torch.uint8)
+    raw.copy_(good.view(torch.uint8))
+    assert check("w", raw, dtype) is None
+    for arrived in (0, 1, good.nbytes - 1, good.nbytes - dtype.itemsize):
+        raw.fill_(FILL)
+        raw[:arrived].copy_(good.view(torch.uint8)[:arrived])
+        assert "fewer than" in check("w", raw, dtype), arrived
+    nan = good.clone()
+    nan[2] = float("nan")
+    raw.copy_(nan.view(torch.uint8))
+    assert "'w'" in check("w", raw, dtype) and "NaN" in check("w", raw, dtype)
+
+
+# --- a broken trainer --------------------------------------------------------------
+
+
+def test_an_oversized_broadcast_kills_only_the_helper(cluster, trainer):
+    """gloo aborts the process that receives more bytes than it announced: the helper,
+    not the worker. The push fails with the tensor's name and the reason."""
+    assert join(cluster, trainer)["ok"]
+    sent = list(W2.values())
+    sent[1] = torch.cat([sent[1].reshape(-1), torch.zeros(64, dtype=sent[1].dtype)])
+    reply = broken_push(cluster, trainer, sent, timeout=20.0)
+    trainer.wait()
+    assert not reply["ok"]
+    bad = failures(reply)
+    assert bad and all(NAMES[1] in w["error"] or "died" in w["error"] for w in bad), bad
+    assert any("SIGABRT" in w["error"] and NAMES[1] in w["error"] for w in bad), bad
+    unchanged_and_serving(cluster)
+    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    fresh_push_works(cluster)
+
+
+@pytest.mark.parametrize("short_by", [4, 3, 1])
+def test_an_undersized_broadcast_is_refused_and_changes_nothing(cluster, trainer, short_by):
+    """Fewer bytes than announced (short_by 1 and 3 end inside an element) is 400 with
+    the tensor's name; the group stays in step, so the next push in it works."""
+    assert join(cluster, trainer)["ok"]
+    sent = list(W2.values())
+    raw = sent[2].contiguous().view(-1).view(torch.uint8)
+    sent[2] = raw[:raw.numel() - short_by].clone()
+    reply = broken_push(cluster, trainer, sent)
+    assert trainer.wait() is None
+    assert not reply["ok"] and reply.get("weight_version") is None
+    bad = failures(reply)
+    assert {w["status"] for w in bad} == {400} and len(bad) == 2, bad
+    assert all(NAMES[2] in w["error"] and "fewer than" in w["error"] for w in bad), bad
+    unchanged_and_serving(cluster)
+    assert push(cluster, trainer, W2, version="v2")["ok"]       # the same group still works
+    assert versions(cluster) == ["v2", "v2"] and weights_equal(cluster, "tiny:7")
+
+
+def test_a_nan_weight_is_refused_by_name(cluster, trainer):
+    assert join(cluster, trainer)["ok"]
+    sent = [t.clone() for t in W2.values()]
+    sent[3].view(-1)[0] = float("nan")
+    reply = broken_push(cluster, trainer, sent)
+    assert trainer.wait() is None
+    bad = failures(reply)
+    assert {w["status"] for w in bad} == {400} and all(
+        NAMES[3] in w["error"] and "NaN" in w["error"] for w in bad), bad
+    unchanged_and_serving(cluster)
+
+
+def stall(t: Trainer, first: int) -> threading.Event:
+    """The trainer broadcasts `first` tensors, then waits (group open) until released."""
+    go = threading.Event()
+
+    def body() -> None:
+        for tensor in list(W2.values())[:first]:
+            torch.distributed.broadcast(tensor.contiguous(), src=0, group=t.group)
+        go.wait(60)
+    t._run(body)
+    return go
+
+
+def test_a_stalled_push_fails_within_the_timeout(cluster, trainer):
+    assert join(cluster, trainer)["ok"]
+    release = stall(trainer, 2)
+    started = time.monotonic()
+    reply = admin(cluster, "update_weights_from_distributed", group_name="g", timeout=LIMIT_S,
+                  weight_version="bad", **announce(W2))
+    took = time.monotonic() - started
+    release.set()
+    assert not reply["ok"] and took < LIMIT_S + 5, (took, reply)
+    bad = failures(reply)
+    assert {w["status"] for w in bad} == {504}, bad
+    assert all(NAMES[2] in w["error"] and "timed out" in w["error"] for w in bad), bad
+    unchanged_and_serving(cluster)
+    fresh_push_works(cluster)
+
+
+def test_the_workers_weight_sync_timeout_caps_a_longer_admin_timeout(cluster, trainer):
+    assert join(cluster, trainer)["ok"]
+    for core in (cluster.prefill, cluster.decode):
+        core.weight_sync.timeout_s = 1.5       # as --weight-sync-timeout 1.5
+    release = stall(trainer, 1)
+    started = time.monotonic()
+    reply = admin(cluster, "update_weights_from_distributed", group_name="g", timeout=60.0,
+                  **announce(W2))
+    took = time.monotonic() - started
+    release.set()
+    assert {w["status"] for w in failures(reply)} == {504} and took < 1.5 + 5, (took, reply)
+    assert all("limit 1.5 s" in w["error"] for w in failures(reply))
+    unchanged_and_serving(cluster)
+
+
+def test_cancel_ends_a_stalled_push_at_once(cluster, trainer):
+    assert join(cluster, trainer)["ok"]
+    release = stall(trainer, 1)
+    req_id = cluster.admin("update_weights_from_distributed", wait=False, group_name="g",
+                           weight_version="bad", **announce(W2))
+    cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill, cluster.decode)))
+    rid = cluster.submit([1, 2, 3], 4)           # queued behind the push
+    started = time.monotonic()
+    cancel = admin(cluster, "cancel_weight_update")
+    assert cancel["ok"] and all(w["cancelled"] == "receiving g" for w in cancel["workers"]), cancel
+    end = time.monotonic() + 20
+    while req_id not in cluster.replies:
+        assert time.monotonic() < end, "the cancelled push never answered"
+        cluster.pump(1)
+        time.sleep(0.001)
+    release.set()
+    reply = cluster.replies[req_id]
+    assert time.monotonic() - started < 10
+    assert not reply["ok"] and all("cancelled by admin" in w["error"] for w in failures(reply))
+    assert cluster.run(rid).token_ids                   # the queued request ran
+    unchanged_and_serving(cluster)
+    fresh_push_works(cluster)
+
+
+def test_cancel_with_nothing_under_way_changes_nothing(cluster):
+    reply = cluster.admin("cancel_weight_update")
+    assert reply["ok"] and [w["cancelled"] for w in reply["workers"]] == [None, None]
+    cluster.serves_again()
+
+
+@pytest.fixture
+def silent_port():
+    """An address that accepts connections and never says a word."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                continue
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    thread.join(5)
+    for s in held:
+        s.close()
+    srv.close()
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_join_to_a_silent_port_is_bounded_and_a_retry_works_at_once(cluster, silent_port,
+                                                                       cancel):
+    started = time.monotonic()
+    req_id = cluster.admin("init_weights_update_group", wait=False, master_address="127.0.0.1",
+                           master_port=silent_port, rank_offset=1, world_size=3,
+                           group_name="g", timeout=LIMIT_S)
+    if cancel:
+        cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill,
+                                                                    cluster.decode)))
+        assert admin(cluster, "cancel_weight_update")["ok"]
+    end = time.monotonic() + LIMIT_S + 10
+    while req_id not in cluster.replies:
+        assert time.monotonic() < end, "the join was not bounded"
+        cluster.pump(1)
+        time.sleep(0.001)
+    took, reply = time.monotonic() - started, cluster.replies[req_id]
+    assert not reply["ok"] and took < LIMIT_S + 3, (took, reply)
+    want = ("cancelled by admin", 409) if cancel else ("timed out", 504)
+    assert all(want[0] in w["error"] and w["status"] == want[1]
+               for w in failures(reply)), reply
+    for core in (cluster.prefill, cluster.decode):
+        assert core.weight_sync.status() == {"weight_groups": [], "weights_staged": False,
+                                             "weight_sync_job": None}
+    unchanged_and_serving(cluster)
+    fresh_push_works(cluster)

@@ -1,0 +1,177 @@
+"""The worker's end of a weight-sync helper process (zpd/worker/sync_helper.py says
+why it exists): start it, join a trainer's group through it, stage a push through
+it, and kill it, from any thread, when it overstays, is cancelled or its group is
+destroyed.
+
+Every call here blocks only in `Connection.poll` with a deadline, never in torch:
+a helper stuck in a rendezvous or a broadcast is killed at the deadline, and one
+that dies (gloo's SIGABRT on an oversized broadcast) is seen at once as the end of
+its pipe. Either way the error names the worker's step and tensor, and the worker
+is left as it was.
+
+Helpers are forked from a forkserver that has imported torch once (the first start
+pays for it; the next take milliseconds); the worker's own threads are never forked.
+"""
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import multiprocessing.reduction
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zpd.worker import sync_helper
+from zpd.worker.trainer_group import GroupError
+
+ALIGN = 64          # each tensor of a per-tensor push starts at a multiple of this
+KILL_WAIT_S = 5.0   # a SIGKILLed helper is reaped within this
+
+
+class SyncFailure(GroupError):
+    """A join or push that failed; `status` is the HTTP-like code the worker answers."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One announced tensor as the helper receives it."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zpd.worker.sync_helper"])
+    return ctx
+
+
+class HelperLink:
+    """One helper process and the pipe to it."""
+
+    def __init__(self, device: torch.device) -> None:
+        ctx = _context()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=sync_helper.main, args=(child, str(device)),
+                                name="zpd-weight-sync", daemon=True)
+        self.proc.start()
+        child.close()
+        self.cuda = device.type == "cuda"
+        self.why: tuple[int, str] | None = None     # set by `kill`: the answer's status, reason
+
+    def kill(self, status: int, why: str) -> None:
+        """End the helper now (any thread); the step waiting on it fails with `why`."""
+        if self.why is None:
+            self.why = (status, why)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def close(self) -> None:
+        """Leave the group: the helper goes, its connections to the trainer with it."""
+        self.kill(409, "its weight group was destroyed")
+        self.proc.join(KILL_WAIT_S)
+        self.conn.close()
+
+    def join(self, args: tuple, deadline: float) -> None:
+        """Join the trainer's group (TrainerGroup.join's arguments) by `deadline`."""
+        self.conn.send(("join",) + args)
+        reply = self._next(deadline, "joining the trainer's group")
+        if reply[0] != "joined":
+            raise SyncFailure(502, reply[1])
+
+    def stage(self, items: list[Incoming], bucket: torch.dtype | None,
+              deadline: float) -> tuple[list[torch.Tensor], list[str]]:
+        """Receive one push; returns each tensor as received (valid until `release`) and
+        the problems found (a tensor short, NaN): the push is refused unless empty."""
+        offsets = _offsets(items, bucket is not None)
+        total = max((o + a.nbytes for o, a in zip(offsets, items)), default=0)
+        metas = [(a.name, _name(a.dtype), a.shape, o, a.nbytes) for o, a in zip(offsets, items)]
+        self.conn.send(("stage", metas, None if bucket is None else _name(bucket),
+                        max(0.5, deadline - time.monotonic())))
+        memory = None if self.cuda else self._share(max(total, 1))
+        flat = None if memory is None else torch.frombuffer(memory, dtype=torch.uint8)
+        got, problems = [], []
+        for a, offset in zip(items, offsets):
+            doing = f"receiving tensor {a.name!r} ({len(got) + 1} of {len(items)}, {a.nbytes} bytes)"
+            reply = self._next(deadline, doing)
+            if reply[0] != "got":
+                raise SyncFailure(500, f"{doing}: {reply[1]}")
+            if reply[2] is not None:
+                problems.append(reply[2])
+            raw = reply[3] if self.cuda else flat[offset:offset + a.nbytes]
+            got.append(_typed(raw, a))
+        reply = self._next(deadline, "finishing the push")
+        if reply[0] != "staged":
+            raise SyncFailure(500, reply[1])
+        return got, problems
+
+    def release(self) -> None:
+        """The worker has copied what `stage` returned: the helper may drop it."""
+        try:
+            self.conn.send(("release",))
+        except OSError:
+            pass
+
+    def _share(self, size: int) -> mmap.mmap:
+        """Anonymous shared memory (a memfd: no /dev/shm name to leak), its fd passed to
+        the helper over the pipe."""
+        fd = os.memfd_create("zpd-weight-push")
+        try:
+            os.ftruncate(fd, size)
+            memory = mmap.mmap(fd, size)
+            multiprocessing.reduction.send_handle(self.conn, fd, self.proc.pid)
+        finally:
+            os.close(fd)
+        return memory
+
+    def _next(self, deadline: float, doing: str) -> tuple:
+        """The helper's next message, or SyncFailure saying why none came."""
+        left, ended = deadline - time.monotonic(), False
+        try:
+            if left > 0 and self.conn.poll(left):
+                return self.conn.recv()
+        except (EOFError, OSError):            # it died, or was killed
+            ended = True
+        if not ended:
+            self.kill(504, "timed out (the trainer stalled, or never completed the rendezvous)")
+        self.proc.join(KILL_WAIT_S)
+        status, why = self.why or (500, self._death())
+        raise SyncFailure(status, f"{doing}: {why}")
+
+    def _death(self) -> str:
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            hint = (" (gloo aborts so when a broadcast carries more bytes than announced)"
+                    if -code == signal.SIGABRT else "")
+            return f"the receiving helper process died of {name}{hint}"
+        return f"the receiving helper process exited with code {code}"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _offsets(items: list[Incoming], bucket: bool) -> list[int]:
+    """Where each tensor lands: back to back for a bucket (the trainer's layout), else
+    each aligned for its dtype."""
+    out, at = [], 0
+    for a in items:
+        out.append(at)
+        at += a.nbytes if bucket else -(-a.nbytes // ALIGN) * ALIGN
+    return out
+
+
+def _typed(raw: torch.Tensor, a: Incoming) -> torch.Tensor:
+    """Bytes as tensor `a` (copied when a bucket left them unaligned for the dtype)."""
+    if raw.data_ptr() % a.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(a.dtype).view(a.shape)

@@ -1,0 +1,135 @@
+"""The receiving side of trainer weight sync, in a helper process of its own (one
+per joined group; zpd/worker/helper_link.py starts, drives and kills it).
+
+Why a process: gloo aborts the whole process (SIGABRT from C++, which Python cannot
+catch) when a broadcast carries more bytes than the receiving tensor holds, and torch
+ignores its timeout while a trainer's address accepts and never answers. Here either
+costs only this helper: the worker sees it die or overstay, kills it, and keeps
+serving with its old weights.
+
+The helper joins the trainer's group as the worker's rank (trainer_group.py), then
+receives each push into memory the worker maps too: on CPU one memfd, every tensor
+at an offset the worker chose; on CUDA tensors of its own on the worker's device,
+handed over by CUDA IPC (torch.multiprocessing's reductions) and held until the
+worker has copied them. The CUDA path is written but not run by the test suite
+(no GPU there).
+
+Every receive buffer is filled with 0xFF bytes first. All-ones is a NaN in every
+IEEE float format, and a little-endian element whose last (most significant) byte
+is still 0xFF was not received whole: gloo writes a short broadcast as a prefix, so
+a trainer that sends fewer bytes than it announced leaves such elements, and the
+tensor is refused by name. A weight that really has that top byte is -inf, a NaN or
+beyond 2^127 in magnitude (float16: -inf or NaN), refused as well; so is any NaN.
+
+Messages are pickled tuples on the worker's pipe (the worker is the only peer):
+in ("join", ...), ("stage", ...), ("release",); out ("joined",), ("error", text),
+("got", index, problem | None[, cuda tensor]), ("staged",).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
+
+from zpd.worker.trainer_group import GroupError, TrainerGroup
+
+FILL = 0xFF
+PR_SET_PDEATHSIG = 1
+
+
+def main(conn: Connection, device: str) -> None:
+    """The helper's whole life: join, then stage pushes until told to stop or killed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the worker decides when it ends
+    _die_with_parent()
+    torch.set_num_threads(1)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    group, held = None, []
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):                   # the worker is gone
+            return
+        if msg[0] == "join":
+            try:
+                group = TrainerGroup.join(*msg[1:])
+                conn.send(("joined",))
+            except GroupError as e:
+                conn.send(("error", str(e)))
+                return
+        elif msg[0] == "stage":
+            held = _stage(conn, group, *msg[1:])
+        elif msg[0] == "release":
+            held = []
+        else:
+            return
+
+
+def _die_with_parent() -> None:
+    """A helper whose worker (or the worker's forkserver) died goes too (Linux)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+
+def _stage(conn: Connection, group: TrainerGroup, metas: list[tuple[str, str, tuple, int, int]],
+           bucket: str | None, seconds: float) -> list[torch.Tensor]:
+    """Receive one push. `metas`: (name, dtype, shape, offset, nbytes) per tensor;
+    `bucket`: the dtype one flat broadcast of them all travels as (None: one broadcast
+    each). Answers per tensor, then ("staged",); returns what the worker still maps."""
+    deadline = time.monotonic() + seconds
+    cuda = group.device.type == "cuda"
+    total = max((o + n for _, _, _, o, n in metas), default=0)
+    try:
+        if cuda:
+            flat = torch.full((max(total, 1),), FILL, dtype=torch.uint8, device=group.device)
+        else:
+            fd = recv_handle(conn)
+            memory = mmap.mmap(fd, max(total, 1))
+            os.close(fd)
+            flat = torch.frombuffer(memory, dtype=torch.uint8)
+            flat.fill_(FILL)
+        if bucket is not None:
+            group.receive(flat[:total].view(getattr(torch, bucket)), deadline)
+        for i, (name, dtype, shape, offset, nbytes) in enumerate(metas):
+            raw = flat[offset:offset + nbytes]
+            if bucket is None:
+                group.receive(raw.view(getattr(torch, dtype)).view(shape), deadline)
+            problem = check(name, raw, getattr(torch, dtype))
+            conn.send(("got", i, problem) + ((raw,) if cuda else ()))
+    except GroupError as e:
+        conn.send(("error", str(e)))
+        return []
+    if cuda:
+        torch.cuda.current_stream().synchronize()
+    conn.send(("staged",))
+    return [flat] if cuda else []
+
+
+def check(name: str, raw: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Why tensor `name`, received into `raw` (bytes, prefilled with FILL), must not
+    be staged; None if it arrived whole."""
+    size = dtype.itemsize
+    if raw.numel() == 0:
+        return None
+    top = raw.view(-1, size)[:, size - 1] == FILL          # little-endian: the top byte
+    if bool(top.any()):
+        first = int(top.nonzero()[0, 0])
+        if bool((raw[(first + 1) * size:] == FILL).all()):      # a prefix arrived
+            return (f"tensor {name!r}: fewer than {(first + 1) * size} of its {raw.numel()} "
+                    "bytes arrived (the trainer broadcast fewer bytes than it announced)")
+        return f"tensor {name!r}: element {first} is -inf, NaN or beyond 2^127 in magnitude"
+    values = raw if raw.data_ptr() % size == 0 else raw.clone()
+    if bool(torch.isnan(values.view(dtype)).any()):
+        return f"tensor {name!r} holds NaN"
+    return None

@@ -1,0 +1,71 @@
+"""SGLang's update_weights_from_tensor on one worker: the first phase (staging) of a
+push whose tensors are in memory the trainer shares on this host, not broadcast.
+Committed or discarded by WeightSync like a broadcast push."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.config import ModelError
+from engines.request import BAD_REQUEST, CONFLICT, StatusError
+from engines.tensor_payload import PayloadError, decode_named_tensors
+from engines.weight_push import MAX_TENSORS, Announced, Shadow, announce, push_limit
+from zpd.worker.scheduler import Respond
+from zpd.worker.sync_args import text_arg
+
+if TYPE_CHECKING:
+    from zpd.worker.weight_sync import WeightSync
+
+LOAD_FORMATS = (None, "flattened_bucket")
+
+
+def stage_tensors(sync: "WeightSync", args: dict, respond: Respond) -> None:
+    """`payload` is this rank's entry of `serialized_named_tensors`. Decoded and
+    checked off the loop (engines/tensor_payload.py, a restricted unpickler), then
+    staged; answered 400 (nothing staged) if refused."""
+    from zpd.worker.weight_sync import Staged
+    core = sync.core
+    update_id = text_arg(args, "update_id")
+    payload = args.get("payload")
+    if not isinstance(payload, str) or not payload:
+        raise StatusError(BAD_REQUEST, "'payload' must be a non-empty base64 string")
+    load_format = args.get("load_format")
+    if load_format not in LOAD_FORMATS:
+        raise StatusError(BAD_REQUEST, "'load_format' must be null ((name, tensor) pairs) "
+                                       "or \"flattened_bucket\"")
+    sync.idle_or_409()
+    if core.paused is None and core.scheduler.busy():
+        raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
+    core.memory.require_weights("update_weights_from_tensor")
+    net, limit = core.model.net, push_limit(core.model.net)
+    sync.staged = None                # a newer push replaces one never committed
+
+    def work(_job) -> list[Announced]:
+        named = decode_named_tensors(payload, limit, MAX_TENSORS,
+                                     bucket=load_format == "flattened_bucket")
+        items = announce(net, [n for n, _ in named], [str(t.dtype) for _, t in named],
+                         [list(t.shape) for _, t in named])
+        if sync.shadow is None:       # made here, off the loop: it copies the weights
+            sync.shadow = Shadow(net, core.model.device)
+        with torch.no_grad():
+            for a, (_, tensor) in zip(items, named):
+                target = sync.shadow.target(a)
+                if target is not None:
+                    target.copy_(tensor)
+        return items
+
+    def done(items: list[Announced] | None, error: Exception | None) -> None:
+        if isinstance(error, (PayloadError, ModelError)):
+            respond(False, {"status": 400, "error": f"{error}; nothing applied"})
+        elif error is not None:
+            respond(False, {"status": 500, "error": f"staging the tensors failed: {error}"})
+        elif update_id in sync.abandoned:
+            sync.abandoned.discard(update_id)
+            respond(False, {"status": 409, "error": "discarded while receiving"})
+        else:
+            sync.staged = Staged(update_id, None, items, sum(a.nbytes for a in items))
+            respond(True, {"staged_tensors": len(items), "staged_bytes": sync.staged.nbytes})
+        sync.drop_shadow()
+
+    sync.background("receiving tensors", None, done, work)
