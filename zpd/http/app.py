@@ -26,7 +26,7 @@ ADMIN = frozenset({"/pause_generation", "/continue_generation", "/update_weights
                    "/abort_request", "/flush_cache", "/release_memory_occupation",
                    "/resume_memory_occupation", "/init_weights_update_group",
                    "/update_weights_from_distributed", "/destroy_weights_update_group",
-                   "/update_weights_from_tensor"})
+                   "/update_weights_from_tensor", "/cancel_weight_update"})
 
 
 def keys_for(front: Front, path: str) -> tuple[str, ...]:

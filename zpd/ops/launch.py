@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 
+from zpd.config import HttpConfig, default_of
 from zpd.env import http_child_environ, http_keys
 from zpd.ops.options import HTTP_PASSTHROUGH, passthrough_argv, router_argv
 from zpd.ops.ready import write_ready_file
@@ -80,6 +81,13 @@ def _wait_ready(children: list[Child], timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _weights_timeout(weight_sync_timeout: float) -> float:
+    """The front's --weights-timeout: long enough that the workers' --weight-sync-timeout
+    (of which the router gives them 0.9: zpd/router/weight_sync.WORKER_SHARE) ends a
+    stalled push first, with its reason."""
+    return max(default_of(HttpConfig, "weights_timeout"), weight_sync_timeout / 0.9 + 5.0)
+
+
 def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | None) -> Child:
     """`zpd http` for the cluster; its keys go through its environment, never its argv
     (which every local user can read)."""
@@ -87,7 +95,8 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
     env = http_child_environ(args.api_key or env_key, args.admin_api_key or env_admin)
     argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
                  "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
-                 "--log-level", args.log_level] \
+                 "--log-level", args.log_level,
+                 "--weights-timeout", f"{_weights_timeout(args.weight_sync_timeout):g}"] \
         + passthrough_argv(args, HTTP_PASSTHROUGH) \
         + (["--curve-keys", args.curve_keys] if args.curve_keys else []) \
         + (["--insecure"] if args.insecure else [])
