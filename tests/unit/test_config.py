@@ -95,10 +95,13 @@ def test_limit_flags_reach_router_and_workers_through_launch() -> None:
     assert (r.prompt_limits, r.max_client_requests, r.max_client_tokens) == \
         (PromptLimits(100, 50), 7, 900)
     assert (r.max_concurrent_requests, r.queue_size, r.queue_timeout) == (12, 34, 5.5)
+    auto = parse("launch", "--model", "tiny", "--decode", "3", "--max-batch", "8")
+    assert router_config(parse("router", "--prefill", "a:1", "--decode", "b:2",
+                               *router_argv(auto))).max_concurrent_requests == 24
     assert router_argv(parse("launch", "--model", "tiny")) == [
         "--max-text-bytes", str(1 << 20), "--max-input-ids", str(1 << 20),
         "--max-client-requests", "1024", "--max-client-tokens", str(1 << 22),
-        "--max-concurrent-requests", "0", "--queue-size", str(1 << 14), "--queue-timeout", "300.0",
+        "--max-concurrent-requests", "64", "--queue-size", str(1 << 14), "--queue-timeout", "300.0",
         "--busy-poll-us", str(default_of(RouterConfig, "busy_poll_us"))]
 
 

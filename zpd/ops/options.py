@@ -438,7 +438,12 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
 
 
 def router_argv(args: argparse.Namespace) -> list[str]:
-    """`zpd launch`'s router flags (ROUTER_PASSTHROUGH) as arguments for its router."""
+    """`zpd launch`'s router flags (ROUTER_PASSTHROUGH) as arguments for its router;
+    --max-concurrent-requests 0 becomes the decodes' --max-batch times their number,
+    which `zpd launch` knows and its router does not."""
+    if args.max_concurrent_requests == 0:
+        args = argparse.Namespace(**vars(args) | {
+            "max_concurrent_requests": args.max_batch * args.decode})
     return passthrough_argv(args, ROUTER_PASSTHROUGH)
 
 
