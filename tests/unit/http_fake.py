@@ -6,12 +6,22 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from engines.tiny import tiny_tokenizer
 from zpd.http.app import build_app
+from zpd.http.connections import ConnectionLimits, server_options
 from zpd.http.front import Front
 from zpd.http.records import GenRequest
+
+
+class FrontServer(TestServer):
+    """aiohttp's test server, run with the settings `zpd http` runs with (bodies are
+    inflated by the routes, after the key check)."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
+        return web.AppRunner(self.app, **(kwargs | server_options(ConnectionLimits())))
 
 
 def chunk(rid: str, ids: list[int], finish: dict | None = None, meta: dict | None = None,
@@ -87,9 +97,12 @@ def call(f: Front, method: str, path: str, body: Any = None, raw: bytes | None =
          headers: dict | None = None, read: str = "json") -> tuple[int, Any]:
     """(status, JSON body or SSE events or text) of one request to an app around `f`."""
     async def go():
-        async with TestClient(TestServer(build_app(f, max_body_bytes=1 << 16))) as client:
+        async with TestClient(FrontServer(build_app(f, max_body_bytes=1 << 16))) as client:
             kw = {"data": raw} if raw is not None else ({"json": body} if body is not None else {})
-            resp = await client.request(method, path, headers=headers, **kw)
+            sent = headers
+            if raw is not None:      # as SGLang's and OpenAI's clients send bodies
+                sent = {"Content-Type": "application/json"} | (headers or {})
+            resp = await client.request(method, path, headers=sent, **kw)
             text = await resp.text()
             return resp.status, text, resp.headers.get("Content-Type", "")
     status, text, kind = asyncio.run(go())

@@ -12,10 +12,16 @@ import hmac
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
-from zpd.http import admin_routes, info_routes, metrics, native, openai_api, sync_routes
+from zpd.http import (admin_routes, browser, info_routes, metrics, native, openai_api,
+                      sync_routes)
+from zpd.http.callers import CALLER, CallerBackend, caller_of
+from zpd.http.connections import BOOK, ConnectionLimits, Connections, tracking
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
+from zpd.http.router_client import USER, http_user
 
 log = logging.getLogger("zpd.http.app")
 
@@ -58,13 +64,16 @@ async def guard(request: web.Request, handler) -> web.StreamResponse:
     front = request.app[FRONT]
     path = _route_path(request)
     keys = keys_for(front, path)
-    if keys:
-        token = _presented(request)
-        # every key is compared, so the time taken does not tell which one came close
-        if not sum(hmac.compare_digest(token, k.encode()) for k in keys):
-            which = "admin API key" if path in ADMIN and front.admin_api_key else "API key"
-            return error_response(f"missing or wrong {which}: send 'Authorization: Bearer KEY'",
-                                  401, "authentication_error")
+    token = _presented(request)
+    # every key is compared, so the time taken does not tell which one came close
+    if keys and not sum(hmac.compare_digest(token, k.encode()) for k in keys):
+        which = "admin API key" if path in ADMIN and front.admin_api_key else "API key"
+        return error_response(f"missing or wrong {which}: send 'Authorization: Bearer KEY'",
+                              401, "authentication_error")
+    if not front.api_key:
+        browser.check(request, front.allowed_hosts)        # a web page has no key to send
+    CALLER.set(caller_of(token, front.api_key, front.admin_api_key))
+    USER.set(http_user(request.remote, token, bool(front.api_key or front.admin_api_key)))
     return await handler(request)
 
 
@@ -83,13 +92,32 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except (asyncio.CancelledError, ConnectionError):
         raise                                   # the client went away: nobody to answer
     except Exception as e:
-        log.exception("%s %s failed", request.method, request.path)
-        return error_response(f"internal error: {type(e).__name__}: {e}", 500, "server_error")
+        if _client_fault(e):
+            log.info("%s %s: bad request: %s: %s", request.method, request.path[:200],
+                     type(e).__name__, str(e)[:200])
+            return error_response(f"bad request: {type(e).__name__}: {e}", 400)
+        log.exception("%s %s failed", request.method, request.path[:200])
+        return error_response(f"internal error: {type(e).__name__}", 500, "server_error")
 
 
-def build_app(front: Front, max_body_bytes: int = 64 << 20) -> web.Application:
-    app = web.Application(middlewares=[errors, guard], client_max_size=max_body_bytes)
+def _client_fault(e: Exception) -> bool:
+    """Whether `e` is what a malformed request makes aiohttp raise (a broken body or
+    chunked encoding): the client's fault, worth one line and no traceback."""
+    return isinstance(e, (HttpProcessingError, RequestPayloadError, UnicodeDecodeError))
+
+
+def build_app(front: Front, max_body_bytes: int | None = None,
+              limits: ConnectionLimits = ConnectionLimits()) -> web.Application:
+    """The app around `front`, to serve with `server_options(limits)` on a WatchedSite
+    (zpd/http/connections.py): bodies are inflated by the routes, after the key check."""
+    if max_body_bytes is not None:
+        front.max_body_bytes = max_body_bytes
+    app = web.Application(middlewares=[tracking, errors, guard],
+                          client_max_size=front.max_body_bytes)
+    app[BOOK] = Connections(limits)
     front.backend = metrics.metered(front.backend, front.model)    # latencies for /metrics
+    if not isinstance(front.backend.inner, CallerBackend):
+        front.backend.inner = CallerBackend(front.backend.inner, front.router)
     app[FRONT] = front
     for module in (native, admin_routes, info_routes, sync_routes, openai_api, metrics):
         app.add_routes(module.routes)

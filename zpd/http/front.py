@@ -10,6 +10,7 @@ from aiohttp import web
 from engines.chat import ChatTemplate
 from engines.tokenizer import Tokenizer
 from zpd.config import HttpConfig
+from zpd.http import body
 from zpd.http.records import BadRequest, error_body, json_object
 from zpd.http.sglang_fields import UnknownFields
 from zpd.http.streams import Backend
@@ -30,6 +31,10 @@ class Front:
     unknown_fields: UnknownFields = field(default_factory=UnknownFields)   # warned once each
     model_path: str = ""                 # --model (default: `model`)
     tokenizer_path: str = ""             # --tokenizer-path (default: model_path)
+    max_body_bytes: int = 64 << 20       # a body larger than this, raw or inflated: 413
+    body_timeout: float = 60.0           # seconds a body may take to arrive (408)
+    # without api_key: the host names served besides addresses and localhost (browser.py)
+    allowed_hosts: frozenset[str] = frozenset()
     config: HttpConfig = field(default_factory=HttpConfig)   # caps and streaming of the routes
 
     def needs_text(self, what: str) -> None:
@@ -52,5 +57,7 @@ def error_response(message: str, status: int, kind: str = "invalid_request_error
 
 async def read_body(request: web.Request, required: bool = True) -> dict:
     """The request's JSON object; BadRequest when it is not one ({} for an empty body
-    where none is `required`)."""
-    return json_object(await request.read(), required)
+    where none is `required`), or is too large, too slow or wrongly encoded (body.py)."""
+    front = request.app[FRONT]
+    return json_object(await body.read(request, front.max_body_bytes, front.body_timeout),
+                       required)

@@ -14,6 +14,8 @@ from engines.allocator_tuning import freeze_startup_objects
 from engines.loader import load_text
 from zpd.config import HttpConfig
 from zpd.http.app import build_app
+from zpd.http.browser import allowed_hosts
+from zpd.http.connections import BOOK, ConnectionLimits, WatchedSite, server_options
 from zpd.http.front import Front
 from zpd.http.router_client import RouterClient
 from zpd.ops.ready import write_ready_file
@@ -30,7 +32,9 @@ def serve_http(cfg: HttpConfig) -> int:
     return asyncio.run(_serve(cfg, Front(
         None, cfg.served_model_name or cfg.model, tokenizer, chat, problem, cfg.api_key,
         cfg.admin_api_key, cfg.router, cfg.weights_timeout, model_path=cfg.model,
-        tokenizer_path=cfg.overrides.tokenizer_path or cfg.model, config=cfg)))
+        tokenizer_path=cfg.overrides.tokenizer_path or cfg.model, config=cfg,
+        max_body_bytes=cfg.max_body_bytes, body_timeout=cfg.body_timeout,
+        allowed_hosts=allowed_hosts(cfg.host, cfg.allowed_hosts))))
 
 
 async def _serve(cfg: HttpConfig, front: Front) -> int:
@@ -41,13 +45,12 @@ async def _serve(cfg: HttpConfig, front: Front) -> int:
     front.backend = RouterClient(cfg.router, curve, cfg.connect_timeout, cfg.router_silence,
                                  cfg.admin_timeout)
     await front.backend.start()
-    # handler_cancellation: a client that disconnects cancels its handler, and the
-    # handler's streams abort their requests at the router.
-    runner = web.AppRunner(build_app(front, cfg.max_body_bytes), handler_cancellation=True,
-                           access_log=None)
+    limits = ConnectionLimits(cfg.keepalive_timeout, cfg.header_timeout, cfg.max_connections)
+    app = build_app(front, limits=limits)
+    runner = web.AppRunner(app, **server_options(limits))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port)
+        site = WatchedSite(runner, cfg.host, cfg.port, app[BOOK])
         await site.start()
         port = runner.addresses[0][1]
         endpoint = format_endpoint(cfg.host, port)

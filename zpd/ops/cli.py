@@ -10,10 +10,10 @@ import orjson
 from engines.config import ModelError
 from engines.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
-from zpd.ops.exposure import check_bind, check_http_bind
+from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
-from zpd.env import configure_engine, http_keys
+from zpd.env import configure_engine
 from zpd.ops.mem_fraction import check_fraction, kv_cache_mb as kv_budget_mb
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
                              add_http_front_options, add_http_key_options, add_http_options,
@@ -107,7 +107,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     # Every child binds --host: refuse here, before any of them starts.
     check_bind("launch", args.host, args.curve_keys, args.insecure)
     if args.http_port is not None:
-        check_http_bind(args.host, args.api_key or http_keys()[0], args.insecure)
+        api_key, admin_key = given_http_keys(args)
+        check_http_bind(args.host, api_key, args.insecure)
+        check_admin_key(admin_key, args.curve_keys, args.insecure)
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
     check_fraction(args.mem_fraction_static)

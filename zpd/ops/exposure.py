@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
+import stat
+from typing import Mapping
+
+from zpd.env import http_keys
 
 log = logging.getLogger("zpd.ops.exposure")
 
@@ -84,3 +89,50 @@ def check_http_bind(host: str, api_key: str | None, insecure: bool) -> None:
         "not given, so anyone who can reach its port could generate and use the admin routes "
         "(pause, update weights, abort). Pass --api-key KEY (and --admin-api-key for the "
         "admin routes), or --insecure to serve without a key on a network you trust")
+
+
+def check_admin_key(admin_key: str | None, curve_keys: str | None, insecure: bool) -> None:
+    """An admin key guards the admin routes only if nothing else reaches the router's
+    admin commands: without --curve-keys any local process may send them to the router
+    (or a worker) directly. Refused unless --insecure says that is understood."""
+    if not admin_key or curve_keys:
+        return
+    if insecure:
+        log.warning("--admin-api-key without --curve-keys (--insecure): any process on this "
+                    "host can send admin commands to the router directly, without the key")
+        return
+    raise ExposureError(
+        "refusing --admin-api-key without --curve-keys: the key guards the HTTP admin routes, "
+        "but without CURVE any local process can send the same admin commands (pause, "
+        "update weights, abort) to the router or a worker directly and bypass it. Pass "
+        "--curve-keys DIR (the cluster's, made with `zpd keys DIR`), or --insecure to accept that")
+
+
+def given_http_keys(args, environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:
+    """(API key, admin API key) of `zpd http` or `zpd launch`: from --api-key, else
+    --api-key-file, else $ZPD_API_KEY (the same for the admin key)."""
+    env_key, env_admin = http_keys(environ)
+    return (_key(args.api_key, args.api_key_file, "--api-key") or env_key,
+            _key(args.admin_api_key, args.admin_api_key_file, "--admin-api-key") or env_admin)
+
+
+def _key(value: str | None, path: str | None, flag: str) -> str | None:
+    if value and path:
+        raise ExposureError(f"give {flag} or {flag}-file, not both")
+    return read_key_file(path, flag) if path else value
+
+
+def read_key_file(path: str, flag: str) -> str:
+    """The key in file `path` (its first line, stripped); a warning when every local user
+    may read it, an ExposureError when it is missing or empty."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ExposureError(f"{flag}-file {path!r}: {e}") from None
+    if not key:
+        raise ExposureError(f"{flag}-file {path!r} is empty")
+    if mode & stat.S_IROTH:
+        log.warning("%s-file %s is readable by every local user (chmod o-r it)", flag, path)
+    return key

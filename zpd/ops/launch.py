@@ -19,7 +19,8 @@ from pathlib import Path
 import orjson
 
 from zpd.config import HttpConfig, default_of
-from zpd.env import http_child_environ, http_keys
+from zpd.env import http_child_environ
+from zpd.ops.exposure import given_http_keys
 from zpd.ops.options import HTTP_PASSTHROUGH, passthrough_argv, router_argv
 from zpd.ops.ready import write_ready_file
 
@@ -91,8 +92,7 @@ def _weights_timeout(weight_sync_timeout: float) -> float:
 def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | None) -> Child:
     """`zpd http` for the cluster; its keys go through its environment, never its argv
     (which every local user can read)."""
-    env_key, env_admin = http_keys()
-    env = http_child_environ(args.api_key or env_key, args.admin_api_key or env_admin)
+    env = http_child_environ(*given_http_keys(args))
     argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
                  "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
                  "--log-level", args.log_level,
