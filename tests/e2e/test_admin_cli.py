@@ -81,24 +81,34 @@ def test_abort_unknown_rid_is_404(cluster):
 
 
 def test_abort_running_request(cluster):
-    result: dict = {}
+    """The CLI takes 2-6 s to start on a loaded machine: time enough for a request of any
+    fixed length to end on its own. So once its decode has sent tokens the cluster is
+    paused in place, where it stays running, unfinished, until the CLI's abort ends it."""
+    result: dict = {"tokens": 0}
+    first = threading.Event()
     client = cluster.client()       # the thread's alone until it ends (zmq: one thread a socket)
 
     def run() -> None:
-        result["out"] = client.generate(input_ids=[1, 2, 3], sampling_params=LONG, rid="to-abort")
+        for chunk in client.stream(input_ids=[1, 2, 3], sampling_params=LONG, rid="to-abort"):
+            result["last"], result["tokens"] = chunk, result["tokens"] + len(chunk["token_ids"])
+            if result["tokens"] >= 2:   # the first may come from the prefill; this one, the decode
+                first.set()
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
     try:
-        deadline = time.monotonic() + 30
-        while not _running(cluster):
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.2)
-        rc, out, err = admin(cluster.router, "abort", "to-abort")
-        assert rc == 0 and out["ok"], (out, err)
+        assert first.wait(60), "the request never started"
+        _admin_call(cluster, "pause", mode="in_place")
+        try:
+            assert _running(cluster), f"ended before the pause: {result['last']}"
+            rc, out, err = admin(cluster.router, "abort", "to-abort")
+            assert rc == 0 and out["ok"], (out, err)
+        finally:
+            _admin_call(cluster, "continue")
         t.join(60)
-        reason = result["out"]["finish_reason"]
+        reason = result["last"]["finish_reason"]
         assert reason["type"] == "abort" and reason["status_code"] == 499
+        assert 0 < result["tokens"] < LONG["max_new_tokens"]
     finally:
         if t.is_alive():            # a failure above: end the request through another client
             with cluster.client(timeout=10) as other:
@@ -110,6 +120,14 @@ def test_abort_running_request(cluster):
         client.close()
     with cluster.client() as c:
         _wait_pages_free(c)
+
+
+def _admin_call(cluster: Cluster, command: str, **args) -> dict:
+    """One admin command through the Python client (the CLI is slow to start)."""
+    with cluster.client(timeout=20) as c:
+        out = c.admin(command, timeout=20, **args)
+    assert out["ok"], out
+    return out
 
 
 def _running(cluster: Cluster) -> bool:

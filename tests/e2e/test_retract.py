@@ -328,8 +328,11 @@ def test_abort_mode_ends_everything(cluster):
         assert sum(o["finish_reason"].get("status_code") == 499 for o in outs.values()) >= 6
         with cluster.client() as admin:
             queued = admin.submit(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3})
-            time.sleep(0.2)
-            assert admin.admin("status")["queued"] == 1     # waits at the router while paused
+            for _ in range(200):                           # waits at the router while paused
+                if admin.admin("status")["queued"] == 1:
+                    break
+                time.sleep(0.05)
+            assert admin.admin("status")["queued"] == 1
             assert admin.admin("continue")["ok"]
             out = admin.receive(timeout=30)
             while not out["finished"]:
@@ -340,8 +343,15 @@ def test_abort_mode_ends_everything(cluster):
 
 def test_update_weights_refused_while_running_and_for_bad_paths(cluster):
     with cluster.client() as client:
-        rid = client.submit(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 400, "ignore_eos": True})
-        time.sleep(0.3)
+        # Running for sure (its decode has sent a token), and far from its end: a sleep
+        # instead raced a fixed length against the clock.
+        rid = client.submit(input_ids=[1, 2, 3], stream=True,
+                            sampling_params={"max_new_tokens": 3000, "ignore_eos": True})
+        tokens = 0
+        while tokens < 2:
+            chunk = client.receive(timeout=30)
+            assert not chunk["finished"], chunk
+            tokens += len(chunk["token_ids"])
         busy = client.admin("update_weights", path="tiny:5", version="x")
         assert not busy["ok"] and busy["status"] == 409 and "pause first" in busy["error"]
         client.abort(rid)
