@@ -176,7 +176,8 @@ class HttpConfig:
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # the cluster's caps
     max_batch_requests: int = 1024   # --max-batch-requests: generations per call (prompts x n)
     incremental_streaming_output: bool = False  # SGLang's flag: /generate events carry only news
-    max_event_logprobs: int = 1 << 15  # --max-event-logprobs: per cumulative /generate event
+    # a cumulative /generate stream writes about this many bytes per token: its events spaced
+    cumulative_bytes_per_token: int = 8192
     stream_write_timeout: float = 60.0  # a stream its client has not read for this long is aborted
     stream_buffer_bytes: int = 1 << 20  # a stream's unsent bytes before its writes wait
 

@@ -1,8 +1,10 @@
 """What one HTTP call may ask for, checked at the front before anything reaches the
-router: the cluster's prompt caps, the generations one call may start, the size of
-a cumulative /generate event; and SGLang's --incremental-streaming-output."""
+router: the cluster's prompt caps, the generations one call may start; how a
+/generate stream's events are written: SGLang's --incremental-streaming-output, and
+the spacing of cumulative events."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from tests.unit.http_fake import FakeBackend, chunk, call, front
@@ -133,21 +135,39 @@ def test_cumulative_streaming_is_still_the_default():
         {"version": "v0", "start": 0, "end": 2}, {"version": "v1", "start": 2, "end": 3}]
 
 
-def test_a_cumulative_stream_whose_events_could_exceed_the_cap_is_refused():
-    big = STREAM_LOGPROBS | {"top_logprobs_num": 20, "sampling_params": {"max_new_tokens": 4000}}
-    f = front()
-    status, answer = call(f, "POST", "/generate", big)
-    message = answer["error"]["message"]
-    assert status == 400 and "--max-event-logprobs" in message, answer
-    assert "--incremental-streaming-output" in message and f.backend.requests == []
-    # The same request is served incrementally, or whole, or with fewer entries.
-    assert call(front(config=HttpConfig(incremental_streaming_output=True)), "POST",
-                "/generate", big)[0] == 200
-    assert call(front(), "POST", "/generate", big | {"stream": False})[0] == 200
-    assert call(front(), "POST", "/generate", big | {"top_logprobs_num": 5})[0] == 200
-    # max_new_tokens absent: SGLang's default (128) counts
-    assert call(front(config=HttpConfig(max_event_logprobs=128 * 3)), "POST", "/generate",
-                STREAM_LOGPROBS | {"top_logprobs_num": 3})[0] == 400
+def long_script(tokens: int, top: int):
+    def script(req, rid):
+        out = []
+        for i in range(tokens):
+            final = i == tokens - 1
+            t = 65 + i % 26
+            out.append(chunk(rid, [t], {"type": "length"} if final else None,
+                             {"completion_tokens": tokens} if final else None, None,
+                             logprobs=[-0.5], top_logprobs=[[[t + k, -1.0 - k]
+                                                             for k in range(top)]]))
+        return out
+    return script
+
+
+def test_cumulative_events_are_spaced_so_a_stream_writes_linear_bytes():
+    # One cumulative event per token would write 400^2 / 2 token entries (~40 MB here,
+    # GBs at 4,000 tokens); spaced, the stream writes about the budget per token.
+    tokens, budget = 400, 2048
+    f = front(FakeBackend(long_script(tokens, 20)),
+              config=HttpConfig(cumulative_bytes_per_token=budget))
+    status, events = call(f, "POST", "/generate", STREAM_LOGPROBS | {"top_logprobs_num": 20})
+    assert status == 200 and events[-1] == "[DONE]"
+    events = events[:-1]
+    final = events[-1]
+    assert len(final["output_ids"]) == tokens and final["meta_info"]["finish_reason"]["type"] \
+        == "length"
+    assert len(final["meta_info"]["output_top_logprobs"]) == tokens
+    lengths = [len(e["output_ids"]) for e in events]
+    assert lengths == sorted(set(lengths)) and lengths[0] == 1     # each the state so far
+    assert all(e["output_ids"] == final["output_ids"][:len(e["output_ids"])] for e in events)
+    total = sum(len(orjson.dumps(e)) for e in events)
+    assert total <= budget * tokens + 2 * len(orjson.dumps(final)), total
+    assert len(events) < tokens / 4
 
 
 def test_the_front_flags_reach_its_config_and_launch_hands_them_on():
@@ -156,11 +176,12 @@ def test_the_front_flags_reach_its_config_and_launch_hands_them_on():
     args = build_parser().parse_args([
         "http", "--model", "tiny", "--max-text-bytes", "1000", "--max-input-ids", "50",
         "--max-batch-requests", "8", "--incremental-streaming-output",
-        "--max-event-logprobs", "99", "--stream-write-timeout", "2.5",
+        "--cumulative-bytes-per-token", "99", "--stream-write-timeout", "2.5",
         "--stream-buffer-bytes", "4096"])
     cfg = http_config(args)
     assert cfg.prompt_limits == PromptLimits(max_text_bytes=1000, max_input_ids=50)
-    assert (cfg.max_batch_requests, cfg.incremental_streaming_output, cfg.max_event_logprobs,
+    assert (cfg.max_batch_requests, cfg.incremental_streaming_output,
+            cfg.cumulative_bytes_per_token,
             cfg.stream_write_timeout, cfg.stream_buffer_bytes) == (8, True, 99, 2.5, 4096)
     launch = build_parser().parse_args([
         "launch", "--model", "tiny", "--max-text-bytes", "1000", "--stream-write-timeout", "3",

@@ -7,9 +7,9 @@ orders them) and answers a list even for one prompt. Which fields are taken, ign
 or refused: sglang_fields.py. `stream: true` answers server-sent events, each
 carrying the text, output_ids and logprobs so far (SGLang's default), or with
 --incremental-streaming-output only what is new since the last event (SGLang's
-flag), ending with `data: [DONE]`. As each cumulative event repeats every logprob so
-far, a cumulative stream that could carry more than --max-event-logprobs logprob
-entries in one event (max_new_tokens x (1 + top_logprobs_num)) is refused. A request that
+flag), ending with `data: [DONE]`. As each cumulative event repeats everything so
+far, a stream's cumulative events are spaced so that it writes about
+--cumulative-bytes-per-token bytes per token, not O(n^2) bytes. A request that
 ends in an abort or failure still answers 200 with finish_reason {"type": "abort",
 "status_code", "message", "err_type"}; one the workers refuse as malformed (400,
 nothing generated) answers HTTP 400.
@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.sampler import INT32_MAX, SamplingParams
-from zpd.config import HttpConfig, default_of
+from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
@@ -37,7 +37,6 @@ routes = web.RouteTableDef()
 ENGINE_SAMPLING = frozenset(f.name for f in fields(SamplingParams))
 PROMPT = ("text", "input_ids")
 DEFAULTS = HttpConfig()
-MAX_NEW_TOKENS = default_of(SamplingParams, "max_new_tokens")
 
 
 @dataclass(frozen=True)
@@ -84,26 +83,10 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
             items.append(GenRequest(copies[p][j], rid=rids[len(items)], stream=stream,
                                     trim_stop=samplings[p].trim,
                                     skip_special=samplings[p].skip_special, **prompt))
-    if stream and not cfg.incremental_streaming_output:
-        _fits_events(items, cfg.max_event_logprobs)
     names = tuple(unknown) + tuple(f"sampling_params.{u}" for sp in samplings for u in sp.unknown)
     return NativeGenerate(items, batch or n > 1, stream,
                           take(body, "return_text_in_logprobs", boolean, False),
                           tuple(dict.fromkeys(names)))
-
-
-def _fits_events(items: list[GenRequest], cap: int) -> None:
-    """A cumulative event repeats every logprob so far: refuse a stream whose last
-    event could carry more than `cap` entries (each token's logprob and top ones)."""
-    for item in items:
-        if item.logprobs:
-            tokens = item.sampling.get("max_new_tokens", MAX_NEW_TOKENS)
-            if tokens * (1 + item.top_logprobs) > cap:
-                raise BadRequest(
-                    f"a streamed /generate repeats every logprob so far in each event: "
-                    f"max_new_tokens={tokens} x (1 + top_logprobs_num={item.top_logprobs}) is "
-                    f"more than {cap} entries per event (--max-event-logprobs); ask for fewer, "
-                    "do not stream, or start the server with --incremental-streaming-output")
 
 
 def _parallel(samplings: list[Sampling]) -> int:
@@ -242,15 +225,44 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> web.StreamResponse:
     cfg = front.config
     events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
-    event = native_delta if cfg.incremental_streaming_output else native_answer
+    spacing = None if cfg.incremental_streaming_output else Spacing(cfg.cumulative_bytes_per_token)
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
                 if events.response is None and out.refused:
                     raise refusal(out)
-                answer = event(out, req.text_in_logprobs)
+                if spacing is None:
+                    answer = native_delta(out, req.text_in_logprobs)
+                elif spacing.due(out):
+                    answer = native_answer(out, req.text_in_logprobs)
+                else:
+                    continue
                 if answer is not None:
-                    await events.send(answer | {"index": out.index} if req.batch else answer)
+                    size = await events.send(answer | {"index": out.index} if req.batch else answer)
+                    if spacing is not None:
+                        spacing.sent(out, size)
         return await events.close()
     except Stalled:
         return events.abandon([item.rid or "" for item in req.items])
+
+
+class Spacing:
+    """When a cumulative event is due. Each carries everything so far, so one per token
+    would write O(n^2) bytes over a request (4,000 tokens with top-20 logprobs: GBs);
+    instead an event is due once the tokens since the last one pay for its size at
+    `budget` bytes each. The first and the last event always come, and the last
+    carries the whole answer, so a client that reads each event as the state so far
+    (SGLang's clients do) sees the same answer, in fewer steps once it is long."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.last: dict[int, tuple[int, int]] = {}    # index -> (tokens, bytes) at its last event
+
+    def due(self, out: Output) -> bool:
+        if out.finished or out.index not in self.last:
+            return True
+        tokens, size = self.last[out.index]
+        return (len(out.token_ids) - tokens) * self.budget >= size
+
+    def sent(self, out: Output, size: int) -> None:
+        self.last[out.index] = (len(out.token_ids), size)

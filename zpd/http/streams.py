@@ -114,8 +114,11 @@ class EventStream:
         self.response: web.StreamResponse | None = None
         self.write_timeout, self.buffer_bytes = write_timeout, buffer_bytes
 
-    async def send(self, obj: dict) -> None:
-        await self._write(b"data: " + orjson.dumps(obj) + b"\n\n")
+    async def send(self, obj: dict) -> int:
+        """Write one event; its size in bytes."""
+        data = b"data: " + orjson.dumps(obj) + b"\n\n"
+        await self._write(data)
+        return len(data)
 
     async def close(self) -> web.StreamResponse:
         """Write [DONE] and end the answer."""

@@ -239,10 +239,10 @@ def add_http_front_options(g: argparse._ActionsContainer) -> None:
                 "carries only the text, output_ids and logprobs new since the last (SGLang's "
                 "flag); by default each carries everything so far, as SGLang's",
                 action="store_true")
-    add_default(g, "--max-event-logprobs", HttpConfig, "without --incremental-streaming-output, "
-                "refuse (400) a streamed /generate whose events could repeat more logprob "
-                "entries than this: max_new_tokens x (1 + top_logprobs_num) (default {default})",
-                type=int)
+    add_default(g, "--cumulative-bytes-per-token", HttpConfig, "without "
+                "--incremental-streaming-output, a streamed /generate's events (each carrying "
+                "everything so far) are spaced so that it writes about this many bytes per "
+                "token; the last event always comes (default {default})", type=int)
     add_default(g, "--stream-write-timeout", HttpConfig, "a stream whose client reads nothing "
                 "for this many seconds is closed and its requests aborted (default {default})",
                 type=float)
@@ -302,7 +302,7 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
                       connect_timeout=args.connect_timeout, weights_timeout=args.weights_timeout,
                       prompt_limits=prompt_limits(args), max_batch_requests=args.max_batch_requests,
                       incremental_streaming_output=args.incremental_streaming_output,
-                      max_event_logprobs=args.max_event_logprobs,
+                      cumulative_bytes_per_token=args.cumulative_bytes_per_token,
                       stream_write_timeout=args.stream_write_timeout,
                       stream_buffer_bytes=args.stream_buffer_bytes)
 
@@ -422,7 +422,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
 # What `zpd launch` hands its HTTP front: it must turn text into the workers' ids.
 HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template",
                     "max_text_bytes", "max_input_ids", "max_batch_requests",
-                    "incremental_streaming_output", "max_event_logprobs",
+                    "incremental_streaming_output", "cumulative_bytes_per_token",
                     "stream_write_timeout", "stream_buffer_bytes",
                     "keepalive_timeout", "header_timeout", "body_timeout", "max_connections",
                     "allowed_hosts")

@@ -1,0 +1,85 @@
+"""What the HTTP front spends serializing one streamed /generate request's events:
+SGLang's default cumulative events (each carries every token and logprob so far),
+one per token as before issue 30 or spaced as now (--cumulative-bytes-per-token),
+and --incremental-streaming-output (each carries only the new ones).
+
+    python bench/bench_sse_events.py [--tokens 4000] [--top 20] [--rounds 3]
+                                     [--budget 8192] [--smoke]
+
+In-process, no server: one Output fed one token per chunk, with its logprob and
+`--top` alternatives, each event formatted as the route does (native_answer or
+native_delta, then orjson) — what a front pays per stream when it keeps up with the
+decode. Prints events written, per event (mean and last) and for the whole request:
+milliseconds of CPU and bytes written, the best of --rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402,F401  (puts the repository on sys.path)
+
+from engines.tiny import tiny_tokenizer  # noqa: E402
+from zpd.http.native import Spacing, native_answer, native_delta  # noqa: E402
+from zpd.http.output import Output  # noqa: E402
+from zpd.http.records import GenRequest  # noqa: E402
+
+
+def chunk(i: int, token: int, top: int, last: bool) -> dict:
+    c = {"rid": "r", "token_ids": [token], "weight_versions": ["v1"], "finished": last,
+         "logprobs": [-0.25], "top_logprobs": [[[token + k, -0.25 - k] for k in range(top)]]}
+    if last:
+        c |= {"finish_reason": {"type": "length"}, "meta": {"completion_tokens": i + 1},
+              "text": None}
+    return c
+
+
+def one_request(tokens: int, top: int, mode: str, budget: int) -> tuple[list[float], list[int]]:
+    """Seconds and bytes of each event written (formatting and serializing only)."""
+    req = GenRequest({"return_logprob": True, "top_logprobs_num": top}, input_ids=[1],
+                     stream=True)
+    out = Output(0, req, tiny_tokenizer())
+    event = native_delta if mode == "incremental" else native_answer
+    spacing = Spacing(budget) if mode == "spaced" else None
+    times, sizes = [], []
+    for i in range(tokens):
+        out.add(chunk(i, 65 + i % 26, top, i == tokens - 1))
+        t0 = time.perf_counter()
+        if spacing is not None and not spacing.due(out):
+            continue
+        data = b"data: " + orjson.dumps(event(out)) + b"\n\n"
+        if spacing is not None:
+            spacing.sent(out, len(data))
+        times.append(time.perf_counter() - t0)
+        sizes.append(len(data))
+    return times, sizes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=8192, help="--cumulative-bytes-per-token")
+    ap.add_argument("--smoke", action="store_true", help="200 tokens, one round")
+    args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.rounds = 200, 1
+    print(f"{args.tokens} tokens, top-{args.top} logprobs, one event per token")
+    print(f"{'mode':<12} {'events':>7} {'ms/event':>9} {'last ms':>8} {'total ms':>9} "
+          f"{'MB sent':>8}")
+    for mode in ("every-token", "spaced", "incremental"):
+        best = min((one_request(args.tokens, args.top, mode, args.budget)
+                    for _ in range(args.rounds)), key=lambda r: sum(r[0]))
+        times, sizes = best
+        print(f"{mode:<12} {len(times):>7} {1e3 * sum(times) / len(times):>9.3f} "
+              f"{1e3 * times[-1]:>8.3f} {1e3 * sum(times):>9.0f} {sum(sizes) / 1e6:>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
