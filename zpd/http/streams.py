@@ -129,10 +129,11 @@ class EventStream:
     def abandon(self, rids: list[str]) -> web.StreamResponse:
         """Drop the connection of a stalled stream and what it has unsent (its requests
         were aborted when the route left `follow`)."""
-        peer = self.request.remote or "?"
+        named = [r for r in rids if r]
         log.warning("stream to %s: the client read nothing for %g s; its connection is closed "
-                    "and its %d request(s) aborted (%s)", peer, self.write_timeout, len(rids),
-                    ", ".join(r or "?" for r in rids[:4]) + (", ..." if len(rids) > 4 else ""))
+                    "and its %d request(s) aborted%s", self.request.remote or "?",
+                    self.write_timeout, len(rids),
+                    f" ({', '.join(named[:4])}{', ...' if len(named) > 4 else ''})" if named else "")
         if self.request.transport is not None:
             self.request.transport.abort()
         return self.response
