@@ -19,11 +19,10 @@ release that keys its groups differently fails there, not in a user's cluster.
 
 torch's TCPStore client ignores its timeout while it waits for a server that
 accepted the connection but never answers (measured with torch 2.13: a listening
-socket that never speaks holds `rendezvous` past 60 s with a 3 s timeout), so the
-caller runs `join` on a thread it can abandon (zpd/worker/weight_sync.py). Such a
-thread ends once the trainer's address closes the connection (torch then retries
-and fails within its timeout); a process that exits while one is still inside torch
-may print "terminate called without an active exception".
+socket that never speaks holds `rendezvous` past 60 s with a 3 s timeout), and gloo
+aborts the process (SIGABRT) that receives a broadcast larger than its tensor. So a
+worker never calls this module itself: its helper process does
+(zpd/worker/sync_helper.py), and the worker kills the helper at its deadline.
 """
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def _store_prefix(store: dist.Store, trainer_init: str, name: str, device: str) 
 
 
 class TrainerGroup:
-    """One joined group; `receive` runs off the scheduler thread."""
+    """One joined group, in a weight-sync helper process."""
 
     def __init__(self, name: str, backend: str, rank: int, world_size: int,
                  pg: dist.ProcessGroup, store: dist.Store) -> None:
