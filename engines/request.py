@@ -86,12 +86,13 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
     """Reject what can never be served, with the reason (status 400)."""
     if not prompt:
         raise StatusError(BAD_REQUEST, "empty prompt")
-    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise StatusError(BAD_REQUEST, f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
+    # lengths first: a megabyte prompt's ids took the loop a second to scan
     if len(prompt) + params.max_new_tokens > cfg.max_position:
         raise StatusError(BAD_REQUEST, f"prompt ({len(prompt)} tokens) + max_new_tokens "
                            f"({params.max_new_tokens}) exceeds the context length {cfg.max_position}")
+    bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise StatusError(BAD_REQUEST, f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
     pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
     if pages > total_pages:
         raise StatusError(BAD_REQUEST, f"request needs {pages} KV pages; this worker has "

@@ -10,8 +10,8 @@ import os
 import signal
 import threading
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Hashable, Iterator
 
 import zmq
 
@@ -33,9 +33,12 @@ from zpd.ops.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import WeightsAndMemory
 from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
+from zpd.worker.tokenizing import Tokenizing, is_long
 from zpd.worker.weight_sync import WeightSync
 
 log = logging.getLogger("zpd.worker.core")
+
+DROP_MODES = ("retract", "abort")    # pauses after which prefills forget their requests
 
 
 
@@ -69,6 +72,7 @@ class WorkerCore:
         self.memory = WeightsAndMemory(self)
         self.weight_sync = WeightSync(self)
         self.paused: str | None = None            # None or the pause mode
+        self.drop_pauses = 0                      # pauses (retract, abort) begun so far
         self.pause_waiters: list[Respond] = []
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
         self.drops = knobs.drops
@@ -85,6 +89,7 @@ class WorkerCore:
         # Pings are answered during forwards longer than this, so a busy worker stays alive.
         self.responder = BusyResponder(self.sock, self._answer_while_busy,
                                        min(cfg.deadlines.heartbeat, cfg.deadlines.peer_timeout / 4))
+        self.tokenizing = Tokenizing(self.loop)   # long prompts, off the scheduler thread
 
     def attach(self, scheduler: Scheduler) -> None:
         """Hand the core its scheduler; its handlers join the core's own."""
@@ -232,6 +237,7 @@ class WorkerCore:
         if self.paused is not None and self.paused != mode:
             raise StatusError(CONFLICT, f"already paused ({self.paused}); continue first")
         self.paused = mode
+        self.drop_pauses += mode in DROP_MODES
         self.scheduler.on_pause(mode)
         self.pause_waiters.append(respond)
         self._answer_pause_waiters()
@@ -268,13 +274,32 @@ class WorkerCore:
 
     # --- requests --------------------------------------------------------------------
 
-    def read_request(self, msg) -> tuple[list[int], SamplingParams, StatusError | None]:
+    def read_request_then(self, key: Hashable, tag: Any, msg, done: Callable[..., None]) -> None:
+        """`done(*read_request(msg), paused_meanwhile)`: now, or for a long text or chat
+        later, on the loop, once the tokenizing thread has its ids (zpd/worker/tokenizing.py);
+        until then `key` is in `self.tokenizing.pending` with `tag`, and cancelling it
+        drops it. `paused_meanwhile`: a pause that drops requests (retract, abort) was in
+        force at some time in between; the prefill then drops the generate (as one that
+        arrived during the pause) and the decode has it recomputed."""
+        if msg.input_ids or not is_long(msg.text, msg.chat):
+            done(*self.read_request(msg), False)
+            return
+        seen = -1 if self.paused in DROP_MODES else self.drop_pauses
+        self.tokenizing.submit(key, tag, lambda: self.prompt_ids(msg, on_loop=False),
+                               lambda got: done(*self.read_request(msg, got),
+                                                seen != self.drop_pauses))
+
+    def read_request(self, msg, tokenized: list[int] | Exception | None = None
+                     ) -> tuple[list[int], SamplingParams, StatusError | None]:
         """A generate's prompt and sampling parameters, checked against this worker's
-        model and pool; the error (400 unless it says otherwise) instead of raising."""
+        model and pool; the error (400 unless it says otherwise) instead of raising.
+        `tokenized`: the prompt's ids (or why there are none) from the tokenizing thread."""
         prompt, params = [], SamplingParams()
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            prompt = self.prompt_ids(msg)
+            if isinstance(tokenized, Exception):
+                raise tokenized
+            prompt = self.prompt_ids(msg) if tokenized is None else tokenized
             validate(prompt, params, self.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
         except StatusError as e:
             return prompt, params, e
@@ -282,16 +307,16 @@ class WorkerCore:
             return prompt, params, StatusError(BAD_REQUEST, str(e))
         return prompt, params, None
 
-    def prompt_ids(self, msg) -> list[int]:
+    def prompt_ids(self, msg, on_loop: bool = True) -> list[int]:
         """The request's prompt: its token ids, or its text or conversation through our
-        tokenizer and chat template (a long call: a megabyte of text takes seconds, and
-        peers must keep hearing from us)."""
+        tokenizer and chat template (on the loop, a long call: peers must keep hearing
+        from us; `on_loop` False on the tokenizing thread, which must not lend the socket)."""
         refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat)
         if refusal is not None:
             raise StatusError(BAD_REQUEST, refusal)
         if msg.input_ids or not (msg.text or msg.chat):
             return list(msg.input_ids)
-        with self.long_call():
+        with self.long_call() if on_loop else nullcontext():
             if msg.chat:
                 return self.model.encode_chat(chat_messages(msg.chat))
             return self.model.encode(msg.text)
@@ -303,6 +328,7 @@ class WorkerCore:
     # --- process ---------------------------------------------------------------------
 
     def close(self) -> None:
+        self.tokenizing.close()
         self.weight_sync.close()
         self.responder.close()
         self.backend.close()

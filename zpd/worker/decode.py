@@ -191,11 +191,20 @@ class DecodeScheduler:
             self.refuse(identity, msg, BAD_REQUEST,
                         f"prefill {msg.prefill[:80]!r} is not an endpoint (host:port)")
             return
-        if msg.rid in self.by_rid:   # e.g. an orphan of a restarted router that reused the rid
+        if msg.rid in self.by_rid or msg.rid in self.core.tokenizing.pending:
+            # e.g. an orphan of a restarted router that reused the rid
             self.refuse(identity, msg, CONFLICT,
                         f"rid {msg.rid!r} is already in flight on decode {self.core.endpoint}")
             return
-        prompt, params, error = self.core.read_request(msg)
+        self.core.read_request_then(msg.rid, (identity, msg),
+                                    msg, lambda *got: self._start(identity, msg, *got))
+
+    def _start(self, identity: bytes, msg: Generate, prompt: list[int], params, error,
+               paused_meanwhile: bool) -> None:
+        """A generate whose prompt is read: as if it arrived now (a long text's did later)."""
+        if msg.room in self.jobs:
+            log.warning("duplicate generate rid=%r room=%d dropped", msg.rid, msg.room)
+            return
         job = DecodeJob(msg.room, msg.epoch, Request(msg.rid, prompt, params), msg.prefill, identity,
                         msg.stream, Deadline(self.loop, lambda what: self._expire(job, what)))
         self.jobs[msg.room], self.by_rid[msg.rid] = job, job
@@ -206,6 +215,7 @@ class DecodeScheduler:
         elif self.core.paused in ("retract", "abort"):
             self.move(job, DecodePhase.HELD)     # the prefill drops it; recomputed after continue
         else:
+            job.epoch += paused_meanwhile        # so did a pause while it was tokenized
             self.move(job, DecodePhase.WAITING)
 
     def refuse(self, identity: bytes, msg: Generate, status: int, reason: str) -> None:
@@ -217,6 +227,9 @@ class DecodeScheduler:
         self.core.send(identity, Tokens.abort(msg.rid, status, reason))
 
     def on_abort(self, identity: bytes, msg: Abort) -> None:
+        tokenizing = self.core.tokenizing.cancel(msg.rid)
+        if tokenizing is not None:
+            self.refuse(*tokenizing, msg.status or ABORTED, msg.reason or "aborted")
         job = self.by_rid.get(msg.rid)
         if job is not None:
             self.finish(job, msg.status or ABORTED, msg.reason or "aborted", tell_prefill=True)
@@ -224,6 +237,8 @@ class DecodeScheduler:
     def on_peer_silent(self, identity: bytes) -> None:
         """A router that stopped pinging is gone: end its requests and free their pages."""
         orphans = [j for j in self.jobs.values() if j.client == identity]
+        for rid in [r for r, (client, _) in self.core.tokenizing.pending.items() if client == identity]:
+            self.refuse(*self.core.tokenizing.cancel(rid), UNAVAILABLE, "router unavailable")
         if orphans:
             log.error("router %r silent: ending its %d requests", identity[:40], len(orphans))
         for job in orphans:
@@ -364,6 +379,9 @@ class DecodeScheduler:
         return bool(self.jobs or self.fences)
 
     def on_pause(self, mode: str) -> None:
+        if mode == "abort":                      # prompts still being tokenized end too
+            for rid in list(self.core.tokenizing.pending):
+                self.refuse(*self.core.tokenizing.cancel(rid), ABORTED, "aborted by pause(abort)")
         self.retraction.on_pause(mode)
 
     def quiescent(self) -> bool:

@@ -209,7 +209,18 @@ class PrefillScheduler:
     # --- requests ------------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
-        prompt, params, error = self.core.read_request(msg)
+        # a long text is admitted once tokenized, as if it arrived then (what comes for
+        # its room meanwhile is stashed or tombstoned as for any late generate)
+        self.core.read_request_then((msg.room, msg.epoch), identity, msg,
+                                    lambda *got: self._admit_generate(identity, msg, *got))
+
+    def _admit_generate(self, identity: bytes, msg: Generate, prompt: list[int], params, error,
+                        paused_meanwhile: bool) -> None:
+        if paused_meanwhile:     # as if it arrived during that pause: the decode recomputes it
+            log.info("rid=%r room=%d epoch=%d tokenized across a pause; dropped", msg.rid,
+                     msg.room, msg.epoch)
+            self.tombstones.add(msg.room, msg.epoch)
+            return
         failure = None if error is None else (error.status, str(error))
         job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
         if job is not None:
