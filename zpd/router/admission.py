@@ -21,7 +21,7 @@ every transition is a unit test (tests/unit/test_admission.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from zpd.router.shares import ClientShares
 from zpd.wire.protocol import Generate
@@ -130,10 +130,9 @@ class Admission:
         (max-min fair), then least recently served, then first to arrive. One skipped
         (its share is full) keeps its place. None: nothing waiting fits now."""
         recent = self.recency.of
-        for client in sorted(self.rids, key=lambda c: (shares.routed(c), recent(c))):
+        for client in _in_order(self.rids, lambda c: (shares.routed(c), recent(c))):
             users = self.rids[client]
-            for user in sorted(users, key=lambda u: (shares.routed(client, u),
-                                                     recent((client, u)))):
+            for user in _in_order(users, lambda u: (shares.routed(client, u), recent((client, u)))):
                 head = self.waiting[next(iter(users[user]))]
                 if shares.fits(client, head.tokens):
                     self.remove(head.rid)
@@ -156,3 +155,13 @@ class Admission:
     def timeout_message(self, entry: Waiting, now: float) -> str:
         return (f"queue timeout: waited {now - entry.since:.0f} s for the workers "
                 f"(--queue-timeout {self.queue_timeout:g}); retry later")
+
+
+def _in_order(keys: dict, rank: Callable) -> Iterator:
+    """`keys` by `rank`, ties in their order: the first found in one pass, the rest
+    sorted only if the first is skipped (it usually is not)."""
+    if not keys:
+        return
+    first = min(keys, key=rank)
+    yield first
+    yield from (k for k in sorted(keys, key=rank) if k != first)
