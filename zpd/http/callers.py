@@ -6,8 +6,8 @@ callers apart where the router would not:
 
 - Rids: the router refuses a rid already in flight (409) from any client, so a caller
   could probe for another's rids. Every rid a caller names reaches the router as
-  "<caller>:<rid>" and comes back as it was given; /abort_request (an admin route)
-  still finds a rid in every caller's space.
+  "<key>.<hash of its address and key>:<rid>" and comes back as it was given;
+  /abort_request (an admin route) still finds a rid in every caller's space.
 - Addresses: only a caller with the admin routes' rights sees where the router and
   workers listen (without --curve-keys, anyone who knows them can talk to them
   directly). Everyone else sees each worker as its role and index ("decode0"), in the
@@ -17,6 +17,7 @@ The caller travels in a context variable, set by the key check for the handler's
 because the routes hand requests to the backend without the HTTP request."""
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import Counter
 from contextvars import ContextVar
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from zpd.http.records import GenRequest
+from zpd.http.router_client import USER
 from zpd.http.streams import Backend
 
 NOT_FOUND = 404
@@ -55,6 +57,13 @@ def caller_of(token: bytes, api_key: str | None, admin_key: str | None) -> Calle
     return Caller("anon", admin_key is None and api_key is None)
 
 
+def space(caller: Caller) -> str:
+    """The rid space of the current caller: its key, and its address as the router's
+    fair queue names it (USER), hashed (the router's logs show this prefix)."""
+    user = USER.get()
+    return f"{caller.tag}.{hashlib.sha256(user.encode()).hexdigest()[:8]}" if user else caller.tag
+
+
 class CallerBackend:
     """The router client as the current caller (CALLER) should see it."""
 
@@ -67,7 +76,7 @@ class CallerBackend:
         caller = CALLER.get()
         if req.rid is None:
             return self.inner.open(req, self._shown(sink, caller, None, None), *args, **kw)
-        given, ours = req.rid, f"{caller.tag}:{req.rid}"
+        given, ours = req.rid, f"{space(caller)}:{req.rid}"
         spaces = self.inflight.setdefault(given, Counter())
         spaces[ours] += 1
         done = []

@@ -18,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import sys
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("zpd.http.connections")
 
@@ -211,9 +214,27 @@ async def tracking(request: web.Request, handler) -> web.StreamResponse:
         book.end(transport)
 
 
+class ClientFaults(logging.LoggerAdapter):
+    """aiohttp's server log, where a request aiohttp could not parse (a client's fault:
+    bad headers, chunking, a body cut short) is one line, not a traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kw) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, CLIENT_FAULTS):
+            text = " ".join(str(exc).split())[:200]
+            self.logger.info(msg + ": %s: %s", *args, type(exc).__name__, text)
+        else:
+            self.logger.error(msg, *args, exc_info=exc_info, **kw)
+
+
+CLIENT_FAULTS = (HttpProcessingError, RequestPayloadError, ConnectionError)
+SERVER_LOG = ClientFaults(logging.getLogger("zpd.http.server"), {})
+
+
 def server_options(limits: ConnectionLimits) -> dict:
     """aiohttp's server settings for the front: bodies inflated by the routes after the
     key check (body.py), a client that disconnects cancels its handler (whose streams
-    then abort their requests at the router), no access log."""
+    then abort their requests at the router), no access log, a client's malformed
+    request logged in one line."""
     return {"auto_decompress": False, "keepalive_timeout": limits.keepalive,
-            "handler_cancellation": True, "access_log": None}
+            "handler_cancellation": True, "access_log": None, "logger": SERVER_LOG}
