@@ -24,8 +24,11 @@ environment variable; a flag wins over the variable.
   -h, --help                         this text
 
 The API keys are read from ZPD_API_KEY and ZPD_ADMIN_API_KEY in this process's
-environment (never from the command line, which every local user can read).
-Any other argument is passed to 'zpd http' unchanged, e.g. --served-model-name NAME.
+environment, or from files (--api-key-file F, --admin-api-key-file F, passed on), never
+from the command line, which every local user can read. An admin key needs
+--curve-keys (else any local process could send admin commands to the router
+directly), or --insecure. Any other argument is passed to 'zpd http' unchanged, e.g.
+--served-model-name NAME, --allowed-hosts NAME, --header-timeout S.
 EOF_USAGE
 }
 
