@@ -212,6 +212,68 @@ def test_a_trainer_killed_mid_push_leaves_the_old_weights(one_one):
         assert_all_pages_free(client)
 
 
+def generates(cluster: Cluster) -> bool:
+    status, got = post(cluster, "/generate", {"input_ids": [1, 2, 3],
+                                              "sampling_params": {"max_new_tokens": 4}}, 60)
+    return status == 200 and len(got["output_ids"]) == 4
+
+
+def test_an_oversized_broadcast_leaves_the_workers_serving(one_one):
+    """Issue 30: a trainer that broadcasts more bytes than it announced made gloo abort
+    both workers. Now their helper processes die instead: the push answers 500 with
+    the tensor and the signal, every worker process lives, serves, and takes a new
+    group's push."""
+    pids = one_one.pids()
+    before = versions(one_one)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    trainer = TrainerProc(one_one, "--bad-shape", name)      # announced with its true shape
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "never"})
+        trainer.push()
+        pushed = time.monotonic()
+        status, got = answer.result(timeout=60)
+        assert status == 500 and not got["success"], got
+        assert name in got["message"] and "SIGABRT" in got["message"], got
+        print(f"oversized push answered in {time.monotonic() - pushed:.2f} s")
+    finally:
+        trainer.close()
+    assert all(os.kill(pid, 0) is None for pid in pids) and pids   # alive (else: raises)
+    assert versions(one_one) == before and generates(one_one)
+    again = TrainerProc(one_one)
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "after-abort"})
+        again.push()
+        status, got = answer.result()
+        assert status == 200 and got["success"], got
+        assert versions(one_one) == {"after-abort"}
+    finally:
+        again.close()
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+
+
+def test_zpd_admin_cancels_a_stalled_push(one_one):
+    before = versions(one_one)
+    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "600")
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "never"})
+        trainer.push()
+        trainer.wait_for("sent 2")
+        cancel = subprocess.run([sys.executable, "-m", "zpd.ops.cli", "admin", "--endpoint",
+                                 one_one.router, "cancel-weight-update"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert cancel.returncode == 0, cancel.stderr
+        status, got = answer.result(timeout=30)
+        assert status == 409 and "cancelled by admin" in got["message"], got
+    finally:
+        trainer.close()
+    assert versions(one_one) == before and generates(one_one)
+    # every worker left the group: destroying it again finds none
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 400
+
+
 def test_heartbeats_flow_during_a_long_broadcast(one_one):
     """The trainer stalls for longer than the router's peer timeout mid-push: no
     worker is declared dead, and the push lands."""
