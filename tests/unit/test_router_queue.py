@@ -225,3 +225,19 @@ def test_a_dead_decode_fails_what_runs_and_what_waits_then_all_is_back(narrow):
     c.advance(1.0)                                           # it answers again
     c.serves_again()
     settled(c)
+
+
+def test_requests_wait_through_a_weight_push_and_run_after_it(narrow):
+    """While a push is under way (zpd/router/weight_sync.py sets `updating`, then
+    calls unpause) nothing new is routed; after it, the queue runs, one at a time."""
+    c = narrow
+    c.router.updating = True
+    rids = [c.submit(PROMPT, 4) for _ in range(2)]
+    c.pump(2)
+    assert list(c.router.queued) == rids and not c.router.inflight
+    c.router.updating = False
+    c.router.unpause()
+    assert len(c.router.inflight) == 1
+    for rid in rids:
+        assert c.run(rid).finish["type"] == "length"
+    settled(c)
