@@ -100,10 +100,12 @@ class HelperLink:
         flat = None if memory is None else torch.frombuffer(memory, dtype=torch.uint8)
         got, problems = [], []
         for a, offset in zip(items, offsets):
-            doing = f"receiving tensor {a.name!r} ({len(got) + 1} of {len(items)}, {a.nbytes} bytes)"
+            doing = (f"receiving tensor {a.name!r} ({len(got) + 1} of {len(items)}, "
+                     f"{a.nbytes} bytes)")
             reply = self._next(deadline, doing)
-            if reply[0] != "got":
-                raise SyncFailure(500, f"{doing}: {reply[1]}")
+            if reply[0] != "got":                  # torch's error: the group is broken
+                status = 504 if "imed out" in reply[1] else 500
+                raise SyncFailure(status, f"{doing}: {reply[1]}")
             if reply[2] is not None:
                 problems.append(reply[2])
             raw = reply[3] if self.cuda else flat[offset:offset + a.nbytes]

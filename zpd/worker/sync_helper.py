@@ -42,6 +42,7 @@ import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
 from zpd.worker.trainer_group import GroupError, TrainerGroup
 
 FILL = 0xFF
+GRACE_S = 1.0       # torch's own timeouts end this much after the worker's, which kills first
 PR_SET_PDEATHSIG = 1
 
 
@@ -87,7 +88,7 @@ def _stage(conn: Connection, group: TrainerGroup, metas: list[tuple[str, str, tu
     """Receive one push. `metas`: (name, dtype, shape, offset, nbytes) per tensor;
     `bucket`: the dtype one flat broadcast of them all travels as (None: one broadcast
     each). Answers per tensor, then ("staged",); returns what the worker still maps."""
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + seconds + GRACE_S
     cuda = group.device.type == "cuda"
     total = max((o + n for _, _, _, o, n in metas), default=0)
     try:
