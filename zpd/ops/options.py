@@ -320,8 +320,8 @@ def add_client_limit_options(g: argparse._ActionsContainer) -> None:
     --max-concurrent-requests, wait their turn (README, "Limits")."""
     add_default(g, "--max-client-requests", RouterConfig, "one client's share: requests it may "
                 "have routed to the workers at once; more wait in the router's queue, served "
-                "round-robin between clients, then between the users a client names (the HTTP "
-                "front names each caller) (default {default})", type=int)
+                "fairly between clients, then between the users a client names (the HTTP front "
+                "names each caller): fewest routed first (default {default})", type=int)
     add_default(g, "--max-client-tokens", RouterConfig, "one client's share of KV pages, in "
                 "tokens: prompt + max_new_tokens summed over its routed requests; more wait. "
                 "A single request needing more is refused with 400 (default {default})", type=int)
