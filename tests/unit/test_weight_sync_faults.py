@@ -261,7 +261,8 @@ def test_a_join_to_a_silent_port_is_bounded_and_a_retry_works_at_once(cluster, s
         cluster.pump(1)
         time.sleep(0.001)
     took, reply = time.monotonic() - started, cluster.replies[req_id]
-    assert not reply["ok"] and took < LIMIT_S + 3, (took, reply)
+    # the limit, plus (cold) the helpers' forkserver importing torch; torch alone: never
+    assert not reply["ok"] and took < LIMIT_S + 10, (took, reply)
     want = ("cancelled by admin", 409) if cancel else ("timed out", 504)
     assert all(want[0] in w["error"] and w["status"] == want[1]
                for w in failures(reply)), reply

@@ -95,7 +95,7 @@ def test_a_join_that_never_completes_fails_in_time_and_a_retry_works(cluster):
             cluster.pump(1)
             time.sleep(0.001)
         took, reply = time.monotonic() - started, cluster.replies[req]
-        assert 3.6 <= took < 4.0 + 3.0, took          # the workers' 3.6 s, not before
+        assert 3.6 <= took < 4.0 + 10.0, took         # the workers' 3.6 s, not before
         assert not reply["ok"], reply
         errors = [w["error"] for w in reply["workers"]]
         assert len(errors) == 2 and all("'g'" in e and "timed out" in e for e in errors), reply
@@ -139,8 +139,9 @@ def test_a_stuck_join_is_answered_in_real_time():
         took = time.monotonic() - started
         assert answers and not answers[0][0] and "'stuck'" in answers[0][1]["error"], answers
         assert answers[0][1]["status"] == 504
-        # the timeout, plus (the first time in a process) starting the helpers' forkserver
-        assert took < 1.0 + 3.0, took
+        # the timeout, plus (the first time in a process) starting the helpers' forkserver,
+        # which imports torch: seconds on a loaded machine (torch alone: never)
+        assert took < 1.0 + 10.0, took
         assert sync.job is None and not sync.groups
     finally:
         silent.close()
