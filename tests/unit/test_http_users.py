@@ -1,14 +1,20 @@
 """Issue 30 item 5: the HTTP front names each caller to the router, so one HTTP call
 (8 prompts x n 128) no longer takes the front's whole router quota: another caller's
-request is served at the next free slot."""
+request is served at the next free slot. And a request the router's queue refuses
+answers its status with Retry-After."""
 from __future__ import annotations
 
 import asyncio
 
+from aiohttp.test_utils import TestClient, TestServer
+
 from tests.unit.fake_workers import FakeCluster
 from tests.unit.http_fake import FakeBackend, call, front
+from tests.unit.test_http_router_client import ScriptedRouter
+from zpd.http.app import build_app
 from zpd.http.records import GenRequest
 from zpd.http.router_client import USER, RouterClient
+from zpd.wire.protocol import Accepted, TokenPart, Tokens
 
 
 class UserRecorder(FakeBackend):
@@ -73,3 +79,38 @@ def test_another_callers_request_passes_a_flood_from_one_http_call():
     # b waits for one of the four slots, not for the ~180 of a's requests queued before it
     assert before < 150 and done.index("b") - before <= 8, (before, done.index("b"))
     assert sorted(done) == sorted([f"a{i}" for i in range(200)] + ["b"])
+
+
+def test_a_queue_refusal_answers_its_status_with_retry_after():
+    """The router's queue refused the request (429 full): an OpenAI route answers 429
+    with Retry-After; another request of the same front is untouched."""
+    async def go() -> tuple[int, str | None, dict, int, str | None]:
+        router = ScriptedRouter()
+        client = RouterClient(router.endpoint, connect_timeout=5, router_silence=30)
+        await client.start()
+        f = front(client)
+        try:
+            async with TestClient(TestServer(build_app(f))) as http:
+                refused = asyncio.create_task(http.post("/v1/completions", json={
+                    "prompt": [1, 2], "max_tokens": 2}))
+                who, msg = await router.recv()
+                await router.send(who, Accepted(msg.rid))
+                await router.send(who, Tokens.pack([TokenPart(msg.rid, [], [], {
+                    "type": "abort", "status_code": 429, "message": "queue full: 9 wait",
+                    "retry_after": 7}, {})]))
+                resp = await refused
+                body = await resp.json()
+                served = asyncio.create_task(http.post("/v1/completions", json={
+                    "prompt": [1, 2], "max_tokens": 1}))
+                who, msg = await router.recv()
+                await router.send(who, Tokens.pack([TokenPart(msg.rid, [5], ["v"],
+                                                              {"type": "length"}, {})]))
+                ok = await served
+                return (resp.status, resp.headers.get("Retry-After"), body, ok.status,
+                        ok.headers.get("Retry-After"))
+        finally:
+            await client.close()
+            router.close()
+    status, after, body, ok, ok_after = asyncio.run(go())
+    assert status == 429 and after == "7" and "queue full" in body["error"]["message"]
+    assert ok == 200 and ok_after is None

@@ -21,7 +21,7 @@ from zpd.http.callers import CALLER, CallerBackend, caller_of
 from zpd.http.connections import BOOK, ConnectionLimits, Connections, tracking
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
-from zpd.http.router_client import USER, http_user
+from zpd.http.router_client import USER, http_user, retry_after_header
 
 log = logging.getLogger("zpd.http.app")
 
@@ -112,7 +112,7 @@ def build_app(front: Front, max_body_bytes: int | None = None,
     (zpd/http/connections.py): bodies are inflated by the routes, after the key check."""
     if max_body_bytes is not None:
         front.max_body_bytes = max_body_bytes
-    app = web.Application(middlewares=[tracking, errors, guard],
+    app = web.Application(middlewares=[tracking, retry_after_header, errors, guard],
                           client_max_size=front.max_body_bytes)
     app[BOOK] = Connections(limits)
     front.backend = metrics.metered(front.backend, front.model)    # latencies for /metrics

@@ -13,6 +13,8 @@ Each request names its HTTP caller (USER, set per HTTP request by the key check)
 between connections (zpd/router/admission.py). A request is encoded before it is
 sent: one whose frame the router would refuse (MAX_FRAME_BYTES) ends here with 400,
 since the router drops a connection that sends one, every caller's requests with it.
+A request the router's queue refused (429 full, 503 timeout) carries `retry_after`;
+`retry_after_header`, a middleware, puts it in the HTTP answer's Retry-After.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from zpd.client import asks_logprobs, chunk_of, generate_message
 from zpd.http.records import GenRequest
@@ -39,6 +42,39 @@ BAD_REQUEST = 400
 
 # Who the current HTTP request is for (`http_user`); "" outside one: the front itself.
 USER: ContextVar[str] = ContextVar("zpd_http_user", default="")
+# The current HTTP request's longest retry_after from the router's queue, in a dict
+# that `retry_after_header` sets per request (None outside one).
+RETRY: ContextVar[dict | None] = ContextVar("zpd_http_retry", default=None)
+QUEUE_REFUSALS = (429, 503)
+
+
+@web.middleware
+async def retry_after_header(request: web.Request, handler) -> web.StreamResponse:
+    """An answer with the status of a queue refusal its requests got (429 or 503, not
+    yet sent) says when to retry: Retry-After, seconds, as the router said."""
+    noted: dict = {}
+    token = RETRY.set(noted)
+    try:
+        response = await handler(request)
+    finally:
+        RETRY.reset(token)
+    if noted and response.status in QUEUE_REFUSALS and not response.prepared:
+        response.headers["Retry-After"] = str(noted["after"])
+    return response
+
+
+def _noting_retry(sink: Sink) -> Sink:
+    """`sink`, and the current HTTP request (if any) notes a queue refusal's retry_after."""
+    noted = RETRY.get()
+    if noted is None:
+        return sink
+
+    def note(chunk: dict) -> None:
+        after = (chunk.get("finish_reason") or {}).get("retry_after") if chunk["finished"] else None
+        if type(after) is int and after > 0:
+            noted["after"] = max(after, noted.get("after", 0))
+        sink(chunk)
+    return note
 
 
 def http_user(remote: str | None, token: bytes, keyed: bool) -> str:
@@ -109,7 +145,7 @@ class RouterClient:
         if rid in self._sinks:
             sink(abort_chunk(rid, 409, f"rid {rid!r} is already in flight"))
             return lambda: None
-        self._sinks[rid] = sink
+        self._sinks[rid] = sink = _noting_retry(sink)
         self._asked[rid] = asks_logprobs(req.sampling)
         self._submit(rid, req)
 
