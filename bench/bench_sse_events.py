@@ -1,10 +1,15 @@
 """What the HTTP front spends serializing one streamed /generate request's events:
-SGLang's default cumulative events (each carries every token and logprob so far),
-one per token as before issue 30 or spaced as now (--cumulative-bytes-per-token),
-and --incremental-streaming-output (each carries only the new ones).
+SGLang's default cumulative events (each carries every token and logprob so far) and
+--incremental-streaming-output (each carries only the new ones). Modes:
+
+  before       one cumulative event per token, every logprob formatted again for
+               each event (the front before issue 30)
+  every-token  one cumulative event per token, logprobs formatted once (Triples)
+  spaced       cumulative events spaced by --cumulative-bytes-per-token (the default)
+  incremental  --incremental-streaming-output
 
     python bench/bench_sse_events.py [--tokens 4000] [--top 20] [--rounds 3]
-                                     [--budget 8192] [--smoke]
+                                     [--budget 8192] [--modes before,spaced] [--smoke]
 
 In-process, no server: one Output fed one token per chunk, with its logprob and
 `--top` alternatives, each event formatted as the route does (native_answer or
@@ -25,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402,F401  (puts the repository on sys.path)
 
 from engines.tiny import tiny_tokenizer  # noqa: E402
-from zpd.http.native import Spacing, native_answer, native_delta  # noqa: E402
+from zpd.http.native import Spacing, Triples, native_answer, native_delta  # noqa: E402
 from zpd.http.output import Output  # noqa: E402
 from zpd.http.records import GenRequest  # noqa: E402
 
@@ -44,15 +49,19 @@ def one_request(tokens: int, top: int, mode: str, budget: int) -> tuple[list[flo
     req = GenRequest({"return_logprob": True, "top_logprobs_num": top}, input_ids=[1],
                      stream=True)
     out = Output(0, req, tiny_tokenizer())
-    event = native_delta if mode == "incremental" else native_answer
     spacing = Spacing(budget) if mode == "spaced" else None
+    triples = Triples()                          # the route's, for cumulative events
     times, sizes = [], []
     for i in range(tokens):
         out.add(chunk(i, 65 + i % 26, top, i == tokens - 1))
         t0 = time.perf_counter()
         if spacing is not None and not spacing.due(out):
             continue
-        data = b"data: " + orjson.dumps(event(out)) + b"\n\n"
+        if mode == "incremental":
+            answer = native_delta(out)
+        else:
+            answer = native_answer(out, False, None if mode == "before" else triples)
+        data = b"data: " + orjson.dumps(answer) + b"\n\n"
         if spacing is not None:
             spacing.sent(out, len(data))
         times.append(time.perf_counter() - t0)
@@ -66,6 +75,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=int, default=8192, help="--cumulative-bytes-per-token")
+    ap.add_argument("--modes", default="before,every-token,spaced,incremental")
     ap.add_argument("--smoke", action="store_true", help="200 tokens, one round")
     args = ap.parse_args()
     if args.smoke:
@@ -73,7 +83,7 @@ def main() -> None:
     print(f"{args.tokens} tokens, top-{args.top} logprobs, one event per token")
     print(f"{'mode':<12} {'events':>7} {'ms/event':>9} {'last ms':>8} {'total ms':>9} "
           f"{'MB sent':>8}")
-    for mode in ("every-token", "spaced", "incremental"):
+    for mode in args.modes.split(","):
         best = min((one_request(args.tokens, args.top, mode, args.budget)
                     for _ in range(args.rounds)), key=lambda r: sum(r[0]))
         times, sizes = best

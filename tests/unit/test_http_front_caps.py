@@ -130,7 +130,11 @@ def test_cumulative_streaming_is_still_the_default():
     f = front(FakeBackend(logprob_script))
     status, events = call(f, "POST", "/generate", STREAM_LOGPROBS)
     assert [e["output_ids"] for e in events[:-1]] == [[72], [72, 105], [72, 105, 33]]
-    assert len(events[-2]["meta_info"]["output_top_logprobs"]) == 3
+    triples = [[0.0, 72, None], [-0.5, 105, None], [-1.0, 33, None]]
+    assert [e["meta_info"]["output_token_logprobs"] for e in events[:-1]] == \
+        [triples[:1], triples[:2], triples]
+    assert [e["meta_info"]["output_top_logprobs"] for e in events[:-1]] == \
+        [[[t] for t in triples[:k]] for k in (1, 2, 3)]
     assert events[-2]["meta_info"]["weight_versions"] == [
         {"version": "v0", "start": 0, "end": 2}, {"version": "v1", "start": 2, "end": 3}]
 

@@ -172,9 +172,11 @@ def _non_empty(value: list, name: str) -> None:
         raise BadRequest(f"{name!r} must not be an empty list")
 
 
-def native_answer(out: Output, text_in_logprobs: bool = False) -> dict:
-    """One request's answer (or its progress so far) in SGLang's shape."""
-    return _answer(out, out.text, range(len(out.token_ids)), text_in_logprobs)
+def native_answer(out: Output, text_in_logprobs: bool = False,
+                  triples: Triples | None = None) -> dict:
+    """One request's answer (or its progress so far) in SGLang's shape; `triples`: its
+    logprobs as formatted for the events before (a cumulative stream's)."""
+    return _answer(out, out.text, range(len(out.token_ids)), text_in_logprobs, triples)
 
 
 def native_delta(out: Output, text_in_logprobs: bool = False) -> dict | None:
@@ -187,18 +189,39 @@ def native_delta(out: Output, text_in_logprobs: bool = False) -> dict | None:
     return _answer(out, text, tokens, text_in_logprobs)
 
 
-def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool) -> dict:
+def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool,
+            triples: Triples | None = None) -> dict:
     meta = meta_info(out, tokens)
     ids = out.token_ids[tokens.start:tokens.stop]
     if out.req.logprobs:
+        if triples is None or tokens.start:
+            triples = Triples(tokens.start)
+        triples.extend(out, tokens.stop, text_in_logprobs)
+        meta["output_token_logprobs"] = triples.tokens
+        if out.req.top_logprobs:
+            meta["output_top_logprobs"] = triples.tops
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+class Triples:
+    """An Output's logprobs from token `start` on as SGLang's [logprob, token_id, text]
+    triples (text null unless return_text_in_logprobs). Each is formatted once: a
+    cumulative event extends the lists of the one before (formatting them all again
+    for every event cost 30x what serializing them does)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = start
+        self.tokens: list[list] = []
+        self.tops: list[list[list]] = []
+
+    def extend(self, out: Output, stop: int, text_in_logprobs: bool) -> None:
         def named(token_id: int) -> str | None:
             return out.token_text(token_id) if text_in_logprobs else None
-        meta["output_token_logprobs"] = [[lp, t, named(t)] for lp, t in
-                                         zip(out.logprobs[tokens.start:tokens.stop], ids)]
-        if out.req.top_logprobs:
-            meta["output_top_logprobs"] = [[[lp, t, named(t)] for t, lp in top]
-                                           for top in out.top_logprobs[tokens.start:tokens.stop]]
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+        for i in range(self.start + len(self.tokens), min(stop, len(out.logprobs))):
+            t = out.token_ids[i]
+            self.tokens.append([out.logprobs[i], t, named(t)])
+        for i in range(self.start + len(self.tops), min(stop, len(out.top_logprobs))):
+            self.tops.append([[lp, t, named(t)] for t, lp in out.top_logprobs[i]])
 
 
 def refusal(out: Output) -> BadRequest:
@@ -226,6 +249,7 @@ async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> we
     cfg = front.config
     events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
     spacing = None if cfg.incremental_streaming_output else Spacing(cfg.cumulative_bytes_per_token)
+    triples: dict[int, Triples] = {}
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
@@ -234,7 +258,8 @@ async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> we
                 if spacing is None:
                     answer = native_delta(out, req.text_in_logprobs)
                 elif spacing.due(out):
-                    answer = native_answer(out, req.text_in_logprobs)
+                    answer = native_answer(out, req.text_in_logprobs,
+                                           triples.setdefault(out.index, Triples()))
                 else:
                     continue
                 if answer is not None:
