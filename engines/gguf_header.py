@@ -68,7 +68,7 @@ class _Cursor:
     """Reads the header in order; never past the end of the file."""
 
     def __init__(self, buf: np.ndarray) -> None:
-        self.buf, self.pos, self.order = buf, 0, "<"
+        self.buf, self.pos, self.order = buf, 0, "<"      # little-endian only
         self.elements = 0       # metadata array elements so far
 
     @property
@@ -82,7 +82,8 @@ class _Cursor:
         self.pos = 4
         version = self._scalar(UINT32, "the version")
         if version & 0xFFFF == 0:             # written on a machine of the other byte order
-            self.order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
+            # its tensors would need byte-swapping too, which nothing here does
+            raise BadHeader("a big-endian GGUF file; convert it on a little-endian machine")
         if version not in VERSIONS:
             raise BadHeader(f"version {version}; readable: {', '.join(map(str, VERSIONS))}")
         tensors, kvs = self._scalar(10, "the tensor count"), self._scalar(10, "the key count")

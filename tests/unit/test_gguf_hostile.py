@@ -101,6 +101,13 @@ def test_all_arrays_together_are_capped(tmp_path):
         GGUFFile(path)
 
 
+def test_a_big_endian_file_is_refused(tmp_path):
+    """Its tensors would be read with the wrong byte order."""
+    path = tmp_path / "be.gguf"
+    path.write_bytes(b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
+    refused(path, "a big-endian GGUF file")
+
+
 def test_duplicate_keys_and_bad_text_are_refused(tmp_path):
     refused(raw_gguf(tmp_path / "d.gguf", [ARCH, ARCH]), "'general.architecture' appears twice")
     refused(raw_gguf(tmp_path / "u.gguf", [gguf_kv("s", STRING, gguf_string(b"\xff"))]),
