@@ -264,3 +264,16 @@ def test_another_callers_rid_is_neither_refused_nor_named():
             first.close()
             second.close()
     asyncio.run(go())
+
+
+def test_an_abort_names_no_address_to_a_user_key_holder():
+    lost = {"type": "abort", "status_code": 503, "message": "decode 10.9.8.6:4102 is unavailable"}
+    f = front(FakeBackend(lambda req, rid: tiny_answer(req, rid, [72], lost),
+                          replies={"status": STATUS}), api_key="user", admin_api_key="admin")
+    status, body = call(f, "POST", "/generate", {"input_ids": [1]},
+                        headers={"Authorization": "Bearer user"})
+    message = body["meta_info"]["finish_reason"]["message"]
+    assert status == 200 and "10.9.8.6" not in message and "unavailable" in message, message
+    status, body = call(f, "POST", "/generate", {"input_ids": [1]},
+                        headers={"Authorization": "Bearer admin"})
+    assert "10.9.8.6:4102" in body["meta_info"]["finish_reason"]["message"]

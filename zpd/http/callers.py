@@ -18,6 +18,7 @@ because the routes hand requests to the backend without the HTTP request."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections import Counter
 from contextvars import ContextVar
@@ -49,7 +50,6 @@ def caller_of(token: bytes, api_key: str | None, admin_key: str | None) -> Calle
     """The caller a request's (already checked) Bearer `token` makes. The admin routes'
     rights, and with them the addresses, go with the admin key, or with passing the
     key check at all where there is no admin key."""
-    import hmac
     if admin_key and hmac.compare_digest(token, admin_key.encode()):
         return Caller("admin", True)
     if api_key and hmac.compare_digest(token, api_key.encode()):
