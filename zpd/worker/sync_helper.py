@@ -53,7 +53,8 @@ def main(conn: Connection, device: str) -> None:
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    group, held = None, []
+    group = None
+    held: list[torch.Tensor] = []      # what the worker maps by CUDA IPC, until it releases it
     while True:
         try:
             msg = conn.recv()
@@ -67,9 +68,9 @@ def main(conn: Connection, device: str) -> None:
                 conn.send(("error", str(e)))
                 return
         elif msg[0] == "stage":
-            held = _stage(conn, group, *msg[1:])
+            held[:] = _stage(conn, group, *msg[1:])
         elif msg[0] == "release":
-            held = []
+            held.clear()
         else:
             return
 
