@@ -15,8 +15,9 @@ another process through its environment; unset or empty, each changes nothing.
                          or JSON '[{"mode": "hang", "count": 1}]'. zpd hands it
                          to transport.create_backend, which reads no environment.
 
-`zpd http` also reads, where its flags are not given (`zpd launch` hands the keys to
-its HTTP server this way, so they never show in a process list):
+`zpd http` and `zpd launch` also read, where neither the flag nor its file
+(--api-key-file, --admin-api-key-file) is given (`zpd launch` hands the keys to its
+HTTP server this way, so they never show in a process list):
 
     ZPD_API_KEY          the Bearer token every HTTP route but /health needs (--api-key)
     ZPD_ADMIN_API_KEY    the Bearer token of the admin routes (--admin-api-key)
