@@ -66,6 +66,8 @@ class Output:
         self._shown = 0                  # characters of text already streamed
         self._tokens_shown = 0           # tokens already streamed
         self._offsets = [0]              # where each token's text starts (logprobs)
+        self.queued = False              # waiting for the route's task (streams.follow)
+        self.failure: Exception | None = None   # a chunk that could not be taken
 
     def add(self, chunk: dict) -> None:
         """Take the next chunk of this request (zpd.Client.stream's shape)."""

@@ -2,7 +2,9 @@
 
 `follow` runs every request of one HTTP call at once (a batch, or n copies) and
 yields each Output as a chunk of it arrives. The backend hands chunks to a sink that
-queues them for the route's task, so a token costs one task switch, the route's.
+adds each to its Output at once and queues the Output for the route's task (once
+while it waits), so a token costs one task switch, the route's, and a route that
+cannot write holds its requests' answers so far, never a backlog of chunks.
 Leaving `follow` early, by an error or by the handler's cancellation when the HTTP
 client disconnects, closes every request, and each closed one is aborted at the
 router (499).
@@ -50,37 +52,43 @@ async def follow(backend: Backend, items: list[GenRequest],
                  tokenizer: Tokenizer | None) -> AsyncIterator[Output]:
     """Each request's Output whenever a chunk of it arrives, until all have finished."""
     outputs = [Output(i, req, tokenizer) for i, req in enumerate(items)]
-    queue: asyncio.Queue[tuple[Output, dict]] = asyncio.Queue()
+    ready: asyncio.Queue[Output] = asyncio.Queue()
     closers: list[Callable[[], None]] = []
     try:
         for req, out in zip(items, outputs):
-            closers.append(_open(backend, req, out, queue))
-        left = len(outputs)
-        while left:
-            # Every chunk already waiting is taken at once and each Output yielded once:
-            # a front that falls behind the decode writes one event per request for
-            # several tokens instead of one per token (events carry what is new since
-            # the last, so nothing is lost), and so catches up.
-            touched: dict[int, Output] = {}
-            got = [await queue.get()]
-            while not queue.empty():
-                got.append(queue.get_nowait())
-            for out, chunk in got:
-                out.add(chunk)
-                left -= out.finished
-                touched[out.index] = out
-            for out in touched.values():
+            closers.append(_open(backend, req, out, ready))
+        done: set[int] = set()
+        while len(done) < len(outputs):
+            # Every Output that moved is taken at once and yielded once: a front that
+            # falls behind the decode writes one event per request for several tokens
+            # instead of one per token (nothing is lost: events carry what is new since
+            # the last, or everything so far), and so catches up.
+            got = [await ready.get()]
+            while not ready.empty():
+                got.append(ready.get_nowait())
+            for out in got:
+                out.queued = False
+                if out.failure is not None:
+                    raise out.failure
+                if out.finished:
+                    done.add(out.index)
                 yield out
     finally:
         for close in closers:
             close()
 
 
-def _open(backend: Backend, req: GenRequest, out: Output, queue: asyncio.Queue) -> Callable[[], None]:
-    """Submit one request, its chunks queued with its Output; a backend that fails to
-    take it ends the Output with a 500 instead of failing the others."""
+def _open(backend: Backend, req: GenRequest, out: Output, ready: asyncio.Queue) -> Callable[[], None]:
+    """Submit one request, each chunk added to its Output as it comes; a backend that
+    fails to take it ends the Output with a 500 instead of failing the others."""
     def sink(chunk: dict) -> None:
-        queue.put_nowait((out, chunk))
+        try:
+            out.add(chunk)
+        except Exception as e:      # the route fails with it, not the backend's receiver
+            out.failure = e
+        if not out.queued:
+            out.queued = True
+            ready.put_nowait(out)
     try:
         return backend.open(req, sink)
     except Exception as e:
