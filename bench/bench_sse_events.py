@@ -26,8 +26,7 @@ from pathlib import Path
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402,F401  (puts the repository on sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the repository
 
 from engines.tiny import tiny_tokenizer  # noqa: E402
 from zpd.http.native import Spacing, Triples, native_answer, native_delta  # noqa: E402
