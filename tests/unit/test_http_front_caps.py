@@ -194,3 +194,15 @@ def test_the_front_flags_reach_its_config_and_launch_hands_them_on():
     assert argv[argv.index("--max-text-bytes") + 1] == "1000"
     assert argv[argv.index("--stream-write-timeout") + 1] == "3.0"
     assert "--incremental-streaming-output" in argv
+
+
+@pytest.mark.parametrize("flag,value", [("--stream-write-timeout", "0"),
+                                        ("--max-batch-requests", "0"),
+                                        ("--stream-buffer-bytes", "-1"),
+                                        ("--cumulative-bytes-per-token", "0")])
+def test_front_flags_that_cannot_work_are_refused_at_start(flag, value):
+    from zpd.ops.cli import build_parser
+    from zpd.ops.options import http_config
+    args = build_parser().parse_args(["http", "--model", "tiny", flag, value])
+    with pytest.raises(ValueError, match=flag):
+        http_config(args)

@@ -250,6 +250,15 @@ def add_http_front_options(g: argparse._ActionsContainer) -> None:
                 "unsent before it waits for the client (default {default})", type=int)
 
 
+def check_front_options(args: argparse.Namespace) -> None:
+    """ValueError naming a flag of add_http_front_options that cannot work."""
+    for name in ("max_batch_requests", "cumulative_bytes_per_token", "stream_buffer_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.stream_write_timeout > 0:
+        raise ValueError("--stream-write-timeout must be positive")
+
+
 def add_served_model_name(g: argparse._ActionsContainer) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model id /v1/models, OpenAI answers, /get_server_info and the "
@@ -291,6 +300,7 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
     """The HttpConfig that the flags of `zpd http` (and its environment) describe."""
     api_key, admin_key = given_http_keys(args)
     check_admin_key(admin_key, args.curve_keys, args.insecure)
+    check_front_options(args)
     return HttpConfig(router=args.router, model=args.model, host=args.host, port=args.port,
                       served_model_name=args.served_model_name, overrides=model_overrides(args),
                       api_key=api_key, admin_api_key=admin_key, insecure=args.insecure,
