@@ -4,7 +4,7 @@ SGLang's default cumulative events (each carries every token and logprob so far)
 
   before       one cumulative event per token, every logprob formatted again for
                each event (the front before issue 30)
-  every-token  one cumulative event per token, logprobs formatted once (Triples)
+  every-token  one cumulative event per token, logprobs formatted once
   spaced       cumulative events spaced by --cumulative-bytes-per-token (the default)
   incremental  --incremental-streaming-output
 
@@ -29,7 +29,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the repository
 
 from engines.tiny import tiny_tokenizer  # noqa: E402
-from zpd.http.native import Spacing, Triples, native_answer, native_delta  # noqa: E402
+from zpd.http.native import CumulativeEvents, native_answer, native_delta  # noqa: E402
 from zpd.http.output import Output  # noqa: E402
 from zpd.http.records import GenRequest  # noqa: E402
 
@@ -48,21 +48,22 @@ def one_request(tokens: int, top: int, mode: str, budget: int) -> tuple[list[flo
     req = GenRequest({"return_logprob": True, "top_logprobs_num": top}, input_ids=[1],
                      stream=True)
     out = Output(0, req, tiny_tokenizer())
-    spacing = Spacing(budget) if mode == "spaced" else None
-    triples = Triples()                          # the route's, for cumulative events
+    # every-token: the route's cumulative events with a budget that makes each due
+    cumulative = CumulativeEvents(budget if mode == "spaced" else 1 << 62)
     times, sizes = [], []
     for i in range(tokens):
         out.add(chunk(i, 65 + i % 26, top, i == tokens - 1))
         t0 = time.perf_counter()
-        if spacing is not None and not spacing.due(out):
-            continue
         if mode == "incremental":
             answer = native_delta(out)
+        elif mode == "before":
+            answer = native_answer(out)
         else:
-            answer = native_answer(out, False, None if mode == "before" else triples)
+            answer = cumulative.answer(out)
+        if answer is None:
+            continue
         data = b"data: " + orjson.dumps(answer) + b"\n\n"
-        if spacing is not None:
-            spacing.sent(out, len(data))
+        cumulative.sent(out, len(data))
         times.append(time.perf_counter() - t0)
         sizes.append(len(data))
     return times, sizes

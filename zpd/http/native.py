@@ -248,40 +248,44 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> web.StreamResponse:
     cfg = front.config
     events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
-    spacing = None if cfg.incremental_streaming_output else Spacing(cfg.cumulative_bytes_per_token)
-    triples: dict[int, Triples] = {}
+    cumulative = None if cfg.incremental_streaming_output else \
+        CumulativeEvents(cfg.cumulative_bytes_per_token, req.text_in_logprobs)
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
                 if events.response is None and out.refused:
                     raise refusal(out)
-                if spacing is None:
-                    answer = native_delta(out, req.text_in_logprobs)
-                elif spacing.due(out):
-                    answer = native_answer(out, req.text_in_logprobs,
-                                           triples.setdefault(out.index, Triples()))
-                else:
-                    continue
+                answer = native_delta(out, req.text_in_logprobs) if cumulative is None \
+                    else cumulative.answer(out)
                 if answer is not None:
                     size = await events.send(answer | {"index": out.index} if req.batch else answer)
-                    if spacing is not None:
-                        spacing.sent(out, size)
+                    if cumulative is not None:
+                        cumulative.sent(out, size)
         return await events.close()
     except Stalled:
         return events.abandon([item.rid or "" for item in req.items])
 
 
-class Spacing:
-    """When a cumulative event is due. Each carries everything so far, so one per token
-    would write O(n^2) bytes over a request (4,000 tokens with top-20 logprobs: GBs);
-    instead an event is due once the tokens since the last one pay for its size at
-    `budget` bytes each. The first and the last event always come, and the last
-    carries the whole answer, so a client that reads each event as the state so far
-    (SGLang's clients do) sees the same answer, in fewer steps once it is long."""
+class CumulativeEvents:
+    """A stream's cumulative events (SGLang's default), and when each is due. Each
+    carries everything so far, so one per token would write O(n^2) bytes over a
+    request (4,000 tokens with top-20 logprobs: GBs); instead an event is due once the
+    tokens since the last one pay for its size at `budget` bytes each. The first and
+    the last event always come, and the last carries the whole answer, so a client
+    that reads each event as the state so far (SGLang's clients do) sees the same
+    answer, in fewer steps once it is long."""
 
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
+    def __init__(self, budget: int, text_in_logprobs: bool = False) -> None:
+        self.budget, self.text_in_logprobs = budget, text_in_logprobs
         self.last: dict[int, tuple[int, int]] = {}    # index -> (tokens, bytes) at its last event
+        self.triples: dict[int, Triples] = {}         # index -> its logprobs, formatted once
+
+    def answer(self, out: Output) -> dict | None:
+        """The event of `out` if one is due."""
+        if not self.due(out):
+            return None
+        return native_answer(out, self.text_in_logprobs,
+                             self.triples.setdefault(out.index, Triples()))
 
     def due(self, out: Output) -> bool:
         if out.finished or out.index not in self.last:
