@@ -162,13 +162,20 @@ def test_get_load_and_v1_loads_in_sglangs_shapes():
     assert load["num_running_reqs"] == 3 and load["num_waiting_reqs"] == 4
     assert load["num_used_tokens"] == 112 and load["max_total_num_tokens"] == 50 * 16
     assert load["token_usage"] == pytest.approx(112 / 800) and load["cache_hit_rate"] == 0.5
-    assert load["queues"] == {"waiting": 4, "grammar": 0, "paused": 2, "retracted": 0}
+    # not paused: the router's 2 queued wait for a share or a slot, none for a pause
+    assert load["queues"] == {"waiting": 4, "grammar": 0, "paused": 0, "retracted": 0}
     status, body = call(f, "GET", "/v1/loads?include=queues")
     assert status == 200 and "num_running_reqs" not in body["loads"][0] and \
         "queues" in body["loads"][0]
     for query in ("include=bogus", "dp_rank=1", "format=prometheus"):
         status, body = call(f, "GET", f"/v1/loads?{query}")
         assert status == 400, query
+
+
+def test_v1_loads_counts_the_routers_queue_as_paused_only_while_paused():
+    f, _ = cluster_front(status=STATUS | {"paused": "retract"})
+    status, body = call(f, "GET", "/v1/loads?include=queues")
+    assert status == 200 and body["loads"][0]["queues"]["paused"] == 2
 
 
 def test_v1_models_by_id():

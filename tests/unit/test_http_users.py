@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.fake_workers import FakeCluster
@@ -114,3 +115,34 @@ def test_a_queue_refusal_answers_its_status_with_retry_after():
     status, after, body, ok, ok_after = asyncio.run(go())
     assert status == 429 and after == "7" and "queue full" in body["error"]["message"]
     assert ok == 200 and ok_after is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status, message", [(429, "queue full: 9 wait"),
+                                             (503, "queue timeout: waited 300 s")])
+def test_native_generate_answers_a_queue_refusal_with_its_status(stream, status, message):
+    """/generate that the router's queue refused before it ran is an HTTP error with
+    Retry-After (not a 200 whose finish_reason says abort), streamed or not."""
+    async def go() -> tuple[int, str | None, dict]:
+        router = ScriptedRouter()
+        client = RouterClient(router.endpoint, connect_timeout=5, router_silence=30)
+        await client.start()
+        f = front(client)
+        try:
+            async with TestClient(TestServer(build_app(f))) as http:
+                refused = asyncio.create_task(http.post("/generate", json={
+                    "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
+                    "stream": stream}))
+                who, msg = await router.recv()
+                await router.send(who, Accepted(msg.rid))
+                await router.send(who, Tokens.pack([TokenPart(msg.rid, [], [], {
+                    "type": "abort", "status_code": status, "message": message,
+                    "retry_after": 5}, {})]))
+                resp = await refused
+                return resp.status, resp.headers.get("Retry-After"), await resp.json()
+        finally:
+            await client.close()
+            router.close()
+    got, after, body = asyncio.run(go())
+    assert got == status and after == "5"
+    assert message in body["error"]["message"]

@@ -183,7 +183,8 @@ def _load(reply: dict) -> dict:
     used, total = _token_counts(workers)
     rates = [float((w.get("prefix_cache") or {}).get("recent_hit_rate", 0.0)) for w in prefills]
     return {"running": running, "waiting": queued + max(0, inflight - running),
-            "queued": queued, "held": held, "used": used, "total": total,
+            # the router's queue holds requests past a share and, while paused, all new ones
+            "paused": queued if reply.get("paused") else 0, "held": held, "used": used, "total": total,
             "hit_rate": sum(rates) / len(rates) if rates else 0.0,
             "max_running": sum(int(w.get("max_batch") or 0) for w in decodes)}
 
@@ -237,7 +238,7 @@ def _load_entry(load: dict, include: set[str]) -> dict:
                   if load["max_running"] else 0.0,
                   "max_running_requests": load["max_running"]}
     if "queues" in include:
-        entry["queues"] = {"waiting": load["waiting"], "grammar": 0, "paused": load["queued"],
+        entry["queues"] = {"waiting": load["waiting"], "grammar": 0, "paused": load["paused"],
                            "retracted": load["held"]}
     return entry
 

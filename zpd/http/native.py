@@ -225,6 +225,10 @@ class Triples:
 
 
 def refusal(out: Output) -> BadRequest:
+    """A request that never ran answers with an HTTP error: 400 (the workers refused
+    it), or 429/503 from the router's queue (with Retry-After, router_client.py)."""
+    if out.queue_refused:
+        return BadRequest(str(out.finish.get("message", "busy")), out.status, "server_error")
     return BadRequest(str(out.finish.get("message", "bad request")))
 
 
@@ -238,7 +242,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await _stream(request, front, req)
     outs = await run_all(front.backend, req.items, front.tokenizer)
-    refused = next((o for o in outs if o.refused), None)
+    refused = next((o for o in outs if o.refused or o.queue_refused), None)
     if refused is not None:
         raise refusal(refused)
     answers = [native_answer(o, req.text_in_logprobs) for o in outs]
@@ -253,7 +257,7 @@ async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> we
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
-                if events.response is None and out.refused:
+                if events.response is None and (out.refused or out.queue_refused):
                     raise refusal(out)
                 answer = native_delta(out, req.text_in_logprobs) if cumulative is None \
                     else cumulative.answer(out)

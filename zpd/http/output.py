@@ -121,6 +121,13 @@ class Output:
         return self.aborted and self.status == 400 and not self.token_ids
 
     @property
+    def queue_refused(self) -> bool:
+        """The router's queue refused it (429 full, 503 timeout) before it ever ran: the
+        caller should retry (its `retry_after` becomes the Retry-After header)."""
+        return self.aborted and self.status in (429, 503) and not self.token_ids and \
+            "retry_after" in self.finish
+
+    @property
     def text(self) -> str:
         """The final text once finished; before, the part that can no longer change."""
         if self._final_text is not None:
@@ -169,7 +176,7 @@ class Output:
 
 # SGLang's err_type of an abort, from zpd's status codes (its HTTP errors' class names).
 ERR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
-             413: "BadRequestError", 499: None, 500: "InternalServerError",
+             413: "BadRequestError", 429: "TooManyRequestsError", 499: None, 500: "InternalServerError",
              503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
