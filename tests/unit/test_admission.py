@@ -139,6 +139,22 @@ def test_queue_timeout_takes_out_exactly_the_late_ones_oldest_first():
     assert empty(room)
 
 
+def test_the_queue_clock_stands_still_while_the_router_holds_everything():
+    """Paused or pushing weights: nothing expires, however long; after, each waiting
+    request has what was left of its timeout."""
+    room = Admission(100, queue_timeout=10.0)
+    room.add(entry("early", since=room.clock(0.0)))
+    room.hold(True, 4.0)                                 # pause at 4 s: 6 s left
+    room.add(entry("paused", since=room.clock(5.0)))     # arrives while paused
+    assert room.expired(1000.0) == [] and room.clock(1000.0) == 4.0
+    room.hold(True, 1000.0)                              # still held: no change
+    room.hold(False, 1004.0)                             # continue at 1004 s
+    assert room.expired(1009.5) == []                    # early: 9.5 s of waiting counted
+    assert [e.rid for e in room.expired(1010.5)] == ["early"]
+    assert [e.rid for e in room.expired(1014.5)] == ["paused"]
+    assert "waited 10 s" in room.timeout_message(entry("x", since=room.clock(1004.0)), 1014.0)
+
+
 def test_remove_by_rid_and_by_client_leaves_nothing_behind():
     room = Admission(100, 60)
     room.add(entry("a0", b"a", "x"))

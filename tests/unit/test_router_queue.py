@@ -145,6 +145,22 @@ def test_queue_timeout_is_503_on_the_routers_clock():
         c.close()
 
 
+def test_a_pause_longer_than_the_queue_timeout_fails_nothing_that_waits():
+    c = InprocCluster(router_args={"max_concurrent_requests": 1, "queue_timeout": 5.0})
+    try:
+        assert c.admin("pause", mode="in_place")["ok"]
+        rids = [c.submit(PROMPT, 4) for _ in range(2)]
+        c.pump(2)
+        c.advance(30.0)                                  # a long update from disk
+        assert list(c.router.queued) == rids and not any(map(c.finished, rids))
+        assert c.admin("continue")["ok"]
+        for rid in rids:
+            assert c.run(rid).finish["type"] == "length"
+        settled(c)
+    finally:
+        c.close()
+
+
 def test_a_waiting_request_is_abortable_and_its_rid_taken(narrow):
     c = narrow
     first = c.submit(PROMPT, 30)

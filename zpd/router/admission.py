@@ -6,7 +6,10 @@ A request waits while the router is paused or a weight push is under way, while
 client has its whole share in flight (zpd/router/shares.py). It leaves the room when
 it is routed, aborted by its client or an admin, when its client hangs up, or with
 an error past a stated bound: 429 when `--queue-size` requests already wait, 503
-when it has waited `--queue-timeout` seconds.
+when it has waited `--queue-timeout` seconds. Time spent paused or under a weight
+push does not count: the queue's clock stands still then (a long update from disk
+must not fail the requests that wait for it), and every waiting request gets its
+whole timeout after continue.
 
 Fairness has two levels. First between clients (one ZeroMQ connection each), then
 between the users one client names (`Generate.user`: the HTTP front names each HTTP
@@ -38,7 +41,7 @@ class Waiting:
     user: str
     msg: Generate
     tokens: int                 # what it will charge its client's share (shares.request_tokens)
-    since: float                # when it arrived (the router loop's clock)
+    since: float                # when it arrived (the queue's clock: Admission.clock)
 
 
 class Recency:
@@ -71,6 +74,23 @@ class Admission:
         # client -> user -> rids, each level in order of arrival
         self.rids: dict[bytes, dict[str, dict[str, None]]] = {}
         self.recency = Recency()          # keys: clients, and (client, user) pairs
+        self.stood = 0.0                  # seconds the queue's clock stood still, in all
+        self.held_since: float | None = None   # standing still since (loop time)
+
+    # --- the queue's clock: the loop's, less the time the router held everything -------
+
+    def clock(self, now: float) -> float:
+        held = now - self.held_since if self.held_since is not None else 0.0
+        return now - self.stood - held
+
+    def hold(self, held: bool, now: float) -> None:
+        """The router is paused or pushing weights (`held`), or not: the clock stands
+        still while held."""
+        if held and self.held_since is None:
+            self.held_since = now
+        elif not held and self.held_since is not None:
+            self.stood += now - self.held_since
+            self.held_since = None
 
     # --- what the router's dict of queued requests was: len, in, iteration by rid ----
 
@@ -142,8 +162,9 @@ class Admission:
         return None
 
     def expired(self, now: float) -> list[Waiting]:
-        """Take out every request that has waited longer than the queue timeout."""
-        late = []
+        """Take out every request that has waited longer than the queue timeout (`now`:
+        the loop's clock)."""
+        late, now = [], self.clock(now)
         for entry in self.waiting.values():           # oldest first: stop at the first in time
             if now - entry.since <= self.queue_timeout:
                 break
@@ -153,7 +174,7 @@ class Admission:
         return late
 
     def timeout_message(self, entry: Waiting, now: float) -> str:
-        return (f"queue timeout: waited {now - entry.since:.0f} s for the workers "
+        return (f"queue timeout: waited {self.clock(now) - entry.since:.0f} s for the workers "
                 f"(--queue-timeout {self.queue_timeout:g}); retry later")
 
 

@@ -195,7 +195,8 @@ class RouterServer:
         tokens = request_tokens(msg)
         refused = self.refusal(msg, tokens)
         if refused is None:
-            self.admission.add(Waiting(rid, client, msg.user, msg, tokens, self.loop.time()))
+            self.admission.add(Waiting(rid, client, msg.user, msg, tokens,
+                                       self.admission.clock(self.loop.time())))
             self.dispatch()
             refused = self.admission.overflow(rid)
         if refused is not None:
@@ -221,6 +222,7 @@ class RouterServer:
             self.route(entry.client, entry.msg, entry.rid)
 
     def expire_waiting(self, now: float) -> None:
+        self.admission.hold(self.paused is not None or self.updating, now)
         for entry in self.admission.expired(now):
             log.info("rid=%s from client %r: queue timeout", entry.rid, entry.client[:32])
             self.to_client(entry.client, ended(entry.rid, QUEUE_TIMEOUT,
