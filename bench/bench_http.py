@@ -136,6 +136,7 @@ class SSEConnection(asyncio.Protocol):
     async def open(cls, endpoint: str) -> "SSEConnection":
         host, port = endpoint.rsplit(":", 1)
         _, conn = await asyncio.get_running_loop().create_connection(cls, host, int(port))
+        conn.host = host.encode()            # a keyless front refuses a foreign Host (403)
         return conn
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -148,8 +149,8 @@ class SSEConnection(asyncio.Protocol):
     async def post(self, path: str, body: bytes, on_event) -> None:
         """Send one request; `on_event(data)` per chunk of its answer until the last."""
         self.on_event, self.done = on_event, asyncio.get_running_loop().create_future()
-        self.transport.write(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        self.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host, len(body), body))
         await self.done
 
     def data_received(self, data: bytes) -> None:

@@ -90,7 +90,8 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         body = orjson.dumps({"input_ids": prompt, "sampling_params": {"temperature": 0,
                                                                       "max_new_tokens": 5}})
         with urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{http}/generate", body), timeout=60) as r:
+                f"http://127.0.0.1:{http}/generate", body,
+                {"Content-Type": "application/json"}), timeout=60) as r:
             assert orjson.loads(r.read())["output_ids"] == ref["output_ids"]
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=60) as r:
             assert [m["id"] for m in orjson.loads(r.read())["data"]] == ["scripted"]

@@ -108,10 +108,10 @@ def check_admin_key(admin_key: str | None, curve_keys: str | None, insecure: boo
         "--curve-keys DIR (the cluster's, made with `zpd keys DIR`), or --insecure to accept that")
 
 
-def given_http_keys(args, environ: Mapping[str, str] = os.environ) -> tuple[str | None, str | None]:
+def given_http_keys(args, environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """(API key, admin API key) of `zpd http` or `zpd launch`: from --api-key, else
-    --api-key-file, else $ZPD_API_KEY (the same for the admin key)."""
-    env_key, env_admin = http_keys(environ)
+    --api-key-file, else the environment (zpd/env.py; `environ`: the process's)."""
+    env_key, env_admin = http_keys() if environ is None else http_keys(environ)
     return (_key(args.api_key, args.api_key_file, "--api-key") or env_key,
             _key(args.admin_api_key, args.admin_api_key_file, "--admin-api-key") or env_admin)
 
