@@ -176,7 +176,8 @@ def test_cumulative_events_are_spaced_so_a_stream_writes_linear_bytes():
 
 def test_the_front_flags_reach_its_config_and_launch_hands_them_on():
     from zpd.ops.cli import build_parser
-    from zpd.ops.options import HTTP_PASSTHROUGH, http_config, passthrough_argv
+    from zpd.ops.http_options import HTTP_PASSTHROUGH, http_config
+    from zpd.ops.options import passthrough_argv
     args = build_parser().parse_args([
         "http", "--model", "tiny", "--max-text-bytes", "1000", "--max-input-ids", "50",
         "--max-batch-requests", "8", "--incremental-streaming-output",
@@ -202,7 +203,7 @@ def test_the_front_flags_reach_its_config_and_launch_hands_them_on():
                                         ("--cumulative-bytes-per-token", "0")])
 def test_front_flags_that_cannot_work_are_refused_at_start(flag, value):
     from zpd.ops.cli import build_parser
-    from zpd.ops.options import http_config
+    from zpd.ops.http_options import http_config
     args = build_parser().parse_args(["http", "--model", "tiny", flag, value])
     with pytest.raises(ValueError, match=flag):
         http_config(args)

@@ -10,7 +10,7 @@ import pytest
 
 from zpd.ops.cli import build_parser
 from zpd.ops.exposure import ExposureError
-from zpd.ops.options import http_config
+from zpd.ops.http_options import http_config
 
 
 def config(*flags: str):

@@ -18,8 +18,8 @@ from tests.unit.gguf_files import CHATML, write_tiny_gguf
 from zpd.config import HttpConfig, WorkerConfig
 from zpd.ops import mem_fraction
 from zpd.ops.cli import build_parser, main
-from zpd.ops.options import HTTP_PASSTHROUGH, http_config, passthrough_argv, worker_argv, \
-    worker_config
+from zpd.ops.http_options import HTTP_PASSTHROUGH, http_config
+from zpd.ops.options import passthrough_argv, worker_argv, worker_config
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}>"
 HI = [{"role": "user", "content": "hi"}]

@@ -15,11 +15,10 @@ from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
 from zpd.env import configure_engine
 from zpd.ops.mem_fraction import check_fraction, kv_cache_mb as kv_budget_mb
+from zpd.ops.http_options import (add_http_front_options, add_http_key_options,
+                                  add_http_options, add_served_model_name, http_config)
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
-                             add_http_front_options, add_http_key_options, add_http_options,
-                             add_model_options,
-                             add_prompt_options, add_served_model_name, http_config,
-                             add_router_options, add_sampling_options, add_worker_options,
+                             add_model_options, add_prompt_options, add_router_options, add_sampling_options, add_worker_options,
                              add_worker_server_options, kv_cache_mb, model_overrides,
                              router_config, sampling_dict, worker_argv, worker_config)
 from engines.request import StatusError

@@ -21,7 +21,8 @@ import orjson
 from zpd.config import HttpConfig, default_of
 from zpd.env import http_child_environ
 from zpd.ops.exposure import given_http_keys
-from zpd.ops.options import HTTP_PASSTHROUGH, passthrough_argv, router_argv
+from zpd.ops.http_options import HTTP_PASSTHROUGH
+from zpd.ops.options import passthrough_argv, router_argv
 from zpd.ops.ready import write_ready_file
 
 log = logging.getLogger("zpd.ops.launch")
