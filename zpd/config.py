@@ -49,9 +49,10 @@ class Deadlines:
 
 @dataclass(frozen=True)
 class PromptLimits:
-    """Caps on one request's prompt, checked by the router before it routes and by each
-    worker before it tokenizes: a megabyte-sized prompt costs time and memory at every
-    hop, and tokenizing one stalls a worker's scheduler for seconds."""
+    """Caps on one request's prompt, checked by the HTTP front before it sends, by the
+    router before it routes and by each worker before it tokenizes: a megabyte-sized
+    prompt costs time and memory at every hop (a worker tokenizes a long one off its
+    loop, zpd/worker/tokenizing.py, but it still takes a second of a core)."""
     max_text_bytes: int = 1 << 20    # --max-text-bytes: a text prompt's size in UTF-8
     max_input_ids: int = 1 << 20     # --max-input-ids: a prompt's token ids (and the model's context)
 
