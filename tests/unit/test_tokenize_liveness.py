@@ -100,3 +100,30 @@ def test_a_worker_answers_pings_while_it_tokenizes_a_megabyte(cluster, monkeypat
     after_s = core.responder.after_s
     assert pongs >= (got["took"] - after_s) / (2 * SPACING_S), \
         f"{pongs} pongs in {got['took']:.2f} s"
+
+
+def test_a_thread_gets_turns_while_a_megabyte_of_ids_is_decoded(tokenizer):
+    """The HTTP front decodes a prompt of ids for echo on a thread of its pool: its
+    event loop must get turns meanwhile, so the decode must release the GIL. The
+    longest gap between the other thread's turns, as a share of one decode's time
+    (holding the GIL, the gap is a whole decode)."""
+    ids = tokenizer.encode(MIB_TEXT)
+    ticks, stop = [], threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.002):
+            ticks.append(time.monotonic())
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    calls = []
+    try:
+        while len(calls) < 5:
+            start = time.monotonic()
+            assert tokenizer.decode(ids)
+            calls.append(time.monotonic() - start)
+    finally:
+        stop.set()
+        ticker.join()
+    gap = max(b - a for a, b in zip(ticks, ticks[1:]))
+    assert gap < 0.5 * min(calls), f"a {gap * 1e3:.0f} ms gap; one decode takes {min(calls) * 1e3:.0f} ms"

@@ -7,6 +7,8 @@ then `data: [DONE]`. Chat prompts go to the workers as a conversation, rendered
 there with the model's chat template."""
 from __future__ import annotations
 
+import asyncio
+
 from contextlib import aclosing
 
 from aiohttp import web
@@ -36,7 +38,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     front.unknown_fields.note(req.unknown, "/v1/completions")
     if any(p.get("text") is not None for p in req.prompts):
         front.needs_text("a text prompt")
-    echoes = [_prompt_text(front, p) for p in req.prompts] if req.echo else None
+    # a prompt of up to --max-input-ids ids decodes for a while: off the event loop
+    echoes = await asyncio.to_thread(lambda: [_prompt_text(front, p) for p in req.prompts]) \
+        if req.echo else None
     return await _answer(request, front, req, Answer(front.model, False, req.logprobs), echoes)
 
 
