@@ -82,9 +82,21 @@ def test_another_callers_request_passes_a_flood_from_one_http_call():
     assert sorted(done) == sorted([f"a{i}" for i in range(200)] + ["b"])
 
 
-def test_a_queue_refusal_answers_its_status_with_retry_after():
-    """The router's queue refused the request (429 full): an OpenAI route answers 429
-    with Retry-After; another request of the same front is untouched."""
+REFUSABLE = {  # a route and a body it takes, without and with stream
+    "/v1/completions": lambda stream: {"prompt": [1, 2], "max_tokens": 2, "stream": stream},
+    "/generate": lambda stream: {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
+                                 "stream": stream},
+}
+
+
+@pytest.mark.parametrize("path", sorted(REFUSABLE))
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status, message", [(429, "queue full: 9 wait"),
+                                             (503, "queue timeout: waited 300 s")])
+def test_a_queue_refusal_answers_its_status_with_retry_after(path, stream, status, message):
+    """The router's queue refused the request before it ran: the route answers that
+    status with Retry-After (native /generate too: not a 200 whose finish_reason says
+    abort), streamed or not; another request of the same front is untouched."""
     async def go() -> tuple[int, str | None, dict, int, str | None]:
         router = ScriptedRouter()
         client = RouterClient(router.endpoint, connect_timeout=5, router_silence=30)
@@ -92,17 +104,15 @@ def test_a_queue_refusal_answers_its_status_with_retry_after():
         f = front(client)
         try:
             async with TestClient(TestServer(build_app(f))) as http:
-                refused = asyncio.create_task(http.post("/v1/completions", json={
-                    "prompt": [1, 2], "max_tokens": 2}))
+                refused = asyncio.create_task(http.post(path, json=REFUSABLE[path](stream)))
                 who, msg = await router.recv()
                 await router.send(who, Accepted(msg.rid))
                 await router.send(who, Tokens.pack([TokenPart(msg.rid, [], [], {
-                    "type": "abort", "status_code": 429, "message": "queue full: 9 wait",
+                    "type": "abort", "status_code": status, "message": message,
                     "retry_after": 7}, {})]))
                 resp = await refused
                 body = await resp.json()
-                served = asyncio.create_task(http.post("/v1/completions", json={
-                    "prompt": [1, 2], "max_tokens": 1}))
+                served = asyncio.create_task(http.post(path, json=REFUSABLE[path](False)))
                 who, msg = await router.recv()
                 await router.send(who, Tokens.pack([TokenPart(msg.rid, [5], ["v"],
                                                               {"type": "length"}, {})]))
@@ -112,37 +122,6 @@ def test_a_queue_refusal_answers_its_status_with_retry_after():
         finally:
             await client.close()
             router.close()
-    status, after, body, ok, ok_after = asyncio.run(go())
-    assert status == 429 and after == "7" and "queue full" in body["error"]["message"]
+    got, after, body, ok, ok_after = asyncio.run(go())
+    assert got == status and after == "7" and message in body["error"]["message"]
     assert ok == 200 and ok_after is None
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("status, message", [(429, "queue full: 9 wait"),
-                                             (503, "queue timeout: waited 300 s")])
-def test_native_generate_answers_a_queue_refusal_with_its_status(stream, status, message):
-    """/generate that the router's queue refused before it ran is an HTTP error with
-    Retry-After (not a 200 whose finish_reason says abort), streamed or not."""
-    async def go() -> tuple[int, str | None, dict]:
-        router = ScriptedRouter()
-        client = RouterClient(router.endpoint, connect_timeout=5, router_silence=30)
-        await client.start()
-        f = front(client)
-        try:
-            async with TestClient(TestServer(build_app(f))) as http:
-                refused = asyncio.create_task(http.post("/generate", json={
-                    "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2},
-                    "stream": stream}))
-                who, msg = await router.recv()
-                await router.send(who, Accepted(msg.rid))
-                await router.send(who, Tokens.pack([TokenPart(msg.rid, [], [], {
-                    "type": "abort", "status_code": status, "message": message,
-                    "retry_after": 5}, {})]))
-                resp = await refused
-                return resp.status, resp.headers.get("Retry-After"), await resp.json()
-        finally:
-            await client.close()
-            router.close()
-    got, after, body = asyncio.run(go())
-    assert got == status and after == "5"
-    assert message in body["error"]["message"]

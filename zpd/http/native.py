@@ -224,14 +224,6 @@ class Triples:
             self.tops.append([[lp, t, named(t)] for t, lp in out.top_logprobs[i]])
 
 
-def refusal(out: Output) -> BadRequest:
-    """A request that never ran answers with an HTTP error: 400 (the workers refused
-    it), or 429/503 from the router's queue (with Retry-After, router_client.py)."""
-    if out.queue_refused:
-        return BadRequest(str(out.finish.get("message", "busy")), out.status, "server_error")
-    return BadRequest(str(out.finish.get("message", "bad request")))
-
-
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
@@ -242,9 +234,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await _stream(request, front, req)
     outs = await run_all(front.backend, req.items, front.tokenizer)
-    refused = next((o for o in outs if o.refused or o.queue_refused), None)
+    refused = next((e for e in map(Output.refusal, outs) if e is not None), None)
     if refused is not None:
-        raise refusal(refused)
+        raise refused
     answers = [native_answer(o, req.text_in_logprobs) for o in outs]
     return json_response(answers if req.batch else answers[0])
 
@@ -257,8 +249,9 @@ async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> we
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
-                if events.response is None and (out.refused or out.queue_refused):
-                    raise refusal(out)
+                refused = out.refusal() if events.response is None else None
+                if refused is not None:
+                    raise refused
                 answer = native_delta(out, req.text_in_logprobs) if cumulative is None \
                     else cumulative.answer(out)
                 if answer is not None:

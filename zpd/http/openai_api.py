@@ -83,8 +83,9 @@ async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
-                if events.response is None and out.refused:
-                    raise BadRequest(str(out.finish.get("message", "bad request")))
+                refused = out.refusal() if events.response is None else None
+                if refused is not None:
+                    raise refused
                 text, tokens = out.new_text(), out.new_tokens()
                 first = out.index not in started
                 if not (first or text or tokens or out.finished):

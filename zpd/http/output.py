@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from engines.tokenizer import Tokenizer
-from zpd.http.records import GenRequest
+from zpd.http.records import BadRequest, GenRequest
 
 REPLACEMENT = "\ufffd"      # what a decode shows for a token that ends mid-character
 
@@ -115,17 +115,18 @@ class Output:
     def status(self) -> int:
         return int(self.finish.get("status_code", 500)) if self.aborted else 200
 
-    @property
-    def refused(self) -> bool:
-        """The workers refused it as a bad request (400) before generating anything."""
-        return self.aborted and self.status == 400 and not self.token_ids
-
-    @property
-    def queue_refused(self) -> bool:
-        """The router's queue refused it (429 full, 503 timeout) before it ever ran: the
-        caller should retry (its `retry_after` becomes the Retry-After header)."""
-        return self.aborted and self.status in (429, 503) and not self.token_ids and \
-            "retry_after" in self.finish
+    def refusal(self) -> BadRequest | None:
+        """The HTTP error to answer if it never ran (None: it ran, or is running): the
+        workers refused it as a bad request (400), or the router's queue did (429 full,
+        503 timeout, with `retry_after`, which becomes the Retry-After header)."""
+        if not self.aborted or self.token_ids:
+            return None
+        message = str(self.finish.get("message", "bad request"))
+        if self.status == 400:
+            return BadRequest(message)
+        if self.status in (429, 503) and "retry_after" in self.finish:
+            return BadRequest(message, self.status, "server_error")
+        return None
 
     @property
     def text(self) -> str:
