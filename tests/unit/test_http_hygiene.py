@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import socket
 import zlib
 from contextlib import asynccontextmanager
 
@@ -16,6 +17,7 @@ from aiohttp.test_utils import TestClient
 
 from tests.unit.http_fake import FakeBackend, FrontServer, call, front, tiny_answer
 from zpd.http.app import build_app
+from zpd.http.browser import allowed_hosts
 from zpd.http.connections import BOOK, ConnectionLimits, WatchedSite, server_options
 from zpd.http.router_client import abort_chunk
 
@@ -190,6 +192,22 @@ def test_keyless_front_refuses_what_only_a_browser_sends(headers, status):
     assert asyncio.run(go(front())) == [status, status]
     # a page cannot send a key: with one, none of this is refused
     assert asyncio.run(go(front(api_key="k"), "k")) == [200, 200]
+
+
+def test_a_page_from_another_port_of_an_allowed_host_is_another_site():
+    """The names the front answers to (its bound host, this machine's name) are every
+    local web server's too: a notebook's page at 127.0.0.1:8888 must not drive it."""
+    async def go(origin: str) -> int:
+        f = front()
+        f.allowed_hosts = allowed_hosts("127.0.0.1", ("zpd.internal",))
+        async with TestClient(FrontServer(build_app(f))) as c:
+            sent = JSON | {"Origin": origin.replace("{host}", f"{c.host}:{c.port}")}
+            async with c.post("/pause_generation", data=b"{}", headers=sent) as r:
+                return r.status
+    for origin in ("http://127.0.0.1:8888", f"http://{socket.gethostname()}:8888",
+                   "http://zpd.internal:8888", "http://zpd.internal"):
+        assert asyncio.run(go(origin)) == 403, origin
+    assert asyncio.run(go("http://{host}")) == 200
 
 
 def test_allowed_hosts_name_further_hosts():

@@ -8,8 +8,9 @@ here refuses one kind (403, or 415 for the body's type):
 
 - Host must name this front: an IP address, localhost, the host it binds, this
   machine's name, or one of --allowed-hosts ("*": any). A rebound name is none of these.
-- Origin, when sent, must be this front's own (the Host's), or name an allowed host;
-  "null" (sandboxed frames, files) never is.
+- Origin, when sent, must be this front's own: the Host it asked for, port included
+  (a page served from another port of the same host, say a notebook's, is another
+  site); "null" (sandboxed frames, files) never is.
 - Sec-Fetch-Site, which browsers add to every request, must not say cross-site or
   same-site: that covers an <img> or a form GET, which carries no Origin.
 - A body must say it is JSON (Content-Type application/json or */*+json): the types a
@@ -46,9 +47,9 @@ def check(request: web.Request, allowed: frozenset[str]) -> None:
                          f"if it is one, start zpd http with {HOSTS_FLAG} NAME", FORBIDDEN,
                          "permission_error")
     origin = request.headers.get("Origin")
-    if origin is not None and not _origin_allowed(origin, host, allowed):
+    if origin is not None and not _origin_allowed(origin, host):
         raise BadRequest(f"Origin {origin[:100]!r} is another site: a web page may not use "
-                         f"this server without --api-key (or name its host in {HOSTS_FLAG})",
+                         f"this server without --api-key",
                          FORBIDDEN, "permission_error")
     site = request.headers.get("Sec-Fetch-Site", "").strip().lower()
     if site in BROWSER_SITES and origin is None:
@@ -92,14 +93,13 @@ def _host_allowed(name: str, allowed: frozenset[str]) -> bool:
         return False
 
 
-def _origin_allowed(origin: str, host: str | None, allowed: frozenset[str]) -> bool:
+def _origin_allowed(origin: str, host: str | None) -> bool:
+    """Same origin only: the host names this front answers to (its Host check) include
+    this machine's, which every other web server on the machine shares."""
     parts = urlsplit(origin.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
         return False                                # "null", file:, extensions...
-    if host is not None and parts.netloc.lower() == host.strip().lower():
-        return True
-    name = _hostname(parts.netloc)
-    return name in allowed and name != ANY_HOST
+    return host is not None and parts.netloc.lower() == host.strip().lower()
 
 
 def allowed_hosts(bound: str, extra: tuple[str, ...]) -> frozenset[str]:
