@@ -212,6 +212,35 @@ def test_cancel_ends_a_stalled_push_at_once(cluster, trainer):
     fresh_push_works(cluster)
 
 
+@pytest.mark.parametrize("ends", ["whole", "broken pipe", "unexpected error"])
+def test_a_cancel_wins_over_whatever_the_step_made_of_it(cluster, ends):
+    """A cancel that lands while a step's thread is finishing (its push arrived whole
+    after all, or it broke on the killed helper, or on anything else): the step answers
+    the cancel (409), and the worker is idle at once, ready for the next step."""
+    ws, outcome = cluster.decode.weight_sync, []
+    go = threading.Event()
+
+    def work(job) -> None:
+        go.wait(10)
+        if ends == "broken pipe":
+            raise BrokenPipeError(32, "Broken pipe")
+        if ends == "unexpected error":
+            raise KeyError("not an error the step expects")
+
+    ws.background("receiving g", "g", lambda result, error: outcome.append(error), work)
+    replies = []
+    ws.cancel({}, lambda ok, body: replies.append((ok, body)))
+    go.set()
+    end = time.monotonic() + 10
+    while not outcome:
+        assert time.monotonic() < end, "the step never finished"
+        cluster.pump(1)
+        time.sleep(0.001)
+    assert replies == [(True, {"cancelled": "receiving g"})]
+    assert getattr(outcome[0], "status", None) == 409 and "cancelled" in str(outcome[0])
+    assert ws.job is None
+
+
 def test_cancel_with_nothing_under_way_changes_nothing(cluster):
     reply = cluster.admin("cancel_weight_update")
     assert reply["ok"] and [w["cancelled"] for w in reply["workers"]] == [None, None]

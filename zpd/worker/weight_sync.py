@@ -344,15 +344,19 @@ class WeightSync:
 
         def finish(result: Any, error: Exception | None) -> None:
             self.job = None
-            if error is None and job.why is not None and isinstance(result, Group):
-                result.link.close()             # cancelled as it joined: not kept
+            if job.why is not None:
+                # Cancelled, whatever the step made of it: a join's group is not kept; a
+                # push that arrived whole after all is not staged (its helper is dead); a
+                # step that broke on the killed helper (a broken pipe) says why it was.
+                if isinstance(result, Group):
+                    result.link.close()
                 result, error = None, SyncFailure(*job.why)
             done(result, error)
 
         def run() -> None:
             try:
                 result, error = work(job), None
-            except (GroupError, RuntimeError, ValueError, OSError) as e:
+            except Exception as e:        # any failure must reach `finish`, or the job stays
                 result, error = None, e
             try:
                 self.core.loop.call_soon_threadsafe(finish, result, error)
