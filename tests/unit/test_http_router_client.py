@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -210,4 +211,26 @@ def test_a_request_too_large_for_one_router_frame_is_400_here_and_the_link_lives
         assert isinstance(msg, Generate) and msg.rid == "ok"     # nothing big went out
         await router.send(who, Tokens.pack([TokenPart("ok", [5], ["v"], {"type": "length"}, {})]))
         assert (await asyncio.wait_for(small, 5))[-1]["token_ids"] == [5]
+    run(test)
+
+
+def test_a_request_whose_send_raises_leaves_its_rid_free():
+    """A send that fails with an error of the socket (not a full queue): the caller gets
+    the error, and its rid is not left taken (a retry would get 409 forever)."""
+    async def test(router, client):
+        real, sends = client._send, []
+
+        def broken(*args):
+            sends.append(args)
+            raise zmq.ZMQError(zmq.EFSM, "injected")
+        client._send = broken
+        with pytest.raises(zmq.ZMQError):
+            client.open(GenRequest({}, input_ids=[1], rid="r"), lambda chunk: None)
+        assert sends and "r" not in client._sinks
+        client._send = real
+        again = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="r"))))
+        who, msg = await router.recv()
+        assert msg.rid == "r"
+        await router.send(who, Tokens.pack([TokenPart("r", [5], ["v"], {"type": "length"}, {})]))
+        assert (await asyncio.wait_for(again, 5))[-1]["token_ids"] == [5]
     run(test)

@@ -89,8 +89,12 @@ class CallerBackend:
                     del spaces[ours]
                 if not spaces and self.inflight.get(given) is spaces:
                     del self.inflight[given]
-        close = self.inner.open(replace(req, rid=ours), self._shown(sink, caller, ours, given,
-                                                                     forget), *args, **kw)
+        try:
+            close = self.inner.open(replace(req, rid=ours), self._shown(sink, caller, ours,
+                                                                         given, forget), *args, **kw)
+        except BaseException:
+            forget()
+            raise
 
         def closed() -> None:
             forget()

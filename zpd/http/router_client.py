@@ -147,7 +147,11 @@ class RouterClient:
             return lambda: None
         self._sinks[rid] = sink = _noting_retry(sink)
         self._asked[rid] = asks_logprobs(req.sampling)
-        self._submit(rid, req)
+        try:
+            self._submit(rid, req)
+        except BaseException:          # never sent: the rid must not stay taken (409)
+            self._forget(rid)
+            raise
 
         def close() -> None:
             if self._sinks.get(rid) is sink:
