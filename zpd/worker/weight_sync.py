@@ -44,7 +44,7 @@ from zpd.worker.helper_link import HelperLink, Incoming, SyncFailure
 from zpd.worker.scheduler import Respond
 from zpd.worker.sync_args import int_arg, port_arg, seconds_arg, text_arg
 from zpd.worker.tensor_stage import LOAD_FORMATS, stage_tensors
-from zpd.worker.trainer_group import BACKENDS, DEFAULT_TRAINER_INIT, TRAINER_INITS, GroupError
+from zpd.worker.trainer_group import BACKENDS, DEFAULT_TRAINER_INIT, TRAINER_INITS
 
 if TYPE_CHECKING:
     from zpd.worker.core import WorkerCore
