@@ -1,5 +1,5 @@
 """Decode attention per layer: torch's path (gather the context, then multiply) vs the
-compiled kernel that reads the pool in place (engines/cpu_kernels.py), side by side.
+compiled kernel that reads the pool in place (engines/cpu/kernels.py), side by side.
 
     python bench/bench_attention.py [--batches 1,4,16,64] [--contexts 256,1024]
                                     [--dtypes float32,bfloat16] [--rounds 5] [--smoke]
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import med  # noqa: E402  (also puts the repository on sys.path)
 
 from engines.attention import DecodeGroup, PagedKV, _attend  # noqa: E402
-from engines.cpu_kernels import kernel_for, reference  # noqa: E402
+from engines.cpu.kernels import kernel_for, reference  # noqa: E402
 
 PAGE = 16
 

@@ -28,7 +28,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the repository
 
-from engines.tiny import tiny_tokenizer  # noqa: E402
+from engines.models.tiny import tiny_tokenizer  # noqa: E402
 from zpd.http.native import CumulativeEvents, native_answer, native_delta  # noqa: E402
 from zpd.http.output import Output  # noqa: E402
 from zpd.http.records import GenRequest  # noqa: E402

@@ -17,7 +17,7 @@ import zmq
 from common import median_time, random_prompts  # first: it puts the repository on sys.path
 
 import transport  # noqa: E402
-from engines.kv_pool import KVLayout, KVPool  # noqa: E402
+from engines.kv.pool import KVLayout, KVPool  # noqa: E402
 from engines.loader import LoadedModel  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
 from engines.compute import Compute  # noqa: E402

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engines.cpu_kernels import PagedDecode
-    from engines.cpu_layer_ops import LayerOps
+    from engines.cpu.kernels import PagedDecode
+    from engines.cpu.layer_ops import LayerOps
 
 
 @dataclass
@@ -41,7 +41,7 @@ class DecodeGroup:
 @dataclass
 class DecodeMeta:
     """One new token per sequence, attending to its whole context through its pages.
-    With a `kernel` (engines/cpu_kernels.py, CPU) each sequence reads its first
+    With a `kernel` (engines/cpu/kernels.py, CPU) each sequence reads its first
     lengths[b] `read_rows` in place. Otherwise sequences are grouped by length
     (`group_by_length`), so one long context does not make every short one's gathered
     attention as long."""
@@ -117,7 +117,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: P
                       scale: float, kv: PagedKV | None = None, layer: int = 0,
                       ops: LayerOps | None = None) -> torch.Tensor:
     """Causal attention within each packed sequence (and over its cached prefix, read
-    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]. With `ops` (engines/cpu_layer_ops.py)
+    from `kv`). q: [T, Hq, D]; k, v: [T, Hkv, D]. With `ops` (engines/cpu/layer_ops.py)
     a sequence without a cached prefix goes to its causal kernel where it takes it."""
     out, start = torch.empty_like(q), 0
     for i, n in enumerate(meta.seq_lens):

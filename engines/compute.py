@@ -1,7 +1,7 @@
 """The model side of a worker: prefill and decode steps on requests, with sampling."""
 from __future__ import annotations
 
-from engines.kv_pool import KVPool
+from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.sampler import Sampler

@@ -18,7 +18,7 @@ trainer push swaps its storage), so every writer of weights stays as it is. The 
 is memory: a second copy of each projection and the head, made on first use;
 `PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
-Where the CPU has them, engines/cpu_products.py's kernels come first: bfloat16
+Where the CPU has them, engines/cpu/products.py's kernels come first: bfloat16
 weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
 oneDNN's packed copies at 16 rows 28.8 -> 16.2 ms, 32 rows 36.1 -> 20.6, even from
 128 rows on), or without AMX in panels for its AVX512-BF16 kernel (from 9 rows; 16
@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engines import cpu_products
+from engines.cpu import products as cpu_products
 
 log = logging.getLogger("zpd.engine")
 
@@ -79,7 +79,7 @@ PACKINGS = {
 
 
 def _kernel_packing(dtype: torch.dtype) -> Packing | None:
-    """Weights packed for engines/cpu_products.py's packed-weight kernel of `dtype`,
+    """Weights packed for engines/cpu/products.py's packed-weight kernel of `dtype`,
     where it runs: bfloat16 on AMX for 1-256 rows (ahead of the 1-8 row kernel), else
     in AVX512-BF16 panels from 9 rows; float32 in panels from 9 rows (to
     `_panel_max_rows`)."""

@@ -9,16 +9,16 @@ from typing import Iterable
 
 import torch
 
-from engines import cpu_products
-from engines.chat import ChatTemplate, encode_chat
-from engines.config import ModelConfig, ModelError
-from engines.gguf_file import GGUFFile, is_gguf
-from engines.llama import LlamaForCausalLM
-from engines.overrides import ModelOverrides
-from engines.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
-from engines.tokenizer import Tokenizer
-from engines.vocab import tokenizer_from_gguf
-from engines.weights import LazyTensor, apply_checkpoint, iter_tensors, lazy, read_checkpoint
+from engines.cpu import products as cpu_products
+from engines.formats.chat import ChatTemplate, encode_chat
+from engines.models.config import ModelConfig, ModelError
+from engines.formats.gguf_file import GGUFFile, is_gguf
+from engines.models.llama import LlamaForCausalLM
+from engines.formats.overrides import ModelOverrides
+from engines.models.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
+from engines.formats.tokenizer import Tokenizer
+from engines.formats.vocab import tokenizer_from_gguf
+from engines.formats.weights import LazyTensor, apply_checkpoint, iter_tensors, lazy, read_checkpoint
 
 log = logging.getLogger(__name__)
 

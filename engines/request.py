@@ -6,9 +6,9 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from engines.config import ModelConfig
+from engines.models.config import ModelConfig
 from engines.sampler import SamplingParams
-from engines.tokenizer import Tokenizer
+from engines.formats.tokenizer import Tokenizer
 
 # status codes carried in finish_reason (shared/DESIGN.md)
 BAD_REQUEST, NOT_FOUND, CONFLICT, ABORTED = 400, 404, 409, 499

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from engines.attention import DecodeGroup, DecodeMeta, LastTokens, PrefillMeta, group_by_length
-from engines.kv_pool import KVPool
+from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
-from engines.cpu_kernels import kernel_for
+from engines.cpu.kernels import kernel_for
 
 
 class ModelRunner:

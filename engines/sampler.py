@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from engines.cpu_layer_ops import layer_ops
+from engines.cpu.layer_ops import layer_ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -262,7 +262,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) of [B, V] logits, by the compiled kernel where there is one
-    (engines/cpu_layer_ops.py: torch's CPU argmax is a scalar loop, 0.84 ms for 16 rows
+    (engines/cpu/layer_ops.py: torch's CPU argmax is a scalar loop, 0.84 ms for 16 rows
     of 49,152 float32 logits and 2.3 ms in bfloat16, against 0.08 ms)."""
     ops = layer_ops(logits.dtype, logits.device.type)
     if ops is None or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0:

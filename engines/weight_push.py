@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.config import ModelError
-from engines.weights import Placement, checked_placement
+from engines.models.config import ModelError
+from engines.formats.weights import Placement, checked_placement
 
 # Names a trainer may give a dtype ("torch.bfloat16" as str(torch.bfloat16) prints too).
 PUSH_DTYPES = {"float32": torch.float32, "float16": torch.float16,

@@ -47,7 +47,7 @@ def post(url: str, path: str, body: dict, key: str | None = None, timeout: float
 
 def load_weights(spec: str) -> dict[str, torch.Tensor]:
     if spec.startswith("tiny"):
-        from engines.tiny import tiny_seed, tiny_state_dict
+        from engines.models.tiny import tiny_seed, tiny_state_dict
         return tiny_state_dict(tiny_seed(spec))
     return {k: v for f in sorted(Path(spec).glob("*.safetensors")) for k, v in load_file(f).items()}
 

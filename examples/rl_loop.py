@@ -139,7 +139,7 @@ if __name__ == "__main__":
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.checkpoint is None:
-            from engines.tiny import save_tiny
+            from engines.models.tiny import save_tiny
             args.checkpoint = str(save_tiny(Path(tmp) / "tiny-1", seed=1))
         cluster = None
         if args.url is None:

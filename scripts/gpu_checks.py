@@ -89,7 +89,7 @@ def fp32_logits(args, s: Sizes, path: Path, prompts, ref, where: str, emit: Emit
     """Our prefill and each decode step (ModelRunner, as tests/unit/test_model_vs_hf.py)
     against the reference's last-position logits of the same prefix."""
     import torch
-    from engines.kv_pool import KVLayout, KVPool
+    from engines.kv.pool import KVLayout, KVPool
     from engines.loader import load_model
     from engines.runner import ModelRunner
     model = load_model(str(path), device=args.device, dtype="float32")
@@ -276,7 +276,7 @@ def speed_rows(args, s: Sizes, name: str, spec: str, emit: Emit) -> None:
 
 
 def check_speed_smollm2(args, s: Sizes, work: Path, emit: Emit) -> None:
-    from engines.config import ModelError
+    from engines.models.config import ModelError
     from engines.loader import resolve_spec
     if not s.smollm2:
         emit("smollm2 speed", None, "-", "--quick: skipped on the CPU dry run")

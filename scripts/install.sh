@@ -32,7 +32,7 @@ for arg in "$@"; do
 done
 
 # Mooncake's engine links libibverbs and libnuma even when it only uses TCP. g++ builds
-# the CPU decode-attention kernel on first use (engines/cpu_kernels.py; without a
+# the CPU decode-attention kernel on first use (engines/cpu/kernels.py; without a
 # compiler decode attention runs on torch's slower path).
 libs="libibverbs1 librdmacm1 libnuma1 iproute2 procps g++"
 missing=$(for p in $libs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from engines.overrides import ModelOverrides
+from engines.formats.overrides import ModelOverrides
 from zpd.wire.protocol import MAX_FRAME_BYTES
 
 

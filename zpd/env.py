@@ -30,7 +30,7 @@ The engine reads no environment (it is also used without zpd, from Python); `zpd
 run` and every worker hand it these before their model loads (`configure_engine`):
 
     ZPD_CPU_KERNELS      "0": torch's ops, attention and products instead of the
-                         compiled kernels (engines/cpu_kernels.py)
+                         compiled kernels (engines/cpu/kernels.py)
     ZPD_KERNEL_CACHE     a directory: where those kernels are built and kept
                          (default ~/.cache/zpd/kernels)
     ZPD_PACKED_WEIGHTS   "0": no packed weight copies (engines/linear.py), for a
@@ -98,7 +98,7 @@ def _fault_plan(environ: Mapping[str, str]) -> FaultPlan | None:
 def configure_engine(environ: Mapping[str, str] = os.environ) -> None:
     """Hand the engine its CPU switches (ZPD_CPU_KERNELS, ZPD_KERNEL_CACHE,
     ZPD_PACKED_WEIGHTS); ValueError on a malformed one, before anything changes."""
-    from engines import cpu_kernels
+    from engines.cpu import kernels as cpu_kernels
     from engines.linear import PACKED
     kernels, packed = _switch(environ, CPU_KERNELS_ENV), _switch(environ, PACKED_WEIGHTS_ENV)
     cache = environ.get(KERNEL_CACHE_ENV, "").strip()

@@ -11,7 +11,7 @@ import time
 import orjson
 import pytest
 
-from engines.tiny import save_tiny
+from engines.models.tiny import save_tiny
 from tests.e2e.cluster import Cluster, ROOT, assert_all_pages_free, zpd_cmd
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")

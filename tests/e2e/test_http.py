@@ -18,7 +18,7 @@ from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
-from engines.tiny import save_tiny
+from engines.models.tiny import save_tiny
 from tests.e2e.cluster import ROOT, Cluster, assert_all_pages_free, zpd_cmd
 from tests.unit.gguf_files import write_tiny_gguf
 

@@ -13,7 +13,7 @@ import pytest
 
 from engines.loader import load_model
 from engines.sampler import SamplingParams
-from engines.tiny import save_tiny
+from engines.models.tiny import save_tiny
 from tests.e2e.cluster import Cluster, assert_all_pages_free
 from tests.e2e.fault_cluster import ClientReader
 from zpd.client import assemble

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from engines.loader import load_model
-from engines.tiny import tiny_state_dict
+from engines.models.tiny import tiny_state_dict
 from tests.e2e.cluster import ROOT, Cluster, assert_all_pages_free
 from tests.e2e.test_retract import Collector, _greedy, _pause_midway, _workload, check_exact
 from tests.unit.trainer_side import free_port

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engines.tiny import tiny_state_dict
+from engines.models.tiny import tiny_state_dict
 from tests.unit.trainer_side import sglang_style_group
 
 

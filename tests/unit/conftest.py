@@ -24,7 +24,7 @@ def dead_endpoint() -> str:
 def fresh(monkeypatch, tmp_path):
     """The CPU kernels looked up again under the test's settings (built in a cache of
     their own), and the default settings back after."""
-    from engines import cpu_kernels
+    from engines.cpu import kernels as cpu_kernels
     cpu_kernels.configure(True, tmp_path / "kernels")
     yield monkeypatch
     monkeypatch.undo()
@@ -49,7 +49,7 @@ def smollm_meta() -> dict:
 @pytest.fixture(scope="session")
 def smollm(smollm_meta):
     """Our tokenizer for the file."""
-    from engines.vocab import tokenizer_from_gguf
+    from engines.formats.vocab import tokenizer_from_gguf
     return tokenizer_from_gguf(smollm_meta)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.gguf_file import BLOCK_NAMES, GLOBAL_NAMES, permute
-from engines.tiny import BOS_ID, EOS_ID, TINY_CONFIG, tiny_state_dict, tiny_tokenizer
+from engines.formats.gguf_file import BLOCK_NAMES, GLOBAL_NAMES, permute
+from engines.models.tiny import BOS_ID, EOS_ID, TINY_CONFIG, tiny_state_dict, tiny_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -18,12 +18,12 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def gguf_meta(path: Path) -> dict:
     """A file's metadata as the engine reads it (GGUFFile.meta), without its model checks."""
-    from engines.gguf_header import read_header
+    from engines.formats.gguf_header import read_header
     return read_header(Path(path)).meta
 
 
 def gguf_name(hf: str) -> str:
-    """Hugging Face name -> llama.cpp's (the inverse of engines.gguf_file.hf_name)."""
+    """Hugging Face name -> llama.cpp's (the inverse of engines.formats.gguf_file.hf_name)."""
     for ours, theirs in GLOBAL_NAMES.items():
         if hf == f"{theirs}.weight":
             return f"{ours}.weight"

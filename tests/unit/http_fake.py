@@ -9,7 +9,7 @@ from typing import Any, Callable
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from engines.tiny import tiny_tokenizer
+from engines.models.tiny import tiny_tokenizer
 from zpd.http.app import build_app
 from zpd.http.connections import ConnectionLimits, server_options
 from zpd.http.front import Front

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.allocator import PageAllocator, PoolFull
+from engines.kv.allocator import PageAllocator, PoolFull
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,4 @@
-"""Chat templates (engines/chat.py): SmolLM2's GGUF template against transformers'
+"""Chat templates (engines/formats/chat.py): SmolLM2's GGUF template against transformers'
 apply_chat_template, Hugging Face directories, and hostile messages and templates."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engines.chat import MAX_MESSAGES, ChatTemplate, encode_chat
-from engines.config import ModelError
+from engines.formats.chat import MAX_MESSAGES, ChatTemplate, encode_chat
+from engines.models.config import ModelError
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

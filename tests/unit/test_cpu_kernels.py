@@ -1,4 +1,4 @@
-"""The CPU library (engines/cpu_kernels.py): decode attention against a float64
+"""The CPU library (engines/cpu/kernels.py): decode attention against a float64
 reference and torch's path, its refusal of rows outside the pool, and how the library
 is built, cached and given up on. Products: test_cpu_products.py; layer steps:
 test_cpu_layer_ops.py."""
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-import engines.cpu_kernels as pd
+import engines.cpu.kernels as pd
 from engines.loader import load_model
 from engines.offline import OfflineEngine
 
@@ -134,13 +134,13 @@ def test_one_source_failing_fails_the_build_and_leaves_nothing(fresh, tmp_path):
     import shutil
     compiler = tmp_path / "cxx"
     compiler.write_text(f"""#!/bin/sh
-case "$*" in *cpu_products.cpp*) echo "boom in products" >&2; exit 1;; esac
+case "$*" in *products.cpp*) echo "boom in products" >&2; exit 1;; esac
 exec {shutil.which("g++")} "$@"
 """)
     compiler.chmod(0o755)
     fresh.setenv("CXX", str(compiler))
     (tmp_path / "kernels").mkdir()
-    with pytest.raises(RuntimeError, match="cpu_products.cpp.*boom in products"):
+    with pytest.raises(RuntimeError, match="products.cpp.*boom in products"):
         pd.build(tmp_path / "kernels")
     assert not list((tmp_path / "kernels").iterdir())
 

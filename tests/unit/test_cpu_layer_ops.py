@@ -1,4 +1,4 @@
-"""The CPU library's layer steps (engines/cpu_layer_ops.py): norms, SiLU * up, the
+"""The CPU library's layer steps (engines/cpu/layer_ops.py): norms, SiLU * up, the
 rotary write into the pool, argmax and causal attention against torch's ops and
 float64, and their first-use checks."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engines.cpu_layer_ops as co
-from engines.cpu_kernels import configure
+import engines.cpu.layer_ops as co
+from engines.cpu.kernels import configure
 from tests.unit.cpu_support import cpu_has, require_compiler
 
 require_compiler()
@@ -45,9 +45,9 @@ def test_norms_and_silu_equal_torchs(dtype, rows, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hq,hkv,d", [(1, 9, 3, 64), (3, 4, 4, 16), (64, 8, 2, 128)])
 def test_rope_write_equals_torchs_rotary_and_write(dtype, rows, hq, hkv, d):
-    """Queries rotated as engines/rope.py rotates them; keys rotated and values copied
+    """Queries rotated as engines/models/rope.py rotates them; keys rotated and values copied
     into their pool rows, and no other row touched."""
-    from engines.rope import RotaryEmbedding, apply_rotary
+    from engines.models.rope import RotaryEmbedding, apply_rotary
     ops = _ops(dtype)
     g = torch.Generator().manual_seed(rows + d)
     rope = RotaryEmbedding(d, 4096, 10000.0, None, dtype, torch.device("cpu"))
@@ -174,7 +174,7 @@ def test_bfloat16_causal_attention_is_as_close_as_torchs(n, hq, hkv, d):
 def test_bfloat16_causal_attention_without_its_kernels_runs_on_float32_copies(monkeypatch):
     """Where the bfloat16 kernel declines (no AMX, no AVX512-BF16), a bfloat16 prompt
     takes the float32 kernel on float32 copies: exactly its output, rounded."""
-    import engines.cpu_layer_ops as lo
+    import engines.cpu.layer_ops as lo
     ops, q, k, v = _ops(torch.bfloat16), *_causal_inputs(100, 9, 3, 64, torch.bfloat16)
     if ops.causal_attention(q, k, v, 0.125) is None:
         assert not cpu_has("avx512f")

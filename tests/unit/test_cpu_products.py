@@ -1,4 +1,4 @@
-"""The CPU library's matrix products (engines/cpu_products.py): the 1-8 row kernel and
+"""The CPU library's matrix products (engines/cpu/products.py): the 1-8 row kernel and
 the packed-weight kernels (AMX, panels) against float64, their packings, their
 first-use checks, and the model's products reaching them with torch's tokens."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engines.cpu_products as cp
+import engines.cpu.products as cp
 from engines.loader import load_model
 from engines.offline import OfflineEngine
 from tests.unit.cpu_support import cpu_has, require_compiler
@@ -272,7 +272,7 @@ def test_gated_products_are_silu_mul_of_the_product(dtype, rows, n, k):
     of the product (so a prompt's tokens do not depend on which ran), and float64's to
     the dtype's rounding; passes of every row count up to and past their 6 rows, with
     and without a bias. Kernels without it (AMX) have none."""
-    from engines.cpu_layer_ops import layer_ops
+    from engines.cpu.layer_ops import layer_ops
     kernel = cp.packed_linear(dtype)
     if kernel is None or isinstance(kernel, cp.AmxLinear):
         assert kernel is not None or not _packed_kernel_expected(dtype)
@@ -335,7 +335,7 @@ def test_prefills_take_silu_mul_in_the_product_where_the_kernel_does(monkeypatch
     packing of its dtype has it and covers those rows (panels; not AMX, not float32 past
     64 rows on Intel, where MKL multiplies), and its tokens are those of the product
     followed by silu_mul."""
-    import engines.llama as llama
+    import engines.models.llama as llama
     from engines.linear import PACKED
     model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     prompt = [[(7 * i) % 200 + 3 for i in range(100)]]

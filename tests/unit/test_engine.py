@@ -8,11 +8,11 @@ import torch
 
 from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.attention import group_by_length
-from engines.config import ModelError
+from engines.models.config import ModelError
 from engines.linear import PACKED
 from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams
-from engines.tiny import save_tiny
+from engines.models.tiny import save_tiny
 from engines.offline import OfflineEngine
 from engines.request import Request, StatusError
 
@@ -50,7 +50,7 @@ def test_small_pool_back_pressure_still_serves_everything(tiny64):
 
 
 def tiny64_pages_mb(model, pages):
-    from engines.kv_pool import KVLayout
+    from engines.kv.pool import KVLayout
     return pages * KVLayout.for_model(model.cfg, 16, model.dtype).page_bytes / 2**20
 
 
@@ -100,10 +100,10 @@ def test_weight_update_equals_fresh_load(tmp_path):
 
 def test_float32_layout_is_kept_through_updates(tmp_path):
     """float32 projection and head weights are row-major where the float32 product
-    kernel runs (engines/cpu_products.py) and column-major where it does not (faster
+    kernel runs (engines/cpu/products.py) and column-major where it does not (faster
     with F.linear); a weight update copies into them and keeps either layout, with
     the values of a fresh load. bfloat16 is row-major."""
-    from engines.cpu_products import small_linear
+    from engines.cpu.products import small_linear
     model = load_model("tiny", dtype="float32")
     kernel = small_linear(torch.float32) is not None
     assert all(w.is_contiguous() == kernel for w in model.net.linears())
@@ -126,7 +126,7 @@ def test_packed_weights_follow_every_update(tmp_path, dtype):
     """The packed copies (engines/linear.py) are rebuilt after a weight update: the
     updated model answers as a fresh load of the new weights does. Ten prompts make
     decode batches of ten rows, which both dtypes multiply packed (products of up to
-    8 rows go to engines/cpu_products.py instead)."""
+    8 rows go to engines/cpu/products.py instead)."""
     prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
     model = load_model("tiny", dtype=dtype)
     _, before = _run(model, prompts)
@@ -156,7 +156,7 @@ def test_packed_products_equal_plain_ones(dtype, rows):
         got = PACKED.linear(x, w, bias).double()
         assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
     packing = PACKED.usable(dtype)
-    from engines.cpu_products import SmallLinear, small_linear
+    from engines.cpu.products import SmallLinear, small_linear
     kernel = rows <= SmallLinear.ROWS and small_linear(dtype) is not None and w.is_contiguous()  # no copy
     packs = packing is not None and packing.rows[0] <= rows <= packing.rows[1]
     assert PACKED.packed(w) == (packs and (packing.before_small or not kernel))

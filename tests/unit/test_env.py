@@ -78,7 +78,7 @@ def test_no_other_module_names_or_reads_a_zpd_variable() -> None:
 
 
 def test_engine_switches_reach_the_engine(tmp_path) -> None:
-    from engines import cpu_kernels
+    from engines.cpu import kernels as cpu_kernels
     from engines.linear import PACKED
     from zpd.env import CPU_KERNELS_ENV, KERNEL_CACHE_ENV, PACKED_WEIGHTS_ENV, configure_engine
     try:
@@ -94,7 +94,7 @@ def test_engine_switches_reach_the_engine(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["ZPD_CPU_KERNELS", "ZPD_PACKED_WEIGHTS"])
 def test_a_malformed_engine_switch_changes_nothing(name) -> None:
-    from engines import cpu_kernels
+    from engines.cpu import kernels as cpu_kernels
     from engines.linear import PACKED
     from zpd.env import configure_engine
     with pytest.raises(ValueError, match=rf"\${name}='off': want 1 \(on, the default\) or 0"):

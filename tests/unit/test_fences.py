@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.allocator import PageAllocator
+from engines.kv.allocator import PageAllocator
 from zpd.worker.fences import Fences
 from zpd.wire.loop import Loop
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engines.tiny import tiny_tokenizer
+from engines.models.tiny import tiny_tokenizer
 from tests.unit.http_fake import chunk
 from zpd.http.native import engine_sampling, native_answer, parse_generate
 from zpd.http.openai_format import Answer, usage

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engines.llama as llama
+import engines.models.llama as llama
 from engines.attention import PrefillMeta
 from engines.loader import load_model
 from engines.offline import OfflineEngine

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from engines.kv_pool import KVLayout, KVPool
+from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request, as_float32

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.kv_pool import KVLayout, KVPool
+from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.runner import ModelRunner
 from tests.unit.hf_models import VARIANTS, hf_model, make_checkpoint
@@ -81,15 +81,15 @@ def test_batch_equals_alone(checkpoint):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_kernels_give_torchs_steps(checkpoint, dtype, monkeypatch):
-    """The compiled element-wise steps (engines/cpu_layer_ops.py, LayerOps: norms with
+    """The compiled element-wise steps (engines/cpu/layer_ops.py, LayerOps: norms with
     the residual addition, SiLU * up, rotary embedding written into the pool) against
     torch's ops in the same engine, every variant (biases, q/k norms, tied heads):
     greedy tokens are the same and every step's logits agree to the dtype's rounding."""
     import os
     import shutil
 
-    import engines.llama as llama
-    from engines.cpu_layer_ops import layer_ops
+    import engines.models.llama as llama
+    from engines.cpu.layer_ops import layer_ops
     if layer_ops(getattr(torch, dtype), "cpu") is None:
         assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
         return
@@ -112,7 +112,7 @@ def _kernel_model(tmp_path, head_dim: int, dtype: str, monkeypatch):
     import os
     import shutil
 
-    from engines.cpu_layer_ops import LayerOps, layer_ops
+    from engines.cpu.layer_ops import LayerOps, layer_ops
     if layer_ops(getattr(torch, dtype), "cpu") is None:
         assert shutil.which(os.environ.get("CXX") or "g++") is None and not os.environ.get("CI")
         return None
@@ -152,7 +152,7 @@ def test_bfloat16_causal_kernel_gives_torchs_logits(tmp_path, head_dim, monkeypa
     prompt logits to bfloat16's rounding, the same greedy token wherever torch's top
     two are more than that apart (a random bfloat16 model has near-ties), and every
     prompt of every layer took the kernel where the CPU has AVX-512."""
-    from engines.cpu_layer_ops import LayerOps
+    from engines.cpu.layer_ops import LayerOps
     from tests.unit.cpu_support import cpu_has
     made = _kernel_model(tmp_path, head_dim, "bfloat16", monkeypatch)
     if made is None:

@@ -1,4 +1,4 @@
-"""The prefill's prefix cache: the cache itself (engines/prefix_cache.py), then the
+"""The prefill's prefix cache: the cache itself (engines/kv/prefix_cache.py), then the
 whole handoff in one process (tests/unit/inproc.py, float64) with the cache on,
 against the same cluster with it off and against `zpd run`."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engines.allocator import PageAllocator
-from engines.prefix_cache import PrefixCache
+from engines.kv.allocator import PageAllocator
+from engines.kv.prefix_cache import PrefixCache
 from tests.unit.inproc import InprocCluster, reference
 from tests.unit.test_handoff import reference_tiny
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.chat import ChatTemplate
-from engines.config import ModelError
+from engines.formats.chat import ChatTemplate
+from engines.models.config import ModelError
 from engines.loader import load_model, load_text
-from engines.overrides import ModelOverrides
-from engines.tiny import TINY_CONFIG, tiny_tokenizer
+from engines.formats.overrides import ModelOverrides
+from engines.models.tiny import TINY_CONFIG, tiny_tokenizer
 from tests.unit.gguf_files import CHATML, write_tiny_gguf
 from zpd.config import HttpConfig, WorkerConfig
 from zpd.ops import mem_fraction

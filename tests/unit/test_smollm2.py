@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.kv_pool import KVLayout, KVPool
+from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model, resolve_spec
 from engines.runner import ModelRunner
 

@@ -1,4 +1,4 @@
-"""engines/tensor_payload.py, the restricted unpickler of SGLang's
+"""engines/formats/tensor_payload.py, the restricted unpickler of SGLang's
 serialized_named_tensors: real ForkingPickler payloads (torch's public API, the
 "file_system" sharing strategy) decode to equal tensors; a pickle that names any
 other callable is refused, naming it, before anything is called."""
@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions)
 
-from engines.tensor_payload import (MAX_PAYLOAD_CHARS, NamedTensorUnpickler, PayloadError,
+from engines.formats.tensor_payload import (MAX_PAYLOAD_CHARS, NamedTensorUnpickler, PayloadError,
                                     _Marker, decode_named_tensors)
 
 MB = 1 << 20

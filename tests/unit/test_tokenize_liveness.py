@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from engines.tiny import tiny_tokenizer
-from engines.tokenizer import Tokenizer
+from engines.models.tiny import tiny_tokenizer
+from engines.formats.tokenizer import Tokenizer
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Ping, Pong
 

@@ -1,4 +1,4 @@
-"""Tokenizers rebuilt from GGUF metadata (engines/vocab.py) against transformers' own
+"""Tokenizers rebuilt from GGUF metadata (engines/formats/vocab.py) against transformers' own
 GGUF tokenizer: the real SmolLM2 file (byte-level BPE) and a small SentencePiece-style
 file written here."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.config import ModelError
-from engines.vocab import tokenizer_from_gguf
+from engines.models.config import ModelError
+from engines.formats.vocab import tokenizer_from_gguf
 from tests.unit.gguf_files import gguf_meta
 
 gguf = pytest.importorskip("gguf")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines.loader import load_model
-from engines.tiny import tiny_state_dict
+from engines.models.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster, reference
 from tests.unit.test_handoff import PROMPT, continuation, reference_tiny, reference_tiny_model
 from tests.unit.trainer_side import Trainer, announce
@@ -123,7 +123,7 @@ def test_a_push_into_a_float32_or_bfloat16_model(trainer, dtype, kernel, bucket,
     the values, the layout and the answers after the push are those of a fresh load
     of the new weights."""
     import functools
-    from engines import cpu_products
+    from engines.cpu import products as cpu_products
     if not kernel:        # the workers' configure_engine clears it, as it does the real one
         monkeypatch.setattr(cpu_products, "small_linear", functools.lru_cache(lambda dtype: None))
     c = InprocCluster(kv_cache_mb=2.0, dtype=dtype)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from engines.tiny import tiny_state_dict
+from engines.models.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_weight_sync import admin, join, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer, announce

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reductions)
 
 from engines.loader import load_model
-from engines.tiny import tiny_state_dict
+from engines.models.tiny import tiny_state_dict
 from tests.unit.http_fake import call, front
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_handoff import PROMPT, reference_tiny

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.tiny import save_tiny
+from engines.models.tiny import save_tiny
 from tests.unit.inproc import InprocCluster
 from zpd.ops.cli import build_parser
 from zpd.ops.options import worker_argv, worker_config

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import orjson
 from aiohttp import web
 
-from engines.chat import ChatTemplate
-from engines.tokenizer import Tokenizer
+from engines.formats.chat import ChatTemplate
+from engines.formats.tokenizer import Tokenizer
 from zpd.config import HttpConfig
 from zpd.http import body
 from zpd.http.records import BadRequest, error_body, json_object

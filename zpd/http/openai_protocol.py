@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engines.chat import check_messages
+from engines.formats.chat import check_messages
 from engines.sampler import INT32_MAX
 from zpd.config import HttpConfig
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,

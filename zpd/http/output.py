@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from engines.tokenizer import Tokenizer
+from engines.formats.tokenizer import Tokenizer
 from zpd.http.records import BadRequest, GenRequest
 
 REPLACEMENT = "\ufffd"      # what a decode shows for a token that ends mid-character

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 import orjson
 from aiohttp import web
 
-from engines.tokenizer import Tokenizer
+from engines.formats.tokenizer import Tokenizer
 from zpd.http.output import Output
 from zpd.http.records import GenRequest
 from zpd.http.router_client import abort_chunk

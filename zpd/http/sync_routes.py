@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engines.tensor_payload import MAX_PAYLOAD_CHARS
+from engines.formats.tensor_payload import MAX_PAYLOAD_CHARS
 from zpd.http.admin_routes import failure
 from zpd.http.front import FRONT, json_response, read_body
 from zpd.http.records import BadRequest, boolean, integer, refuse_unknown, string, take, text_field

@@ -7,8 +7,8 @@ import sys
 
 import orjson
 
-from engines.config import ModelError
-from engines.overrides import ModelOverrides
+from engines.models.config import ModelError
+from engines.formats.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
 from zpd.ops.keys import add_keys_parser

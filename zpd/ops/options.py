@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from engines.sampler import SamplingParams
-from engines.overrides import ModelOverrides
+from engines.formats.overrides import ModelOverrides
 from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
 from zpd.ops.mem_fraction import check_fraction
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from engines.tensor_payload import MAX_PAYLOAD_CHARS
+from engines.formats.tensor_payload import MAX_PAYLOAD_CHARS
 from engines.weight_push import MAX_TENSORS
 from zpd.worker.scheduler import PAUSE_MODES
 from zpd.worker.trainer_group import TRAINER_INITS

@@ -18,7 +18,7 @@ import zmq
 import transport
 from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.compute import Compute
-from engines.kv_pool import KVLayout, KVPool
+from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.request import BAD_REQUEST, CONFLICT, StatusError, validate
 from engines.sampler import SamplingParams

@@ -12,9 +12,9 @@ from collections import deque
 
 import zmq
 
-from engines.allocator import PoolFull
+from engines.kv.allocator import PoolFull
 from engines.batch import DecodeBatch
-from engines.prefix_cache import PrefixCache, cache_status
+from engines.kv.prefix_cache import PrefixCache, cache_status
 from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE,
                              Request, response)
 from zpd.wire.deadline import Deadline

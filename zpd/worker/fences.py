@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, NamedTuple
 
-from engines.allocator import PageAllocator
+from engines.kv.allocator import PageAllocator
 from zpd.wire.loop import Loop, Timer
 
 log = logging.getLogger("zpd.worker.fences")

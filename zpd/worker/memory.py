@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Callable
 
 import transport
 from engines import weight_release
-from engines.config import ModelError
+from engines.models.config import ModelError
 from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
-from engines.tiny import is_tiny
+from engines.models.tiny import is_tiny
 from zpd.worker.scheduler import Respond
 
 if TYPE_CHECKING:

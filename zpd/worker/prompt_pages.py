@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engines.kv_pool import KVPool
-from engines.prefix_cache import PrefixCache, cache_status
+from engines.kv.pool import KVPool
+from engines.kv.prefix_cache import PrefixCache, cache_status
 from zpd.wire.recent import Recent
 from zpd.worker.jobs import PrefillJob
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.config import ModelError
+from engines.models.config import ModelError
 from engines.request import BAD_REQUEST, CONFLICT, StatusError
-from engines.tensor_payload import PayloadError, decode_named_tensors
+from engines.formats.tensor_payload import PayloadError, decode_named_tensors
 from engines.weight_push import MAX_TENSORS, Announced, Shadow, announce, push_limit
 from zpd.worker.scheduler import Respond
 from zpd.worker.sync_args import text_arg
@@ -22,7 +22,7 @@ LOAD_FORMATS = (None, "flattened_bucket")
 
 def stage_tensors(sync: "WeightSync", args: dict, respond: Respond) -> None:
     """`payload` is this rank's entry of `serialized_named_tensors`. Decoded and
-    checked off the loop (engines/tensor_payload.py, a restricted unpickler), then
+    checked off the loop (engines/formats/tensor_payload.py, a restricted unpickler), then
     staged; answered 400 (nothing staged) if refused."""
     from zpd.worker.weight_sync import Staged
     core = sync.core

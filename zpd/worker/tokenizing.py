@@ -8,7 +8,7 @@ time; the scheduler gets the result on its loop, as if the generate arrived then
 While one is pending the scheduler may `cancel` it (an abort, its router gone);
 its result is then dropped. Shorter prompts take milliseconds and stay inline.
 
-`tokenizers` releases the GIL while it encodes (engines/tokenizer.py), so this
+`tokenizers` releases the GIL while it encodes (engines/formats/tokenizer.py), so this
 thread and the scheduler run at once.
 """
 from __future__ import annotations

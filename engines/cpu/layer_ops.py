@@ -1,5 +1,5 @@
-"""A layer's element-wise steps, greedy argmax (engines/cpu_layer_ops.cpp) and a
-prompt's causal attention (engines/cpu_prefill_attention.cpp) in the CPU library, each
+"""A layer's element-wise steps, greedy argmax (engines/cpu/layer_ops.cpp) and a
+prompt's causal attention (engines/cpu/prefill_attention.cpp) in the CPU library, each
 one call instead of several torch ops; checked against torch's ops once per process
 (`layer_ops`).
 """
@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from engines.cpu_kernels import C_INT64, DTYPES, UNSUPPORTED, describe, library, once
+from engines.cpu.kernels import C_INT64, DTYPES, UNSUPPORTED, describe, library, once
 
 log = logging.getLogger("zpd.engine")
 
@@ -139,7 +139,7 @@ class LayerOps:
 
 
 def _torch_ops(dtype: torch.dtype):
-    """torch's versions of LayerOps' steps (as engines/llama.py computes them)."""
+    """torch's versions of LayerOps' steps (as engines/models/llama.py computes them)."""
     def norm(x, weight, eps):
         h = x.float()
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)

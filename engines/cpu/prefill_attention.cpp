@@ -1,8 +1,8 @@
-// Prefill attention of the engine's CPU library (shared definitions: cpu_kernels.h): a
+// Prefill attention of the engine's CPU library (shared definitions: kernels.h): a
 // prompt's causal attention to itself, block by block, float32 in AVX-512 and bfloat16
-// on AMX tiles, or by AVX512-BF16 dot products without AMX (cpu_prefill_attention_bf16.cpp)
-// (engines/cpu_layer_ops.py, `LayerOps.causal_attention`).
-#include "cpu_kernels.h"
+// on AMX tiles, or by AVX512-BF16 dot products without AMX (prefill_attention_bf16.cpp)
+// (engines/cpu/layer_ops.py, `LayerOps.causal_attention`).
+#include "kernels.h"
 
 using namespace zpd;
 

@@ -7,10 +7,10 @@ from torch import nn
 
 from engines.attention import (DecodeMeta, LastTokens, PagedKV, PrefillMeta, decode_attention,
                                prefill_attention)
-from engines.config import ModelConfig
-from engines.cpu_layer_ops import LayerOps, layer_ops
+from engines.models.config import ModelConfig
+from engines.cpu.layer_ops import LayerOps, layer_ops
 from engines.linear import gated_linear, linear
-from engines.rope import RotaryEmbedding, apply_rotary
+from engines.models.rope import RotaryEmbedding, apply_rotary
 
 # checkpoint name suffix -> (our parameter suffix, shard) for fused projections
 PACKED_WEIGHTS: dict[str, tuple[str, str]] = {
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, ops: LayerOps | None = None,
                 last: LastTokens | None = None) -> torch.Tensor:
-        """`ops`: the compiled element-wise steps (engines/cpu_layer_ops.py), or None for
+        """`ops`: the compiled element-wise steps (engines/cpu/layer_ops.py), or None for
         torch's ops. With `last`, only its rows come out."""
         h = self.self_attn(self.input_layernorm(x, ops), rope, kv, self.index, meta, ops, last)
         if last is not None:

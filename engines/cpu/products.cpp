@@ -1,9 +1,9 @@
-// Matrix products of the engine's CPU library (shared definitions: cpu_kernels.h):
+// Matrix products of the engine's CPU library (shared definitions: kernels.h):
 // - products of up to 8 rows by a row-major weight, float32 (AVX-512) or bfloat16
 //   (AVX512-BF16);
 // - bfloat16 products of any number of rows by a weight packed for AMX tiles, with its
-//   packing (the panel products: cpu_panel_products.cpp).
-#include "cpu_kernels.h"
+//   packing (the panel products: panel_products.cpp).
+#include "kernels.h"
 
 using namespace zpd;
 
@@ -120,7 +120,7 @@ void amx_pack_block(const BF16 *w, BF16 *out, int64_t N, int64_t K, int64_t n0, 
 }
 
 // bfloat16 products on AMX tiles: y[M, N] = x[M, K] w[N, K]^T (+ bias[N]), K a multiple of
-// 32, w packed by engines/cpu_products.py (`AmxLinear.pack`) as [N / 32][K / 32][2][16][16][2]:
+// 32, w packed by engines/cpu/products.py (`AmxLinear.pack`) as [N / 32][K / 32][2][16][16][2]:
 // for each 32 outputs and 32 inputs two 1 KB B tiles (outputs 0-15 and 16-31), each row
 // of a tile the pair of inputs 2r, 2r + 1 for its 16 outputs, the layout TDPBF16PS reads.
 // N is padded to 32 with zero rows. Threads share the blocks of 32 outputs; each block

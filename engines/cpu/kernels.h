@@ -1,7 +1,7 @@
-// What the CPU kernels' sources share (engines/cpu_decode_attention.cpp,
-// cpu_prefill_attention.cpp, cpu_prefill_attention_bf16.cpp, cpu_products.cpp,
-// cpu_panel_products.cpp, cpu_layer_ops.cpp, built into one library by
-// engines/cpu_kernels.py): the status codes the Python side reads, bfloat16 storage, the
+// What the CPU kernels' sources share (engines/cpu/decode_attention.cpp,
+// prefill_attention.cpp, prefill_attention_bf16.cpp, products.cpp,
+// panel_products.cpp, layer_ops.cpp, built into one library by
+// engines/cpu/kernels.py): the status codes the Python side reads, bfloat16 storage, the
 // exp of the attention kernels' softmax, the AMX tile state and the weight packings' loop.
 //
 // Compiled with -ffast-math (at compile time only, so the library does not switch the
@@ -92,7 +92,7 @@ inline float softmax_update(float *srow, float &m, float &l) {
 #endif
 
 // Causal attention of one bfloat16 prompt by AVX512-BF16 dot products, where there is
-// no AMX (engines/cpu_prefill_attention_bf16.cpp; the arguments of the float32 kernel)
+// no AMX (engines/cpu/prefill_attention_bf16.cpp; the arguments of the float32 kernel)
 int dot_causal_attention(const BF16 *q, const BF16 *k, const BF16 *v, int64_t k_stride,
                          int64_t v_stride, int64_t n, int64_t hq, int64_t hkv, int64_t D,
                          float scale, BF16 *out, int threads);
@@ -118,7 +118,7 @@ inline void load_tile_config(const TileConfig &c) {
 }
 #endif
 
-// The packings of engines/cpu_products.py (`AmxLinear.layout`, `PanelLinear.layout` say
+// The packings of engines/cpu/products.py (`AmxLinear.layout`, `PanelLinear.layout` say
 // the same in torch), from a row-major w [N, K], written in order, blocks shared among
 // threads: torch's strided copy took 5x (AMX) and 2.5x (panels) as long, and a weight
 // update repacks every weight on the next step.

@@ -1,7 +1,7 @@
 """The engine's CPU kernels, one small C++ library built from sources that share
-`cpu_kernels.h`: `cpu_decode_attention.cpp`, `cpu_prefill_attention.cpp` and
-`cpu_prefill_attention_bf16.cpp` (causal), `cpu_products.cpp` and
-`cpu_panel_products.cpp` (matrix products and weight packings) and `cpu_layer_ops.cpp`
+`kernels.h`: `decode_attention.cpp`, `prefill_attention.cpp` and
+`prefill_attention_bf16.cpp` (causal), `products.cpp` and
+`panel_products.cpp` (matrix products and weight packings) and `layer_ops.cpp`
 (element-wise layer steps, argmax).
 
 - `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
@@ -11,10 +11,10 @@
   threads; median of 7 alternating rounds): float32 1 row 62 -> 23 us, 16 rows
   760-2,170 -> 268 us; bfloat16 1 row 64 -> 22 us, 16 rows 421 -> 201 us; and about
   4x closer to float64 in bfloat16, since nothing is rounded before the output.
-- products (engines/cpu_products.py): `SmallLinear`, 1-8 rows by row-major weights
+- products (engines/cpu/products.py): `SmallLinear`, 1-8 rows by row-major weights
   (float32, and bfloat16 where there is no AMX); `AmxLinear` and `PanelLinear`, by
   weights packed for the kernel (bfloat16 on AMX tiles, float32 in panels).
-- `LayerOps` (engines/cpu_layer_ops.py): a layer's element-wise steps in one pass
+- `LayerOps` (engines/cpu/layer_ops.py): a layer's element-wise steps in one pass
   each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX,
   else by AVX512-BF16 dot products, else on float32 copies).
 
@@ -50,12 +50,12 @@ import torch
 
 log = logging.getLogger("zpd.engine")
 
-HEADER = Path(__file__).with_name("cpu_kernels.h")      # what the sources share
-SOURCES = [Path(__file__).with_name(f"cpu_{part}.cpp")
+HEADER = Path(__file__).with_name("kernels.h")      # what the sources share
+SOURCES = [Path(__file__).with_name(f"{part}.cpp")
            for part in ("decode_attention", "prefill_attention", "prefill_attention_bf16", "products",
                         "panel_products", "layer_ops")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
-LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see cpu_kernels.h
+LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see kernels.h
 LIBS = ["-lmvec", "-lm"]
 BUILD_TIMEOUT_S = 120
 

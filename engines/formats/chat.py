@@ -18,8 +18,8 @@ from jinja2.ext import loopcontrols
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engines.config import ModelError
-from engines.tokenizer import Tokenizer
+from engines.models.config import ModelError
+from engines.formats.tokenizer import Tokenizer
 
 MAX_MESSAGES = 1024
 

@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engines.allocator import PageAllocator
+from engines.kv.allocator import PageAllocator
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engines.tokenizer import Tokenizer, byte_tokenizer
+from engines.formats.tokenizer import Tokenizer, byte_tokenizer
 
 BOS_ID, EOS_ID = 256, 257
 

@@ -1,12 +1,12 @@
-// Decode attention of the engine's CPU library (shared definitions: cpu_kernels.h),
+// Decode attention of the engine's CPU library (shared definitions: kernels.h),
 // read straight from the paged KV pool. torch's path gathers every sequence's K and V
 // out of the pool into a dense copy, then multiplies; here each (sequence, KV head) pair
 // walks its own pool rows once for the scores and once for the weighted sum of V, in
 // float32 whatever the storage dtype, and the pairs are shared among OpenMP threads
 // (torch's own runtime: the library links the libgomp.so.1 torch has loaded). See
-// engines/cpu_kernels.py for the arguments. Its softmax's exp loop calls glibc's vector
+// engines/cpu/kernels.py for the arguments. Its softmax's exp loop calls glibc's vector
 // expf.
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 using namespace zpd;
 

@@ -1,5 +1,5 @@
-"""Matrix products of the CPU library (engines/cpu_products.cpp, the panels
-cpu_panel_products.cpp), each checked against float64 once per process before
+"""Matrix products of the CPU library (engines/cpu/products.cpp, the panels
+panel_products.cpp), each checked against float64 once per process before
 engines/linear.py uses it:
 
 - `SmallLinear`: 1-8 rows by a row-major weight (decode at small batches), float32 on
@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from engines.cpu_kernels import C_INT64, DTYPES, describe, library, once
+from engines.cpu.kernels import C_INT64, DTYPES, describe, library, once
 
 log = logging.getLogger("zpd.engine")
 
@@ -148,7 +148,7 @@ class PackedLinear(ABC):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """SiLU(x w_gate^T) * (x w_up^T) of a packed [gate; up] weight of n rows (n / 2
         each, n a multiple of 64): [M, n / 2], rounded as `silu_mul` after the product
-        would round it (engines/cpu_layer_ops.py), without writing the product."""
+        would round it (engines/cpu/layer_ops.py), without writing the product."""
         assert self.gated_fn is not None and n % 64 == 0
         return self._run(self.gated_fn, x, packed, n, n // 2, bias)
 
@@ -197,10 +197,10 @@ class PanelLinear(PackedLinear):
     """float32 products of 9-64 rows (decode steps of larger batches; prefills too on
     CPUs not Intel's, engines/linear.py) by AVX-512 FMAs from panels of 16 outputs, up
     to 24 rows at a time (shared evenly: 25 -> 13 + 12; past 64 rows 3 panels by 8
-    rows, engines/cpu_panel_products.cpp). SmolLM2's 121 products on 2
+    rows, engines/cpu/panel_products.cpp). SmolLM2's 121 products on 2
     threads of an Intel CPU (median of 5 alternating rounds), against MKL's
     packed copies: 8 rows 38.2 -> 34.0 ms, 16 rows 41.7 -> 31.8, 32 rows 67.5 -> 50.4
-    (with 16-row blocks; engines/cpu_panel_products.cpp has what 24 changed)."""
+    (with 16-row blocks; engines/cpu/panel_products.cpp has what 24 changed)."""
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
     GATED_SYMBOL = "zpd_linear_panel_gated_float32"

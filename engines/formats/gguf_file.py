@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from engines.config import ModelConfig, ModelError
-from engines.gguf_header import BadHeader, read_header
+from engines.models.config import ModelConfig, ModelError
+from engines.formats.gguf_header import BadHeader, read_header
 
 # GGUF architecture -> (Hugging Face architecture, q/k rows permuted by llama.cpp)
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -66,7 +66,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelError(f"{path}: no such GGUF file")
         try:
-            header = read_header(self.path)   # every count bounded (engines/gguf_header.py)
+            header = read_header(self.path)   # every count bounded (engines/formats/gguf_header.py)
         except BadHeader as e:
             raise ModelError(f"{path}: not a readable GGUF file: {e}") from None
         except OSError as e:

@@ -5,9 +5,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engines.allocator import PageAllocator, page_runs
+from engines.kv.allocator import PageAllocator, page_runs
 from engines.attention import PagedKV
-from engines.config import ModelConfig
+from engines.models.config import ModelConfig
 
 DEFAULT_PAGE_SIZE = 16
 

@@ -1,5 +1,5 @@
 // Causal attention of one bfloat16 prompt to itself where the CPU has AVX512-BF16 but
-// no AMX (shared definitions: cpu_kernels.h; the caller is cpu_prefill_attention.cpp's
+// no AMX (shared definitions: kernels.h; the caller is prefill_attention.cpp's
 // bfloat16 entry). The float32 kernel's blocks (a KV head's G query heads by 64
 // positions, keys in blocks of 64, the online softmax in AVX-512), with both products
 // as dot products of bfloat16 pairs into float32 sums (VDPBF16PS): S = Q K^T pairs
@@ -7,7 +7,7 @@
 // O += P V pairs keys, V packed as [32][D][2], P rounded to bfloat16 first, as torch's
 // flash attention and the AMX kernel do; the scale (times log2 e: the softmax takes
 // base-2 scores) is applied to S, so Q stays as given.
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 namespace zpd {
 

@@ -1,8 +1,8 @@
 // The layers' element-wise steps of the engine's CPU library (shared definitions:
-// cpu_kernels.h), each in one pass: RMSNorm (after a residual addition), SiLU(gate) * up,
+// kernels.h), each in one pass: RMSNorm (after a residual addition), SiLU(gate) * up,
 // rotary embedding with the write of K and V into the pool; and each row's first
 // maximum (greedy sampling), as torch.argmax picks it.
-#include "cpu_kernels.h"
+#include "kernels.h"
 
 using namespace zpd;
 

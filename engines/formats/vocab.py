@@ -13,8 +13,8 @@ from typing import Any, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engines.config import ModelError
-from engines.tokenizer import Tokenizer
+from engines.models.config import ModelError
+from engines.formats.tokenizer import Tokenizer
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

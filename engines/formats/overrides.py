@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engines.chat import ChatTemplate
-from engines.config import ModelConfig, ModelError
-from engines.tokenizer import Tokenizer
+from engines.formats.chat import ChatTemplate
+from engines.models.config import ModelConfig, ModelError
+from engines.formats.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ def load_tokenizer(path: str, cfg: ModelConfig) -> tuple[Tokenizer, ChatTemplate
     """The tokenizer at `path` and the chat template beside it (None if none)."""
     # Imported here: reading GGUF needs torch, and zpd's configs (which a router loads
     # without torch) hold a ModelOverrides.
-    from engines.gguf_file import GGUFFile, is_gguf
-    from engines.vocab import tokenizer_from_gguf
+    from engines.formats.gguf_file import GGUFFile, is_gguf
+    from engines.formats.vocab import tokenizer_from_gguf
     p = Path(path)
     if is_gguf(path):
         meta = GGUFFile(path).meta

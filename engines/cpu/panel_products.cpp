@@ -1,7 +1,7 @@
 // Products of the engine's CPU library by weights packed in panels of 16 outputs
 // (float32 on AVX-512, bfloat16 on AVX512-BF16), with the packings themselves; shared
-// definitions: cpu_kernels.h.
-#include "cpu_kernels.h"
+// definitions: kernels.h.
+#include "kernels.h"
 
 using namespace zpd;
 
