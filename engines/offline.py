@@ -25,7 +25,7 @@ class OfflineEngine:
         self.waiting: deque[Request] = deque()
 
     def submit(self, req: Request) -> None:
-        """Raises StatusError (400) for a request that can never be served."""
+        """Raises Unservable (400) for a request that can never be served."""
         validate(req.prompt, req.params, self.compute.model.cfg, self.pool.layout.page_size,
                  self.pool.num_pages)
         self.waiting.append(req)

@@ -10,18 +10,11 @@ from engines.models.config import ModelConfig
 from engines.sampler import SamplingParams
 from engines.formats.tokenizer import Tokenizer
 
-# status codes carried in finish_reason (shared/DESIGN.md)
-BAD_REQUEST, NOT_FOUND, CONFLICT, ABORTED = 400, 404, 409, 499
-INTERNAL, UNAVAILABLE, DEADLINE = 500, 503, 504
 
-
-class StatusError(ValueError):
-    """A request or command that cannot be served as asked; carries the status code
-    to report (400, 404, 409, ... as above)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+class Unservable(ValueError):
+    """A request that can never be served as asked: the client's error, reported as
+    status 400 (the serving layer's codes live in zpd/wire/status.py)."""
+    status = 400
 
 
 @dataclass(eq=False)
@@ -85,26 +78,26 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
              total_pages: int) -> None:
     """Reject what can never be served, with the reason (status 400)."""
     if not prompt:
-        raise StatusError(BAD_REQUEST, "empty prompt")
+        raise Unservable("empty prompt")
     # lengths first: a megabyte prompt's ids took the loop a second to scan
     if len(prompt) + params.max_new_tokens > cfg.max_position:
-        raise StatusError(BAD_REQUEST, f"prompt ({len(prompt)} tokens) + max_new_tokens "
-                           f"({params.max_new_tokens}) exceeds the context length {cfg.max_position}")
+        raise Unservable(f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                         f"({params.max_new_tokens}) exceeds the context length {cfg.max_position}")
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
     if bad:
-        raise StatusError(BAD_REQUEST, f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
+        raise Unservable(f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
     pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
     if pages > total_pages:
-        raise StatusError(BAD_REQUEST, f"request needs {pages} KV pages; this worker has "
-                           f"{total_pages} in all")
+        raise Unservable(f"request needs {pages} KV pages; this worker has "
+                         f"{total_pages} in all")
 
 
 def validate_prefix(prefix: list[int], cfg: ModelConfig, capacity_tokens: int) -> None:
     """A recompute's prefix (prompt + output[:-1]) was valid once; check it still fits."""
     if not prefix or len(prefix) >= cfg.max_position or len(prefix) > capacity_tokens:
-        raise StatusError(BAD_REQUEST, f"recompute of {len(prefix)} tokens does not fit")
+        raise Unservable(f"recompute of {len(prefix)} tokens does not fit")
     if any(not 0 <= t < cfg.vocab_size for t in prefix):
-        raise StatusError(BAD_REQUEST, "recompute has out-of-range token ids")
+        raise Unservable("recompute has out-of-range token ids")
 
 
 class StopChecker:

@@ -14,7 +14,7 @@ from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams
 from engines.models.tiny import save_tiny
 from engines.offline import OfflineEngine
-from engines.request import Request, StatusError
+from engines.request import Request, Unservable
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -250,7 +250,7 @@ def test_missing_and_corrupt_checkpoints(tmp_path):
 ])
 def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny64, prompt, params, match):
     engine = OfflineEngine(tiny64)
-    with pytest.raises(StatusError, match=match) as e:
+    with pytest.raises(Unservable, match=match) as e:
         engine.submit(Request("bad", prompt, params))
     assert e.value.status == 400
     (out,) = engine.run([Request("ok", [1, 2, 3], GREEDY)])

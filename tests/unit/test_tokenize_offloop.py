@@ -148,9 +148,9 @@ def test_an_over_long_prompt_is_refused_before_its_ids_are_scanned(cluster):
     """On the loop, after tokenizing: a megabyte's ids took a second to range-check
     before the context length refused them anyway. Lengths are checked first (the ids
     here are all out of range, so the message shows which check answered)."""
-    from engines.request import StatusError, validate
+    from engines.request import Unservable, validate
     from engines.sampler import SamplingParams
     core = cluster.prefill
-    with pytest.raises(StatusError, match="exceeds the context length"):
+    with pytest.raises(Unservable, match="exceeds the context length"):
         validate([-1] * (1 << 20), SamplingParams(), core.model.cfg, core.pool.layout.page_size,
                  core.pool.num_pages)

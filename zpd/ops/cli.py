@@ -21,7 +21,7 @@ from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_defa
                              add_model_options, add_prompt_options, add_router_options, add_sampling_options, add_worker_options,
                              add_worker_server_options, kv_cache_mb, model_overrides,
                              router_config, sampling_dict, worker_argv, worker_config)
-from engines.request import StatusError
+from zpd.wire.status import StatusError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engines.request import BAD_REQUEST
+from zpd.wire.status import BAD_REQUEST
 from engines.sampler import SamplingParams
 from zpd.config import chat_bytes, default_of, utf8_len
 from zpd.wire.protocol import Generate

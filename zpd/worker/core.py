@@ -20,7 +20,8 @@ from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
-from engines.request import BAD_REQUEST, CONFLICT, StatusError, validate
+from engines.request import validate
+from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine

@@ -15,8 +15,8 @@ import zmq
 from engines.kv.allocator import PoolFull
 from engines.batch import DecodeBatch
 from engines.kv.prefix_cache import PrefixCache, cache_status
-from engines.request import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE,
-                             Request, response)
+from engines.request import Request, response
+from zpd.wire.status import ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                                Recompute, Tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from engines.request import ABORTED, INTERNAL
+from zpd.wire.status import ABORTED, INTERNAL
 from zpd.wire.protocol import Hello, HelloAck, KvDest, KvFailed
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.peers import endpoint_key

@@ -17,7 +17,7 @@ from engines import weight_release
 from engines.models.config import ModelError
 from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
-from engines.request import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.models.tiny import is_tiny
 from zpd.worker.scheduler import Respond
 

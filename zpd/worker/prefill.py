@@ -18,8 +18,8 @@ import time
 from collections import deque
 
 import transport
-from engines.request import (ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, Request, StatusError,
-                             validate_prefix)
+from engines.request import Request, validate_prefix
+from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute, Tokens

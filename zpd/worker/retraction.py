@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from engines.request import ABORTED
+from zpd.wire.status import ABORTED
 from zpd.wire.protocol import KvFailed
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import well_formed

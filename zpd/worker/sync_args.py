@@ -2,7 +2,7 @@
 changes: each error names the field (answered 400)."""
 from __future__ import annotations
 
-from engines.request import BAD_REQUEST, StatusError
+from zpd.wire.status import BAD_REQUEST, StatusError
 
 
 def text_arg(args: dict, name: str, limit: int = 256) -> str:

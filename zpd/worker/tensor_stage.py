@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.models.config import ModelError
-from engines.request import BAD_REQUEST, CONFLICT, StatusError
+from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.formats.tensor_payload import PayloadError, decode_named_tensors
 from engines.weight_push import MAX_TENSORS, Announced, Shadow, announce, push_limit
 from zpd.worker.scheduler import Respond
