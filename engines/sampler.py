@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler.
+"""The batched sampler (its parameters are in engines/sampling_params.py).
 
 Order of operations: penalties, then temperature, top-k, top-p, min-p (each on the
 distribution the previous one left), then one draw. Randomness for a request's n-th
@@ -8,168 +8,14 @@ Logprobs, for the requests that ask, come from the same logits (`token_logprobs`
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from engines.cpu.layer_ops import layer_ops
+from engines.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
-
-# Bounds checked at admission (README, "zpd run", lists them). Outside them the
-# sampler's arithmetic breaks in float32, the narrowest dtype it computes in: a
-# temperature or top_p that rounds to 0 divides by zero, a top_k past int64 cannot
-# become a tensor, a tiny or huge repetition penalty overflows the logits.
-TEMPERATURE_RANGE = (1e-5, 100.0)        # or exactly 0: greedy
-TOP_P_MIN = 1e-6                         # far above float32's smallest normal
-INT32_MAX = 2**31 - 1                    # top_k, max_new_tokens, stop token ids
-REPETITION_PENALTY_RANGE = (0.01, 100.0)
-PENALTY_MAX = 2.0                        # |frequency_penalty|, |presence_penalty| (OpenAI's range)
-SEED_RANGE = (-2**63, 2**63 - 1)         # int64, what the wire and torch carry
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 256   # each step decodes the tail they could end in
-MAX_STOP_TOKEN_IDS = 1024
-MAX_TOP_LOGPROBS = 20                    # top_logprobs_num (OpenAI's bound for top_logprobs)
-
-
-def _integer(value: object, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _real(value: object, low: float, high: float) -> bool:
-    """A number in [low, high]; NaN and infinities fail the comparison."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling; a value outside the bounds above raises ValueError
-    naming the parameter (status 400 at a worker)."""
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0              # no EOS, stop token or stop string finishes it before
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                      # -1 or 0: no limit
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0      # over prompt and output; > 1 discourages repeats
-    frequency_penalty: float = 0.0       # per occurrence in the output
-    presence_penalty: float = 0.0        # once per token present in the output
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-    return_logprob: bool = False         # report each output token's logprob
-    top_logprobs_num: int = 0            # and its N most likely alternatives (> 0 implies logprobs)
-
-    def __post_init__(self) -> None:
-        for name, ok, bound in self._checks():
-            if not ok:
-                raise ValueError(f"{name} must be {bound}, got {_show(getattr(self, name))}")
-
-    def _checks(self) -> list[tuple[str, bool, str]]:
-        """(parameter, within bounds, the bounds in words), in field order."""
-        t_low, t_high = TEMPERATURE_RANGE
-        r_low, r_high = REPETITION_PENALTY_RANGE
-        return [
-            ("max_new_tokens", _integer(self.max_new_tokens, 1, INT32_MAX),
-             f"an integer in [1, {INT32_MAX}]"),
-            ("min_new_tokens", _integer(self.min_new_tokens, 0, _bound(self.max_new_tokens)),
-             "an integer in [0, max_new_tokens]"),
-            ("temperature", _real(self.temperature, 0, 0) or _real(self.temperature, t_low, t_high),
-             f"0 (greedy) or in [{t_low}, {t_high:g}]"),
-            ("top_p", _real(self.top_p, TOP_P_MIN, 1.0), f"in [{TOP_P_MIN}, 1]"),
-            ("top_k", _integer(self.top_k, -1, INT32_MAX), f"-1 or 0 (no limit) or in [1, {INT32_MAX}]"),
-            ("min_p", _real(self.min_p, 0.0, 1.0), "in [0, 1]"),
-            ("repetition_penalty", _real(self.repetition_penalty, r_low, r_high),
-             f"in [{r_low}, {r_high:g}]"),
-            ("frequency_penalty", _real(self.frequency_penalty, -PENALTY_MAX, PENALTY_MAX),
-             f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]"),
-            ("presence_penalty", _real(self.presence_penalty, -PENALTY_MAX, PENALTY_MAX),
-             f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]"),
-            ("stop", _stop_ok(self.stop),
-             f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
-            ("stop_token_ids", _stop_ids_ok(self.stop_token_ids),
-             f"at most {MAX_STOP_TOKEN_IDS} token ids in [0, {INT32_MAX}]"),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
-            ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE),
-             f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
-            ("return_logprob", isinstance(self.return_logprob, bool), "true or false"),
-            ("top_logprobs_num", _integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
-             f"an integer in [0, {MAX_TOP_LOGPROBS}]"),
-        ]
-
-    @classmethod
-    def from_dict(cls, raw: dict | None) -> "SamplingParams":
-        if raw is not None and not isinstance(raw, dict):
-            raise ValueError(f"sampling parameters must be an object, got {type(raw).__name__}")
-        raw = dict(raw or {})
-        unknown = set(raw) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
-        for key in ("stop", "stop_token_ids"):
-            if key in raw:
-                raw[key] = _as_tuple(raw[key])
-        try:
-            return cls(**raw)
-        except TypeError as e:
-            raise ValueError(f"bad sampling parameters: {e}") from None
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        return d | {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.return_logprob or self.top_logprobs_num > 0
-
-    @property
-    def filtered(self) -> bool:
-        """Top-k, top-p or min-p cut the distribution (they need it sorted)."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-    @property
-    def penalised(self) -> bool:
-        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
-
-
-def _bound(max_new_tokens: object) -> int:
-    """max_new_tokens as min_new_tokens' upper bound (0 when it is itself invalid, whose
-    own check then names it first)."""
-    return max_new_tokens if _integer(max_new_tokens, 1, INT32_MAX) else 0
-
-
-def _as_tuple(value: object) -> object:
-    """A single stop string or id, or a list of them, as a tuple; anything else is
-    left as it is for the check to name."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, int)):
-        return (value,)
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
-def _stop_ok(stop: object) -> bool:
-    return isinstance(stop, tuple) and len(stop) <= MAX_STOP_STRINGS and \
-        all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
-
-
-def _stop_ids_ok(ids: object) -> bool:
-    return isinstance(ids, tuple) and len(ids) <= MAX_STOP_TOKEN_IDS and \
-        all(_integer(t, 0, INT32_MAX) for t in ids)
-
-
-def _show(value: object) -> str:
-    """The refused value, short (a huge int has no repr: Python refuses to print it)."""
-    if isinstance(value, (tuple, list, dict)):
-        return f"{type(value).__name__} of {len(value)}"
-    try:
-        text = repr(value)
-    except ValueError:
-        return f"an int of {value.bit_length()} bits"
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -100,7 +100,7 @@ class WorkerConfig:
     page_size: int = 16
     kv_cache_mb: float = 256
     # SGLang's --mem-fraction-static: weights + KV take this fraction of the device's memory
-    # (zpd/ops/mem_fraction.py); None: the KV pool is kv_cache_mb
+    # (zpd/worker/mem_fraction.py); None: the KV pool is kv_cache_mb
     mem_fraction_static: float | None = None
     overrides: ModelOverrides = field(default_factory=ModelOverrides)  # tokenizer, template, context
     clear_freed_pages: bool = False  # zero each KV page as it is freed (README, "Security")

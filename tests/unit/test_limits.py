@@ -8,7 +8,7 @@ import time
 import pytest
 
 from zpd.wire.status import StatusError
-from engines.sampler import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from engines.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from tests.unit.inproc import InprocCluster, reference
 from zpd.config import PromptLimits
 from zpd.router.shares import ClientShares

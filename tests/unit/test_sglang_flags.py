@@ -16,7 +16,7 @@ from engines.formats.overrides import ModelOverrides
 from engines.models.tiny import TINY_CONFIG, tiny_tokenizer
 from tests.unit.gguf_files import CHATML, write_tiny_gguf
 from zpd.config import HttpConfig, WorkerConfig
-from zpd.ops import mem_fraction
+from zpd.worker import mem_fraction
 from zpd.ops.cli import build_parser, main
 from zpd.ops.http_options import HTTP_PASSTHROUGH, http_config
 from zpd.ops.options import passthrough_argv, worker_argv, worker_config

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engines.sampler import INT32_MAX, SamplingParams
+from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info

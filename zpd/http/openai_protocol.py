@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.formats.chat import check_messages
-from engines.sampler import INT32_MAX
+from engines.sampling_params import INT32_MAX
 from zpd.config import HttpConfig
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
                               check_prompts, checked_sampling, integer, item_rids,

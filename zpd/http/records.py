@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from engines.sampler import INT32_MAX, SamplingParams
+from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig, PromptLimits, default_of
 
 MAX_TOP_LOGPROBS = 20

@@ -14,12 +14,11 @@ from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given
 from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
 from zpd.env import configure_engine
-from zpd.ops.mem_fraction import check_fraction, kv_cache_mb as kv_budget_mb
 from zpd.ops.http_options import (add_http_front_options, add_http_key_options,
                                   add_http_options, add_served_model_name, http_config)
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
                              add_model_options, add_prompt_options, add_router_options, add_sampling_options, add_worker_options,
-                             add_worker_server_options, kv_cache_mb, model_overrides,
+                             add_worker_server_options, check_fraction, kv_cache_mb, model_overrides,
                              router_config, sampling_dict, worker_argv, worker_config)
 from zpd.wire.status import StatusError
 
@@ -27,9 +26,10 @@ from zpd.wire.status import StatusError
 def _cmd_run(args: argparse.Namespace) -> int:
     from engines.allocator_tuning import freeze_startup_objects, tune_allocator
     from engines.loader import load_model
-    from engines.sampler import SamplingParams
+    from engines.sampling_params import SamplingParams
     from engines.offline import OfflineEngine
     from engines.request import Request
+    from zpd.worker.mem_fraction import kv_cache_mb as kv_budget_mb
 
     params = SamplingParams.from_dict(sampling_dict(args))
     check_fraction(args.mem_fraction_static)

@@ -9,10 +9,9 @@ import argparse
 import os
 from typing import Any
 
-from engines.sampler import SamplingParams
+from engines.sampling_params import SamplingParams
 from engines.formats.overrides import ModelOverrides
 from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
-from zpd.ops.mem_fraction import check_fraction
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
@@ -252,6 +251,12 @@ def add_default(g: argparse._ActionsContainer, flag: str, config: type, text: st
     value = default_of(config, field or flag.lstrip("-").replace("-", "_"))
     shown = f"{value:g}" if isinstance(value, float) else str(value)
     g.add_argument(flag, default=value, help=text.replace("{default}", shown), **kw)
+
+
+def check_fraction(fraction: float | None) -> None:
+    """--mem-fraction-static (zpd/worker/mem_fraction.py turns it into a KV pool size)."""
+    if fraction is not None and not 0 < fraction < 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
 
 
 def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:

@@ -38,11 +38,6 @@ def kv_cache_mb(fraction: float | None, kv_cache_mb: float, net: torch.nn.Module
     return budget / MIB
 
 
-def check_fraction(fraction: float | None) -> None:
-    if fraction is not None and not 0 < fraction < 1:
-        raise ValueError(f"--mem-fraction-static must be in (0, 1), got {fraction}")
-
-
 def model_bytes(net: torch.nn.Module) -> int:
     """Memory the loaded model holds: its parameters and buffers (rotary tables)."""
     tensors = list(net.parameters()) + list(net.buffers())
