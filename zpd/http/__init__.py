@@ -3,4 +3,4 @@ router. It holds no request state the router does not: each route checks its bod
 into the project's own records (records.py, openai_protocol.py), makes its calls on
 the asyncio router client (router_client.py) and formats the answer (native.py,
 admin_routes.py, openai_format.py); app.py guards the routes with the API keys and
-answers every error in OpenAI's shape; server.py starts it all."""
+answers every error in OpenAI's shape; zpd/ops/serve.py starts it all."""

@@ -73,29 +73,29 @@ def _print_response(out: dict, as_json: bool) -> None:
 
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from zpd.worker.prefill import PrefillScheduler
-    from zpd.worker.core import serve
+    from zpd.ops.serve import serve_worker
     cfg = worker_config(args, "prefill")
     check_bind("prefill", cfg.host, cfg.curve_keys, cfg.insecure)
-    return serve(lambda core, ctx: PrefillScheduler(core), cfg)
+    return serve_worker(lambda core, ctx: PrefillScheduler(core), cfg)
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
     from zpd.worker.decode import DecodeScheduler
-    from zpd.worker.core import serve
+    from zpd.ops.serve import serve_worker
     cfg = worker_config(args, "decode")
     check_bind("decode", cfg.host, cfg.curve_keys, cfg.insecure)
-    return serve(DecodeScheduler, cfg)
+    return serve_worker(DecodeScheduler, cfg)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from zpd.router.server import serve_router
+    from zpd.ops.serve import serve_router
     cfg = router_config(args)
     check_bind("router", cfg.host, cfg.curve_keys, cfg.insecure)
     return serve_router(cfg)
 
 
 def _cmd_http(args: argparse.Namespace) -> int:
-    from zpd.http.server import serve_http
+    from zpd.ops.serve import serve_http
     cfg = http_config(args)
     check_http_bind(cfg.host, cfg.api_key, cfg.insecure)
     return serve_http(cfg)

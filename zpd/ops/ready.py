@@ -15,3 +15,8 @@ def write_ready_file(path: str | os.PathLike | None, record: dict) -> None:
     with open(tmp, "wb") as f:
         f.write(orjson.dumps(record))
     os.replace(tmp, path)
+
+
+def write_role_ready(path: str | os.PathLike | None, role: str, endpoint: str) -> None:
+    """A started process's ready file: its role, where it listens and its pid."""
+    write_ready_file(path, {"role": role, "endpoint": endpoint, "pid": os.getpid()})
