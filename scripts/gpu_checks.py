@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_check import (MOONCAKE_BUILDS, ROOT, Emit, Sizes, greedy, offline_outputs,
-                       random_prompts, sync, write_llama)
-from common import median_time  # bench/common.py (gpu_check puts bench/ on sys.path)
+from gpu_common import (MOONCAKE_BUILDS, ROOT, Emit, Sizes, greedy, offline_outputs,
+                        random_prompts, sync, write_llama)
+from common import median_time  # bench/common.py (gpu_common puts bench/ on sys.path)
 
 
 # --- check: env -----------------------------------------------------------------------------
