@@ -4,7 +4,7 @@
                                                   [--dtype float32] [--threads 2] [--smoke]
 
 SmolLM2-135M's four products of a layer (qkv, o, gate/up, down: random weights of its
-shapes) at `--rows` input rows: zpd's as its engine runs them (engines/linear.py:
+shapes) at `--rows` input rows: zpd's as its engine runs them (engines/cpu/linear.py:
 packed copies, the library's kernels where the CPU has them) and vLLM's as its CPU
 linear layers run them (`vllm._custom_ops.onednn_mm`, oneDNN with its own prepacked
 weight), alternating round by round, each product 3 times a round; median ms per
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engines.linear import linear  # noqa: E402
+from engines.cpu.linear import PackedWeights  # noqa: E402
 
 H, I, KV = 576, 1536, 192                    # SmolLM2-135M: hidden, MLP, K/V width
 SHAPES = {"qkv": (H + 2 * KV, H), "o": (H, H), "gate/up": (2 * I, H), "down": (H, I)}
@@ -59,6 +59,7 @@ def main() -> None:
     weights = {n: (torch.randn(s, generator=g) * 0.05).to(dtype) for n, s in SHAPES.items()}
     xs = {k: torch.randn(args.rows, k, generator=g).to(dtype) for k in (H, I)}
     peer_name, peer_run = peer(weights, args.smoke)
+    linear = PackedWeights().linear
     sides = {"zpd": lambda n, x: linear(x, weights[n]), "peer": peer_run}
     for n, w in weights.items():                 # warm up (packs zpd's copies) and compare
         x = xs[w.shape[1]]

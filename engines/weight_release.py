@@ -13,7 +13,7 @@ Where the bytes go while released:
 - CPU: a file in a private temporary directory (0700, the file 0600), removed on
   resume; the freed heap is trimmed back to the kernel (glibc's malloc_trim), since
   zpd's allocator tuning keeps freed blocks in the heap otherwise.
-Packed copies of weights (engines/linear.py) are dropped with them and rebuilt on
+Packed copies of weights (engines/cpu/linear.py) are dropped with them and rebuilt on
 first use after resume.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engines.linear import PackedWeights
+from engines.cpu.linear import PackedWeights
 
 log = logging.getLogger("engines.weight_release")
 

@@ -33,7 +33,7 @@ run` and every worker hand it these before their model loads (`configure_engine`
                          compiled kernels (engines/cpu/kernels.py)
     ZPD_KERNEL_CACHE     a directory: where those kernels are built and kept
                          (default ~/.cache/zpd/kernels)
-    ZPD_PACKED_WEIGHTS   "0": no packed weight copies (engines/linear.py), for a
+    ZPD_PACKED_WEIGHTS   "0": no packed weight copies (engines/cpu/linear.py), for a
                          host that cannot spare their memory
 """
 from __future__ import annotations
@@ -99,11 +99,9 @@ def configure_engine(environ: Mapping[str, str] = os.environ) -> None:
     """Hand the engine its CPU switches (ZPD_CPU_KERNELS, ZPD_KERNEL_CACHE,
     ZPD_PACKED_WEIGHTS); ValueError on a malformed one, before anything changes."""
     from engines.cpu import kernels as cpu_kernels
-    from engines.linear import PACKED
     kernels, packed = _switch(environ, CPU_KERNELS_ENV), _switch(environ, PACKED_WEIGHTS_ENV)
     cache = environ.get(KERNEL_CACHE_ENV, "").strip()
-    cpu_kernels.configure(kernels, Path(cache) if cache else None)
-    PACKED.configure(packed)
+    cpu_kernels.configure(kernels, Path(cache) if cache else None, packed)
 
 
 def _switch(environ: Mapping[str, str], name: str) -> bool:

@@ -5,7 +5,7 @@
 (element-wise layer steps, argmax).
 
 - `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
-  (`attention.decode_attention`) gathers each group's context into a dense copy and
+  (engines/torch_backend.py) gathers each group's context into a dense copy and
   multiplies it; at batch 16 the copy and the products cost more than the model's
   attention is worth. One layer of SmolLM2 (3 KV heads of 64, 256 positions, 2
   threads; median of 7 alternating rounds): float32 1 row 62 -> 23 us, 16 rows
@@ -73,6 +73,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 class Settings:
     enabled: bool = True
     cache_dir: Path | None = None       # None: $XDG_CACHE_HOME/zpd/kernels or ~/.cache/zpd/kernels
+    packed_weights: bool = True         # False: no packed weight copies (engines/cpu/linear.py)
 
 
 SETTINGS = Settings()
@@ -89,10 +90,10 @@ def once(fn):
     return cached
 
 
-def configure(enabled: bool = True, cache_dir: Path | None = None) -> None:
-    """Switch the kernels on or off and say where they are built; runners made after
-    this call follow it."""
-    SETTINGS.enabled, SETTINGS.cache_dir = enabled, cache_dir
+def configure(enabled: bool = True, cache_dir: Path | None = None, packed_weights: bool = True) -> None:
+    """Switch the kernels and the packed weight copies on or off and say where the
+    kernels are built; runners (their CPU backends) made after this call follow it."""
+    SETTINGS.enabled, SETTINGS.cache_dir, SETTINGS.packed_weights = enabled, cache_dir, packed_weights
     for cached in _CACHES:
         cached.cache_clear()
 

@@ -1,6 +1,6 @@
 """Matrix products of the CPU library (engines/cpu/products.cpp, the panels
 panel_products.cpp), each checked against float64 once per process before
-engines/linear.py uses it:
+engines/cpu/linear.py uses it:
 
 - `SmallLinear`: 1-8 rows by a row-major weight (decode at small batches), float32 on
   AVX-512 and bfloat16 on AVX512-BF16; no copy of the weight.
@@ -102,7 +102,7 @@ class PackedLinear(ABC):
     SYMBOL: str
     PACK_SYMBOL: str
     BLOCK: int            # outputs per block of the packing (N is padded to it)
-    ROWS: tuple[int, int]  # input rows it is used for (engines/linear.py)
+    ROWS: tuple[int, int]  # input rows it is used for (engines/cpu/linear.py)
     BEFORE_SMALL = False   # used ahead of the 1-8 row kernel for the rows it covers
 
     GATED_SYMBOL: str | None = None  # SiLU(gate) * up in the product (`gated`), where it has it
@@ -195,7 +195,7 @@ class AmxLinear(PackedLinear):
 
 class PanelLinear(PackedLinear):
     """float32 products of 9-64 rows (decode steps of larger batches; prefills too on
-    CPUs not Intel's, engines/linear.py) by AVX-512 FMAs from panels of 16 outputs, up
+    CPUs not Intel's, engines/cpu/linear.py) by AVX-512 FMAs from panels of 16 outputs, up
     to 24 rows at a time (shared evenly: 25 -> 13 + 12; past 64 rows 3 panels by 8
     rows, engines/cpu/panel_products.cpp). SmolLM2's 121 products on 2
     threads of an Intel CPU (median of 5 alternating rounds), against MKL's
@@ -204,7 +204,7 @@ class PanelLinear(PackedLinear):
 
     DTYPE, SYMBOL, PACK_SYMBOL, BLOCK = torch.float32, "zpd_linear_panel_float32", "zpd_pack_panel_float32", 16
     GATED_SYMBOL = "zpd_linear_panel_gated_float32"
-    ROWS = (9, 64)                                # more on CPUs not Intel's: engines/linear.py
+    ROWS = (9, 64)                                # more on CPUs not Intel's: engines/cpu/linear.py
 
     @staticmethod
     def layout(w: torch.Tensor) -> torch.Tensor:

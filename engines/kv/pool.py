@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engines.kv.allocator import PageAllocator, page_runs
-from engines.attention import PagedKV
+from engines.kv.paged import PagedKV
 from engines.models.config import ModelConfig
 
 DEFAULT_PAGE_SIZE = 16

@@ -5,12 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.attention import (DecodeMeta, LastTokens, PagedKV, PrefillMeta, decode_attention,
-                               prefill_attention)
+from engines.backend import Backend, Heads
+from engines.kv.meta import DecodeMeta, LastTokens, PrefillMeta
+from engines.kv.paged import PagedKV
 from engines.models.config import ModelConfig
-from engines.cpu.layer_ops import LayerOps, layer_ops
-from engines.linear import gated_linear, linear
-from engines.models.rope import RotaryEmbedding, apply_rotary
+from engines.models.rope import RotaryEmbedding
 
 # checkpoint name suffix -> (our parameter suffix, shard) for fused projections
 PACKED_WEIGHTS: dict[str, tuple[str, str]] = {
@@ -29,19 +28,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight, self.eps = _param(dim), eps
 
-    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
-        if ops is not None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        # at least float32 for the variance, as the reference does for half types
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        return backend.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.heads = Heads(self.hq, self.hkv, self.d, cfg.qk_norm)
         self.shards = {"q": (0, self.hq * self.d), "k": (self.hq * self.d, self.hkv * self.d),
                        "v": ((self.hq + self.hkv) * self.d, self.hkv * self.d)}
         self.qkv_proj = nn.Module()
@@ -51,42 +46,23 @@ class Attention(nn.Module):
         self.o_proj.weight = _param(cfg.hidden_size, self.hq * self.d)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.d ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: PagedKV,
-                layer: int, meta: PrefillMeta | DecodeMeta, ops: LayerOps | None = None,
+                layer: int, meta: PrefillMeta | DecodeMeta, backend: Backend,
                 last: LastTokens | None = None) -> torch.Tensor:
         """-> [T, hidden]; with `last` (a prefill's last layer), of its rows only."""
-        t = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        if ops is not None and self.q_norm is None:
-            # rotary embedding and the pool's write in one pass; a decode step reads
-            # keys and values from the pool only, a prefill also attends to its own
-            if isinstance(meta, DecodeMeta):
-                q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
-                o = decode_attention(q, kv, layer, meta, self.scale)
-            elif last is not None:
-                q = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq)
-                o = decode_attention(q[last.rows], kv, layer, last.attend, self.scale)
-            else:
-                q, k = ops.rope_write(qkv, *rope, meta.write_rows, *kv.layer_rows(layer), self.hq, keys=True)
-                v = qkv[:, (self.hq + self.hkv) * self.d:].view(t, self.hkv, self.d)
-                o = prefill_attention(q, k, v, meta, self.scale, kv, layer, ops)
-            return linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
-        qk, v = qkv.split([(self.hq + self.hkv) * self.d, self.hkv * self.d], dim=-1)
-        qk, v = qk.view(t, self.hq + self.hkv, self.d), v.view(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.hq]), self.k_norm(qk[:, self.hq:])], dim=1)
-        qk = apply_rotary(qk, *rope)                     # queries and keys in one pass
-        q, k = qk[:, :self.hq], qk[:, self.hq:]
-        kv.write(layer, meta.write_rows, k, v)
-        if last is not None:
-            o = decode_attention(q[last.rows], kv, layer, last.attend, self.scale)
-        elif isinstance(meta, PrefillMeta):
-            o = prefill_attention(q, k, v, meta, self.scale, kv, layer)   # [T, Hq, D]
+        qkv = backend.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)   # [T, (Hq + 2 Hkv) D]
+        norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        prefill = isinstance(meta, PrefillMeta)
+        q, k, v = backend.rope_write(qkv, rope, kv, layer, meta.write_rows, self.heads, norms,
+                                     keys=prefill and last is None)       # q: [T, Hq, D]
+        if last is not None:        # their attention over the pool, where every token now is
+            o = backend.decode_attention(q[last.rows], kv, layer, last.attend, self.heads)
+        elif prefill:
+            o = backend.prefill_attention(q, k, v, meta, kv, layer, self.heads)
         else:
-            o = decode_attention(q, kv, layer, meta, self.scale)
-        return linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
+            o = backend.decode_attention(q, kv, layer, meta, self.heads)
+        return backend.linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -99,15 +75,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Module()
         self.down_proj.weight = _param(cfg.hidden_size, self.inter)
 
-    def forward(self, x: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
-        if ops is not None:             # SiLU(gate) * up in the product where the kernel does it
-            h = gated_linear(x, self.gate_up_proj.weight)
-            if h is None:
-                h = ops.silu_mul(linear(x, self.gate_up_proj.weight))
-            return linear(h, self.down_proj.weight)
-        gate_up = linear(x, self.gate_up_proj.weight)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+        return backend.mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -118,20 +87,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, ops: LayerOps | None = None,
+    def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, backend: Backend,
                 last: LastTokens | None = None) -> torch.Tensor:
-        """`ops`: the compiled element-wise steps (engines/cpu/layer_ops.py), or None for
-        torch's ops. With `last`, only its rows come out."""
-        h = self.self_attn(self.input_layernorm(x, ops), rope, kv, self.index, meta, ops, last)
+        """With `last`, only its rows come out."""
+        h = self.self_attn(self.input_layernorm(x, backend), rope, kv, self.index, meta, backend, last)
         if last is not None:
             x = x[last.rows]
-        if ops is None:
-            x = x + h
-            h = self.post_attention_layernorm(x)
-        else:
-            norm = self.post_attention_layernorm
-            h, x = ops.add_rms_norm(h, x, norm.weight, norm.eps)
-        return x + self.mlp(h, ops)
+        norm = self.post_attention_layernorm
+        h, x = backend.add_rms_norm(h, x, norm.weight, norm.eps)
+        return x + self.mlp(h, backend)
 
 
 class Backbone(nn.Module):
@@ -182,18 +146,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
-                meta: PrefillMeta | DecodeMeta) -> torch.Tensor:
+                meta: PrefillMeta | DecodeMeta, backend: Backend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last
         norm), or of a prefill's meta.last tokens only, [B, hidden]."""
         rope = self.rotary.tables(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        ops = layer_ops(x.dtype, x.device.type)
         *layers, final = self.model.layers
         for layer in layers:
-            x = layer(x, rope, kv, meta, ops)
-        return final(x, rope, kv, meta, ops, meta.last if isinstance(meta, PrefillMeta) else None)
+            x = layer(x, rope, kv, meta, backend)
+        return final(x, rope, kv, meta, backend, meta.last if isinstance(meta, PrefillMeta) else None)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(self.model.norm(hidden.contiguous(), layer_ops(hidden.dtype, hidden.device.type)),
-                      self.lm_head.weight)
+    def logits(self, hidden: torch.Tensor, backend: Backend) -> torch.Tensor:
+        return backend.linear(self.model.norm(hidden.contiguous(), backend), self.lm_head.weight)

@@ -81,12 +81,12 @@ def test_engine_decode_with_the_kernel_equals_torch_attention(dtype, tol):
     model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     engine = OfflineEngine(model, max_batch=3)
     runner, pool = engine.compute.runner, engine.compute.pool
-    assert runner.kernel is not None
+    assert runner.backend.paged_decode is not None
     lengths = [3, 300, 40]
     tables = [pool.allocator.alloc(pool.pages_for(n + 1)) for n in lengths]
     runner.prefill([[(7 * n + i) % 200 + 1 for i in range(n)] for n in lengths], tables)
     with_kernel = runner.decode([5, 6, 7], lengths, tables).double()
-    runner.kernel = None
+    runner.backend.paged_decode = None
     with_torch = runner.decode([5, 6, 7], lengths, tables).double()
     torch.testing.assert_close(with_kernel, with_torch, rtol=0, atol=tol)
 
@@ -94,7 +94,7 @@ def test_engine_decode_with_the_kernel_equals_torch_attention(dtype, tol):
 def test_float64_and_other_devices_use_torch_attention():
     assert pd.kernel_for(torch.float64, "cpu") is None
     assert pd.kernel_for(torch.float32, "cuda") is None
-    assert OfflineEngine(load_model("tiny", dtype="float64")).compute.runner.kernel is None
+    assert OfflineEngine(load_model("tiny", dtype="float64")).compute.runner.backend.paged_decode is None
 
 
 def test_built_once_then_loaded_from_the_cache(fresh, tmp_path):
@@ -173,7 +173,7 @@ def test_without_a_kernel_decode_stays_on_torch_with_a_warning(fresh, caplog, wh
         fresh.setattr(pd, "COMPILE_FLAGS", pd.COMPILE_FLAGS + ["-include", "no/such.h"])
     with caplog.at_level(logging.INFO, "zpd.engine"):
         engine = OfflineEngine(load_model("tiny", dtype="float32"))
-    assert engine.compute.runner.kernel is None
+    assert engine.compute.runner.backend.paged_decode is None
     assert {"no compiler": "no C++ compiler", "switched off": "switched off",
             "build fails": "no/such.h"}[why] in caplog.text
     from engines.request import Request

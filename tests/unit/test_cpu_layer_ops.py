@@ -195,13 +195,14 @@ def test_causal_attention_leaves_what_it_does_not_take_to_torch():
 def test_prefill_attention_by_the_kernel_equals_torchs():
     """SmolLM2's shapes (9 heads of 64 over 3), three packed prompts: prefill attention
     with the kernel equals torch's to float32 rounding."""
-    from engines.attention import PrefillMeta, prefill_attention
+    from engines.kv.meta import PrefillMeta
+    from engines.torch_backend import prefill_attention
     ops = _ops(torch.float32)
     g = torch.Generator().manual_seed(0)
     lens = [70, 1, 130]
     q, k = torch.randn(sum(lens), 9, 64, generator=g), torch.randn(sum(lens), 3, 64, generator=g)
     v = torch.randn(sum(lens), 3, 64, generator=g)
     meta = PrefillMeta(lens, torch.zeros(sum(lens), dtype=torch.long))
-    got = prefill_attention(q, k, v, meta, 0.125, ops=ops)
+    got = prefill_attention(q, k, v, meta, 0.125, causal=ops.causal_attention)
     want = prefill_attention(q, k, v, meta, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -50,13 +50,11 @@ def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
     """The model's products of up to 8 rows call the kernel (where the CPU has it; in
     bfloat16 where the AMX kernel does not take them), and decode steps give the
     tokens torch's products give."""
-    from engines.linear import PACKED
+    from engines.cpu.linear import PackedWeights
     if cp.small_linear(dtype) is None:
         assert not cpu_has("avx512f" if dtype == torch.float32 else "avx512_bf16")
         return
-    monkeypatch.setattr(cp, "packed_linear", lambda dtype: None)
-    PACKED.configure(True)                                   # forget the AMX packing
-    monkeypatch.setattr(PACKED, "_usable", {})
+    monkeypatch.setattr(cp, "packed_linear", lambda dtype: None)   # no AMX packing
     calls = []
     real = cp.SmallLinear.__call__
     monkeypatch.setattr(cp.SmallLinear, "__call__", lambda self, x, *a: calls.append(x.shape[0]) or real(self, x, *a))
@@ -66,7 +64,7 @@ def test_small_products_go_to_the_kernel(monkeypatch, batch, dtype):
     assert calls.count(batch) >= 7 * len(model.net.linears())    # 7 decode steps of `batch` rows
     monkeypatch.setattr(cp, "small_linear", lambda dtype: None)
     assert _greedy_tokens(model, prompts) == with_kernel
-    assert PACKED.usable(dtype) is not None              # more rows still packed
+    assert PackedWeights().usable(dtype) is not None     # more rows still packed
 
 
 def _packed_kernel_expected(dtype) -> bool:
@@ -190,7 +188,8 @@ def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
     at every batch, none to the dot-product kernel or oneDNN; in float32 and in
     bfloat16 panels past 8 rows (the dot-product kernel below); and they give the
     tokens torch's products give."""
-    from engines.linear import PACKED
+    from engines.cpu.kernels import SETTINGS
+    from engines.cpu.linear import PackedWeights
     kernel = cp.packed_linear(dtype)
     if kernel is None:
         assert not _packed_kernel_expected(dtype)
@@ -201,7 +200,6 @@ def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
     real_small = cp.SmallLinear.__call__
     monkeypatch.setattr(cp.SmallLinear, "__call__",
                         lambda self, x, *a: small.append(x.shape[0]) or real_small(self, x, *a))
-    PACKED.configure(True)
     model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     prompts = [[5 + i, 6, 7 + i % 3] for i in range(batch)]
     with_kernel = _greedy_tokens(model, prompts)
@@ -209,12 +207,10 @@ def test_model_products_go_to_the_packed_kernels(monkeypatch, dtype, batch):
         assert calls.count(batch) >= 7 * len(model.net.linears()) and batch not in small
     else:
         assert small.count(batch) >= 7 * len(model.net.linears()) and batch not in calls
-    assert PACKED.usable(dtype).name == type(kernel).__name__
-    monkeypatch.setattr(PACKED, "enabled", False)
-    monkeypatch.setattr(PACKED, "_usable", {})
+    assert PackedWeights().usable(dtype).name == type(kernel).__name__
+    monkeypatch.setattr(SETTINGS, "packed_weights", False)     # the next engine's backend
     monkeypatch.setattr(cp, "small_linear", lambda dtype: None)
     assert _greedy_tokens(model, prompts) == with_kernel
-    PACKED.configure(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -295,7 +291,9 @@ def test_gated_products_refuse_what_they_cannot_pair():
     """The library refuses a [gate; up] weight whose halves are not whole pairs of
     panels; `gated_linear` leaves such weights and decode-sized inputs to the product
     and silu_mul."""
-    from engines.linear import GATED_MIN_ROWS, PACKED, gated_linear
+    from engines.cpu.linear import GATED_MIN_ROWS, PackedWeights
+    weights = PackedWeights()
+    gated_linear = weights.gated_linear
     kernel = cp.packed_linear(torch.float32)
     if kernel is None:
         assert not _packed_kernel_expected(torch.float32)
@@ -307,7 +305,7 @@ def test_gated_products_refuse_what_they_cannot_pair():
     assert gated_linear(x, w) is None
     assert gated_linear(torch.randn(GATED_MIN_ROWS, 32), torch.randn(128, 32)) is None
     wide = gated_linear(torch.randn(GATED_MIN_ROWS + 1, 32), torch.randn(128, 32))
-    assert (wide is not None) == (PACKED.usable(torch.float32).rows[1] > GATED_MIN_ROWS)  # not on Intel
+    assert (wide is not None) == (weights.usable(torch.float32).rows[1] > GATED_MIN_ROWS)  # not on Intel
 
 
 def test_a_wrong_gated_kernel_is_not_used(monkeypatch, caplog):
@@ -335,11 +333,10 @@ def test_prefills_take_silu_mul_in_the_product_where_the_kernel_does(monkeypatch
     packing of its dtype has it and covers those rows (panels; not AMX, not float32 past
     64 rows on Intel, where MKL multiplies), and its tokens are those of the product
     followed by silu_mul."""
-    import engines.models.llama as llama
-    from engines.linear import PACKED
+    from engines.cpu.linear import PackedWeights
     model = load_model("tiny", dtype=str(dtype).removeprefix("torch."))
     prompt = [[(7 * i) % 200 + 3 for i in range(100)]]
-    packing = PACKED.usable(dtype)
+    packing = PackedWeights().usable(dtype)
     expected = packing is not None and packing.gated is not None and packing.rows[1] > 100
     kernel, calls = cp.packed_linear(dtype), []
     if kernel is not None:
@@ -348,5 +345,5 @@ def test_prefills_take_silu_mul_in_the_product_where_the_kernel_does(monkeypatch
     fused = _greedy_tokens(model, prompt)
     # every layer but the last, whose MLP runs the prompt's last token only (LastTokens)
     assert (calls == [100] * (len(model.net.model.layers) - 1)) == expected and (expected or not calls)
-    monkeypatch.setattr(llama, "gated_linear", lambda x, w: None)
+    monkeypatch.setattr(PackedWeights, "gated_linear", lambda self, x, w: None)
     assert _greedy_tokens(model, prompt) == fused

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from engines.allocator_tuning import freeze_startup_objects, tune_allocator
-from engines.attention import group_by_length
 from engines.models.config import ModelError
-from engines.linear import PACKED
+from engines.cpu.linear import PackedWeights
 from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams
 from engines.models.tiny import save_tiny
 from engines.offline import OfflineEngine
 from engines.request import Request, Unservable
+from engines.torch_backend import group_by_length
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -123,18 +123,19 @@ def test_float32_layout_is_kept_through_updates(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_weights_follow_every_update(tmp_path, dtype):
-    """The packed copies (engines/linear.py) are rebuilt after a weight update: the
+    """The packed copies (engines/cpu/linear.py) are rebuilt after a weight update: the
     updated model answers as a fresh load of the new weights does. Ten prompts make
     decode batches of ten rows, which both dtypes multiply packed (products of up to
     8 rows go to engines/cpu/products.py instead)."""
     prompts = PROMPTS + [[t + 1 for t in p] for p in PROMPTS]
     model = load_model("tiny", dtype=dtype)
     _, before = _run(model, prompts)
-    usable = PACKED.usable(model.dtype) is not None
-    assert all(PACKED.packed(w) for w in model.net.linears()) == usable
+    packed = PackedWeights()
+    usable = packed.usable(model.dtype) is not None
+    assert all(packed.packed(w) for w in model.net.linears()) == usable
     new_dir = save_tiny(tmp_path / "w2", seed=5)
     update_weights(model, str(new_dir), "v2")
-    assert not any(PACKED.packed(w) for w in model.net.linears())     # stale: not used
+    assert not any(packed.packed(w) for w in model.net.linears())     # stale: not used
     _, after = _run(model, prompts)
     _, fresh = _run(load_model(str(new_dir), dtype=dtype), prompts)
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in fresh]
@@ -152,21 +153,22 @@ def test_packed_products_equal_plain_ones(dtype, rows):
         w.data = w.data.t().contiguous().t()          # as the model holds it
     x, b = torch.randn(rows, 64, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    packed = PackedWeights()
     for bias in (None, b):
-        got = PACKED.linear(x, w, bias).double()
+        got = packed.linear(x, w, bias).double()
         assert torch.allclose(got, want - (b.double() if bias is None else 0), atol=0.05, rtol=0.02)
-    packing = PACKED.usable(dtype)
+    packing = packed.usable(dtype)
     from engines.cpu.products import SmallLinear, small_linear
     kernel = rows <= SmallLinear.ROWS and small_linear(dtype) is not None and w.is_contiguous()  # no copy
     packs = packing is not None and packing.rows[0] <= rows <= packing.rows[1]
-    assert PACKED.packed(w) == (packs and (packing.before_small or not kernel))
-    assert PACKED.usable(torch.float64) is None
+    assert packed.packed(w) == (packs and (packing.before_small or not kernel))
+    assert packed.usable(torch.float64) is None
 
 
 def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, caplog):
     """A torch whose packed product is wrong, or whose ops are missing, is found out by
     the first-use check: products stay F.linear's, with a warning."""
-    import engines.linear as lin
+    import engines.cpu.linear as lin
 
     def missing(w):
         raise RuntimeError("no such op")
@@ -187,10 +189,8 @@ def test_a_packing_that_disagrees_or_fails_gives_plain_products(monkeypatch, cap
 def test_packed_copies_can_be_turned_off(caplog):
     """Switched off (ZPD_PACKED_WEIGHTS=0, a memory-tight host): no copy is made, and
     products are F.linear's."""
-    import engines.linear as lin
-    packed = lin.PackedWeights()
-    packed.usable(torch.float32)
-    packed.configure(False)
+    import engines.cpu.linear as lin
+    packed = lin.PackedWeights(enabled=False)
     with caplog.at_level("INFO", "zpd.engine"):
         for dtype in (torch.float32, torch.bfloat16):
             w = torch.nn.Parameter(torch.randn(8, 4).to(dtype), requires_grad=False)
@@ -326,7 +326,7 @@ def test_a_copy_made_by_another_packing_is_not_used():
     """A weight's packed copy remembers the packing that made it: when the packing in
     use changes (the kernels switched on or off in one process), the copy is rebuilt
     instead of being read in the wrong layout."""
-    import engines.linear as lin
+    import engines.cpu.linear as lin
     doubled = lin.Packing("doubled", (1, 16), lambda w: w * 2, lambda x, p, w, b: torch.nn.functional.linear(x, p) / 2)
     negated = lin.Packing("negated", (1, 16), lambda w: -w, lambda x, p, w, b: -torch.nn.functional.linear(x, p))
     packed = lin.PackedWeights()
@@ -343,7 +343,7 @@ def test_float32_panels_take_prefills_only_off_intel(monkeypatch, tmp_path):
     """The float32 panel kernel stops at 64 rows on an Intel CPU (MKL's GEMM is as
     fast past that) and takes every size from 9 on others (MKL's generic path there
     is slower); an unreadable /proc/cpuinfo counts as Intel's, the measured default."""
-    import engines.linear as lin
+    import engines.cpu.linear as lin
     info = tmp_path / "cpuinfo"
     monkeypatch.setattr(lin, "Path", lambda _: info)
     info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\n")

@@ -79,15 +79,18 @@ def test_no_other_module_names_or_reads_a_zpd_variable() -> None:
 
 def test_engine_switches_reach_the_engine(tmp_path) -> None:
     from engines.cpu import kernels as cpu_kernels
-    from engines.linear import PACKED
+    from engines.runner import backend_for
     from zpd.env import CPU_KERNELS_ENV, KERNEL_CACHE_ENV, PACKED_WEIGHTS_ENV, configure_engine
+    float32, cpu = cpu_kernels.torch.float32, cpu_kernels.torch.device("cpu")
     try:
         configure_engine({CPU_KERNELS_ENV: "0", PACKED_WEIGHTS_ENV: " 0", KERNEL_CACHE_ENV: str(tmp_path)})
-        assert cpu_kernels.SETTINGS == cpu_kernels.Settings(False, tmp_path)
-        assert cpu_kernels.kernel_for(cpu_kernels.torch.float32, "cpu") is None
-        assert not PACKED.enabled and PACKED.usable(cpu_kernels.torch.float32) is None
+        assert cpu_kernels.SETTINGS == cpu_kernels.Settings(False, tmp_path, False)
+        assert cpu_kernels.kernel_for(float32, "cpu") is None
+        backend = backend_for(float32, cpu)                     # what a runner made now runs
+        assert backend.ops is backend.paged_decode is None
+        assert not backend.weights.enabled and backend.weights.usable(float32) is None
         configure_engine({})                                    # unset: both on, default cache
-        assert cpu_kernels.SETTINGS == cpu_kernels.Settings() and PACKED.enabled
+        assert cpu_kernels.SETTINGS == cpu_kernels.Settings() and backend_for(float32, cpu).weights.enabled
     finally:
         configure_engine({})
 
@@ -95,11 +98,10 @@ def test_engine_switches_reach_the_engine(tmp_path) -> None:
 @pytest.mark.parametrize("name", ["ZPD_CPU_KERNELS", "ZPD_PACKED_WEIGHTS"])
 def test_a_malformed_engine_switch_changes_nothing(name) -> None:
     from engines.cpu import kernels as cpu_kernels
-    from engines.linear import PACKED
     from zpd.env import configure_engine
     with pytest.raises(ValueError, match=rf"\${name}='off': want 1 \(on, the default\) or 0"):
         configure_engine({"ZPD_CPU_KERNELS": "0", name: "off"})
-    assert cpu_kernels.SETTINGS.enabled and PACKED.enabled
+    assert cpu_kernels.SETTINGS.enabled and cpu_kernels.SETTINGS.packed_weights
 
 
 def test_zpd_run_refuses_a_malformed_switch(capsys, monkeypatch) -> None:

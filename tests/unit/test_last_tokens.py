@@ -1,5 +1,5 @@
 """A prefill's last layer computes only the tokens whose output is read (each prompt's
-last, engines/attention.py `LastTokens`): the logits and every layer's keys and values
+last, engines/kv/meta.py `LastTokens`): the logits and every layer's keys and values
 in the pool must be those of the whole computation."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engines.models.llama as llama
-from engines.attention import PrefillMeta
+from engines.kv.meta import PrefillMeta
 from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request
@@ -20,11 +20,11 @@ def whole_forward(monkeypatch):
     """The model as it was: every token through every layer, the last rows picked after."""
     forward = llama.LlamaForCausalLM.forward
 
-    def every_token(self, ids, positions, kv, meta):
+    def every_token(self, ids, positions, kv, meta, backend):
         if not isinstance(meta, PrefillMeta):
-            return forward(self, ids, positions, kv, meta)
+            return forward(self, ids, positions, kv, meta, backend)
         last, meta.last = meta.last, None
-        hidden = forward(self, ids, positions, kv, meta)
+        hidden = forward(self, ids, positions, kv, meta, backend)
         assert hidden.shape[0] == ids.shape[0]
         meta.last = last
         return hidden[last.rows]
@@ -33,7 +33,7 @@ def whole_forward(monkeypatch):
 
 
 def pool_contents(runner, pool, table: list[int], n: int) -> list[torch.Tensor]:
-    rows = runner._rows(torch.tensor(table), torch.arange(n))
+    rows = runner.pages.rows(torch.tensor(table), torch.arange(n))
     return [pool.kv.read(layer, which, rows) for layer in range(pool.kv.num_layers) for which in (0, 1)]
 
 
@@ -42,7 +42,7 @@ def pool_contents(runner, pool, table: list[int], n: int) -> list[torch.Tensor]:
 def test_last_tokens_only_equal_every_token(monkeypatch, dtype, tolerance, prefix):
     engine = OfflineEngine(load_model("tiny", dtype=dtype), max_batch=len(LENGTHS))
     runner, pool = engine.compute.runner, engine.compute.pool
-    assert (runner.kernel is not None) == (dtype == "float32")   # both attention paths
+    assert (runner.backend.paged_decode is not None) == (dtype == "float32")   # both attention paths
     prompts = [[(11 * n + 3 * i) % 250 + 1 for i in range(n + prefix)] for n in LENGTHS]
 
     def prefill(tables):

@@ -16,7 +16,8 @@ short prompts) and the plain weight otherwise. A packed copy is derived from its
 parameter and rebuilt when the parameter changes (a weight update copies into it, a
 trainer push swaps its storage), so every writer of weights stays as it is. The cost
 is memory: a second copy of each projection and the head, made on first use;
-`PACKED.configure(False)` (zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
+`PackedWeights(enabled=False)` (the CPU backend's, where engines.cpu.kernels.configure
+says so; zpd's commands: ZPD_PACKED_WEIGHTS=0) goes without them.
 
 Where the CPU has them, engines/cpu/products.py's kernels come first: bfloat16
 weights are packed for its AMX kernel (1-256 rows; SmolLM2's products against
@@ -148,12 +149,6 @@ class PackedWeights:
         self.enabled = enabled
         self._usable: dict[torch.dtype, Packing | None] = {}
 
-    def configure(self, enabled: bool) -> None:
-        """With False, products use the plain weights and no copy is made from now on
-        (copies already made are dropped as their parameters change)."""
-        self.enabled = enabled
-        self._usable.clear()
-
     def usable(self, dtype: torch.dtype) -> Packing | None:
         """The packing of `dtype`, checked on first call; None: plain products."""
         if dtype not in self._usable:
@@ -208,8 +203,3 @@ class PackedWeights:
         """Whether `w` holds a packed copy of its current values."""
         got = getattr(w, self.ATTR, None)
         return got is not None and got[0][:2] == (w.data_ptr(), w._version)
-
-
-PACKED = PackedWeights()
-linear = PACKED.linear
-gated_linear = PACKED.gated_linear

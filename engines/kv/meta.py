@@ -1,0 +1,52 @@
+"""What one forward pass needs to know about its batch's pages: where each token's
+keys and values go, and what each sequence attends to. Built by the runner (and, for
+decode attention, by its backend's `prepare`), read by the backend's attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillMeta:
+    """A packed batch of prompts: sequence i computes seq_lens[i] tokens. With a cached
+    prefix (starts[i] > 0) its tokens also attend to the KV of positions
+    0..starts[i]-1, already in the pool at context_rows[i]."""
+    seq_lens: list[int]
+    write_rows: torch.Tensor      # [T] pool row of each token for layer 0, K
+    starts: list[int] | None = None                       # None: no sequence has a prefix
+    context_rows: list[torch.Tensor | None] | None = None  # [starts[i]] rows, layer 0, K
+    last: LastTokens | None = None                        # None: every token's output is read
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences of similar length, padded to the longest of them."""
+    members: torch.Tensor | None  # [b] their rows in the batch (None: the whole batch)
+    read_index: torch.Tensor      # [b, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
+    padding: torch.Tensor | None  # [b, 1, 1, S] True past a row's context; None: no row is padded
+
+
+@dataclass
+class DecodeMeta:
+    """One new token per sequence, attending to its whole context through its pages.
+    torch's attention (engines/torch_backend.py) reads it by `groups` of similar
+    length; the CPU kernel (engines/cpu/backend.py) reads each sequence's first
+    lengths[b] `read_rows` in place."""
+    write_rows: torch.Tensor      # [B] pool row of the new token for layer 0, K
+    groups: list[DecodeGroup]
+    read_rows: torch.Tensor | None = None   # [B, S] layer-0 K rows of each context (kernel)
+    lengths: torch.Tensor | None = None     # [B] context lengths (kernel)
+
+
+@dataclass
+class LastTokens:
+    """The tokens of a prefill whose output is read: each sequence's last, for its
+    logits. The model's last layer computes only them past the KV write (the other
+    tokens' keys and values are all any later step reads of that layer), their
+    attention a decode step's over the pool, where the layer has just written every
+    token's keys and values; forward returns [B, hidden]. The others' attention, o_proj
+    and MLP in that layer were ~1/30 of SmolLM2's prefill."""
+    rows: torch.Tensor            # [B] their rows in the packed batch
+    attend: DecodeMeta            # their attention, each to its whole sequence
