@@ -17,7 +17,7 @@ class Compute:
         self.model, self.pool = model, pool
         self.runner = ModelRunner(model, pool)
         eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
-        self.sampler = Sampler(eos)
+        self.sampler = Sampler(eos, self.runner.backend.argmax)
         self.stop = StopChecker(eos, model.tokenizer)
 
     def prefill(self, reqs: list[Request], starts: list[int] | None = None) -> None:

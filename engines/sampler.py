@@ -9,11 +9,12 @@ Logprobs, for the requests that ask, come from the same logits (`token_logprobs`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from engines.cpu.layer_ops import layer_ops
 from engines.sampling_params import SamplingParams
+from engines.torch_backend import TorchBackend
 
 _MASK64 = (1 << 64) - 1
 
@@ -106,24 +107,17 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(pick, last).squeeze(1)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1) of [B, V] logits, by the compiled kernel where there is one
-    (engines/cpu/layer_ops.py: torch's CPU argmax is a scalar loop, 0.84 ms for 16 rows
-    of 49,152 float32 logits and 2.3 ms in bfloat16, against 0.08 ms)."""
-    ops = layer_ops(logits.dtype, logits.device.type)
-    if ops is None or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0:
-        return logits.argmax(-1)
-    return ops.argmax(logits)
-
-
 class Sampler:
     """Picks one token per row. `steps[i]` is how many tokens row i has emitted so far.
     `eos_ids`: the model's end tokens, which a row may not draw (nor its own stop token
     ids) before its min_new_tokens, as SGLang's min-new-tokens penalty does: their
-    logits become -inf, so greedy and sampled rows alike draw something else."""
+    logits become -inf, so greedy and sampled rows alike draw something else.
+    `argmax`: the runner's backend's (engines/backend.py; on CPU a kernel), else torch's."""
 
-    def __init__(self, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, eos_ids: tuple[int, ...] = (),
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.eos_ids = tuple(eos_ids)
+        self.argmax = argmax or TorchBackend().argmax
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> list[int]:
@@ -144,7 +138,7 @@ class Sampler:
             logits[i] = apply_penalties(logits[i].clone(), params[i], prompts[i], outputs[i])
         for i, ids in banned.items():
             logits[i, ids] = float("-inf")
-        chosen = argmax(logits).tolist()
+        chosen = self.argmax(logits).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             for i, token in zip(sampled, self._draw(logits[sampled], [params[i] for i in sampled],

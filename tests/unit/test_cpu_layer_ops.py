@@ -114,12 +114,14 @@ def test_sampler_greedy_takes_the_kernels_argmax(monkeypatch):
     """Greedy rows are picked by the kernel from the model's dtype (no float32 copy),
     with torch's answer."""
     from engines import sampler as sm
+    from engines.cpu.backend import CpuBackend
     calls = []
     real = co.LayerOps.argmax
     monkeypatch.setattr(co.LayerOps, "argmax", lambda self, x: calls.append(x.dtype) or real(self, x))
     logits = torch.randn(4, 300).to(torch.bfloat16)
     params = [sm.SamplingParams(temperature=0)] * 4
-    got = sm.Sampler()(logits, params, [0] * 4, [0] * 4, [[1]] * 4, [[]] * 4)
+    sampler = sm.Sampler(argmax=CpuBackend(torch.bfloat16).argmax)
+    got = sampler(logits, params, [0] * 4, [0] * 4, [[1]] * 4, [[]] * 4)
     assert got == logits.argmax(-1).tolist() and calls == [torch.bfloat16]
 
 
