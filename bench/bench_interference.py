@@ -41,7 +41,7 @@ Targets (full mode): 1P1D ITL p99 <= 2x its p50, colocated ITL p99 > 5x its p50,
 
 --plot: a PNG of every steady gap against its time in the run, one panel per side,
 red lines where long prompts arrived, the dashed line at SLO_itl.
---smoke: the tiny model, 2 streams, one 128-token long prompt, 4 s of load, no
+--smoke: the tiny model, 2 streams, one 128-token long prompt, 3 s of load, no
 targets (CI keeps the script running with it).
 
 Colocated runs first, then 1P1D; before each (and before the calibration) the script
@@ -82,7 +82,7 @@ from engines.sampler import SamplingParams  # noqa: E402
 from zpd.client import Client  # noqa: E402
 
 SMOKE = dict(model="tiny", streams=2, steady_len=16, steady_tokens=16, long_len=128,
-             long_tokens=4, long_every=2.0, duration=4.0, calib_s=1.5, calib_long=1, quiet_wait=0.0)
+             long_tokens=4, long_every=2.0, duration=3.0, calib_s=1.0, calib_long=1, quiet_wait=0.0)
 ROW_FORMAT = {"ITL p99/p50": ".2f", "requests finished": ".0f", "goodput": ".3f", "others' cores": ".2f"}
 
 

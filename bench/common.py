@@ -123,7 +123,10 @@ def children(pid: int) -> list[int]:
 def wait_quiet(max_s: float, limit_cores: float = 0.3, window_s: float = 0.5) -> float:
     """Wait (at most max_s) until the machine is nearly idle for one window, since these
     benchmarks share the cores with whatever else runs; returns the cores busy in the
-    last window (others' work: ours is idle then)."""
+    last window (others' work: ours is idle then). max_s <= 0 (a smoke run's
+    --quiet-wait 0): no wait and no window, nan."""
+    if max_s <= 0:
+        return float("nan")
     deadline = time.monotonic() + max_s
     while True:
         before = machine_busy_seconds()
