@@ -62,3 +62,134 @@ def test_roles_do_not_import_ops():
               for p in roles}
     assert roles
     assert not {f: m for f, m in upward.items() if m}
+
+
+# The engine's backends: a model sees only the protocol (engines/backend.py); the
+# compiled CPU kernels are reached through engines/cpu/ alone.
+
+PACKAGES = ("engines", "zpd", "transport", "scripts")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (imports for annotations only)."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            continue
+        yield child
+        yield from _runtime_nodes(child)
+
+
+def _imported_names(path: Path, module: str) -> set[str]:
+    """Dotted names `path` imports at run time (in functions too), relative ones resolved;
+    `from a import b` names a.b (a module, or a name in module a)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            names |= {f"{base}.{a.name}" for a in node.names}
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of PACKAGES it imports. scripts/ run as files, so a bare
+    name there is a sibling script."""
+    paths = {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for name in _imported_names(path, module):
+            if module.startswith("scripts.") and f"scripts.{name.split('.')[0]}" in paths:
+                name = f"scripts.{name}"
+            while name and name not in paths:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component, member = set(), None
+                    while member != node:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                    if len(component) > 1:
+                        found.append(component)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+# Circles that predate the check, through an import inside a function; each is its
+# package's to remove (then its entry here goes).
+KNOWN_CIRCLES = [{"zpd.worker.tensor_stage", "zpd.worker.weight_sync"}]
+
+
+def test_no_import_circles():
+    assert [c for c in _circles(import_graph()) if c not in KNOWN_CIRCLES] == []
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _circles(graph) == [{"a", "b", "c"}]
+
+
+def test_models_see_only_the_backend_protocol():
+    """engines/models/ computes through engines/backend.py: no backend's code, no kernel."""
+    graph = import_graph()
+    backends = ("engines.cpu", "engines.torch_backend", "engines.runner")
+    bad = {m: sorted(t for t in targets if t.startswith(backends))
+           for m, targets in graph.items() if m.startswith("engines.models.")}
+    assert {m: t for m, t in bad.items() if t} == {}
+    assert "engines.backend" in graph["engines.models.llama"]
+
+
+# Who outside engines/cpu/ may import it, and why: the runner picks the backend, the
+# loader the float32 weights' layout for the products, weight release drops packed
+# copies, zpd/env.py hands the kernels their switches.
+CPU_IMPORTERS = {"engines.runner", "engines.loader", "engines.weight_release", "zpd.env"}
+
+
+def test_only_engines_cpu_reaches_the_compiled_kernels():
+    graph = import_graph()
+    importers = {m for m, targets in graph.items() if not m.startswith("engines.cpu")
+                 and any(t.startswith("engines.cpu") for t in targets)}
+    assert importers <= CPU_IMPORTERS, importers - CPU_IMPORTERS
+    # the kernels' own modules: the runner reaches them through the CPU backend only
+    wrappers = {"engines.cpu.kernels", "engines.cpu.layer_ops", "engines.cpu.products"}
+    direct = {m for m, targets in graph.items() if not m.startswith("engines.cpu.") and targets & wrappers}
+    assert direct <= {"engines.loader", "zpd.env"}, direct
