@@ -183,9 +183,10 @@ class InprocCluster:
         return core.status_fields()["kv_pages"]
 
     def check_pages(self, idle: bool = True) -> None:
-        """free + held + fenced + cached == total on both workers; with `idle`, every
-        page free or in the prefill's prefix cache (no request's, no fence's)."""
+        """free + held + fenced + cached == total on both workers (and the page book's
+        own check); with `idle`, every page free or cached (no request's, no fence's)."""
         for core in (self.prefill, self.decode):
+            core.scheduler.pages.check()
             p = self.pages(core)
             assert p["free"] + p["held"] + p["fenced"] + p["cached"] == p["total"], (core.cfg.role, p)
             if idle:

@@ -22,7 +22,7 @@ def world():
     clock, dead = Clock(), set()
     loop = Loop(clock=clock)
     alloc = PageAllocator(16)
-    fences = Fences(loop, alloc, seconds=7.0, dead_limit=60.0, is_dead=lambda p: p in dead)
+    fences = Fences(loop, alloc.free_pages, seconds=7.0, dead_limit=60.0, is_dead=lambda p: p in dead)
 
     def advance(seconds: float) -> None:
         for _ in range(int(seconds * 2)):

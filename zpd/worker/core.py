@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import signal
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -16,7 +14,6 @@ from typing import Any, Callable, Hashable, Iterator
 import zmq
 
 import transport
-from engines.allocator_tuning import freeze_startup_objects, tune_allocator
 from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
@@ -25,12 +22,11 @@ from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
-from zpd.ops.ready import write_ready_file
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
 from zpd.wire.security import WORKER_POLICY, Security
-from zpd.ops.mem_fraction import kv_cache_mb
+from zpd.worker.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import WeightsAndMemory
 from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
@@ -260,16 +256,13 @@ class WorkerCore:
     def status_fields(self) -> dict:
         """This worker's part of `status` (shared/DESIGN.md, "Contract")."""
         fields = self.scheduler.status()
-        pages = fields.pop("kv_pages")
-        a = self.pool.allocator
-        # Counted from the scheduler's own records, so free + held + fenced + cached == total
-        # is a real check: a page allocated to no live request or fence breaks it.
+        # The page book's counts: free + held + fenced + cached == total is its invariant
+        # (zpd/worker/pages.py checks it), each figure counted on its own.
         return {"weight_version": self.model.version, "paused": self.paused,
                 "memory": self.memory.state, "weights_memory": self.memory.weights_state,
                 "device": str(self.pool.device), "dtype": str(self.model.dtype).removeprefix("torch."),
                 "context_length": self.model.cfg.max_position, "max_batch": self.cfg.max_batch,
-                "kv_pages": {"total": a.total, "free": a.free, "held": pages["held"],
-                             "fenced": pages["fenced"], "cached": pages.get("cached", 0)},
+                "kv_pages": self.scheduler.pages.counts(),
                 "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \
             | fields
 
@@ -357,25 +350,3 @@ def compat_hash(model, layout: KVLayout) -> str:
                        "chat": hashlib.sha256(chat.encode()).hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-
-def serve(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler], cfg: WorkerConfig) -> int:
-    """Run a worker until SIGINT/SIGTERM."""
-    tune_allocator()
-    ctx = zmq.Context()
-    core = WorkerCore(cfg, ctx)
-    core.attach(make_scheduler(core, ctx))
-    freeze_startup_objects()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: (stop.set(), core.loop.stop()))
-    write_ready_file(cfg.ready_file, {"role": cfg.role, "endpoint": core.endpoint, "pid": os.getpid()})
-    log.warning("%s worker ready on %s (model %s on %s, %d KV pages of %d bytes, transport "
-                "session %s)", cfg.role, core.endpoint, cfg.model, core.pool.device,
-                core.pool.num_pages, core.layout.page_bytes, core.backend.session_id)
-    try:
-        core.run(stop)
-    finally:
-        core.scheduler.close()
-        core.close()
-        ctx.destroy(linger=0)     # also closes the scheduler's own sockets
-    return 0

@@ -12,18 +12,16 @@ from collections import deque
 
 import zmq
 
-from engines.kv.allocator import PoolFull
 from engines.batch import DecodeBatch
-from engines.kv.prefix_cache import PrefixCache, cache_status
 from engines.request import Request, response
 from zpd.wire.status import ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                                Recompute, Tokens)
 from zpd.worker.core import WorkerCore
-from zpd.worker.fences import Fences
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
+from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import cached_tokens, first_logprobs, token_part
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
@@ -38,8 +36,9 @@ class DecodeScheduler:
         self.jobs: dict[int, DecodeJob] = {}                  # room -> job
         self.by_rid: dict[str, DecodeJob] = {}
         self.waiting: deque[DecodeJob] = deque()              # WAITING, in arrival order
-        self.fences = Fences(self.loop, self.pool.allocator, self.deadlines.transfer + 5.0,
-                             self.deadlines.dead_fence, self._prefill_dead)
+        # Its pages, fences and prefix cache: full prefix pages kept after their requests
+        # end; a request whose prefix is there asks its prefill for the other pages only.
+        self.pages = PageBook.for_worker(core, self._prefill_dead)
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
         self.transferring = 0        # jobs in TRANSFERRING: each will join the batch at kv_done
         self.retraction = Retraction(self)                    # pause, retract, continue
@@ -48,10 +47,6 @@ class DecodeScheduler:
                                   core.security.client_options(), self.deadlines.heartbeat,
                                   self.deadlines.peer_timeout, core.drops)
         self.handlers = {Generate: self.on_generate, Abort: self.on_abort}
-        # Full prefix pages kept after their requests end: a request whose prefix is
-        # here asks its prefill for the other pages only (page id -1 in its kv_dest).
-        self.cache = PrefixCache(self.pool.allocator, self.pool.layout.page_size) \
-            if core.cfg.prefix_cache and not core.cfg.clear_freed_pages else None
 
     def _hello(self) -> Hello:
         core = self.core
@@ -117,48 +112,25 @@ class DecodeScheduler:
         if not (self.waiting and in_batch < self.batch.max_batch and self.core.schedulable()):
             return False
         job = self.waiting[0]
-        need, room = self.pool.pages_for(job.req.max_context), self.pool.allocator.free
-        if self.cache is not None:
-            hit = self.cache.peek(self._keys(job), self._prefix_len(job))
-            need -= hit
-            room += max(0, self.cache.evictable - hit)     # its own hits are not room
-        return need <= room
+        return self.pages.fits(self._prefix(job), self.pool.pages_for(job.req.max_context))
 
-    def _keys(self, job: DecodeJob) -> list[bytes]:
-        """The prefix-cache keys of the job's prefix (prompt + output[:-1]) under the
-        current weights."""
-        version, n = self.core.model.version, self._prefix_len(job)
-        if job.prefix_keys is None or job.prefix_keys[:2] != (version, n):   # built once per epoch
-            prefix = job.req.prompt + job.req.output[:-1]
-            job.prefix_keys = (version, n, self.cache.keys(prefix, version))
-        return job.prefix_keys[2]
-
-    @staticmethod
-    def _prefix_len(job: DecodeJob) -> int:
-        """Tokens whose KV the prefill sends: prompt + output[:-1]."""
-        return len(job.req.prompt) + max(0, len(job.req.output) - 1)
-
-    def _reserve(self, job: DecodeJob) -> list[int]:
-        """Pages for prompt + max_new_tokens: the cached ones of its prefix first."""
-        total = self.pool.pages_for(job.req.max_context)
-        if self.cache is None:
-            job.skip = 0
-            return self.pool.allocator.alloc(total)
-        cached = self.cache.match(self._keys(job), self._prefix_len(job))
-        job.skip = len(cached)
-        if not self.cache.make_room(total - len(cached)):
-            self.cache.release(cached)
-            raise PoolFull("no room after eviction")
-        return cached + self.pool.allocator.alloc(total - len(cached))
+    def _prefix(self, job: DecodeJob) -> Prefix:
+        """The tokens whose KV the prefill sends, prompt + output[:-1], as the prefix
+        cache sees them (hashed once per epoch)."""
+        n = len(job.req.prompt) + max(0, len(job.req.output) - 1)
+        job.prefix_keys = self.pages.prefix(job.req, n, job.prefix_keys)
+        return job.prefix_keys
 
     def admit(self) -> None:
-        """FIFO: reserve pages for prompt + max_new_tokens, then ask for the KV."""
+        """FIFO: reserve pages for prompt + max_new_tokens (the cached ones of its
+        prefix first), then ask for the KV."""
         while self._can_admit():
             job = self.waiting[0]
-            try:
-                job.req.pages = self._reserve(job)
-            except PoolFull:
+            skip = self.pages.reserve(job.req, self._prefix(job),
+                                      self.pool.pages_for(job.req.max_context))
+            if skip is None:
                 return
+            job.skip = skip
             link = self.links.get(self.retraction.prefill_for(job))
             if link.state in (LinkState.REFUSED, LinkState.DEAD):
                 status = UNAVAILABLE if link.state is LinkState.DEAD else INTERNAL
@@ -248,7 +220,7 @@ class DecodeScheduler:
 
     def on_prefill_message(self, link: PrefillLink, msg: Message) -> None:
         key = (getattr(msg, "room", -1), getattr(msg, "epoch", -1))
-        if isinstance(msg, (KvDone, KvFailed)) and self.fences.answered(key, link.endpoint):
+        if isinstance(msg, (KvDone, KvFailed)) and self.pages.answered(key, link.endpoint):
             return                               # the prefill answered: nothing more will land
         job = self.jobs.get(key[0])
         if job is None or job.epoch != key[1] or job.phase is not DecodePhase.TRANSFERRING \
@@ -278,8 +250,7 @@ class DecodeScheduler:
         if job.cached_tokens is None:            # a recompute's figure is not the request's
             job.cached_tokens = cached
         log.info("rid=%r room=%d epoch=%d kv received", req.rid, job.room, job.epoch)
-        if self.cache is not None:          # its prefix's full pages are complete now
-            self.cache.insert(self._keys(job), req.pages, job.skip)
+        self.pages.computed(req, self._prefix(job))      # its prefix's full pages are complete
         self.move(job, DecodePhase.FINISHED if req.finished else DecodePhase.RUNNING)
         self.emit(job)
 
@@ -314,7 +285,7 @@ class DecodeScheduler:
     def on_prefill_restarted(self, link: PrefillLink) -> None:
         """The prefill answered our hello from a new transport session: the process
         that might have written into fenced pages is gone, so they are free."""
-        released = self.fences.release_prefill(link.endpoint)
+        released = self.pages.prefill_restarted(link.endpoint)
         if released:
             log.warning("prefill %s restarted: released %d fences", link.endpoint, released)
 
@@ -355,16 +326,14 @@ class DecodeScheduler:
         self.emit(job)
 
     def release(self, job: DecodeJob, fence: bool) -> None:
-        """Give back the request's pages, or fence them if a prefill write may still land.
-        Pages of the prefix cache go back to it: no write ever targets them (a cached
-        page is skipped in the kv_dest; one is adopted only once its write is done)."""
-        req = job.req
-        own = self.cache.release(req.pages) if self.cache is not None and req.pages else req.pages
-        if own and fence:
-            self.fences.add((job.room, job.epoch), own, job.prefill)
-        elif own:
-            self.pool.allocator.free_pages(own)
-        req.pages = []
+        """Give back the request's pages (if it has any: a waiting or held one has
+        none), or fence them if a prefill write may still land."""
+        if job.req not in self.pages:
+            return
+        if fence:
+            self.pages.fence(job.req, (job.room, job.epoch), job.prefill)
+        else:
+            self.pages.release(job.req)
 
     def _forget(self, job: DecodeJob) -> None:
         self.jobs.pop(job.room, None)
@@ -376,7 +345,7 @@ class DecodeScheduler:
     # Pause and continue are `self.retraction`'s (zpd/worker/retraction.py).
 
     def busy(self) -> bool:
-        return bool(self.jobs or self.fences)
+        return bool(self.jobs) or self.pages.fenced > 0
 
     def on_pause(self, mode: str) -> None:
         if mode == "abort":                      # prompts still being tokenized end too
@@ -394,19 +363,15 @@ class DecodeScheduler:
         self.links.rehello(self._hello())       # prefills must learn our pool's new address
 
     def on_weights_changed(self) -> None:
-        if self.cache is not None:
-            freed = self.cache.invalidate()
-            log.info("prefix cache invalidated (new weights): %d pages freed", freed)
+        self.pages.weights_changed()
 
     def flush_cache(self) -> int:
-        return self.cache.invalidate() if self.cache is not None else 0
+        return self.pages.invalidate()
 
     def status(self) -> dict:
         phases = [j.phase for j in self.jobs.values()]
-        held = {p for j in self.jobs.values() for p in j.req.pages}   # shared pages once
-        cache = cache_status(self.cache)
-        return {"kv_pages": {"held": len(held), "fenced": self.fences.pages,
-                             "cached": cache["cached"]}, "page_size": self.pool.layout.page_size,
+        cache = self.pages.status()
+        return {"page_size": self.pool.layout.page_size,
                 "prefix_cache": cache["prefix_cache"], "counters": cache["counters"],
                 "queues": {"waiting_pages": phases.count(DecodePhase.WAITING),
                            "waiting_kv": phases.count(DecodePhase.TRANSFERRING),

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from typing import Callable, NamedTuple
 
-from engines.kv.allocator import PageAllocator
 from zpd.wire.loop import Loop, Timer
 
 log = logging.getLogger("zpd.worker.fences")
@@ -34,11 +33,12 @@ class Fence(NamedTuple):
 
 
 class Fences:
-    """The fenced pages of one decode; frees them into `allocator` when safe."""
+    """The fenced pages of one decode; hands them to `free` when safe (the page book's
+    allocator: zpd/worker/pages.py)."""
 
-    def __init__(self, loop: Loop, allocator: PageAllocator, seconds: float, dead_limit: float,
-                 is_dead: Callable[[str], bool]) -> None:
-        self.loop, self.allocator = loop, allocator
+    def __init__(self, loop: Loop, free: Callable[[list[int]], None], seconds: float,
+                 dead_limit: float, is_dead: Callable[[str], bool]) -> None:
+        self.loop, self.free = loop, free
         self.seconds, self.dead_limit, self.is_dead = seconds, dead_limit, is_dead
         self.by_key: dict[Key, Fence] = {}
 
@@ -86,4 +86,4 @@ class Fences:
     def _free(self, key: Key) -> None:
         fence = self.by_key.pop(key)
         fence.timer.cancel()
-        self.allocator.free_pages(fence.pages)
+        self.free(fence.pages)

@@ -7,8 +7,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from engines.request import Request
 from zpd.wire.deadline import Deadline
+
+if TYPE_CHECKING:
+    from zpd.worker.pages import Prefix
 
 
 class JobPhase(enum.Enum):
@@ -41,7 +46,7 @@ class PrefillJob:
     notice: tuple[int, str] | None = None    # kv_failed to send once the write is over
     marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
     early_to: bytes | None = None        # a streaming client's router: send it the first token
-    prefix_keys: tuple[str, list] | None = None   # (weight version, prefix-cache page keys)
+    prefix_keys: Prefix | None = None    # its prompt's prefix-cache keys (PageBook.prefix)
     skip: int = 0                        # leading pages that came from the prefix cache
 
 
@@ -69,7 +74,7 @@ class DecodeJob:
     sent: int = 0            # output tokens already sent to the client
     asked: int = -1          # the epoch whose kv_dest went out: its pages may be written
     skip: int = 0            # leading prefix pages from the prefix cache (not transferred)
-    prefix_keys: tuple | None = None     # (weight version, prefix length, page keys)
+    prefix_keys: Prefix | None = None    # its prefix's prefix-cache keys (PageBook.prefix)
     cached_tokens: int | None = None     # prompt tokens its first prefill took from its cache
 
     @property

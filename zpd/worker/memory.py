@@ -193,7 +193,7 @@ class WeightsAndMemory:
         """Only with no page in use: pages are held or fenced exactly while some request's
         KV, or a write into it, may still be there. Cached pages no request uses go first."""
         self.core.scheduler.flush_cache()
-        in_use = self.core.pool.allocator.allocated
+        in_use = self.core.scheduler.pages.in_use
         if in_use:
             raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "
                                         "and wait for them first")

@@ -26,9 +26,9 @@ from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvDone, KvFailed, 
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
+from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import first_logprob_fields, token_part
 from zpd.worker.peers import DecodePeers, skipped
-from zpd.worker.prompt_pages import PromptPages
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
 
@@ -69,9 +69,7 @@ class PrefillScheduler:
         self.dests = KvDests(self)                            # hellos and kv_dests
         self.transfer_ids = itertools.count(1)
         self.page_size = self.pool.layout.page_size
-        # --clear-freed-pages asks that no request's KV outlive it: nothing is cached then
-        self.pages = PromptPages(self.pool, core.cfg.prefix_cache and not core.cfg.clear_freed_pages,
-                                 lambda: core.model.version)
+        self.pages = PageBook.for_worker(core)               # the pool's pages and prefix cache
         # cumulative, reported in status for /metrics
         self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0,
                          "kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
@@ -113,7 +111,13 @@ class PrefillScheduler:
         return self._fits(self.pending[0]) if self.pending else False
 
     def _fits(self, job: PrefillJob) -> bool:
-        return self.core.schedulable() and self.pages.fits(job)
+        return self.core.schedulable() and \
+            self.pages.fits(self._prefix(job), self.pool.pages_for(len(job.req.prompt)))
+
+    def _prefix(self, job: PrefillJob) -> Prefix:
+        """The job's prompt as the prefix cache sees it (hashed once per weight version)."""
+        job.prefix_keys = self.pages.prefix(job.req, len(job.req.prompt), job.prefix_keys)
+        return job.prefix_keys
 
     def step(self) -> None:
         if self.pending and self.by_transfer:
@@ -132,7 +136,7 @@ class PrefillScheduler:
         done = time.monotonic()
         for job in batch:
             job.marks |= {"forward": started, "computed": done}
-            self.pages.computed(job)
+            self.pages.computed(job.req, self._prefix(job))
         self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) - j.skip * self.page_size
                                                        for j in batch)
         self.counters["prefill_forward_seconds"] += done - started
@@ -159,15 +163,18 @@ class PrefillScheduler:
         for job in list(self.pending):
             if not self._fits(job):
                 break
-            n = len(job.req.prompt)
-            keys, hit = self.pages.keys(job), self.pages.hit(job)
+            n, prefix = len(job.req.prompt), self._prefix(job)
+            keys, hit = prefix.keys, self.pages.hit(prefix)
             # wait for a batch-mate only for a page this prompt could take from the cache
             # (the page of its last token is always computed)
             if keys and hit < (n - 1) // self.page_size and keys[hit] in computing:
                 continue
             if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
                 break
-            self.pages.take(job)
+            skip = self.pages.reserve(job.req, prefix, self.pool.pages_for(n))
+            if skip is None:                     # `_fits` said there is room: cannot happen
+                break
+            job.skip = skip
             self.move(job, JobPhase.COMPUTING)
             batch.append(job)
             tokens += n - hit * self.page_size
@@ -192,8 +199,8 @@ class PrefillScheduler:
                 self.end(job, INTERNAL, reason)
                 continue
             # Its decode is not known until its kv_dest comes: refused, as at admission.
-            self.pages.free(job.req.pages)
-            job.req.pages, job.failure = [], (INTERNAL, reason)
+            self.pages.release(job.req)
+            job.failure = (INTERNAL, reason)
             self.move(job, JobPhase.REJECTED)
 
     def _send_first_token(self, job: PrefillJob) -> None:
@@ -365,9 +372,8 @@ class PrefillScheduler:
     def _finish_ended(self, job: PrefillJob) -> None:
         if job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
-        if job.req is not None and job.req.pages:
-            self.pages.free(job.req.pages)
-            job.req.pages = []
+        if job.req in self.pages:
+            self.pages.release(job.req)
 
     # --- pause, continue, status (the core's admin commands call these) ---------------
 
@@ -400,23 +406,16 @@ class PrefillScheduler:
         pass                                     # a job ends by its deadline or its decode
 
     def on_weights_changed(self) -> None:
-        """KV computed under the old weights must never be used again."""
-        if self.pages.cache is not None:
-            freed = self.pages.invalidate()
-            log.info("prefix cache invalidated (new weights): %d pages freed", freed)
+        self.pages.weights_changed()
 
     def flush_cache(self) -> int:
         """Drop every cached page (the caller checked no request runs)."""
         return self.pages.invalidate()
 
     def status(self) -> dict:
-        jobs = list(self.jobs.values())
-        owners = {j for j in jobs + list(self.by_transfer.values()) if j.req is not None}
-        phases = [j.phase for j in jobs]
-        held = {p for j in owners for p in j.req.pages}       # shared cached pages once
+        phases = [j.phase for j in self.jobs.values()]
         cache = self.pages.status()
-        return {"kv_pages": {"held": len(held), "fenced": 0, "cached": cache["cached"]},
-                "page_size": self.page_size,
+        return {"page_size": self.page_size,
                 "prefix_cache": cache["prefix_cache"],
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),

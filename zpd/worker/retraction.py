@@ -24,7 +24,7 @@ log = logging.getLogger("zpd.worker.decode")      # its lines are the decode sch
 
 class Retraction:
     """The decode's pause, retract and continue. The `DecodeScheduler` that owns it is
-    `sched`, an explicit reference back: its jobs, links and fences are read here, and
+    `sched`, an explicit reference back: its jobs, links and page book are read here, and
     its `move`, `finish` and `release` called; a job's phase is never set here."""
 
     def __init__(self, sched: DecodeScheduler) -> None:
@@ -53,7 +53,7 @@ class Retraction:
     def quiescent(self) -> bool:
         """pause(retract|abort) is answered once no page is fenced: then no worker
         holds KV for any request and memory can be flushed."""
-        return not (self.sched.fences and self.sched.core.paused in ("retract", "abort"))
+        return not (self.sched.pages.fenced and self.sched.core.paused in ("retract", "abort"))
 
     def on_resume(self, args: dict) -> dict:
         """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""

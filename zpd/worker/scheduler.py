@@ -7,9 +7,12 @@ rewires it.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from zpd.wire.protocol import Message
+
+if TYPE_CHECKING:
+    from zpd.worker.pages import PageBook
 
 Handler = Callable[[bytes, Message], None]      # (sender identity, message)
 Respond = Callable[[bool, dict], None]          # an admin command's answer: ok, result
@@ -27,6 +30,7 @@ class Scheduler(Protocol):
     """A worker role's request state machine, driven by the core's loop."""
 
     handlers: Mapping[type[Message], Handler]   # the request and peer messages it takes
+    pages: PageBook                             # the worker's KV pages (zpd/worker/pages.py)
 
     def has_work(self) -> bool:
         """Something to run now: the loop must not block waiting for messages."""
@@ -59,8 +63,8 @@ class Scheduler(Protocol):
         """Drop cached KV no request uses (the caller checked none runs); pages freed."""
 
     def status(self) -> dict:
-        """Queues and peers for `status`, with kv_pages {"held", "fenced", "cached"}
-        counted from the scheduler's own records."""
+        """Queues, peers and the prefix cache for `status` (the core adds kv_pages,
+        from `pages`)."""
 
     def close(self) -> None:
         """Close what the scheduler opened itself (sockets to peers)."""
