@@ -117,7 +117,7 @@ def test_abort_while_writing():
         c.until(lambda: prefill_phases(c) == [JobPhase.WRITING])
         c.abort(rid)
         assert c.run(rid).status == 499
-        c.until(lambda: not c.prefill.scheduler.by_transfer)      # cancelled
+        c.until(lambda: not c.prefill.scheduler.writes)              # cancelled
         c.until(lambda: c.pages(c.decode)["fenced"] == 0)
         c.check_pages()
     finally:
@@ -126,7 +126,7 @@ def test_abort_while_writing():
 
 def test_a_finished_write_is_reported_before_the_next_forward():
     """A write in flight when the next prompt's forward is due gets a moment to land
-    first (PrefillScheduler._settle_writes): its kv_done goes out before that forward,
+    first (KvWrites.settle, zpd/worker/writes.py): its kv_done goes out before that forward,
     not after it (a long prompt's forward would hold the decode, and the stream whose
     first token is out, for its whole length)."""
     from zpd.wire.protocol import KvDone

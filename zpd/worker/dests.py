@@ -24,7 +24,7 @@ log = logging.getLogger("zpd.worker.prefill")       # its lines are the prefill 
 class KvDests:
     """The prefill's intake of hellos and kv_dests. The `PrefillScheduler` that owns it
     is `sched`, an explicit reference back: its jobs, tombstones and peers are read
-    here, and its `new_job`, `move`, `end` and `start_write` called; a job's phase is
+    here, and its `new_job`, `move`, `end` and `writes.start` called; a job's phase is
     never set here."""
 
     def __init__(self, sched: PrefillScheduler) -> None:
@@ -90,9 +90,9 @@ class KvDests:
             return
         problem = self.problem(job)
         if problem:
-            self.sched.end(job, INTERNAL, problem)     # fail fast; start_write checks again
+            self.sched.end(job, INTERNAL, problem)     # fail fast; writes.start checks again
         elif job.phase is JobPhase.COMPUTED:
-            self.sched.start_write(job)
+            self.sched.writes.start(job)
 
     def problem(self, job: PrefillJob) -> str:
         """Why the job's kv_dest is no place for its KV (checked against the pool its

@@ -4,33 +4,32 @@ A job may start computing before decode's `kv_dest` arrives; the write starts on
 both are there. Messages may arrive in either order (router -> prefill and decode ->
 prefill are different sockets), so a `kv_dest` for an unknown room is kept briefly;
 only the room's own decode may say where its KV goes (zpd/worker/dests.py takes
-hellos and kv_dests, with the checks of zpd/worker/peers.py).
+hellos and kv_dests, with the checks of zpd/worker/peers.py; zpd/worker/writes.py
+writes the KV, and zpd/worker/pages.py keeps the pages).
 Whenever a job ends, the decode is told (`kv_failed`/`kv_done`) only once no write of
 ours can still land in its pages: that message is what lets it reuse them.
 """
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import select
 import time
 from collections import deque
 
-import transport
 from engines.request import Request, validate_prefix
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
 from engines.sampler import SamplingParams
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvDone, KvFailed, Recompute, Tokens
+from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
-from zpd.worker.parts import first_logprob_fields, token_part
-from zpd.worker.peers import DecodePeers, skipped
+from zpd.worker.parts import token_part
+from zpd.worker.peers import DecodePeers
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
+from zpd.worker.writes import KvWrites
 
 log = logging.getLogger("zpd.worker.prefill")
 
@@ -46,17 +45,6 @@ PHASE_DEADLINES = {
 }
 
 
-def _timings(marks: dict, transfer_s: float) -> dict:
-    """Milliseconds spent in each step of a job (Request.timings names them)."""
-    ms = lambda s: round(s * 1e3, 3)                       # noqa: E731
-    return {"prefill_queue": ms(marks["forward"] - marks["queued"]),
-            "prefill_forward": ms(marks["computed"] - marks["forward"]),
-            "kv_dest_wait": ms(max(0.0, marks["write"] - marks["computed"])),
-            "kv_transfer": ms(transfer_s)}
-
-WRITE_SETTLE_S = 0.02     # writes' wait before a forward (loopback TCP: ~1 ms, ~10 ms for 12 MB)
-
-
 class PrefillScheduler:
     def __init__(self, core: WorkerCore, ctx=None) -> None:
         self.core, self.pool, self.loop = core, core.pool, core.loop
@@ -64,20 +52,17 @@ class PrefillScheduler:
         self.jobs: dict[int, PrefillJob] = {}                # room -> live job
         self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
-        self.by_transfer: dict[int, PrefillJob] = {}          # writes in flight, ended jobs too
+        self.writes = KvWrites(self)                          # KV writes in flight
         self.peers = DecodePeers(core.layout.page_bytes, core.backend.session_id, core.send)
         self.dests = KvDests(self)                            # hellos and kv_dests
-        self.transfer_ids = itertools.count(1)
         self.page_size = self.pool.layout.page_size
         self.pages = PageBook.for_worker(core)               # the pool's pages and prefix cache
         # cumulative, reported in status for /metrics
-        self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0,
-                         "kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
-                         "kv_transfer_failures": 0}
+        self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0}
         self.handlers = {Generate: self.on_generate, Recompute: self.on_recompute,
                          Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
                          KvFailed: self.on_kv_failed, Abort: self.on_abort}
-        self.loop.add_fd(core.backend.fileno(), self.on_completions)
+        self.loop.add_fd(core.backend.fileno(), self.writes.on_completions)
 
     # --- phases --------------------------------------------------------------------
 
@@ -120,8 +105,8 @@ class PrefillScheduler:
         return job.prefix_keys
 
     def step(self) -> None:
-        if self.pending and self.by_transfer:
-            self._settle_writes()
+        if self.pending and self.writes:
+            self.writes.settle()
         batch = self.take_batch()
         if not batch:
             return
@@ -141,18 +126,6 @@ class PrefillScheduler:
                                                        for j in batch)
         self.counters["prefill_forward_seconds"] += done - started
         self.after_compute(batch)
-
-    def _settle_writes(self) -> None:
-        """Give the writes in flight up to WRITE_SETTLE_S to land before a forward
-        blocks this loop: their kv_done, which lets the decode start (and a stream whose
-        first token is out go on), would otherwise wait out the whole forward."""
-        end, fd = time.monotonic() + WRITE_SETTLE_S, self.core.backend.fileno()
-        while self.by_transfer:
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            if select.select([fd], [], [], left)[0]:
-                self.on_completions()
 
     def take_batch(self) -> list[PrefillJob]:
         """FIFO: give queued jobs their pages (the cached prefix's, then new ones) while
@@ -185,7 +158,7 @@ class PrefillScheduler:
         for job in batch:
             self._send_first_token(job)
             if job.dest is not None:
-                self.start_write(job)
+                self.writes.start(job)
             else:
                 self.move(job, JobPhase.COMPUTED)
 
@@ -297,62 +270,11 @@ class PrefillScheduler:
             self.end(job, ABORTED, "acknowledged")
             return
         self.tombstones.add(msg.room, msg.epoch)     # its generate may still be on the way
-        writing = self._writing(msg.room, msg.epoch)
+        writing = self.writes.writing(msg.room, msg.epoch)
         if writing is not None:                   # ended, but its write is still in flight
             writing.notice = writing.notice or (ABORTED, "acknowledged")
         else:                                     # finished, or never started here
             self.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "nothing in flight"))
-
-    def _writing(self, room: int, epoch: int) -> PrefillJob | None:
-        return next((j for j in self.by_transfer.values() if j.room == room and j.epoch <= epoch),
-                    None)
-
-    # --- transfer --------------------------------------------------------------------
-
-    def start_write(self, job: PrefillJob) -> None:
-        """Write the KV where the decode said, checked against the pool it announced
-        (its hello may have changed since the kv_dest): a bad page id fails this
-        request, never the loop."""
-        problem = self.dests.problem(job)
-        if problem:
-            self.end(job, INTERNAL, problem)
-            return
-        peer, tid = self.peers.get(job.decode), next(self.transfer_ids)
-        try:
-            skip = skipped(job.dest)        # pages the decode holds already
-            runs = transport.coalesce_runs(self.pool.data_ptr, job.req.pages[skip:len(job.dest)],
-                                           peer.base_addr, job.dest[skip:], self.pool.layout.page_bytes)
-            self.core.backend.write(tid, peer.session, runs)
-        except transport.TransportError as e:
-            self.end(job, INTERNAL, f"KV transfer refused: {e}")
-            return
-        job.transfer_id = tid
-        job.marks["write"] = time.monotonic()
-        self.by_transfer[tid] = job
-        self.move(job, JobPhase.WRITING)
-
-    def on_completions(self) -> None:
-        for c in self.core.backend.poll_completions():
-            job = self.by_transfer.pop(c.transfer_id, None)
-            if job is None:
-                continue
-            job.transfer_id = None
-            if job.phase is JobPhase.ENDED:
-                self._finish_ended(job)              # ended while writing
-            elif not c.ok:
-                self.counters["kv_transfer_failures"] += 1
-                self.end(job, INTERNAL, f"KV transfer failed: {c.reason}")
-            else:
-                self.counters["kv_bytes_written"] += c.nbytes
-                self.counters["kv_transfer_seconds"] += c.seconds
-                log.info("rid=%r room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
-                         job.room, job.epoch, c.nbytes, c.seconds * 1e3)
-                first = job.req.output[-1] if job.req.output else -1
-                self.core.send(job.decode, KvDone(job.room, job.epoch, first, self.core.model.version,
-                                                  _timings(job.marks, c.seconds),
-                                                  **first_logprob_fields(job.req),
-                                                  cached_tokens=job.skip * self.page_size))
-                self.end(job, None, "")
 
     # --- endings ---------------------------------------------------------------------
 
@@ -367,9 +289,10 @@ class PrefillScheduler:
         if job.transfer_id is not None:
             self.core.backend.cancel(job.transfer_id)   # its completion finishes the job
         else:
-            self._finish_ended(job)
+            self.finish_ended(job)
 
-    def _finish_ended(self, job: PrefillJob) -> None:
+    def finish_ended(self, job: PrefillJob) -> None:
+        """The ended job's write is over (or there was none): tell its decode, free."""
         if job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req in self.pages:
@@ -392,7 +315,7 @@ class PrefillScheduler:
 
     def quiescent(self) -> bool:
         """A pause is answered once no write of ours is in flight."""
-        return not self.by_transfer
+        return not self.writes
 
     def on_resume(self, args: dict) -> dict:
         for job in self.jobs.values():
@@ -419,10 +342,10 @@ class PrefillScheduler:
                 "prefix_cache": cache["prefix_cache"],
                 "queues": {"waiting": phases.count(JobPhase.QUEUED) + phases.count(JobPhase.REJECTED),
                            "waiting_kv_dest": phases.count(JobPhase.COMPUTED),
-                           "writing": len(self.by_transfer),
+                           "writing": len(self.writes),
                            "stashed": phases.count(JobPhase.STASHED)},
                 "peers": len(self.peers),
-                "counters": self.counters | cache["counters"]}
+                "counters": self.counters | self.writes.counters | cache["counters"]}
 
     def close(self) -> None:
         self.loop.remove_fd(self.core.backend.fileno())

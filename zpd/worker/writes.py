@@ -1,0 +1,122 @@
+"""The prefill's KV writes into decode memory: started once a job's KV is computed and
+its kv_dest accepted, finished by the transport's completions.
+
+A write reads the job's pages, so they stay held (zpd/worker/pages.py) until its
+completion comes, even for a job that ended meanwhile (`PrefillScheduler.end` cancels
+the write; its completion then finishes the job): no page is reused while the
+transport may still read it, and no kv_done or kv_failed goes out while it may land.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import time
+from typing import TYPE_CHECKING
+
+import transport
+from zpd.wire.protocol import KvDone
+from zpd.wire.status import INTERNAL
+from zpd.worker.jobs import JobPhase, PrefillJob
+from zpd.worker.parts import first_logprob_fields
+from zpd.worker.peers import skipped
+
+if TYPE_CHECKING:
+    from zpd.worker.prefill import PrefillScheduler
+
+log = logging.getLogger("zpd.worker.prefill")       # its lines are the prefill scheduler's
+
+WRITE_SETTLE_S = 0.02     # writes' wait before a forward (loopback TCP: ~1 ms, ~10 ms for 12 MB)
+
+
+def _timings(marks: dict, transfer_s: float) -> dict:
+    """Milliseconds spent in each step of a job (Request.timings names them)."""
+    ms = lambda s: round(s * 1e3, 3)                       # noqa: E731
+    return {"prefill_queue": ms(marks["forward"] - marks["queued"]),
+            "prefill_forward": ms(marks["computed"] - marks["forward"]),
+            "kv_dest_wait": ms(max(0.0, marks["write"] - marks["computed"])),
+            "kv_transfer": ms(transfer_s)}
+
+
+class KvWrites:
+    """The prefill's writes in flight. The `PrefillScheduler` that owns it is `sched`,
+    an explicit reference back: its `move`, `end` and `finish_ended` are called here;
+    a job's phase is never set here."""
+
+    def __init__(self, sched: PrefillScheduler) -> None:
+        self.sched = sched
+        self.by_transfer: dict[int, PrefillJob] = {}          # in flight, ended jobs' too
+        self.ids = itertools.count(1)
+        # cumulative, reported in status for /metrics
+        self.counters = {"kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
+                         "kv_transfer_failures": 0}
+
+    def __len__(self) -> int:
+        return len(self.by_transfer)
+
+    def writing(self, room: int, epoch: int) -> PrefillJob | None:
+        """The job whose write for `room` (this epoch or an older one) is in flight."""
+        return next((j for j in self.by_transfer.values() if j.room == room and j.epoch <= epoch),
+                    None)
+
+    def settle(self) -> None:
+        """Give the writes in flight up to WRITE_SETTLE_S to land before a forward
+        blocks this loop: their kv_done, which lets the decode start (and a stream whose
+        first token is out go on), would otherwise wait out the whole forward."""
+        end, fd = time.monotonic() + WRITE_SETTLE_S, self.sched.core.backend.fileno()
+        while self.by_transfer:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            if select.select([fd], [], [], left)[0]:
+                self.on_completions()
+
+    def start(self, job: PrefillJob) -> None:
+        """Write the KV where the decode said, checked against the pool it announced
+        (its hello may have changed since the kv_dest): a bad page id fails this
+        request, never the loop."""
+        s = self.sched
+        problem = s.dests.problem(job)
+        if problem:
+            s.end(job, INTERNAL, problem)
+            return
+        peer, tid = s.peers.get(job.decode), next(self.ids)
+        try:
+            skip = skipped(job.dest)        # pages the decode holds already
+            runs = transport.coalesce_runs(s.pool.data_ptr, job.req.pages[skip:len(job.dest)],
+                                           peer.base_addr, job.dest[skip:], s.pool.layout.page_bytes)
+            s.core.backend.write(tid, peer.session, runs)
+        except transport.TransportError as e:
+            s.end(job, INTERNAL, f"KV transfer refused: {e}")
+            return
+        job.transfer_id = tid
+        job.marks["write"] = time.monotonic()
+        self.by_transfer[tid] = job
+        s.move(job, JobPhase.WRITING)
+
+    def on_completions(self) -> None:
+        for c in self.sched.core.backend.poll_completions():
+            job = self.by_transfer.pop(c.transfer_id, None)
+            if job is None:
+                continue
+            job.transfer_id = None
+            if job.phase is JobPhase.ENDED:
+                self.sched.finish_ended(job)          # ended while writing
+            elif not c.ok:
+                self.counters["kv_transfer_failures"] += 1
+                self.sched.end(job, INTERNAL, f"KV transfer failed: {c.reason}")
+            else:
+                self.counters["kv_bytes_written"] += c.nbytes
+                self.counters["kv_transfer_seconds"] += c.seconds
+                self._done(job, c.nbytes, c.seconds)
+
+    def _done(self, job: PrefillJob, nbytes: int, seconds: float) -> None:
+        """The write landed: the decode may start; the job is over here."""
+        s = self.sched
+        log.info("rid=%r room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
+                 job.room, job.epoch, nbytes, seconds * 1e3)
+        first = job.req.output[-1] if job.req.output else -1
+        s.core.send(job.decode, KvDone(job.room, job.epoch, first, s.core.model.version,
+                                       _timings(job.marks, seconds), **first_logprob_fields(job.req),
+                                       cached_tokens=job.skip * s.page_size))
+        s.end(job, None, "")
