@@ -23,9 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import med  # noqa: E402  (also puts the repository on sys.path)
 
-from engines.kv.meta import DecodeGroup  # noqa: E402
 from engines.kv.paged import PagedKV  # noqa: E402
-from engines.torch_backend import _attend  # noqa: E402
+from engines.torch_backend import DecodeGroup, _attend  # noqa: E402
 from engines.cpu.kernels import kernel_for, reference  # noqa: E402
 
 PAGE = 16

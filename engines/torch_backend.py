@@ -2,19 +2,28 @@
 it until it has kernels of its own; engines/cpu/backend.py falls back to it op by op)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engines.backend import Heads
-from engines.kv.meta import DecodeGroup, DecodeMeta, PrefillMeta
+from engines.kv.meta import DecodeMeta, PrefillMeta
 from engines.kv.paged import PageRows, PagedKV
 from engines.models.rope import apply_rotary
 
 # A kernel for one uncached prompt's causal attention: (q, k, v, scale) -> out, or None
 # where it does not take the shapes.
 Causal = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Sequences of similar length, padded to the longest of them."""
+    members: torch.Tensor | None  # [b] their rows in the batch (None: the whole batch)
+    read_index: torch.Tensor      # [b, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
+    padding: torch.Tensor | None  # [b, 1, 1, S] True past a row's context; None: no row is padded
 
 
 class TorchBackend:
@@ -59,10 +68,11 @@ class TorchBackend:
 
     def decode_attention(self, q: torch.Tensor, kv: PagedKV, layer: int, meta: DecodeMeta,
                          heads: Heads) -> torch.Tensor:
-        if len(meta.groups) == 1:
-            return _attend(q, kv, layer, meta.groups[0], heads.scale)
+        groups: list[DecodeGroup] = meta.reads
+        if len(groups) == 1:
+            return _attend(q, kv, layer, groups[0], heads.scale)
         out = torch.empty_like(q)
-        for group in meta.groups:
+        for group in groups:
             out.index_copy_(0, group.members, _attend(q.index_select(0, group.members), kv, layer,
                                                       group, heads.scale))
         return out

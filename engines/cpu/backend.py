@@ -5,6 +5,8 @@ the backend is made (each is checked against torch or float64 on first use in th
 process: a missing or disagreeing one is left out, with a warning)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engines.backend import Heads
@@ -14,6 +16,13 @@ from engines.cpu.linear import PackedWeights
 from engines.kv.meta import DecodeMeta, PrefillMeta
 from engines.kv.paged import PageRows, PagedKV
 from engines.torch_backend import TorchBackend, prefill_attention
+
+
+@dataclass(frozen=True)
+class ContextRows:
+    """What the decode kernel reads: sequence b's first lengths[b] rows."""
+    rows: torch.Tensor            # [B, S] layer-0 K rows of each context, padded to the longest
+    lengths: torch.Tensor         # [B] context lengths
 
 
 class CpuBackend(TorchBackend):
@@ -77,8 +86,8 @@ class CpuBackend(TorchBackend):
                          heads: Heads) -> torch.Tensor:
         if self.paged_decode is None:
             return super().decode_attention(q, kv, layer, meta, heads)
-        return self.paged_decode(q.contiguous(), *kv.layer_rows(layer), meta.read_rows, meta.lengths,
-                                 heads.scale)
+        reads: ContextRows = meta.reads
+        return self.paged_decode(q.contiguous(), *kv.layer_rows(layer), reads.rows, reads.lengths, heads.scale)
 
     def prepare(self, write_rows: torch.Tensor, positions: list[int], page_tables: list[list[int]],
                 pages: PageRows) -> DecodeMeta:
@@ -86,8 +95,8 @@ class CpuBackend(TorchBackend):
         if self.paged_decode is None:
             return super().prepare(write_rows, positions, page_tables, pages)
         everyone = list(range(len(positions)))
-        return DecodeMeta(write_rows, [], pages.read_rows(everyone, positions, page_tables),
-                          pages.tensor(positions) + 1)
+        return DecodeMeta(write_rows, ContextRows(pages.read_rows(everyone, positions, page_tables),
+                                                  pages.tensor(positions) + 1))
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """By the kernel of the logits' own dtype where there is one (torch's CPU argmax

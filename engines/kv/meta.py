@@ -4,6 +4,7 @@ decode attention, by its backend's `prepare`), read by the backend's attention."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,23 +22,13 @@ class PrefillMeta:
 
 
 @dataclass
-class DecodeGroup:
-    """Sequences of similar length, padded to the longest of them."""
-    members: torch.Tensor | None  # [b] their rows in the batch (None: the whole batch)
-    read_index: torch.Tensor      # [b, kv_heads, S] element rows (row * kv_heads + head) of layer 0, K
-    padding: torch.Tensor | None  # [b, 1, 1, S] True past a row's context; None: no row is padded
-
-
-@dataclass
 class DecodeMeta:
-    """One new token per sequence, attending to its whole context through its pages.
-    torch's attention (engines/torch_backend.py) reads it by `groups` of similar
-    length; the CPU kernel (engines/cpu/backend.py) reads each sequence's first
-    lengths[b] `read_rows` in place."""
+    """One new token per sequence, attending to its whole context through its pages:
+    `reads` says where, in the form the backend's decode attention reads it (its
+    `prepare` makes it: torch's, groups of similar length; the CPU kernel's, every
+    context's rows)."""
     write_rows: torch.Tensor      # [B] pool row of the new token for layer 0, K
-    groups: list[DecodeGroup]
-    read_rows: torch.Tensor | None = None   # [B, S] layer-0 K rows of each context (kernel)
-    lengths: torch.Tensor | None = None     # [B] context lengths (kernel)
+    reads: Any
 
 
 @dataclass
