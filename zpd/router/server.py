@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import random
-import signal
 import threading
 import uuid
 from dataclasses import dataclass, replace
@@ -14,7 +13,6 @@ from dataclasses import dataclass, replace
 import zmq
 
 from zpd.config import RouterConfig
-from zpd.ops.ready import write_ready_file
 from zpd.router.admin import RouterAdmin
 from zpd.router.admission import QUEUE_TIMEOUT, RETRY_AFTER_S, Admission, Waiting
 from zpd.router.affinity import PrefixAffinity
@@ -380,19 +378,3 @@ def client_reason(reason: str) -> str:
     text = "".join(c if c.isprintable() else " " for c in reason[:MAX_REASON]).strip()
     return text or "aborted by client"
 
-
-def serve_router(cfg: RouterConfig) -> int:
-    ctx = zmq.Context()
-    server = RouterServer(cfg, ctx)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: (stop.set(), server.loop.stop()))
-    write_ready_file(cfg.ready_file, {"role": "router", "endpoint": server.endpoint, "pid": os.getpid()})
-    log.warning("router ready on %s: prefill %s, decode %s", server.endpoint,
-                ",".join(cfg.prefill), ",".join(cfg.decode))
-    try:
-        server.run(stop)
-    finally:
-        server.close()
-        ctx.destroy(linger=0)
-    return 0
