@@ -352,3 +352,38 @@ def test_float32_panels_take_prefills_only_off_intel(monkeypatch, tmp_path):
     assert lin._panel_max_rows() >= 1 << 20
     info.unlink()
     assert lin._panel_max_rows() == 64
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_torch_backend_gives_the_cpu_backends_answers(dtype):
+    """The reference backend (engines/torch_backend.py, what CUDA runs) on CPU: a
+    prefill, a prefill after a cached prefix and decode steps give the CPU backend's
+    greedy tokens and logits to float32 rounding; in float64, where no CPU kernel
+    runs, the same bits."""
+    from engines.kv.pool import KVLayout, KVPool
+    from engines.runner import ModelRunner
+    from engines.torch_backend import TorchBackend
+    model = load_model("tiny", dtype=dtype)
+    pool = KVPool(KVLayout.for_model(model.cfg, 16, model.dtype), 64, model.dtype, model.device)
+    prompts = [p for p in PROMPTS if len(p) > 3]
+    tables = [[pool.allocator.alloc(pool.pages_for(len(p) + 4)) for p in prompts] for _ in range(2)]
+
+    def answers(runner, tables):
+        runner.prefill([p[:3] for p in prompts], tables[1])
+        out = [runner.prefill(prompts, tables[0]), runner.prefill(prompts, tables[1], [3] * len(prompts))]
+        seqs = [list(p) for p in prompts]
+        for _ in range(4):
+            for s, t in zip(seqs, out[-1].argmax(-1).tolist()):
+                s.append(t)
+            out.append(runner.decode([s[-1] for s in seqs], [len(s) - 1 for s in seqs], tables[0]))
+        return seqs, out
+
+    cpu, reference = ModelRunner(model, pool), ModelRunner(model, pool)
+    reference.backend = TorchBackend()
+    (cpu_seqs, cpu_logits), (ref_seqs, ref_logits) = answers(cpu, tables), answers(reference, tables)
+    assert cpu_seqs == ref_seqs
+    for got, want in zip(ref_logits, cpu_logits):
+        if dtype == "float64":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
