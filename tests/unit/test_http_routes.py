@@ -125,7 +125,7 @@ def test_admin_routes_make_one_router_call_each():
     call(f, "POST", "/resume_memory_occupation")
     assert f.backend.admins == [
         ("pause", {"mode": "retract"}), ("pause", {"mode": "abort"}), ("continue", {}),
-        ("abort_all", {}), ("update_weights", {"path": "/ckpt", "version": "s2"}),
+        ("abort_all", {}), ("update_weights", {"path": "/ckpt", "weight_version": "s2"}),
         ("abort", {"rid": "x"}), ("abort_all", {}), ("flush_cache", {}),
         ("release_memory", {"tags": ["kv_cache"]}),
         ("resume_memory", {})]

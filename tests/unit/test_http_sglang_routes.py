@@ -107,8 +107,8 @@ def test_update_weight_version_sets_every_workers_version():
     assert status == 200 and body == {"success": True, "new_version": "step-3",
                                       "message": "Weight version updated to step-3"}
     call(f, "POST", "/update_weight_version", {"new_version": "s4", "abort_all_requests": True})
-    assert backend.admins == [("update_weight_version", {"version": "step-3"}), ("abort_all", {}),
-                              ("update_weight_version", {"version": "s4"})]
+    assert backend.admins == [("update_weight_version", {"weight_version": "step-3"}),
+                              ("abort_all", {}), ("update_weight_version", {"weight_version": "s4"})]
     for bad in ({}, {"new_version": ""}, {"new_version": 3}, {"new_version": "a", "x": 1}):
         assert call(f, "POST", "/update_weight_version", bad)[0] == 400, bad
     assert len(backend.admins) == 3

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.inproc import InprocCluster, reference
+from zpd.wire.admin import SyncStep
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
 
@@ -244,14 +245,14 @@ def test_a_dead_decode_fails_what_runs_and_what_waits_then_all_is_back(narrow):
 
 
 def test_requests_wait_through_a_weight_push_and_run_after_it(narrow):
-    """While a push is under way (zpd/router/weight_sync.py sets `updating`, then
+    """While a push is under way (zpd/router/weight_sync.py sets its `step`, then
     calls unpause) nothing new is routed; after it, the queue runs, one at a time."""
     c = narrow
-    c.router.updating = True
+    c.router.admin.sync.step = SyncStep.PUSHING
     rids = [c.submit(PROMPT, 4) for _ in range(2)]
     c.pump(2)
     assert list(c.router.queued) == rids and not c.router.inflight
-    c.router.updating = False
+    c.router.admin.sync.step = None
     c.router.unpause()
     assert len(c.router.inflight) == 1
     for rid in rids:

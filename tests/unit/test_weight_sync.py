@@ -291,7 +291,7 @@ def test_bad_arguments_are_400(cluster, command, args, why):
 def test_a_push_to_no_group_is_400_everywhere(cluster):
     reply = cluster.admin("update_weights_from_distributed", group_name="nope", **announce(W2))
     assert not reply["ok"] and {w["status"] for w in reply["workers"]} == {400}
-    assert cluster.router.updating is False
+    assert cluster.router.admin.sync.step is None
     cluster.serves_again()
 
 
@@ -339,7 +339,8 @@ def test_stage_with_garbage_tensors_is_400_before_any_broadcast(cluster, trainer
                  {"names": ["a"], "dtypes": ["float32"], "shapes": [[2**39] * 8]},
                  {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]}):
         reply = cluster.admin("stage_weights", group_name="g", update_id="u", **spec)
-        assert {w["status"] for w in reply["workers"]} == {400}, (spec, reply)
+        # refused by the router (the record's checks) or by both workers (the model's)
+        assert {w["status"] for w in reply.get("workers") or [reply]} == {400}, (spec, reply)
     for core in (cluster.prefill, cluster.decode):
         assert core.weight_sync.job is None and core.weight_sync.groups.keys() == {"g"}
     assert push(cluster, trainer, W2)["ok"]     # the group is still in step with the trainer

@@ -19,6 +19,7 @@ from engines.models.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_weight_sync import admin, join, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer, announce
+from zpd.wire.admin import CancelWeightUpdate, SyncStep
 from zpd.worker.sync_helper import FILL, check
 
 W2 = tiny_state_dict(7)
@@ -52,7 +53,7 @@ def unchanged_and_serving(c: InprocCluster) -> None:
     assert versions(c) == ["tiny", "tiny"] and weights_equal(c, "tiny")
     for core in (c.prefill, c.decode):
         assert core.weight_sync.job is None and core.weight_sync.staged is None
-    assert c.router.updating is False
+    assert c.router.admin.sync.step is None
     c.serves_again()
 
 
@@ -227,9 +228,9 @@ def test_a_cancel_wins_over_whatever_the_step_made_of_it(cluster, ends):
         if ends == "unexpected error":
             raise KeyError("not an error the step expects")
 
-    ws.background("receiving g", "g", lambda result, error: outcome.append(error), work)
+    ws.background(SyncStep.PUSHING, "g", lambda result, error: outcome.append(error), work)
     replies = []
-    ws.cancel({}, lambda ok, body: replies.append((ok, body)))
+    ws.cancel(CancelWeightUpdate(), lambda ok, body: replies.append((ok, body)))
     go.set()
     end = time.monotonic() + 10
     while not outcome:

@@ -10,6 +10,7 @@ from zpd.ops.admin import COMMANDS
 from zpd.ops.cli import build_parser
 from zpd.ops.launch import _weights_timeout
 from zpd.ops.options import worker_argv, worker_config
+from zpd.wire.admin import CancelWeightUpdate
 
 
 def parse(*argv: str):
@@ -41,5 +42,6 @@ def test_launch_forwards_it_and_keeps_the_front_above_it():
 
 def test_admin_has_the_cancel_command():
     args = parse("admin", "cancel-weight-update")
-    wire, _, build = COMMANDS[args.admin_command]
-    assert (wire, build(args)) == ("cancel_weight_update", {})
+    _, build = COMMANDS[args.admin_command]
+    assert build(args) == CancelWeightUpdate() and build(args).envelope().command == \
+        "cancel_weight_update"

@@ -24,6 +24,7 @@ from tests.unit.test_handoff import PROMPT, reference_tiny
 from tests.unit.test_tensor_payload import flattened, serialize
 from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
+from zpd.wire.admin import JoinWeightsGroup
 from zpd.wire.loop import Loop
 from zpd.worker.weight_sync import WeightSync
 
@@ -131,8 +132,7 @@ def test_a_stuck_join_is_answered_in_real_time():
     silent.listen(8)
     try:
         started = time.monotonic()
-        sync.join({"group_name": "stuck", "master_address": "127.0.0.1", "world_size": 2,
-                   "master_port": silent.getsockname()[1], "rank": 1, "timeout_s": 1.0},
+        sync.join(JoinWeightsGroup("stuck", "127.0.0.1", silent.getsockname()[1], 2, 1, 1.0),
                   lambda ok, result: answers.append((ok, result)))
         while not answers and time.monotonic() - started < 10:
             loop.run_once(max_wait=0.05)
@@ -227,7 +227,7 @@ def test_a_refused_payload_is_400_and_changes_nothing(cluster, file_system, payl
     assert {w["status"] for w in reply["workers"]} == {400}
     assert all(why in w["error"] for w in reply["workers"]), reply
     assert versions(cluster) == ["tiny", "tiny"] and weights_equal(cluster, "tiny")
-    assert cluster.router.updating is False
+    assert cluster.router.admin.sync.step is None
     cluster.serves_again()
 
 

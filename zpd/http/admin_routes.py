@@ -7,18 +7,37 @@ verl call GET /flush_cache. Health, server info and loads: zpd/http/info_routes.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any, Mapping
 
 from aiohttp import web
 
 from zpd.http.front import FRONT, Front, json_response, read_body
-from zpd.http.records import (BadRequest, boolean, refuse_unknown, stop_strings, string, take,
-                              text_field)
+from zpd.http.records import BadRequest, boolean, refuse_unknown, stop_strings, string, take
+from zpd.wire.admin import (MEMORY_TAGS, AbortAll, AbortRequest, AdminCommand, BadArgs, Continue,
+                            FlushCache, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights,
+                            UpdateWeightVersion, parse)
 
 routes = web.RouteTableDef()
 
-PAUSE_MODES = ("abort", "in_place", "retract")
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")     # SGLang's; cuda_graph: nothing here
 NOT_FOUND = 404
+
+
+def command(cls: type[AdminCommand], renamed: Mapping[str, str] | None = None,
+            **fields: Any) -> AdminCommand:
+    """The record of `cls` from a body's `fields` (null: absent), checked by the record;
+    its 400 names the body's fields (`renamed`: wire name -> the body's)."""
+    try:
+        return parse(cls.COMMAND, {k: v for k, v in fields.items() if v is not None}, client=True)
+    except BadArgs as e:
+        message = str(e)
+        for wire, body_name in (renamed or {}).items():
+            message = message.replace(repr(wire), repr(body_name))
+        raise BadRequest(message) from None
+
+
+async def send(front: Front, cmd: AdminCommand, timeout: float | None = None) -> dict:
+    """One admin command on the router; its reply."""
+    return await front.backend.admin(cmd.COMMAND, timeout, **cmd.args())
 
 
 def failure(reply: dict) -> tuple[int, str]:
@@ -31,9 +50,9 @@ def failure(reply: dict) -> tuple[int, str]:
     return int(bad[0].get("status") or 500), text
 
 
-async def admin_answer(front: Front, command: str, done: str, timeout: float | None = None,
-                       **args) -> web.Response:
-    reply = await front.backend.admin(command, timeout, **args)
+async def admin_answer(front: Front, cmd: AdminCommand, done: str,
+                       timeout: float | None = None) -> web.Response:
+    reply = await send(front, cmd, timeout)
     if _all_ok(reply):
         return json_response({"success": True, "message": done})
     status, message = failure(reply)
@@ -44,16 +63,14 @@ async def admin_answer(front: Front, command: str, done: str, timeout: float | N
 async def pause_generation(request: web.Request) -> web.Response:
     body = await read_body(request, required=False)
     refuse_unknown(body, ("mode",))
-    mode = take(body, "mode", string, "abort")
-    if mode not in PAUSE_MODES:
-        raise BadRequest(f"'mode' must be one of {', '.join(PAUSE_MODES)}, not {mode!r:.40}")
-    return await admin_answer(request.app[FRONT], "pause", f"paused ({mode})", mode=mode)
+    cmd = command(Pause, mode="abort" if body.get("mode") is None else body["mode"])
+    return await admin_answer(request.app[FRONT], cmd, f"paused ({cmd.mode})")
 
 
 @routes.post("/continue_generation")
 async def continue_generation(request: web.Request) -> web.Response:
     refuse_unknown(await read_body(request, required=False), ())
-    return await admin_answer(request.app[FRONT], "continue", "continued")
+    return await admin_answer(request.app[FRONT], Continue(), "continued")
 
 
 @routes.post("/update_weights_from_disk")
@@ -64,20 +81,15 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = await read_body(request)
     refuse_unknown(body, ("model_path", "weight_version", "load_format", "abort_all_requests",
                           "flush_cache", "keep_pause", "is_async", "torch_empty_cache"))
-    path = take(body, "model_path", text_field)
-    if path is None:
-        raise BadRequest("'model_path' is required")
-    version = take(body, "weight_version", text_field)
+    cmd = command(UpdateWeights, {"path": "model_path"}, path=body.get("model_path"),
+                  weight_version=body.get("weight_version"))
     if take(body, "load_format", string, "auto") != "auto":
         raise BadRequest("'load_format' must be \"auto\" (the format is read from the path)")
     for name in ("flush_cache", "keep_pause", "is_async", "torch_empty_cache"):
         take(body, name, boolean)
     front = request.app[FRONT]
-    if take(body, "abort_all_requests", boolean, False):
-        await front.backend.admin("abort_all")
-    args = {"path": path} | ({"version": version} if version else {})
-    return await admin_answer(front, "update_weights", f"weights loaded from {path}",
-                              front.weights_timeout, **args)
+    await abort_all_first(front, body)
+    return await admin_answer(front, cmd, f"weights loaded from {cmd.path}", front.weights_timeout)
 
 
 @routes.get("/get_weight_version")
@@ -95,13 +107,12 @@ async def update_weight_version(request: web.Request) -> web.Response:
     for the tokens it makes from now on; the weights stay as they are."""
     body = await read_body(request)
     refuse_unknown(body, ("new_version", "abort_all_requests"))
-    version = take(body, "new_version", text_field)
-    if not version:
-        raise BadRequest("'new_version' is required (a non-empty string)")
+    cmd = command(UpdateWeightVersion, {"weight_version": "new_version"},
+                  weight_version=body.get("new_version"))
+    version = cmd.weight_version
     front = request.app[FRONT]
-    if take(body, "abort_all_requests", boolean, False):
-        await front.backend.admin("abort_all")
-    reply = await front.backend.admin("update_weight_version", version=version)
+    await abort_all_first(front, body)
+    reply = await send(front, cmd)
     if _all_ok(reply):
         return json_response({"success": True, "message": f"Weight version updated to {version}",
                               "new_version": version})
@@ -117,11 +128,11 @@ async def abort_request(request: web.Request) -> web.Response:
     refuse_unknown(body, ("rid", "abort_all"))
     front = request.app[FRONT]
     if take(body, "abort_all", boolean, False):
-        return await admin_answer(front, "abort_all", "every request aborted")
-    rid = take(body, "rid", text_field)
-    if rid is None:
+        return await admin_answer(front, AbortAll(), "every request aborted")
+    if body.get("rid") is None:
         raise BadRequest("give 'rid' or \"abort_all\": true")
-    reply = await front.backend.admin("abort", rid=rid)
+    rid = command(AbortRequest, rid=body["rid"]).rid
+    reply = await send(front, AbortRequest(rid))
     if _all_ok(reply):
         return json_response({"success": True, "message": f"request {rid} aborted"})
     status, message = failure(reply)
@@ -137,7 +148,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     """GET or POST, answered as SGLang does: 200 with a line of text once flushed, 400
     with the reason when it was not (requests running); slime retries until 200."""
     refuse_unknown(await read_body(request, required=False), ())
-    reply = await request.app[FRONT].backend.admin("flush_cache")
+    reply = await send(request.app[FRONT], FlushCache())
     if _all_ok(reply):
         return web.Response(text="Cache flushed.\n", status=200)
     return web.Response(text=f"Cache not flushed: {failure(reply)[1]}\n", status=400)
@@ -146,33 +157,33 @@ async def flush_cache(request: web.Request) -> web.Response:
 @routes.get("/release_memory_occupation")
 @routes.post("/release_memory_occupation")
 async def release_memory_occupation(request: web.Request) -> web.Response:
-    tags = await _memory_tags(request)
-    return await admin_answer(request.app[FRONT], "release_memory",
-                              f"memory released ({', '.join(tags or MEMORY_TAGS)})",
-                              **({"tags": tags} if tags else {}))
+    cmd = await _memory_command(request, ReleaseMemory)
+    return await admin_answer(request.app[FRONT], cmd,
+                              f"memory released ({', '.join(cmd.tags or MEMORY_TAGS)})")
 
 
 @routes.get("/resume_memory_occupation")
 @routes.post("/resume_memory_occupation")
 async def resume_memory_occupation(request: web.Request) -> web.Response:
-    tags = await _memory_tags(request)
-    return await admin_answer(request.app[FRONT], "resume_memory",
-                              f"memory resumed ({', '.join(tags or MEMORY_TAGS)})",
-                              **({"tags": tags} if tags else {}))
+    cmd = await _memory_command(request, ResumeMemory)
+    return await admin_answer(request.app[FRONT], cmd,
+                              f"memory resumed ({', '.join(cmd.tags or MEMORY_TAGS)})")
 
 
-async def _memory_tags(request: web.Request) -> list[str] | None:
-    """SGLang's {"tags": [...]} (absent or null: every tag): "kv_cache" is the KV pool,
-    "weights" the model's weights (restored bit for bit on resume from a host copy or
-    a private spill file, zpd/worker/memory.py), "cuda_graph" has nothing to release."""
+async def _memory_command(request: web.Request, cls: type[AdminCommand]) -> AdminCommand:
+    """SGLang's {"tags": [...]} (absent, null or empty: every tag): "kv_cache" is the KV
+    pool, "weights" the model's weights (restored bit for bit on resume from a host copy
+    or a private spill file, zpd/worker/memory.py), "cuda_graph" has nothing to release.
+    A single tag may come as a string."""
     body = await read_body(request, required=False)
     refuse_unknown(body, ("tags",))
-    tags = take(body, "tags", stop_strings)
-    unknown = sorted(set(tags or ()) - set(MEMORY_TAGS))
-    if unknown:
-        raise BadRequest(f"'tags': unknown tag(s) {', '.join(map(repr, unknown))}; known: "
-                         f"{', '.join(MEMORY_TAGS)}")
-    return sorted(set(tags)) if tags else None
+    return command(cls, tags=take(body, "tags", stop_strings) or None)
+
+
+async def abort_all_first(front: Front, body: dict) -> None:
+    """SGLang's `abort_all_requests`: end every request before the command."""
+    if take(body, "abort_all_requests", boolean, False):
+        await send(front, AbortAll())
 
 
 def _all_ok(reply: dict) -> bool:
@@ -182,7 +193,7 @@ def _all_ok(reply: dict) -> bool:
 async def status_workers(front: Front) -> list[dict]:
     """The live workers of the router's status, in its order; BadRequest (its status)
     when the router did not answer."""
-    reply = await front.backend.admin("status")
+    reply = await send(front, Status())
     if not reply.get("ok") and not reply.get("workers"):
         status, message = failure(reply)
         raise BadRequest(f"the router did not answer status: {message}", status, "server_error")

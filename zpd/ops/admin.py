@@ -15,39 +15,37 @@ from typing import Callable
 import orjson
 
 from zpd.ops.options import ROUTER_ENDPOINT
+from zpd.wire.admin import (MEMORY_TAGS, AbortAll, AbortRequest, AdminCommand, BadArgs,
+                            CancelWeightUpdate, Continue, FlushCache, Pause, PauseMode,
+                            ReleaseMemory, ResumeMemory, Status, UpdateWeights,
+                            UpdateWeightVersion)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
 
-# CLI subcommand -> (wire command, help, builds the wire args from the parsed flags)
-COMMANDS: dict[str, tuple[str, str, Callable[[argparse.Namespace], dict]]] = {
-    "pause": ("pause", "stop scheduling: --mode abort (end in-flight requests with 499), "
-                       "in_place (keep their KV) or retract (free their KV, keep the requests)",
-              lambda a: {"mode": a.mode}),
-    "continue": ("continue", "resume after pause (retracted requests are recomputed)",
-                 lambda a: {}),
-    "update-weights": ("update_weights", "load new weights from a checkpoint directory "
-                                         "(on every worker's host) while paused or idle; "
-                                         "without --version the version stays as it is",
-                       lambda a: {"path": a.path} | ({"version": a.version} if a.version else {})),
-    "update-weight-version": ("update_weight_version", "set the weight version the next tokens "
-                                                       "report (the weights stay as they are)",
-                              lambda a: {"version": a.version}),
-    "status": ("status", "queues, KV pages, peers, weight version and pause mode per worker",
-               lambda a: {}),
-    "abort": ("abort", "end request RID with 499", lambda a: {"rid": a.rid}),
-    "abort-all": ("abort_all", "end every request queued or in flight at the router with 499 "
-                               "(a router only)", lambda a: {}),
-    "release-memory": ("release_memory", "free the memory of the KV pool and/or the weights "
-                                         "(--tags; default all) while paused or idle",
-                       lambda a: {"tags": a.tags} if a.tags else {}),
-    "resume-memory": ("resume_memory", "allocate the KV pool again and/or restore the weights "
-                                       "(--tags; default all)",
-                      lambda a: {"tags": a.tags} if a.tags else {}),
-    "flush-cache": ("flush_cache", "drop cached KV not held by a request", lambda a: {}),
-    "cancel-weight-update": ("cancel_weight_update", "end a trainer's weight push or "
-                                                     "init_weights_update_group under way: every "
-                                                     "worker keeps its old weights and leaves "
-                                                     "the trainer's group", lambda a: {}),
+# CLI subcommand -> (help, the command's record from the parsed flags)
+COMMANDS: dict[str, tuple[str, Callable[[argparse.Namespace], AdminCommand]]] = {
+    "pause": ("stop scheduling: --mode abort (end in-flight requests with 499), in_place "
+              "(keep their KV) or retract (free their KV, keep the requests)",
+              lambda a: Pause(a.mode)),
+    "continue": ("resume after pause (retracted requests are recomputed)", lambda a: Continue()),
+    "update-weights": ("load new weights from a checkpoint directory (on every worker's host) "
+                       "while paused or idle; without --version the version stays as it is",
+                       lambda a: UpdateWeights(a.path, a.version or None)),
+    "update-weight-version": ("set the weight version the next tokens report (the weights "
+                              "stay as they are)", lambda a: UpdateWeightVersion(a.version)),
+    "status": ("queues, KV pages, peers, weight version and pause mode per worker",
+               lambda a: Status()),
+    "abort": ("end request RID with 499", lambda a: AbortRequest(a.rid)),
+    "abort-all": ("end every request queued or in flight at the router with 499 (a router "
+                  "only)", lambda a: AbortAll()),
+    "release-memory": ("free the memory of the KV pool and/or the weights (--tags; default "
+                       "all) while paused or idle", lambda a: ReleaseMemory(a.tags)),
+    "resume-memory": ("allocate the KV pool again and/or restore the weights (--tags; "
+                      "default all)", lambda a: ResumeMemory(a.tags)),
+    "flush-cache": ("drop cached KV not held by a request", lambda a: FlushCache()),
+    "cancel-weight-update": ("end a trainer's weight push or init_weights_update_group under "
+                             "way: every worker keeps its old weights and leaves the trainer's "
+                             "group", lambda a: CancelWeightUpdate()),
 }
 
 
@@ -66,10 +64,10 @@ def add_admin_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentP
     p.add_argument("--curve-keys", default=None,
                    help="CURVE key directory (see `zpd keys`); connects with its admin key")
     cmds = p.add_subparsers(dest="admin_command", required=True, metavar="ADMIN_COMMAND")
-    for name, (_, text, _) in COMMANDS.items():
+    for name, (text, _) in COMMANDS.items():
         c = cmds.add_parser(name, help=text, description=text)
         if name == "pause":
-            c.add_argument("--mode", required=True, choices=["abort", "in_place", "retract"])
+            c.add_argument("--mode", required=True, choices=[m.value for m in PauseMode])
         elif name == "update-weights":
             c.add_argument("--path", required=True, help="checkpoint directory on the workers' hosts")
             c.add_argument("--version", default=None, help="weight version string to report "
@@ -77,7 +75,7 @@ def add_admin_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentP
         elif name == "update-weight-version":
             c.add_argument("--version", required=True, help="weight version string to report")
         elif name in ("release-memory", "resume-memory"):
-            c.add_argument("--tags", nargs="+", choices=["kv_cache", "weights", "cuda_graph"],
+            c.add_argument("--tags", nargs="+", choices=MEMORY_TAGS,
                            default=None, help="what to release or resume (default: all)")
         elif name == "abort":
             c.add_argument("rid", help="request id")
@@ -88,14 +86,20 @@ def run_admin(args: argparse.Namespace) -> int:
     from zpd.client import Client
     from zpd.wire.security import client_curve
 
-    wire, _, build = COMMANDS[args.admin_command]
+    _, build = COMMANDS[args.admin_command]
     if args.timeout <= 0:
         print("zpd admin: error: --timeout must be positive", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        cmd = build(args)
+    except BadArgs as e:
+        print(f"zpd admin: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    wire = cmd.COMMAND
     curve = client_curve(args.curve_keys, "admin") if args.curve_keys else None
     try:
         with Client(args.endpoint, timeout=args.timeout, curve=curve) as client:
-            reply = client.admin(wire, timeout=args.timeout, **build(args))
+            reply = client.admin(wire, timeout=args.timeout, **cmd.args())
     except TimeoutError as e:
         print(f"zpd admin: error: {args.endpoint} did not answer {wire!r} within "
               f"{args.timeout:g} s (is the router or worker running, and the address right?): {e}",

@@ -1,17 +1,22 @@
-"""The router's admin commands: each is fanned out to the workers and answered once
-all reply or its timeout passes; pause, continue and abort also change the router's
-own state (its pause mode, the requests queued while paused)."""
+"""The router's admin commands: each arrives as its record (zpd/wire/admin.py, checked
+there), is fanned out to the workers and answered once all reply or its timeout
+passes; pause, continue and abort also change the router's own state (its pause
+mode, the requests queued while paused). Multi-round commands run `in_order`: each
+round is one fan-out, given the replies of the rounds before it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from zpd.router.admin_args import BadArgs, admin_timeout, check_args
-from zpd.router.weight_sync import BLOCKED, COMMANDS as SYNC_COMMANDS, RouterWeightSync
+from zpd.router.weight_sync import SYNC_COMMANDS, RouterWeightSync
+from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause,
+                            PauseMode, ReleaseMemory, UpdateWeights, parse, split_timeout)
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
+from zpd.wire.status import StatusError
 
 if TYPE_CHECKING:
     from zpd.router.server import RouterServer, Worker
@@ -19,12 +24,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("zpd.router.admin")
 
 Reply = Callable[[bool, dict], None]
+Replies = Callable[[list[dict]], None]
+# One round of a multi-round command: from the replies so far, what to send to whom and
+# for how long (None: no further round).
+Round = Callable[[list[dict]], "tuple[AdminCommand | Callable[[Worker], AdminCommand], list[Worker], float]"]
+
+# The router's own handlers (method names: a test may replace one on the instance).
+OWN = {Pause: "pause", Continue: "continue_", AbortRequest: "abort", AbortAll: "abort_all"}
+# Refused while requests run unpaused: every worker must see the same weights and memory.
+NEED_QUIET = (UpdateWeights, ReleaseMemory)
+# Refused while a weight-sync step runs: they would change weights or let requests run.
+BLOCKED = (Continue, UpdateWeights, *SYNC_COMMANDS)
 
 
 @dataclass(eq=False)
 class Fanout:
     """One admin command sent to many workers, done once all reply or time runs out."""
-    on_done: Callable[[list[dict]], None]
+    on_done: Replies
     waiting: set[str]
     replies: list[dict] = field(default_factory=list)
     timer: Timer | None = None
@@ -41,16 +57,18 @@ class RouterAdmin:
         self.sync = RouterWeightSync(self)
 
     def on_admin(self, client: bytes, msg: Admin) -> None:
-        """Check the arguments, then run the command: bad input is answered 400 and
-        changes nothing; a command that fails here is answered 500, never raised."""
-        reply, args = self._replier(client, msg), dict(msg.args)
-        log.info("admin %r %.400r", msg.command, args)     # bounded: a tensor payload is MiBs
+        """Parse the command (its record checks it), then run it: bad input is answered
+        400 and changes nothing; a command that fails here is answered 500, never raised."""
+        reply = self._replier(client, msg)
+        log.info("admin %r %.400r", msg.command, msg.args)   # bounded: a tensor payload is MiBs
         try:
-            timeout = admin_timeout(args.pop("timeout", None), self.server.cfg.admin_timeout_s)
-            check_args(msg.command, args)
-            self._run(msg.command, args, timeout, reply)
-        except BadArgs as e:
-            reply(False, {"status": 400, "error": str(e)})
+            args, timeout = split_timeout(msg.args, self.server.cfg.admin_timeout_s)
+            if msg.command not in COMMANDS:
+                raise StatusError(400, f"unknown command {msg.command!r}; known: "
+                                       f"{', '.join(sorted(COMMANDS))}")
+            self._run(parse(msg.command, args, client=True), timeout, reply)
+        except StatusError as e:
+            reply(False, {"status": e.status, "error": str(e)})
         except Exception as e:  # an admin command must answer, whatever happened
             log.exception("admin %r failed", msg.command)
             reply(False, {"status": 500, "error": f"{type(e).__name__}: {e}"})
@@ -65,33 +83,25 @@ class RouterAdmin:
                 | ({"counters": server.tally.fields()} if msg.command == "status" else {})))
         return reply
 
-    def _run(self, command: str, args: dict, timeout: float, reply: Reply) -> None:
-        server = self.server
-        if command in BLOCKED and self.sync.active is not None:
-            reply(False, {"status": 409, "error": f"{command} while {self.sync.active}: wait "
+    def _run(self, cmd: AdminCommand, timeout: float, reply: Reply) -> None:
+        server, sync = self.server, self.sync
+        if isinstance(cmd, BLOCKED) and sync.step is not None:
+            reply(False, {"status": 409, "error": f"{cmd.COMMAND} while {sync.what}: wait "
                                                   "for it", "workers": []})
-        elif command in SYNC_COMMANDS:
-            self.sync.run(command, args, timeout, reply)
-        elif command == "abort":
-            self.abort(args, reply)
-        elif command == "abort_all":
-            self.abort_all(reply)
-        elif command == "pause":
-            self.pause(args, timeout, reply)
-        elif command == "continue":
-            self.continue_(args, timeout, reply)
-        elif command in ("update_weights", "release_memory") and server.paused is None \
-                and server.inflight:
+        elif isinstance(cmd, SYNC_COMMANDS):
+            sync.run(cmd, timeout, reply)
+        elif type(cmd) in OWN:
+            getattr(self, OWN[type(cmd)])(cmd, timeout, reply)
+        elif isinstance(cmd, NEED_QUIET) and server.paused is None and server.inflight:
             # an idle prefill would take the new weights (or drop its memory) while its
             # decode, still running, refuses: all workers must see the same state
-            reply(False, {"status": 409, "error": f"{command} while requests are in flight: "
-                                                  "pause first", "workers": []})
+            reply(False, {"status": 409, "error": f"{cmd.COMMAND} while requests are in "
+                                                  "flight: pause first", "workers": []})
         else:
-            self.fan_out(command, args, server.workers, timeout,
-                         lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies}))
+            self.fan_out(cmd, server.workers, timeout, answer_all(reply))
 
-    def abort(self, args: dict, reply: Reply) -> None:
-        server, rid = self.server, args.get("rid")
+    def abort(self, cmd: AbortRequest, timeout: float, reply: Reply) -> None:
+        server, rid = self.server, cmd.rid
         if rid in server.queued:
             server.end_queued(rid, 499, "aborted by admin")
             reply(True, {"rid": rid, "state": "queued"})
@@ -101,7 +111,7 @@ class RouterAdmin:
         else:
             reply(False, {"rid": rid, "status": 404, "error": f"unknown rid {rid!r}"})
 
-    def abort_all(self, reply: Reply) -> None:
+    def abort_all(self, cmd: AbortAll, timeout: float, reply: Reply) -> None:
         """End every request queued or in flight here, whoever sent it, with 499."""
         server = self.server
         queued, running = list(server.queued), list(server.inflight)
@@ -111,45 +121,35 @@ class RouterAdmin:
             server.on_abort(Abort(rid, 499, "aborted by admin (abort_all)"))
         reply(True, {"aborted": len(queued) + len(running)})
 
-    def pause(self, args: dict, timeout: float, reply: Reply) -> None:
-        server, mode = self.server, args.get("mode", "retract")
-        if server.paused is not None and server.paused != mode:
+    def pause(self, cmd: Pause, timeout: float, reply: Reply) -> None:
+        """1. queue new requests here (abort: end the queued ones); 2. pause the decodes;
+        3. pause the prefills. Decodes first: a prefill that paused first would drop
+        requests mid-write and tell their decodes (kv_failed) before those knew of a
+        pause, failing (499) what a retract must hold. Once the decodes have paused, the
+        prefills have nothing in flight that a decode still waits for."""
+        server = self.server
+        if server.paused not in (None, cmd.mode):
             reply(False, {"status": 409, "error": f"already paused ({server.paused}); continue first"})
             return
-        server.paused = mode                      # new requests queue here from now on
-        if mode == "abort":
+        server.paused = cmd.mode
+        if cmd.mode is PauseMode.ABORT:
             for rid in list(server.queued):
                 server.end_queued(rid, 499, "aborted by pause(abort)")
-        # Decodes first: a prefill that paused first would drop requests mid-write and
-        # tell their decodes (kv_failed) before those knew of a pause, failing (499)
-        # what a retract must hold. Once the decodes have paused, the prefills have
-        # nothing in flight that a decode still waits for.
-        prefills = [w for w in server.workers if w.role == "prefill"]
-        decodes = [w for w in server.workers if w.role == "decode"]
         until = server.loop.time() + timeout       # both rounds together, as the caller asked
+        self.in_order(answer_all(reply),
+                      lambda _: (cmd, self.of_role("decode"), timeout * 0.75),
+                      lambda _: (cmd, self.of_role("prefill"), until - server.loop.time()))
 
-        def then_prefills(d_replies: list[dict]) -> None:
-            left = until - server.loop.time()
-            self.fan_out("pause", args, prefills, left, lambda p_replies: reply(
-                all(r["ok"] for r in p_replies + d_replies), {"workers": p_replies + d_replies}))
-
-        self.fan_out("pause", args, decodes, timeout * 0.75, then_prefills)
-
-    def continue_(self, args: dict, timeout: float, reply: Reply) -> None:
-        """`continue`. Prefills first: the ones that answer are live, and decodes send
-        their recomputes only to those."""
+    def continue_(self, cmd: Continue, timeout: float, reply: Reply) -> None:
+        """1. continue the prefills; 2. continue the decodes, naming the prefills that
+        answered (decodes send their recomputes only to those) and the first tokens
+        clients have; 3. unpause here once every decode and some prefill continued."""
         server = self.server
-        prefills = [w for w in server.workers if w.role == "prefill"]
-        decodes = [w for w in server.workers if w.role == "decode"]
 
-        def then_decodes(p_replies: list[dict]) -> None:
-            live = [r["endpoint"] for r in p_replies if r["ok"]]
-            # First tokens the client has from a prefill but no decode confirmed: a
-            # decode holding such a request resumes after that token, not before it.
-            early = {f.rid: f.early for f in server.inflight.values()
-                     if f.early is not None and f.from_decode == 0}
-            self.fan_out("continue", args | {"prefills": live, "early": early}, decodes, timeout,
-                         lambda d_replies: done(p_replies + d_replies))
+        def decodes(got: list[dict]) -> tuple[Continue, list[Worker], float]:
+            live = [r["endpoint"] for r in got if r["ok"]]
+            return (dataclasses.replace(cmd, prefills=live, early=self.early_tokens()),
+                    self.of_role("decode"), timeout)
 
         def done(replies: list[dict]) -> None:
             ok = all(r["ok"] for r in replies if r["role"] == "decode") and \
@@ -158,14 +158,37 @@ class RouterAdmin:
                 server.unpause()
             reply(ok, {"workers": replies})
 
-        self.fan_out("continue", args, prefills, timeout, then_decodes)
+        self.in_order(done, lambda _: (cmd, self.of_role("prefill"), timeout), decodes)
+
+    def early_tokens(self) -> dict:
+        """First tokens the client has from a prefill but no decode confirmed: a decode
+        holding such a request resumes after that token, not before it."""
+        return {f.rid: f.early for f in self.server.inflight.values()
+                if f.early is not None and f.from_decode == 0}
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.server.workers if w.role == role]
 
     # --- fan-out ------------------------------------------------------------------
 
-    def fan_out(self, command: str, args: dict | Callable[[Worker], dict], targets: list[Worker],
-                timeout: float, on_done: Callable[[list[dict]], None]) -> None:
-        """Send `command` to `targets` (`args` may be a function of the worker); call
-        `on_done` with one reply per target once all answered or `timeout` passed."""
+    def in_order(self, done: Replies, *rounds: Round) -> None:
+        """Run `rounds` one after the other, each given the replies so far; then `done`
+        with every reply, in the order of the router's workers."""
+        order = {w.endpoint: i for i, w in enumerate(self.server.workers)}
+
+        def after(replies: list[dict], left: tuple[Round, ...]) -> None:
+            if not left:
+                done(sorted(replies, key=lambda r: order.get(r["endpoint"], len(order))))
+                return
+            cmd, targets, timeout = left[0](replies)
+            self.fan_out(cmd, targets, timeout, lambda got: after(replies + got, left[1:]))
+
+        after([], rounds)
+
+    def fan_out(self, cmd: AdminCommand | Callable[[Worker], AdminCommand], targets: list[Worker],
+                timeout: float, on_done: Replies) -> None:
+        """Send `cmd` (or `cmd(worker)`) to `targets`; call `on_done` with one reply per
+        target once all answered or `timeout` passed."""
         key = f"{next(self.req_ids)}"
         live = [w for w in targets if w.alive]
         fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
@@ -173,7 +196,7 @@ class RouterAdmin:
                         "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
         fan.timer = self.server.loop.call_later(timeout, self._done, key)
         for w in live:
-            w.dealer.send(Admin(command, args(w) if callable(args) else args, key))
+            w.dealer.send((cmd(w) if callable(cmd) else cmd).envelope(key))
         if not live:
             self._done(key)
 
@@ -197,3 +220,8 @@ class RouterAdmin:
         fan.on_done(fan.replies + [{"ok": False, "endpoint": ep, "role": roles[ep], "status": 504,
                                     "error": "no answer before the timeout"}
                                    for ep in sorted(fan.waiting)])
+
+
+def answer_all(reply: Reply) -> Replies:
+    """Answer with every worker's reply: ok when all are."""
+    return lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies})

@@ -21,6 +21,7 @@ from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
+from zpd.wire.admin import PauseMode
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, Pong, TokenPart,
@@ -86,8 +87,7 @@ class RouterServer:
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
-        self.paused: str | None = None
-        self.updating = False       # a weight push is under way: route nothing new either
+        self.paused: PauseMode | None = None
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
         self.loop.add_socket(self.front, self.on_client)
@@ -211,8 +211,7 @@ class RouterServer:
         """Route waiting requests, in the fair order of zpd/router/admission.py, while
         the router runs and fewer than --max-concurrent-requests are routed; each is
         charged to its client's share (zpd/router/shares.py) until its end."""
-        while self.admission and self.paused is None and not self.updating \
-                and len(self.inflight) < self.max_concurrent:
+        while self.admission and not self.holding and len(self.inflight) < self.max_concurrent:
             entry = self.admission.next(self.shares)
             if entry is None:
                 return
@@ -220,7 +219,7 @@ class RouterServer:
             self.route(entry.client, entry.msg, entry.rid)
 
     def expire_waiting(self, now: float) -> None:
-        self.admission.hold(self.paused is not None or self.updating, now)
+        self.admission.hold(self.holding, now)
         for entry in self.admission.expired(now):
             log.info("rid=%s from client %r: queue timeout", entry.rid, entry.client[:32])
             self.to_client(entry.client, ended(entry.rid, QUEUE_TIMEOUT,
@@ -277,6 +276,11 @@ class RouterServer:
     def end_queued(self, rid: str, status: int, reason: str) -> None:
         entry = self.admission.remove(rid)
         self.to_client(entry.client, ended(rid, status, reason, entry.msg))
+
+    @property
+    def holding(self) -> bool:
+        """New requests wait here: paused, or a weight push is under way."""
+        return self.paused is not None or self.admin.sync.pushing
 
     def unpause(self) -> None:
         """After a successful continue (or the end of a weight push): route what waits."""

@@ -19,77 +19,103 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from zpd.router.admin_args import BadArgs
+from zpd.wire.admin import (AdminCommand, BadArgs, CommitWeights, DestroyWeightsGroup,
+                            DiscardWeights, InitWeightsGroup, StageTensors, StageWeights,
+                            SyncStep, UpdateFromDistributed, UpdateFromTensor)
 
 if TYPE_CHECKING:
     from zpd.router.admin import RouterAdmin
+    from zpd.router.server import Worker
 
 log = logging.getLogger("zpd.router.weight_sync")
 
 Reply = Callable[[bool, dict], None]
-# While a push is under way, these would change weights or let requests run.
-COMMANDS = ("init_weights_update_group", "update_weights_from_distributed",
-            "update_weights_from_tensor", "destroy_weights_update_group")
-BLOCKED = frozenset({"continue", "update_weights", *COMMANDS})
+SYNC_COMMANDS = (InitWeightsGroup, UpdateFromDistributed, UpdateFromTensor, DestroyWeightsGroup)
 COMMIT_TIMEOUT_S = 60.0     # a commit is a local copy; this only bounds a wedged worker
 # Of a command's timeout, the workers' (they answer first, saying why); zpd launch gives
 # its HTTP front a --weights-timeout above the workers' --weight-sync-timeout / this.
 WORKER_SHARE = 0.9
 
 
+@dataclass(frozen=True)
+class Push:
+    """One two-phase push: what each worker stages, and what it then commits to."""
+    update_id: str
+    stage: Callable[["Worker"], AdminCommand]
+    weight_version: str | None         # None: each worker keeps its own (SGLang's way)
+    source: str                        # for the log: "group 'g'" or "tensors"
+    group: str | None                  # the trainer group (None: tensors)
+    timeout: float
+    started: float
+
+
 class RouterWeightSync:
+    """The router's weight-sync step: at most one join or push at a time (`step`)."""
+
     def __init__(self, admin: "RouterAdmin") -> None:
         self.admin = admin
         self.server = admin.server
-        self.active: str | None = None        # the push or join under way
+        self.step: SyncStep | None = None     # the join or push under way
+        self.what = ""                        # ... in words, for a 409
 
-    def run(self, command: str, args: dict, timeout: float, reply: Reply) -> None:
-        if self.active is not None:
-            reply(False, {"status": 409, "error": f"{command} while {self.active}: wait for it",
-                          "workers": []})
-        elif command == "init_weights_update_group":
-            self.init_group(args, timeout, reply)
-        elif command == "update_weights_from_distributed":
-            self.push(args, timeout, reply)
-        elif command == "update_weights_from_tensor":
-            self.push_tensors(args, timeout, reply)
+    def run(self, cmd: AdminCommand, timeout: float, reply: Reply) -> None:
+        if isinstance(cmd, InitWeightsGroup):
+            self.init_group(cmd, timeout, reply)
+        elif isinstance(cmd, UpdateFromDistributed):
+            self.push(cmd, timeout, reply)
+        elif isinstance(cmd, UpdateFromTensor):
+            self.push_tensors(cmd, timeout, reply)
         else:
-            self.admin.fan_out("destroy_weights_update_group", args, self.server.workers, timeout,
+            self.admin.fan_out(cmd, self.server.workers, timeout,
                                lambda rs: reply(all(r["ok"] for r in rs), {"workers": rs}))
 
-    def init_group(self, args: dict, timeout: float, reply: Reply) -> None:
+    def _begin(self, step: SyncStep, what: str) -> None:
+        self.step, self.what = step, what
+
+    def _end(self) -> None:
+        self.step, self.what = None, ""
+
+    @property
+    def pushing(self) -> bool:
+        """A push is under way: new requests queue until its commit is out."""
+        return self.step is SyncStep.PUSHING
+
+    # --- init_weights_update_group: join everywhere, or leave everywhere ---------------
+
+    def init_group(self, cmd: InitWeightsGroup, timeout: float, reply: Reply) -> None:
+        """1. every worker joins as rank rank_offset + i; 2. if any could not, every worker
+        leaves the group again; 3. answer."""
         workers = self.server.workers
         dead = [w.endpoint for w in workers if not w.alive]
         if dead:
             reply(False, {"status": 503, "error": f"workers without a heartbeat: {', '.join(dead)}",
                           "workers": []})
             return
-        offset, world = args["rank_offset"], args["world_size"]
+        offset, world = cmd.rank_offset, cmd.world_size
         if offset + len(workers) > world:
             raise BadArgs(f"rank_offset {offset} + {len(workers)} workers exceeds world_size {world}")
         ranks = {w.endpoint: offset + i for i, w in enumerate(workers)}
-        name = args["group_name"]
-        self.active = f"joining weight group {name!r}"
-        common = {k: v for k, v in args.items() if k not in ("rank_offset",)}
+        self._begin(SyncStep.JOINING, f"joining weight group {cmd.group_name!r}")
 
         def joined(replies: list[dict]) -> None:
             if all(r["ok"] for r in replies):
-                self.active = None
-                reply(True, {"workers": replies, "ranks": ranks})
+                answer(True, replies)
                 return
-            log.warning("weight group %r: not every worker joined; all leave it", name)
-            self.admin.fan_out("destroy_weights_update_group", {"group_name": name}, workers,
-                               COMMIT_TIMEOUT_S, lambda _: failed(replies))
+            log.warning("weight group %r: not every worker joined; all leave it", cmd.group_name)
+            self.admin.fan_out(DestroyWeightsGroup(cmd.group_name), workers, COMMIT_TIMEOUT_S,
+                               lambda _: answer(False, replies))
 
-        def failed(replies: list[dict]) -> None:
-            self.active = None
-            reply(False, {"workers": replies, "ranks": ranks})
+        def answer(ok: bool, replies: list[dict]) -> None:
+            self._end()
+            reply(ok, {"workers": replies, "ranks": ranks})
 
-        self.admin.fan_out("join_weights_group",
-                           lambda w: common | {"rank": ranks[w.endpoint], "timeout_s": timeout * WORKER_SHARE},
+        self.admin.fan_out(lambda w: cmd.join(ranks[w.endpoint], timeout * WORKER_SHARE),
                            workers, timeout, joined)
+
+    # --- pushes: stage everywhere, then commit everywhere or discard everywhere -------
 
     def _running(self, command: str, reply: Reply) -> bool:
         if self.server.paused is None and self.server.inflight:
@@ -98,79 +124,71 @@ class RouterWeightSync:
             return True
         return False
 
-    def push(self, args: dict, timeout: float, reply: Reply) -> None:
-        if self._running("update_weights_from_distributed", reply):
+    def push(self, cmd: UpdateFromDistributed, timeout: float, reply: Reply) -> None:
+        if self._running(cmd.COMMAND, reply):
             return
-        lengths = {len(args[k]) for k in ("names", "dtypes", "shapes")}
-        if len(lengths) != 1:
-            raise BadArgs("'names', 'dtypes' and 'shapes' must have the same length")
-        name, update_id = args["group_name"], uuid.uuid4().hex
-        version = args.get("weight_version")      # None: each worker keeps its own (SGLang's way)
-        stage = {k: args.get(k) for k in ("names", "dtypes", "shapes", "load_format")} | {
-            "group_name": name, "update_id": update_id, "timeout_s": timeout * WORKER_SHARE}
-        self._two_phase("stage_weights", lambda w: stage, update_id, version,
-                        f"group {name!r}", name, timeout, reply)
+        update_id = uuid.uuid4().hex
+        stage = StageWeights(cmd.group_name, update_id, cmd.names, cmd.dtypes, cmd.shapes,
+                             cmd.load_format, timeout * WORKER_SHARE)
+        self.two_phase(Push(update_id, lambda w: stage, cmd.weight_version,
+                            f"group {cmd.group_name!r}", cmd.group_name, timeout,
+                            self.server.loop.time()), reply)
 
-    def push_tensors(self, args: dict, timeout: float, reply: Reply) -> None:
+    def push_tensors(self, cmd: UpdateFromTensor, timeout: float, reply: Reply) -> None:
         """SGLang's update_weights_from_tensor: the version is kept when none is given."""
-        if self._running("update_weights_from_tensor", reply):
+        if self._running(cmd.COMMAND, reply):
             return
-        workers, entries = self.server.workers, args["serialized_named_tensors"]
+        workers, entries = self.server.workers, cmd.serialized_named_tensors
         if len(entries) not in (1, len(workers)):
             raise BadArgs(f"'serialized_named_tensors' has {len(entries)} entries: give one "
                           f"(every worker takes it) or one per worker ({len(workers)})")
         index = {w.endpoint: (i if len(entries) > 1 else 0) for i, w in enumerate(workers)}
         update_id = uuid.uuid4().hex
-        self._two_phase("stage_tensors", lambda w: {"update_id": update_id,
-                                                    "load_format": args.get("load_format"),
-                                                    "payload": entries[index[w.endpoint]]},
-                        update_id, args.get("weight_version"), "tensors", None, timeout, reply)
+        self.two_phase(Push(update_id, lambda w: StageTensors(update_id, entries[index[w.endpoint]],
+                                                              cmd.load_format),
+                            cmd.weight_version, "tensors", None, timeout,
+                            self.server.loop.time()), reply)
 
-    def _two_phase(self, stage_command: str, stage: Callable, update_id: str,
-                   version: str | None, source: str, name: str | None, timeout: float,
-                   reply: Reply) -> None:
-        """Stage on every worker, then commit everywhere or discard everywhere. A
-        `version` of None keeps each worker's own."""
+    def two_phase(self, push: Push, reply: Reply) -> None:
+        """1. stage on every worker (new requests queue meanwhile); 2. commit on every
+        worker if all staged, else discard everywhere; 3. route what queued, answer."""
+        self._begin(SyncStep.PUSHING, f"pushing weights from {push.source}")
+        self.admin.fan_out(push.stage, self.server.workers, push.timeout,
+                           lambda staged: self._second_phase(push, staged, reply))
+
+    def _second_phase(self, push: Push, staged: list[dict], reply: Reply) -> None:
+        server, workers = self.server, self.server.workers
+        if all(r["ok"] for r in staged):
+            left = max(COMMIT_TIMEOUT_S, push.timeout - (server.loop.time() - push.started))
+            self.admin.fan_out(CommitWeights(push.update_id, push.weight_version), workers, left,
+                               lambda got: self._finish(push, committed(push, got), got, reply))
+            return
+        # A refusal (400) leaves the group usable: every worker drained the push.
+        broken = push.group is not None and any(r.get("status") != 400
+                                                for r in staged if not r["ok"])
+        log.warning("push %s not staged everywhere: discarded%s", push.update_id,
+                    f"; group {push.group!r} left" if broken else "")
+        self.admin.fan_out(DiscardWeights(push.update_id, push.group if broken else None),
+                           workers, COMMIT_TIMEOUT_S,
+                           lambda _: self._finish(push, False, staged, reply))
+
+    def _finish(self, push: Push, ok: bool, replies: list[dict], reply: Reply) -> None:
         server = self.server
-        workers = server.workers
-        self.active = f"pushing weights from {source}"
-        server.updating = True               # new requests queue until the commit is out
-        started = server.loop.time()
+        self._end()
+        if server.paused is None:
+            server.unpause()             # route what queued meanwhile
+        seconds = server.loop.time() - push.started
+        log.warning("push %s from %s: %s in %.3f s", push.update_id, push.source,
+                    f"version {push.weight_version!r} on every worker" if ok else "failed", seconds)
+        got = {r.get("weight_version") for r in replies if r.get("ok")}
+        reply(ok, {"workers": replies, "seconds": round(seconds, 6),
+                   "weight_version": (push.weight_version or (got.pop() if len(got) == 1 else None))
+                   if ok else None})
 
-        def staged(replies: list[dict]) -> None:
-            if all(r["ok"] for r in replies):
-                left = max(COMMIT_TIMEOUT_S, timeout - (server.loop.time() - started))
-                self.admin.fan_out("commit_weights", {"update_id": update_id} |
-                                   ({"version": version} if version else {}),
-                                   workers, left, committed)
-                return
-            # A refusal (400) leaves the group usable: every worker drained the push.
-            broken = name is not None and any(r.get("status") != 400
-                                              for r in replies if not r["ok"])
-            log.warning("push %s not staged everywhere: discarded%s", update_id,
-                        f"; group {name!r} left" if broken else "")
-            self.admin.fan_out("discard_weights", {"update_id": update_id} |
-                               ({"destroy": name} if broken else {}), workers, COMMIT_TIMEOUT_S,
-                               lambda _: finish(False, replies))
 
-        def committed(replies: list[dict]) -> None:
-            ok = all(r["ok"] for r in replies)
-            if not ok:
-                log.error("push %s: commit failed on some workers: %s", update_id,
-                          [r for r in replies if not r["ok"]])
-            finish(ok, replies)
-
-        def finish(ok: bool, replies: list[dict]) -> None:
-            self.active = None
-            server.updating = False
-            if server.paused is None:
-                server.unpause()             # route what queued meanwhile
-            seconds = server.loop.time() - started
-            log.warning("push %s from %s: %s in %.3f s", update_id, source,
-                        f"version {version!r} on every worker" if ok else "failed", seconds)
-            got = {r.get("weight_version") for r in replies if r.get("ok")}
-            reply(ok, {"workers": replies, "seconds": round(seconds, 6),
-                       "weight_version": (version or (got.pop() if len(got) == 1 else None))
-                       if ok else None})
-
-        self.admin.fan_out(stage_command, stage, workers, timeout, staged)
+def committed(push: Push, replies: list[dict]) -> bool:
+    ok = all(r["ok"] for r in replies)
+    if not ok:
+        log.error("push %s: commit failed on some workers: %s", push.update_id,
+                  [r for r in replies if not r["ok"]])
+    return ok

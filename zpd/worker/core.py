@@ -22,6 +22,8 @@ from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
+from zpd.wire.admin import (AdminCommand, Continue, Pause, PauseMode, Status, drops, parse,
+                            split_timeout)
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
@@ -29,13 +31,11 @@ from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import WeightsAndMemory
-from zpd.worker.scheduler import PAUSE_MODES, Respond, Scheduler
+from zpd.worker.scheduler import Respond, Scheduler
 from zpd.worker.tokenizing import Tokenizing, is_long
 from zpd.worker.weight_sync import WeightSync
 
 log = logging.getLogger("zpd.worker.core")
-
-DROP_MODES = ("retract", "abort")    # pauses after which prefills forget their requests
 
 
 
@@ -68,8 +68,8 @@ class WorkerCore:
         self.compat_hash = compat_hash(self.model, self.layout)
         self.memory = WeightsAndMemory(self)
         self.weight_sync = WeightSync(self)
-        self.paused: str | None = None            # None or the pause mode
-        self.drop_pauses = 0                      # pauses (retract, abort) begun so far
+        self.paused: PauseMode | None = None
+        self.drop_pauses = 0                      # pauses that drop requests begun so far
         self.pause_waiters: list[Respond] = []
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
         self.drops = knobs.drops
@@ -78,8 +78,8 @@ class WorkerCore:
         self.scheduler: Scheduler | None = None
         self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
             Ping: self._on_ping, Admin: self._on_admin}
-        self.admin_commands: dict[str, Callable[[dict, Respond], None]] = {
-            "pause": self.pause, "continue": self.resume, "status": self.status,
+        self.admin_commands: dict[type[AdminCommand], Callable[..., None]] = {
+            Pause: self.pause, Continue: self.resume, Status: self.status,
             **self.memory.commands(), **self.weight_sync.commands()}
         self.loop.add_socket(self.sock, self._on_socket)
         self.loop.every(cfg.deadlines.heartbeat, self._check_peers)
@@ -210,31 +210,29 @@ class WorkerCore:
         def respond(ok: bool, result: dict) -> None:
             self.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
                                                             "role": self.cfg.role} | result))
-        command = self.admin_commands.get(msg.command)
-        if command is None:
+        known = {cls.COMMAND: cls for cls in self.admin_commands}
+        if msg.command not in known:
             respond(False, {"error": f"unknown command {msg.command!r}; known: "
-                                     f"{', '.join(sorted(self.admin_commands))}", "status": 400})
+                                     f"{', '.join(sorted(known))}", "status": 400})
             return
         log.info("admin %s %.400s", msg.command, dict(msg.args))     # bounded: payloads are MiBs
         try:
-            command(dict(msg.args), respond)
+            cmd = parse(msg.command, split_timeout(msg.args, 0.0)[0])    # timeout: the caller's
+            self.admin_commands[type(cmd)](cmd, respond)
         except StatusError as e:
             respond(False, {"error": str(e), "status": e.status})
         except Exception as e:  # an admin command must answer, whatever happened
             log.exception("admin %s failed", msg.command)
             respond(False, {"error": f"{type(e).__name__}: {e}", "status": 500})
 
-    def pause(self, args: dict, respond: Respond) -> None:
+    def pause(self, cmd: Pause, respond: Respond) -> None:
         """Stop scheduling; answered once the scheduler is quiescent (no write of a
         retracted or aborted request can still land anywhere)."""
-        mode = args.get("mode", "retract")
-        if mode not in PAUSE_MODES:
-            raise StatusError(BAD_REQUEST, f"unknown pause mode {mode!r}; use one of "
-                                           f"{', '.join(PAUSE_MODES)}")
-        if self.paused is not None and self.paused != mode:
+        mode = cmd.mode
+        if self.paused not in (None, mode):
             raise StatusError(CONFLICT, f"already paused ({self.paused}); continue first")
         self.paused = mode
-        self.drop_pauses += mode in DROP_MODES
+        self.drop_pauses += mode.drops
         self.scheduler.on_pause(mode)
         self.pause_waiters.append(respond)
         self._answer_pause_waiters()
@@ -245,12 +243,12 @@ class WorkerCore:
             for respond in waiters:
                 respond(True, self.status_fields())
 
-    def resume(self, args: dict, respond: Respond) -> None:
+    def resume(self, cmd: Continue, respond: Respond) -> None:
         was, self.paused = self.paused, None
-        extra = self.scheduler.on_resume(args)
+        extra = self.scheduler.on_resume(cmd)
         respond(True, self.status_fields() | {"was_paused": was} | extra)
 
-    def status(self, args: dict, respond: Respond) -> None:
+    def status(self, cmd: Status, respond: Respond) -> None:
         respond(True, self.status_fields())
 
     def status_fields(self) -> dict:
@@ -278,7 +276,7 @@ class WorkerCore:
         if msg.input_ids or not is_long(msg.text, msg.chat):
             done(*self.read_request(msg), False)
             return
-        seen = -1 if self.paused in DROP_MODES else self.drop_pauses
+        seen = -1 if self.dropping else self.drop_pauses
         self.tokenizing.submit(key, tag, lambda: self.prompt_ids(msg, on_loop=False),
                                lambda got: done(*self.read_request(msg, got),
                                                 seen != self.drop_pauses))
@@ -314,6 +312,11 @@ class WorkerCore:
             if msg.chat:
                 return self.model.encode_chat(chat_messages(msg.chat))
             return self.model.encode(msg.text)
+
+    @property
+    def dropping(self) -> bool:
+        """A pause that drops in-flight requests (retract, abort) is in force."""
+        return drops(self.paused)
 
     def schedulable(self) -> bool:
         """The KV pool is there to schedule into (not released)."""

@@ -15,6 +15,7 @@ import zmq
 from engines.batch import DecodeBatch
 from engines.request import Request, response
 from zpd.wire.status import ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE
+from zpd.wire.admin import Continue, PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
                                Recompute, Tokens)
@@ -184,7 +185,7 @@ class DecodeScheduler:
                  msg.prefill)
         if error is not None:
             self.finish(job, error.status, str(error), tell_prefill=True)
-        elif self.core.paused in ("retract", "abort"):
+        elif self.core.dropping:
             self.move(job, DecodePhase.HELD)     # the prefill drops it; recomputed after continue
         else:
             job.epoch += paused_meanwhile        # so did a pause while it was tokenized
@@ -347,8 +348,8 @@ class DecodeScheduler:
     def busy(self) -> bool:
         return bool(self.jobs) or self.pages.fenced > 0
 
-    def on_pause(self, mode: str) -> None:
-        if mode == "abort":                      # prompts still being tokenized end too
+    def on_pause(self, mode: PauseMode) -> None:
+        if mode is PauseMode.ABORT:                      # prompts still being tokenized end too
             for rid in list(self.core.tokenizing.pending):
                 self.refuse(*self.core.tokenizing.cancel(rid), ABORTED, "aborted by pause(abort)")
         self.retraction.on_pause(mode)
@@ -356,8 +357,8 @@ class DecodeScheduler:
     def quiescent(self) -> bool:
         return self.retraction.quiescent()
 
-    def on_resume(self, args: dict) -> dict:
-        return self.retraction.on_resume(args)
+    def on_resume(self, cmd: Continue) -> dict:
+        return self.retraction.on_resume(cmd)
 
     def on_memory_resumed(self) -> None:
         self.links.rehello(self._hello())       # prefills must learn our pool's new address

@@ -53,7 +53,7 @@ class KvDests:
             s.core.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
             return
         job = s.jobs.get(msg.room)
-        ended = (msg.room, msg.epoch) in s.tombstones or s.core.paused in ("retract", "abort")
+        ended = (msg.room, msg.epoch) in s.tombstones or s.core.dropping
         if job is None and ended:
             # nothing of ours will ever write there: the decode may reuse the pages
             s.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))

@@ -17,8 +17,10 @@ from engines import weight_release
 from engines.models.config import ModelError
 from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
-from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.models.tiny import is_tiny
+from zpd.wire.admin import (KV_CACHE, WEIGHTS, FlushCache, ReleaseMemory, ResumeMemory,
+                            UpdateWeights, UpdateWeightVersion)
+from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from zpd.worker.scheduler import Respond
 
 if TYPE_CHECKING:
@@ -27,22 +29,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("zpd.worker.memory")
 
 FORBIDDEN = 403
-KV, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
-MEMORY_TAGS = (KV, WEIGHTS, CUDA_GRAPH)       # SGLang's names; cuda_graph: nothing here
-
-
-def memory_tags(args: dict) -> set[str]:
-    """The `tags` argument as a set (absent or null: every tag, as SGLang)."""
-    tags = args.get("tags")
-    if tags is None:
-        return set(MEMORY_TAGS)
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise StatusError(BAD_REQUEST, "tags must be a list of strings")
-    unknown = sorted(set(tags) - set(MEMORY_TAGS))
-    if unknown:
-        raise StatusError(BAD_REQUEST, f"unknown memory tag(s) {', '.join(map(repr, unknown))}; "
-                                       f"known: {', '.join(MEMORY_TAGS)}")
-    return set(tags)
 
 
 def checkpoint_source(path: str, root: str | None) -> str:
@@ -70,10 +56,10 @@ class WeightsAndMemory:
         self.kv_released = False            # KV pool dropped
         self.weights_held: weight_release.Released | None = None   # weights dropped
 
-    def commands(self) -> dict[str, Callable[[dict, Respond], None]]:
-        return {"update_weights": self.update_weights, "flush_cache": self.flush_cache,
-                "update_weight_version": self.update_weight_version,
-                "release_memory": self.release_memory, "resume_memory": self.resume_memory}
+    def commands(self) -> dict[type, Callable[..., None]]:
+        return {UpdateWeights: self.update_weights, FlushCache: self.flush_cache,
+                UpdateWeightVersion: self.update_weight_version,
+                ReleaseMemory: self.release_memory, ResumeMemory: self.resume_memory}
 
     @property
     def released(self) -> bool:
@@ -100,15 +86,11 @@ class WeightsAndMemory:
             raise StatusError(CONFLICT, f"{what} while the weights are released: "
                                         "resume_memory (tags weights) first")
 
-    def update_weights(self, args: dict, respond: Respond) -> None:
+    def update_weights(self, cmd: UpdateWeights, respond: Respond) -> None:
         """Allowed while paused or idle; a bad checkpoint leaves the old weights. Without
         a version the current one stays (SGLang's way)."""
         core = self.core
-        path, version = args.get("path"), args.get("version")
-        if not isinstance(path, str) or not path:
-            raise StatusError(BAD_REQUEST, "update_weights needs a checkpoint path")
-        if version is not None and (not isinstance(version, str) or not version):
-            raise StatusError(BAD_REQUEST, "update_weights: version must be a non-empty string")
+        path, version = cmd.path, cmd.weight_version
         source = checkpoint_source(path, core.cfg.weights_root)
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
@@ -122,19 +104,17 @@ class WeightsAndMemory:
         log.warning("weights updated from %r: version %r", path, new)
         respond(True, {"weight_version": new})
 
-    def update_weight_version(self, args: dict, respond: Respond) -> None:
+    def update_weight_version(self, cmd: UpdateWeightVersion, respond: Respond) -> None:
         """Set the version the next tokens report; the weights stay as they are (SGLang's
         /update_weight_version, after a push that named no version). The prefix cache
         is keyed by version, so its entries are dropped as after an update."""
-        version = args.get("version")
-        if not isinstance(version, str) or not version:
-            raise StatusError(BAD_REQUEST, "update_weight_version needs a non-empty version")
+        version = cmd.weight_version
         old, self.core.model.version = self.core.model.version, version
         self.core.scheduler.on_weights_changed()
         log.warning("weight version %r -> %r (weights unchanged)", old, version)
         respond(True, {"weight_version": version, "previous": old})
 
-    def flush_cache(self, args: dict, respond: Respond) -> None:
+    def flush_cache(self, cmd: FlushCache, respond: Respond) -> None:
         """Drop the prefix cache; refused while requests run unpaused (as SGLang does).
         While paused it is allowed (a trainer's pause -> flush -> push): held requests
         keep their pages, a retracted one holds none, as for a push's invalidate."""
@@ -145,12 +125,12 @@ class WeightsAndMemory:
         log.warning("prefix cache flushed: %d pages freed", freed)
         respond(True, {"flushed_pages": freed})
 
-    def release_memory(self, args: dict, respond: Respond) -> None:
+    def release_memory(self, cmd: ReleaseMemory, respond: Respond) -> None:
         """Release what `tags` name (all by default). Every condition is checked first:
         a refusal releases nothing."""
-        tags = memory_tags(args)
+        tags = cmd.tag_set
         weights = WEIGHTS in tags and self.weights_held is None
-        kv = KV in tags and not self.kv_released
+        kv = KV_CACHE in tags and not self.kv_released
         if weights:
             self._check_weights_idle()
         if kv:
@@ -161,11 +141,11 @@ class WeightsAndMemory:
             self.weights_held = weight_release.release(self.core.model.net, self.core.model.device)
         respond(True, self._memory_fields())
 
-    def resume_memory(self, args: dict, respond: Respond) -> None:
+    def resume_memory(self, cmd: ResumeMemory, respond: Respond) -> None:
         """Restore what `tags` name (all by default): the weights bit for bit from their
         host copy or spill file, the KV pool newly allocated (its address changes, so
         the scheduler tells its peers before using it)."""
-        tags = memory_tags(args)
+        tags = cmd.tag_set
         if WEIGHTS in tags and self.weights_held is not None:
             held, self.weights_held = self.weights_held, None
             try:
@@ -174,7 +154,7 @@ class WeightsAndMemory:
             except (OSError, RuntimeError) as e:
                 raise StatusError(INTERNAL, f"could not restore the weights: {e}") from None
             log.warning("weights resumed (%d bytes)", held.nbytes)
-        if KV in tags and self.kv_released:
+        if KV_CACHE in tags and self.kv_released:
             self._resume_kv()
         respond(True, self._memory_fields())
 
@@ -185,7 +165,7 @@ class WeightsAndMemory:
         """No request may be running on them: idle, or paused with nothing in a batch
         (retract and abort empty it; in_place keeps it)."""
         core = self.core
-        if core.scheduler.busy() and core.paused not in ("retract", "abort"):
+        if core.scheduler.busy() and not core.dropping:
             raise StatusError(CONFLICT, "releasing the weights while requests are running: "
                                         "pause (retract or abort) or wait for them first")
 

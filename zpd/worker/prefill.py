@@ -19,6 +19,7 @@ from collections import deque
 from engines.request import Request, validate_prefix
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
 from engines.sampler import SamplingParams
+from zpd.wire.admin import Continue, PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore
@@ -232,7 +233,7 @@ class PrefillScheduler:
         if (room, epoch) in self.tombstones:
             log.info("rid=%r room=%d epoch=%d already ended here; not computing", rid, room, epoch)
             return None
-        if self.core.paused in ("retract", "abort"):
+        if self.core.dropping:
             # decode holds the request and will send a recompute after continue
             log.info("rid=%r room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
             self.tombstones.add(room, epoch)
@@ -303,11 +304,11 @@ class PrefillScheduler:
     def busy(self) -> bool:
         return bool(self.jobs)
 
-    def on_pause(self, mode: str) -> None:
+    def on_pause(self, mode: PauseMode) -> None:
         for job in self.jobs.values():
             if job.phase is not JobPhase.WRITING:
                 job.deadline.suspend()           # a held job waits as long as the pause
-        if mode in ("retract", "abort"):
+        if mode.drops:
             # Everything in flight is dropped: decode holds (retract) or ends (abort) it.
             for job in list(self.jobs.values()):
                 self.tombstones.add(job.room, job.epoch)
@@ -317,7 +318,7 @@ class PrefillScheduler:
         """A pause is answered once no write of ours is in flight."""
         return not self.writes
 
-    def on_resume(self, args: dict) -> dict:
+    def on_resume(self, cmd: Continue) -> dict:
         for job in self.jobs.values():
             job.deadline.resume()
         return {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from zpd.wire.admin import Continue, PauseMode
 from zpd.wire.status import ABORTED
 from zpd.wire.protocol import KvFailed
 from zpd.worker.jobs import DecodeJob, DecodePhase
@@ -31,12 +32,12 @@ class Retraction:
         self.sched = sched
         self.live_prefills: list[str] | None = None            # from the router's continue
 
-    def on_pause(self, mode: str) -> None:
+    def on_pause(self, mode: PauseMode) -> None:
         for job in list(self.sched.jobs.values()):
             job.deadline.suspend()             # a held request waits as long as the pause
-            if mode == "abort":
+            if mode is PauseMode.ABORT:
                 self.sched.finish(job, ABORTED, "aborted by pause(abort)", tell_prefill=True)
-            elif mode == "retract" and job.phase is not DecodePhase.HELD:
+            elif mode is PauseMode.RETRACT and job.phase is not DecodePhase.HELD:
                 self.retract(job)
 
     def retract(self, job: DecodeJob) -> None:
@@ -53,12 +54,12 @@ class Retraction:
     def quiescent(self) -> bool:
         """pause(retract|abort) is answered once no page is fenced: then no worker
         holds KV for any request and memory can be flushed."""
-        return not (self.sched.pages.fenced and self.sched.core.paused in ("retract", "abort"))
+        return not (self.sched.pages.fenced and self.sched.core.dropping)
 
-    def on_resume(self, args: dict) -> dict:
+    def on_resume(self, cmd: Continue) -> dict:
         """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
-        prefills = args.get("prefills")
-        if isinstance(prefills, list) and prefills:
+        prefills = cmd.prefills
+        if prefills:
             live = [p for p in prefills if well_formed(p)]
             if len(live) < len(prefills):
                 log.warning("continue: ignoring prefills that are no endpoints in %.200r", prefills)
@@ -66,7 +67,7 @@ class Retraction:
         jobs = self.sched.jobs
         held = sorted((j for j in jobs.values() if j.phase is DecodePhase.HELD),
                       key=lambda j: j.req.arrived)
-        early = args.get("early") if isinstance(args.get("early"), dict) else {}
+        early = cmd.early or {}
         for job in held:
             self._take_early_token(job, early.get(job.req.rid))
         for job in jobs.values():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
+from zpd.wire.admin import Continue, PauseMode
 from zpd.wire.protocol import Message
 
 if TYPE_CHECKING:
@@ -16,7 +17,6 @@ if TYPE_CHECKING:
 
 Handler = Callable[[bytes, Message], None]      # (sender identity, message)
 Respond = Callable[[bool, dict], None]          # an admin command's answer: ok, result
-PAUSE_MODES = ("abort", "in_place", "retract")
 
 
 def step_failure(what: str, error: Exception) -> str:
@@ -41,13 +41,13 @@ class Scheduler(Protocol):
     def busy(self) -> bool:
         """Requests are in flight (update_weights without a pause is refused)."""
 
-    def on_pause(self, mode: str) -> None:
+    def on_pause(self, mode: PauseMode) -> None:
         """Stop scheduling; `abort` ends, `retract` drops the KV of, every request."""
 
     def quiescent(self) -> bool:
         """A pause may be answered: nothing the pause waits for is still in flight."""
 
-    def on_resume(self, args: dict) -> dict:
+    def on_resume(self, cmd: Continue) -> dict:
         """Re-admit what the pause held; returns fields for the continue answer."""
 
     def on_memory_resumed(self) -> None:

@@ -8,32 +8,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from engines.models.config import ModelError
-from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
+from zpd.wire.status import CONFLICT, StatusError
 from engines.formats.tensor_payload import PayloadError, decode_named_tensors
 from engines.weight_push import MAX_TENSORS, Announced, Shadow, announce, push_limit
+from zpd.wire.admin import StageTensors, SyncStep
 from zpd.worker.scheduler import Respond
-from zpd.worker.sync_args import text_arg
 
 if TYPE_CHECKING:
     from zpd.worker.weight_sync import WeightSync
 
-LOAD_FORMATS = (None, "flattened_bucket")
 
-
-def stage_tensors(sync: "WeightSync", args: dict, respond: Respond) -> None:
+def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> None:
     """`payload` is this rank's entry of `serialized_named_tensors`. Decoded and
     checked off the loop (engines/formats/tensor_payload.py, a restricted unpickler), then
     staged; answered 400 (nothing staged) if refused."""
     from zpd.worker.weight_sync import Staged
     core = sync.core
-    update_id = text_arg(args, "update_id")
-    payload = args.get("payload")
-    if not isinstance(payload, str) or not payload:
-        raise StatusError(BAD_REQUEST, "'payload' must be a non-empty base64 string")
-    load_format = args.get("load_format")
-    if load_format not in LOAD_FORMATS:
-        raise StatusError(BAD_REQUEST, "'load_format' must be null ((name, tensor) pairs) "
-                                       "or \"flattened_bucket\"")
+    update_id, payload, load_format = cmd.update_id, cmd.payload, cmd.load_format
     sync.idle_or_409()
     if core.paused is None and core.scheduler.busy():
         raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
@@ -68,4 +59,4 @@ def stage_tensors(sync: "WeightSync", args: dict, respond: Respond) -> None:
             respond(True, {"staged_tensors": len(items), "staged_bytes": sync.staged.nbytes})
         sync.drop_shadow()
 
-    sync.background("receiving tensors", None, done, work)
+    sync.background(SyncStep.PUSHING, None, done, work)

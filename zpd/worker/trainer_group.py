@@ -36,7 +36,6 @@ import torch.distributed as dist
 log = logging.getLogger("zpd.worker.trainer_group")
 
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}     # backend -> the device its keys name
-TRAINER_INITS = ("init_custom_process_group", "init_process_group")
 DEFAULT_TRAINER_INIT = "init_custom_process_group"     # SGLang's keying
 
 

@@ -41,10 +41,11 @@ from engines.models.config import ModelError
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.weight_push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
 from zpd.worker.helper_link import HelperLink, Incoming, SyncFailure
+from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup,
+                            DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights, SyncStep)
 from zpd.worker.scheduler import Respond
-from zpd.worker.sync_args import int_arg, port_arg, seconds_arg, text_arg
-from zpd.worker.tensor_stage import LOAD_FORMATS, stage_tensors
-from zpd.worker.trainer_group import BACKENDS, DEFAULT_TRAINER_INIT, TRAINER_INITS
+from zpd.worker.tensor_stage import stage_tensors
+from zpd.worker.trainer_group import DEFAULT_TRAINER_INIT
 
 if TYPE_CHECKING:
     from zpd.worker.core import WorkerCore
@@ -75,10 +76,17 @@ class Job:
     step's thread (which sets `link` once its helper exists) race safely: whichever
     comes second kills the helper."""
 
-    def __init__(self, what: str, group: str | None) -> None:
-        self.what, self.group = what, group
+    def __init__(self, step: SyncStep, group: str | None) -> None:
+        self.step, self.group = step, group
         self.link: HelperLink | None = None
         self.why: tuple[int, str] | None = None
+
+    @property
+    def what(self) -> str:
+        """In words, as `status` and `cancel_weight_update` report it."""
+        if self.step is SyncStep.JOINING:
+            return f"joining {self.group}"
+        return f"receiving {self.group or 'tensors'}"
 
     def attach(self, link: HelperLink) -> None:
         self.link = link
@@ -103,12 +111,12 @@ class WeightSync:
         self.shadow: Shadow | None = None        # staging: a second copy of the weights
         self.abandoned: set[str] = set()         # update ids discarded while receiving
 
-    def commands(self) -> dict[str, Callable[[dict, Respond], None]]:
-        return {"join_weights_group": self.join, "stage_weights": self.stage,
-                "commit_weights": self.commit, "discard_weights": self.discard,
-                "destroy_weights_update_group": self.destroy,
-                "stage_tensors": lambda args, respond: stage_tensors(self, args, respond),
-                "cancel_weight_update": self.cancel}
+    def commands(self) -> dict[type, Callable[..., None]]:
+        return {JoinWeightsGroup: self.join, StageWeights: self.stage,
+                CommitWeights: self.commit, DiscardWeights: self.discard,
+                DestroyWeightsGroup: self.destroy,
+                StageTensors: lambda cmd, respond: stage_tensors(self, cmd, respond),
+                CancelWeightUpdate: self.cancel}
 
     def status(self) -> dict:
         return {"weight_groups": sorted(self.groups), "weights_staged": self.staged is not None,
@@ -116,20 +124,13 @@ class WeightSync:
 
     # --- commands --------------------------------------------------------------
 
-    def join(self, args: dict, respond: Respond) -> None:
-        name = text_arg(args, "group_name")
+    def join(self, cmd: JoinWeightsGroup, respond: Respond) -> None:
+        name, address, port = cmd.group_name, cmd.master_address, cmd.master_port
+        world, rank = cmd.world_size, cmd.rank
         # Left out: what the trainer would use with a worker like this one.
-        backend = args.get("backend") or ("nccl" if self.core.model.device.type == "cuda" else "gloo")
-        if backend not in BACKENDS:
-            raise StatusError(BAD_REQUEST, f"'backend' must be one of {', '.join(BACKENDS)}")
-        trainer_init = args.get("trainer_init", DEFAULT_TRAINER_INIT)
-        if trainer_init not in TRAINER_INITS:
-            raise StatusError(BAD_REQUEST, f"'trainer_init' must be one of {', '.join(TRAINER_INITS)}")
-        address = text_arg(args, "master_address")
-        port = port_arg(args)
-        world = int_arg(args, "world_size", 2, 1 << 16)
-        rank = int_arg(args, "rank", 1, world - 1)
-        timeout = min(seconds_arg(args, "timeout_s", self.timeout_s), self.timeout_s)
+        backend = cmd.backend or ("nccl" if self.core.model.device.type == "cuda" else "gloo")
+        trainer_init = cmd.trainer_init or DEFAULT_TRAINER_INIT
+        timeout = min(cmd.timeout_s, self.timeout_s)
         if name in self.groups:
             raise StatusError(CONFLICT, f"already in weight group {name!r}: destroy it first")
         self.idle_or_409()
@@ -163,18 +164,13 @@ class WeightSync:
                             + "; nothing joined"})
             self.drop_shadow()
 
-        self.background(f"joining {name}", name, done, work)
+        self.background(SyncStep.JOINING, name, done, work)
 
-    def stage(self, args: dict, respond: Respond) -> None:
+    def stage(self, cmd: StageWeights, respond: Respond) -> None:
         """Receive one push into staging memory; answered once all of it arrived."""
         core = self.core
-        name = text_arg(args, "group_name")
-        update_id = text_arg(args, "update_id")
-        load_format = args.get("load_format")
-        if load_format not in LOAD_FORMATS:
-            raise StatusError(BAD_REQUEST, "'load_format' must be null (one broadcast per "
-                                           "tensor) or \"flattened_bucket\"")
-        timeout = min(seconds_arg(args, "timeout_s", self.timeout_s), self.timeout_s)
+        name, update_id, load_format = cmd.group_name, cmd.update_id, cmd.load_format
+        timeout = min(cmd.timeout_s, self.timeout_s)
         group = self.groups.get(name)
         if group is None:
             raise StatusError(BAD_REQUEST, f"no weight group {name!r} here: "
@@ -182,7 +178,7 @@ class WeightSync:
         self.idle_or_409()
         if core.paused is None and core.scheduler.busy():
             raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
-        items, refusal = self._announced(args)
+        items, refusal = self._announced(cmd)
         total = sum(a.nbytes for a in items)
         if total > push_limit(core.model.net):
             raise StatusError(BAD_REQUEST, f"the push announces {total} bytes, more than this "
@@ -219,12 +215,11 @@ class WeightSync:
                 self.staged = Staged(update_id, name, items, total)
                 respond(True, {"staged_tensors": len(items), "staged_bytes": total})
 
-        self.background(f"receiving {name}", name, done, work)
+        self.background(SyncStep.PUSHING, name, done, work)
 
-    def commit(self, args: dict, respond: Respond) -> None:
+    def commit(self, cmd: CommitWeights, respond: Respond) -> None:
         core = self.core
-        update_id = text_arg(args, "update_id")
-        version = None if args.get("version") is None else text_arg(args, "version")   # None: kept
+        update_id, version = cmd.update_id, cmd.weight_version      # version None: kept
         staged = self.staged
         if staged is None or staged.update_id != update_id:
             raise StatusError(CONFLICT, f"no staged push {update_id!r} to commit")
@@ -248,27 +243,26 @@ class WeightSync:
                     written, time.monotonic() - started)
         respond(True, {"weight_version": core.model.version})
 
-    def discard(self, args: dict, respond: Respond) -> None:
+    def discard(self, cmd: DiscardWeights, respond: Respond) -> None:
         """Drop a staged (or still arriving) push; with `destroy`, leave its group too."""
-        update_id = text_arg(args, "update_id")
+        update_id = cmd.update_id
         if self.staged is not None and self.staged.update_id == update_id:
             self.staged = None
             self.drop_shadow()
-        elif self.job is not None and self.job.what.startswith("receiving"):
+        elif self.job is not None and self.job.step is SyncStep.PUSHING:
             self.abandoned.add(update_id)
-        group = args.get("destroy")
-        if isinstance(group, str) and group:
-            self._close(group)
+        if cmd.destroy is not None:
+            self._close(cmd.destroy)
         respond(True, {"discarded": update_id})
 
-    def destroy(self, args: dict, respond: Respond) -> None:
-        name = text_arg(args, "group_name")
+    def destroy(self, cmd: DestroyWeightsGroup, respond: Respond) -> None:
+        name = cmd.group_name
         if name not in self.groups and (self.job is None or self.job.group != name):
             raise StatusError(BAD_REQUEST, f"no weight group {name!r} here")
         self._close(name)
         respond(True, {"group_name": name, "destroyed": True})
 
-    def cancel(self, args: dict, respond: Respond) -> None:
+    def cancel(self, cmd: CancelWeightUpdate, respond: Respond) -> None:
         """End the join or push under way: its helper is killed, the step answers 409 and
         its group is left. A push already staged is left to the router's commit."""
         job = self.job
@@ -279,12 +273,10 @@ class WeightSync:
 
     # --- helpers ---------------------------------------------------------------
 
-    def _announced(self, args: dict) -> tuple[list[Announced], str | None]:
+    def _announced(self, cmd: StageWeights) -> tuple[list[Announced], str | None]:
         """The tensors a push announces, and why the model refuses them (None: it takes
         them). Without sizes it cannot even be drained: 400 at once."""
-        names, dtypes, shapes = (args.get(k) for k in ("names", "dtypes", "shapes"))
-        if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
-            raise StatusError(BAD_REQUEST, "'names', 'dtypes' and 'shapes' must be lists")
+        names, dtypes, shapes = cmd.names, cmd.dtypes, cmd.shapes
         try:
             parsed = sizes(names, dtypes, shapes)
         except ModelError as e:
@@ -335,12 +327,12 @@ class WeightSync:
         if self.job is not None:
             raise StatusError(CONFLICT, f"busy {self.job.what}: one weight-sync step at a time")
 
-    def background(self, what: str, group: str | None,
+    def background(self, step: SyncStep, group: str | None,
                    done: Callable[[Any, Exception | None], None],
                    work: Callable[[Job], Any]) -> None:
         """Run `work(job)` on a thread; `done(result, error)` runs on the scheduler's loop,
         once. `work` waits only on its helper, with a deadline (helper_link.py)."""
-        job = self.job = Job(what, group)
+        job = self.job = Job(step, group)
 
         def finish(result: Any, error: Exception | None) -> None:
             self.job = None
