@@ -92,16 +92,21 @@ def test_kv_dest_from_a_peer_without_hello_is_refused(cluster):
 # --- page ids checked against the announced pool ---------------------------------------
 
 
+# (page ids, cached pages) -> forged (page ids, cached pages), in a pool of n pages
 BAD_PAGES = {
-    "negative": lambda pages, n: [-2] + pages[1:],
-    # -1 only means "held already" (a decode's prefix cache) as a leading run, and
-    # never for the last page: the prefill always writes something
-    "skip_not_leading": lambda pages, n: pages[:1] + [-1] + pages[2:],
-    "skip_everything": lambda pages, n: [-1] * len(pages),
-    "past_the_end": lambda pages, n: pages[:-1] + [n],
-    "duplicated": lambda pages, n: [pages[0]] * len(pages),
-    "too_few": lambda pages, n: pages[:-1],
-    "too_many": lambda pages, n: pages + [next(p for p in range(n) if p not in pages)],
+    "negative": lambda pages, cached, n: ([-2] + pages[1:], cached),
+    # -1 is a page id like any other (cached pages are counted in `cached_pages`):
+    # a decode that still sends the old sentinel is refused, never skipped
+    "old_sentinel": lambda pages, cached, n: ([-1] + pages[1:], cached),
+    "minus_one_inside": lambda pages, cached, n: (pages[:1] + [-1] + pages[2:], cached),
+    # the prefill always writes something: at least the last page
+    "cached_everything": lambda pages, cached, n: ([], cached + len(pages)),
+    "cached_and_listed": lambda pages, cached, n: (pages, cached + 1),
+    "past_the_end": lambda pages, cached, n: (pages[:-1] + [n], cached),
+    "duplicated": lambda pages, cached, n: ([pages[0]] * len(pages), cached),
+    "too_few": lambda pages, cached, n: (pages[:-1], cached),
+    "too_many": lambda pages, cached, n: (pages + [next(p for p in range(n) if p not in pages)],
+                                          cached),
 }
 
 
@@ -111,8 +116,11 @@ def test_bad_page_ids_fail_only_that_request(cluster, monkeypatch, bad, timing):
     c = cluster
     c.serves_again(VICTIM[:5])                            # the link is up: kv_dest goes out at once
     num_pages = c.decode.pool.num_pages
-    monkeypatch.setattr(decode_module, "KvDest", lambda room, epoch, rid, pages: KvDest(
-        room, epoch, rid, BAD_PAGES[bad](list(pages), num_pages)))
+
+    def forged(room: int, epoch: int, rid: str, pages: list[int], cached_pages: int) -> KvDest:
+        pages, cached = BAD_PAGES[bad](list(pages), cached_pages, num_pages)
+        return KvDest(room, epoch, rid, pages, cached_pages=cached)
+    monkeypatch.setattr(decode_module, "KvDest", forged)
     writes = []
     real_write = c.prefill.backend.write
     monkeypatch.setattr(c.prefill.backend, "write", lambda *a: (writes.append(a), real_write(*a)))
@@ -132,6 +140,22 @@ def test_bad_page_ids_fail_only_that_request(cluster, monkeypatch, bad, timing):
     assert c.admin("pause", mode="in_place")["ok"]          # nothing stays in writing
     assert c.admin("continue")["ok"]
     c.serves_again(VICTIM[:5])
+
+
+@pytest.mark.parametrize("cached", [-1, "1", 1.0, True, None])
+def test_kv_dest_cached_pages_are_a_count_or_the_message_is_refused(cached):
+    """The count of pages a decode holds cached is checked by the codec, as every
+    field: a forged one never reaches the prefill's scheduler."""
+    import orjson
+    from zpd.wire.protocol import ProtocolError, decode, encode
+    frames = encode(KvDest(1, 0, "r", [4, 5], cached_pages=1))
+    assert decode(frames).cached_pages == 1
+    header = orjson.loads(frames[0]) | {"cached_pages": cached}
+    with pytest.raises(ProtocolError, match="cached_pages"):
+        decode([orjson.dumps(header), *frames[1:]])
+    if cached == -1:
+        with pytest.raises(ProtocolError, match="cached_pages"):
+            encode(KvDest(1, 0, "r", [4, 5], cached_pages=cached))
 
 
 # --- hello sanity ------------------------------------------------------------------

@@ -47,6 +47,22 @@ def test_many_requests_at_once(cluster):
     cluster.check_pages()
 
 
+def test_the_decode_states_the_pages_it_holds_cached(cluster, monkeypatch):
+    """A prefix page the decode has cached is not written again: its kv_dest says how
+    many leading pages it holds (`cached_pages`) and lists the others only."""
+    import zpd.worker.decode as decode_module
+    from zpd.wire.protocol import KvDest
+    sent = []
+    monkeypatch.setattr(decode_module, "KvDest",
+                        lambda *a, **kw: sent.append(KvDest(*a, **kw)) or sent[-1])
+    for _ in range(2):
+        rid = cluster.submit(PROMPT, 4)
+        assert cluster.run(rid).token_ids == reference(cluster, PROMPT, 4)
+    assert [(len(d.page_ids), d.cached_pages) for d in sent] == [(2, 0), (1, 1)]
+    assert cluster.pages(cluster.decode)["cached"] == 1
+    cluster.check_pages()
+
+
 # --- aborts in every phase -------------------------------------------------------------
 
 

@@ -115,10 +115,11 @@ class HelloAck(Message):
 
 @dataclass(frozen=True, slots=True)
 class KvDest(Message):
-    """Decode → prefill: where to write this request's KV pages, one id per page of
-    the prefix; a leading run of -1 are pages the decode holds already (its prefix
-    cache), not written. ``aux_slot`` is the decode's auxiliary-buffer slot for the
-    request (-1: none)."""
+    """Decode → prefill: where to write this request's KV. The prefix's first
+    ``cached_pages`` pages the decode holds already (its prefix cache) and are not
+    written; ``page_ids`` are the decode's pages for the rest of the prefix, one per
+    page, in order. ``aux_slot`` is the decode's auxiliary-buffer slot for the request
+    (-1: none)."""
 
     TYPE: ClassVar[str] = "kv_dest"
     room: int
@@ -126,6 +127,11 @@ class KvDest(Message):
     rid: str
     page_ids: list[int]
     aux_slot: int = -1
+    cached_pages: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cached_pages < 0:
+            raise ProtocolError(f"kv_dest: cached_pages {self.cached_pages} is negative")
 
 
 @dataclass(frozen=True, slots=True)

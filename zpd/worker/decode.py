@@ -149,9 +149,9 @@ class DecodeScheduler:
         prefix = req.prompt + req.output[:-1]
         if epoch > 0:      # the prefill forgot this request when it was retracted
             link.send(Recompute(req.rid, job.room, epoch, prefix, req.params.to_dict()))
-        # -1: a page of the prefix this decode holds already (its prefix cache)
-        dest = [-1] * job.skip + req.pages[job.skip:self.pool.pages_for(len(prefix))]
-        link.send(KvDest(job.room, epoch, req.rid, dest))
+        need = self.pool.pages_for(len(prefix))
+        # the prefix's first job.skip pages this decode holds already (its prefix cache)
+        link.send(KvDest(job.room, epoch, req.rid, req.pages[job.skip:need], cached_pages=job.skip))
         job.asked = epoch
 
     # --- from the router -----------------------------------------------------------

@@ -68,10 +68,10 @@ class KvDests:
         elif job.dest is not None or identity in job.offers:
             log.warning("duplicate kv_dest for room %d epoch %d dropped", msg.room, msg.epoch)
         elif job.paired is None:                 # before its request: who may send it is unknown
-            job.offers[identity] = list(msg.page_ids)
+            job.offers[identity] = msg
             job.decode = job.decode or identity  # told if the room expires unpaired
         else:
-            self.accept(job, identity, list(msg.page_ids))
+            self.accept(job, identity, msg)
 
     def pair(self, job: PrefillJob, endpoint: str, sender: bytes | None = None) -> None:
         """The request came: only the decode at `endpoint` (the router's choice, or the
@@ -83,8 +83,8 @@ class KvDests:
         if chosen is not None:
             self.accept(job, *chosen)
 
-    def accept(self, job: PrefillJob, identity: bytes, pages: list[int]) -> None:
-        job.decode, job.dest = identity, pages
+    def accept(self, job: PrefillJob, identity: bytes, dest: KvDest) -> None:
+        job.decode, job.dest = identity, dest
         if job.phase is JobPhase.REJECTED:
             self.sched.end(job, *job.failure)
             return

@@ -13,6 +13,7 @@ from engines.request import Request
 from zpd.wire.deadline import Deadline
 
 if TYPE_CHECKING:
+    from zpd.wire.protocol import KvDest
     from zpd.worker.pages import Prefix
 
 
@@ -37,10 +38,10 @@ class PrefillJob:
     phase: JobPhase = JobPhase.NEW
     req: Request | None = None           # None until the request comes
     decode: bytes | None = None          # decode's identity on our socket
-    dest: list[int] | None = None        # the decode's page ids, from kv_dest
+    dest: KvDest | None = None           # where the decode wants the KV (its kv_dest)
     paired: str | None = None            # once the request came: the only decode endpoint
                                          # whose kv_dest counts (see `KvDests.pair`)
-    offers: dict = field(default_factory=dict)   # STASHED: sender -> page ids, checked at `pair`
+    offers: dict = field(default_factory=dict)   # STASHED: sender -> kv_dest, checked at `pair`
     transfer_id: int | None = None
     failure: tuple[int, str] | None = None   # REJECTED: what to tell the decode
     notice: tuple[int, str] | None = None    # kv_failed to send once the write is over

@@ -9,8 +9,8 @@ size) and against what the router assigned (the room's decode endpoint):
   own session) is refused, and so is every kv_dest from that peer;
 - a kv_dest counts only from the peer whose hello named the endpoint the router gave
   the room (`Generate.decode`), see `KvDests.pair` (zpd/worker/dests.py);
-- its page ids must lie in that peer's pool, be distinct and be exactly as many as
-  the prefix needs.
+- its page ids must lie in that peer's pool, be distinct and, with the pages it says
+  it holds cached, be exactly as many as the prefix needs.
 
 Limit: without CURVE anyone may connect and say hello with any endpoint, so the
 endpoint check stops only an impostor that does not also claim the right decode's
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from zpd.wire.net import format_endpoint, parse_endpoint
-from zpd.wire.protocol import Hello, KvFailed, Message
+from zpd.wire.protocol import Hello, KvDest, KvFailed, Message
 
 log = logging.getLogger("zpd.worker.peers")
 
@@ -66,30 +66,20 @@ def pool_problem(msg: Hello, page_bytes: int, own_session: str) -> str:
     return ""
 
 
-def pages_problem(pages: list[int], need: int, num_pages: int) -> str:
-    """Why `pages` cannot hold a prefix of `need` pages in a pool of `num_pages`, or "".
-    A leading run of -1 names pages the decode holds already (its prefix cache);
-    at least the last page is written."""
-    if len(pages) != need:
-        return f"decode gave {len(pages)} pages for {need}"
-    skip = skipped(pages)
-    if skip >= need:
+def pages_problem(pages: list[int], cached: int, need: int, num_pages: int) -> str:
+    """Why `pages` cannot hold a prefix of `need` pages whose first `cached` the decode
+    holds already (its prefix cache), in a pool of `num_pages`, or "". At least the
+    last page is written."""
+    if cached + len(pages) != need:
+        return f"decode gave {len(pages)} pages and {cached} cached for {need}"
+    if not pages:
         return "decode skipped every page of the prefix"
-    pages = pages[skip:]
     outside = next((p for p in pages if not 0 <= p < num_pages), None)
     if outside is not None:
         return f"page id {outside} is outside the decode's pool of {num_pages} pages"
     if len(set(pages)) != len(pages):
         return "decode gave the same page twice"
     return ""
-
-
-def skipped(pages: list[int]) -> int:
-    """How many leading pages of a kv_dest the decode holds already (-1)."""
-    n = 0
-    while n < len(pages) and pages[n] == -1:
-        n += 1
-    return n
 
 
 class DecodePeers:
@@ -122,14 +112,14 @@ class DecodePeers:
         said = self.endpoint(identity)
         return bool(said) and said == paired and sender in (None, identity)
 
-    def settle(self, room: int, epoch: int, offers: dict[bytes, list[int]], paired: str,
-               sender: bytes | None) -> tuple[bytes, list[int]] | None:
+    def settle(self, room: int, epoch: int, offers: dict[bytes, KvDest], paired: str,
+               sender: bytes | None) -> tuple[bytes, KvDest] | None:
         """Of the kv_dests that came before the room's request, the room's decode's
-        (sender, page ids); every other one is refused."""
+        (sender, kv_dest); every other one is refused."""
         chosen = None
-        for identity, pages in offers.items():
+        for identity, dest in offers.items():
             if chosen is None and self.may_send(identity, paired, sender):
-                chosen = (identity, pages)
+                chosen = (identity, dest)
             else:
                 self.refuse(identity, room, epoch, paired)
         return chosen
@@ -154,12 +144,12 @@ class DecodePeers:
         peer = self._peers.get(identity)
         return "" if peer is None else peer.endpoint
 
-    def dest_problem(self, identity: bytes | None, pages: list[int], need: int) -> str:
-        """Why the peer's `pages` are not a place for `need` pages of KV, or ""."""
+    def dest_problem(self, identity: bytes | None, dest: KvDest, need: int) -> str:
+        """Why the peer's `dest` is not a place for `need` pages of KV, or ""."""
         peer = self.get(identity)
         if peer is None:
             return "the decode's hello was refused or never came"
-        return pages_problem(pages, need, peer.num_pages)
+        return pages_problem(dest.page_ids, dest.cached_pages, need, peer.num_pages)
 
     def __contains__(self, identity: object) -> bool:
         return identity in self._peers

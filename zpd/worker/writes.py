@@ -19,7 +19,6 @@ from zpd.wire.protocol import KvDone
 from zpd.wire.status import INTERNAL
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.parts import first_logprob_fields
-from zpd.worker.peers import skipped
 
 if TYPE_CHECKING:
     from zpd.worker.prefill import PrefillScheduler
@@ -80,11 +79,12 @@ class KvWrites:
         if problem:
             s.end(job, INTERNAL, problem)
             return
-        peer, tid = s.peers.get(job.decode), next(self.ids)
+        peer, tid, dest = s.peers.get(job.decode), next(self.ids), job.dest
+        # the prefix's first `cached_pages` pages the decode holds already: not written
+        ours = job.req.pages[dest.cached_pages:dest.cached_pages + len(dest.page_ids)]
         try:
-            skip = skipped(job.dest)        # pages the decode holds already
-            runs = transport.coalesce_runs(s.pool.data_ptr, job.req.pages[skip:len(job.dest)],
-                                           peer.base_addr, job.dest[skip:], s.pool.layout.page_bytes)
+            runs = transport.coalesce_runs(s.pool.data_ptr, ours, peer.base_addr, dest.page_ids,
+                                           s.pool.layout.page_bytes)
             s.core.backend.write(tid, peer.session, runs)
         except transport.TransportError as e:
             s.end(job, INTERNAL, f"KV transfer refused: {e}")
