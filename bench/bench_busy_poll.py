@@ -71,10 +71,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         clusters: dict[float, Launch] = {}
         try:
-            for s in args.settings:
+            for s in args.settings:                                        # all start at once
                 (Path(tmp) / str(s)).mkdir()
-                clusters[s] = Launch(Path(tmp) / str(s), "tiny", ["--busy-poll-us", str(s)])
-                overhead(clusters[s].router, prompts[:2])                  # warm up
+                clusters[s] = Launch(Path(tmp) / str(s), "tiny", ["--busy-poll-us", str(s)], wait=False)
+            for cluster in clusters.values():
+                cluster.wait_ready()
+                overhead(cluster.router, prompts[:2])                       # warm up
             for r in range(args.rounds):
                 for s, cluster in clusters.items():
                     wait_quiet(args.quiet_wait)

@@ -84,11 +84,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {}
         try:
-            for name, flags in configs.items():
+            for name, flags in configs.items():                          # all start at once
                 (Path(tmp) / name).mkdir()
-                clusters[name] = Launch(Path(tmp) / name, args.model, flags)
-                log_step(f"{name}: {clusters[name].shown}")
-                burst(clusters[name].router, prompts[:8])                 # warm up
+                clusters[name] = Launch(Path(tmp) / name, args.model, flags, wait=False)
+            for name, cluster in clusters.items():
+                cluster.wait_ready()
+                log_step(f"{name}: {cluster.shown}")
+                burst(cluster.router, prompts[:8])                        # warm up
             for n in args.sizes:
                 for r in range(args.repeats):
                     for name, cluster in clusters.items():

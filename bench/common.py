@@ -140,18 +140,25 @@ def wait_quiet(max_s: float, limit_cores: float = 0.3, window_s: float = 0.5) ->
 
 class Launch:
     """`zpd launch --prefill 1 --decode 1` plus `flags`, in its own session, one log per
-    process under `tmp/logs`. `pids`: prefill, decode and router."""
+    process under `tmp/logs`. `pids`: prefill, decode and router. wait=False returns
+    once the launcher is started; `wait_ready()` then (several clusters start at once)."""
 
-    def __init__(self, tmp: Path, model: str, flags: list[str], env: dict | None = None) -> None:
-        ready, self.logs = tmp / "cluster.json", tmp / "logs"
+    def __init__(self, tmp: Path, model: str, flags: list[str], env: dict | None = None,
+                 wait: bool = True) -> None:
+        self.tmp, self.logs = tmp, tmp / "logs"
         self.argv = [sys.executable, "-m", "zpd", "launch", "--model", model, "--prefill", "1",
-                     "--decode", "1", "--port", "0", "--ready-file", str(ready),
+                     "--decode", "1", "--port", "0", "--ready-file", str(tmp / "cluster.json"),
                      "--log-dir", str(self.logs), *flags]
         self.shown = shlex.join(self.argv).replace(str(tmp), "$TMP")
         env = os.environ | {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")} | (env or {})
         with open(tmp / "launch.log", "wb") as out:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=env)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        tmp, ready = self.tmp, self.tmp / "cluster.json"
         deadline = time.monotonic() + 180
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
