@@ -90,14 +90,19 @@ def model_path(args: argparse.Namespace, tmp: Path) -> str:
     return str(make_model(tmp / "model", c, max_position=4096))
 
 
-def start(mode: str, model: str, args: argparse.Namespace, tmp: Path) -> Side:
+def start(mode: str, model: str, args: argparse.Namespace, tmp: Path) -> Launch:
+    """The cache `mode` cluster, started; connect() waits for it."""
     (tmp / mode).mkdir()
     # The whole load is queued at once: without the cache its last requests wait for the
     # prefill (and all wait for decode slots) longer than the default 60 s queue deadline.
     flags = ["--dtype", "float32", "--threads", "1", "--kv-cache-mb", str(args.kv_cache_mb),
              "--max-batch", str(args.max_batch), "--kv-wait-timeout", f"{args.timeout:g}",
              "--log-level", "WARNING"]
-    cluster = Launch(tmp / mode, model, flags + (["--no-prefix-cache"] if mode == "off" else []))
+    return Launch(tmp / mode, model, flags + (["--no-prefix-cache"] if mode == "off" else []), wait=False)
+
+
+def connect(mode: str, cluster: Launch, args: argparse.Namespace) -> Side:
+    cluster.wait_ready()
     side = Side(cluster, Client(cluster.router, timeout=args.timeout))
     workers = side.client.admin("status")["workers"]
     enabled = {w["role"]: w["prefix_cache"]["enabled"] for w in workers}
@@ -276,18 +281,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="zpd-prefix-") as name:
         tmp = Path(name)
         model = model_path(args, tmp)
+        clusters: dict[str, Launch] = {}
         sides: dict[str, Side] = {}
         try:
-            for mode in MODES:
+            for mode in MODES:                                  # both start at once
                 log_step(f"starting the cache {mode} cluster")
-                sides[mode] = start(mode, model, args, tmp)
+                clusters[mode] = start(mode, model, args, tmp)
+            for mode in MODES:
+                sides[mode] = connect(mode, clusters[mode], args)
                 warm_up(sides[mode], vocab, args)
             shown = sides["off"].cluster.shown.replace(model, "$MODEL")
             same = rounds(sides, vocab, args)
         finally:
             for side in sides.values():
                 side.client.close()
-                side.cluster.stop()
+            for cluster in clusters.values():
+                cluster.stop()
     print(f"model: {describe(args)}, float32; {os.cpu_count()} CPUs")
     print(f"cluster: {shown} (cache on: without --no-prefix-cache)")
     print(f"load: {args.prompts} prompts x {args.samples} samples = {args.prompts * args.samples} "
