@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -66,11 +67,29 @@ RUNS = {
 }
 
 
+def run_bench(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run, except that a benchmark past its time gets SIGINT first: its
+    `finally` then stops the clusters it started in sessions of their own, which a
+    SIGKILL would leave running for the rest of the suite."""
+    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 @pytest.mark.parametrize("script", sorted(RUNS))
 def test_benchmark_runs(script: str) -> None:
     args, wanted = RUNS[script]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = run_bench([sys.executable, str(ROOT / "bench" / script), *args], timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for pattern in wanted:
         assert re.search(pattern, done.stdout), (pattern, done.stdout[-3000:])
@@ -78,8 +97,8 @@ def test_benchmark_runs(script: str) -> None:
 
 def test_interference_runs(tmp_path) -> None:
     png = tmp_path / "itl.png"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_interference.py"), "--smoke",
-                           "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = run_bench([sys.executable, str(ROOT / "bench" / "bench_interference.py"), "--smoke",
+                      "--plot", str(png)], timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for pattern in (r"SLOs:\s+TTFT <= \d+ ms", r"ITL p99 ms(\s+[\d.]+){2}", r"ITL p99/p50(\s+[\d.]+){2}",
                     r"TTFT long p50 ms(\s+[\d.]+){2}", r"goodput(\s+[\d.]+){2}"):
