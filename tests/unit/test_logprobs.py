@@ -239,7 +239,7 @@ def test_no_logprob_keys_or_frames_for_requests_not_asking(cluster):
 def test_kv_done_without_the_asked_logprob_fails_the_request(cluster, monkeypatch):
     """A prefill that leaves the first token's logprob out (a bug, or a peer that does
     not know them): the request fails clearly, the pages come back."""
-    monkeypatch.setattr("zpd.worker.prefill.first_logprob_fields", lambda req: {})
+    monkeypatch.setattr("zpd.worker.writes.first_logprob_fields", lambda req: {})
     got = cluster.run(cluster.submit(PROMPT, 4, stream=False, sampling={"return_logprob": True}))
     assert got.status == 500 and "no logprob for the first token" in got.finish["message"]
     cluster.pump()

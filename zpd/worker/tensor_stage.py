@@ -3,6 +3,7 @@ push whose tensors are in memory the trainer shares on this host, not broadcast.
 Committed or discarded by WeightSync like a broadcast push."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,11 +19,20 @@ if TYPE_CHECKING:
     from zpd.worker.weight_sync import WeightSync
 
 
+@dataclass(eq=False)
+class Staged:
+    """A push received in full (into the shadow), waiting for the router's commit or
+    discard."""
+    update_id: str
+    group: str | None          # None: a tensor push (update_weights_from_tensor)
+    written: list[Announced]
+    nbytes: int
+
+
 def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> None:
     """`payload` is this rank's entry of `serialized_named_tensors`. Decoded and
     checked off the loop (engines/formats/tensor_payload.py, a restricted unpickler), then
     staged; answered 400 (nothing staged) if refused."""
-    from zpd.worker.weight_sync import Staged
     core = sync.core
     update_id, payload, load_format = cmd.update_id, cmd.payload, cmd.load_format
     sync.idle_or_409()

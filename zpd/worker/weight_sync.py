@@ -44,23 +44,13 @@ from zpd.worker.helper_link import HelperLink, Incoming, SyncFailure
 from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup,
                             DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights, SyncStep)
 from zpd.worker.scheduler import Respond
-from zpd.worker.tensor_stage import stage_tensors
+from zpd.worker.tensor_stage import Staged, stage_tensors
 from zpd.worker.trainer_group import DEFAULT_TRAINER_INIT
 
 if TYPE_CHECKING:
     from zpd.worker.core import WorkerCore
 
 log = logging.getLogger("zpd.worker.weight_sync")
-
-
-@dataclass(eq=False)
-class Staged:
-    """A push received in full (into the shadow), waiting for the router's commit or
-    discard."""
-    update_id: str
-    group: str | None          # None: a tensor push (update_weights_from_tensor)
-    written: list[Announced]
-    nbytes: int
 
 
 @dataclass(eq=False)
