@@ -76,7 +76,7 @@ def test_round_trip(msg: p.Message) -> None:
 
 
 def test_defaults_fill_optional_fields() -> None:
-    frames = [orjson.dumps({"v": 1, "type": "abort", "rid": "x"})]
+    frames = [orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "abort", "rid": "x"})]
     assert decode(frames) == p.Abort(rid="x", status=499, reason="")
 
 
@@ -85,7 +85,7 @@ def test_blob_is_little_endian_int32() -> None:
     assert header(frames)["page_ids"] == 0
     assert frames[1] == struct.pack("<3i", 1, -2, 0x01020304)
     raw = struct.pack("<2i", 258, -1)
-    msg = decode([orjson.dumps({"v": 1, "type": "kv_dest", "room": 1, "epoch": 0,
+    msg = decode([orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "kv_dest", "room": 1, "epoch": 0,
                                 "rid": "r", "page_ids": 0}), raw])
     assert msg.page_ids == [258, -1]
 
@@ -99,11 +99,12 @@ GOOD = encode(SAMPLES[0])
 MALFORMED = {
     "empty": [],
     "not json": [b"\x00garbage"],
-    "bad utf8": [b'{"v":1,"type":"\xff"}'],
+    "bad utf8": [b'{"v":2,"type":"\xff"}'],
     "not object": [b"[1, 2]"],
     "missing v": without(GOOD, "v"),
     "null v": with_header(GOOD, v=None),
-    "wrong v": with_header(GOOD, v=2),
+    "wrong v": with_header(GOOD, v=p.PROTOCOL_VERSION + 1),
+    "previous v (a peer not upgraded)": with_header(GOOD, v=p.PROTOCOL_VERSION - 1),
     "v as string": with_header(GOOD, v="1"),
     "v as bool": with_header(GOOD, v=True),
     "unknown type": with_header(GOOD, type="nope"),

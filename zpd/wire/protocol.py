@@ -39,7 +39,7 @@ __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Error", "Generate", "Hel
            "TokenPart", "Tokens", "new_room", "MESSAGE_TYPES", "PROTOCOL_VERSION",
            "MAX_FRAME_BYTES", "MAX_FRAMES", "encode", "decode"]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2      # 2: kv_dest states cached_pages; admin args say weight_version
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
