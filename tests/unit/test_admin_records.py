@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpd.wire import admin as a
+from zpd.wire import admin_fields as af
 from zpd.wire.protocol import decode, encode
 
 SAMPLES: list[a.AdminCommand] = [
-    a.Pause(a.PauseMode.IN_PLACE), a.Continue(["p:1"], {"r": [3, "v"]}), a.Status(),
+    a.Pause(af.PauseMode.IN_PLACE), a.Continue(["p:1"], {"r": [3, "v"]}), a.Status(),
     a.FlushCache(), a.AbortRequest("r1"), a.AbortAll(), a.UpdateWeights("/ckpt", "v2"),
     a.UpdateWeightVersion("v3"), a.ReleaseMemory(["weights"]), a.ResumeMemory(None),
     a.InitWeightsGroup("10.0.0.1", 29500, 1, 3, "g", "gloo"),
@@ -45,13 +46,13 @@ def test_the_python_clients_version_is_taken_as_weight_version_but_not_both():
     assert a.parse("update_weights", {"path": "x", "version": "v"}).weight_version == "v"
     assert a.parse("update_weight_version", {"version": "v"}) == a.UpdateWeightVersion("v")
     assert a.parse("commit_weights", {"update_id": "u", "version": "v"}).weight_version == "v"
-    with pytest.raises(a.BadArgs, match="not both"):
+    with pytest.raises(af.BadArgs, match="not both"):
         a.parse("update_weights", {"path": "x", "version": "v", "weight_version": "w"})
     assert "version" not in a.UpdateWeights("x", "v").args()      # one name on the wire
 
 
 def test_fields_only_the_router_sets_are_refused_from_a_client():
-    with pytest.raises(a.BadArgs, match="takes no argument 'prefills'"):
+    with pytest.raises(af.BadArgs, match="takes no argument 'prefills'"):
         a.parse("continue", {"prefills": ["p:1"]}, client=True)
     assert a.parse("continue", {"prefills": ["p:1"]}).prefills == ["p:1"]
 
@@ -80,7 +81,7 @@ def test_fields_only_the_router_sets_are_refused_from_a_client():
     ("status", {"mode": "abort"}, "mode"), ("nope", {}, "unknown command"),
 ])
 def test_a_bad_argument_is_400_naming_it(command, args, field):
-    with pytest.raises(a.BadArgs, match=field) as got:
+    with pytest.raises(af.BadArgs, match=field) as got:
         a.parse(command, args)
     assert got.value.status == 400
 
@@ -91,21 +92,21 @@ def test_a_decimal_string_port_becomes_a_number_and_tags_a_sorted_set():
                                                  "group_name": "g"})
     assert init.master_port == 29500 and init.join(1, 5.0).master_port == 29500
     assert a.ReleaseMemory(["weights", "kv_cache", "weights"]).tags == ["kv_cache", "weights"]
-    assert a.ResumeMemory(None).tag_set == set(a.MEMORY_TAGS)
+    assert a.ResumeMemory(None).tag_set == set(af.MEMORY_TAGS)
 
 
 def test_pause_modes_say_whether_they_drop_work():
-    assert [m.drops for m in a.PauseMode] == [True, False, True]       # abort, in_place, retract
-    assert not a.drops(None) and a.drops(a.PauseMode.RETRACT)
-    assert f"{a.PauseMode.RETRACT}" == "retract" == a.PauseMode.RETRACT
-    assert a.parse("pause", {}).mode is a.PauseMode.RETRACT
+    assert [m.drops for m in af.PauseMode] == [True, False, True]       # abort, in_place, retract
+    assert not af.drops(None) and af.drops(af.PauseMode.RETRACT)
+    assert f"{af.PauseMode.RETRACT}" == "retract" == af.PauseMode.RETRACT
+    assert a.parse("pause", {}).mode is af.PauseMode.RETRACT
 
 
 @pytest.mark.parametrize("raw", [float("nan"), math.inf, -1, 0, "30", True, [1]])
 def test_a_bad_timeout_is_400_and_a_huge_one_capped(raw):
-    with pytest.raises(a.BadArgs, match="timeout"):
+    with pytest.raises(af.BadArgs, match="timeout"):
         a.split_timeout({"timeout": raw}, 10.0)
-    assert a.split_timeout({"timeout": 1e300, "x": 1}, 10.0) == ({"x": 1}, a.MAX_TIMEOUT_S)
+    assert a.split_timeout({"timeout": 1e300, "x": 1}, 10.0) == ({"x": 1}, af.MAX_TIMEOUT_S)
     assert a.split_timeout({}, 10.0) == ({}, 10.0)
 
 
@@ -113,8 +114,8 @@ def test_the_wires_limits_are_the_engines():
     from engines.formats.tensor_payload import MAX_PAYLOAD_CHARS
     from engines.weight_push import MAX_TENSORS
     from zpd.worker.trainer_group import BACKENDS, DEFAULT_TRAINER_INIT
-    assert (a.MAX_TENSORS, a.MAX_PAYLOAD_CHARS) == (MAX_TENSORS, MAX_PAYLOAD_CHARS)
-    assert DEFAULT_TRAINER_INIT in a.TRAINER_INITS and set(a.GROUP_BACKENDS) == set(BACKENDS)
+    assert (af.MAX_TENSORS, af.MAX_PAYLOAD_CHARS) == (MAX_TENSORS, MAX_PAYLOAD_CHARS)
+    assert DEFAULT_TRAINER_INIT in af.TRAINER_INITS and set(af.GROUP_BACKENDS) == set(BACKENDS)
 
 
 def test_the_admin_wire_imports_no_torch():
@@ -134,6 +135,6 @@ def test_fuzz_hostile_arguments_only_ever_raise_bad_args(command, data):
     args = data.draw(st.dictionaries(st.sampled_from(names), JSON, max_size=len(names)))
     try:
         cmd = a.parse(command, args)
-    except a.BadArgs:
+    except af.BadArgs:
         return
     assert a.parse(command, cmd.args()) == cmd       # what was taken travels as it was

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.inproc import InprocCluster, reference
-from zpd.wire.admin import SyncStep
+from zpd.wire.admin_fields import SyncStep
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
 

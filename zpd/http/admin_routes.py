@@ -13,9 +13,8 @@ from aiohttp import web
 
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.records import BadRequest, boolean, refuse_unknown, stop_strings, string, take
-from zpd.wire.admin import (MEMORY_TAGS, AbortAll, AbortRequest, AdminCommand, BadArgs, Continue,
-                            FlushCache, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights,
-                            UpdateWeightVersion, parse)
+from zpd.wire.admin import (AbortAll, AbortRequest, AdminCommand, Continue, FlushCache, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, UpdateWeightVersion, parse)
+from zpd.wire.admin_fields import MEMORY_TAGS, BadArgs
 
 routes = web.RouteTableDef()
 

@@ -15,10 +15,8 @@ from typing import Callable
 import orjson
 
 from zpd.ops.options import ROUTER_ENDPOINT
-from zpd.wire.admin import (MEMORY_TAGS, AbortAll, AbortRequest, AdminCommand, BadArgs,
-                            CancelWeightUpdate, Continue, FlushCache, Pause, PauseMode,
-                            ReleaseMemory, ResumeMemory, Status, UpdateWeights,
-                            UpdateWeightVersion)
+from zpd.wire.admin import (AbortAll, AbortRequest, AdminCommand, CancelWeightUpdate, Continue, FlushCache, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, UpdateWeightVersion)
+from zpd.wire.admin_fields import MEMORY_TAGS, BadArgs, PauseMode
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
 

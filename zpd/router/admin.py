@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from zpd.router.weight_sync import SYNC_COMMANDS, RouterWeightSync
-from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause,
-                            PauseMode, ReleaseMemory, UpdateWeights, parse, split_timeout)
+from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, UpdateWeights, parse, split_timeout)
+from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 from zpd.wire.status import StatusError

@@ -21,7 +21,7 @@ from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
-from zpd.wire.admin import PauseMode
+from zpd.wire.admin_fields import PauseMode
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, Pong, TokenPart,

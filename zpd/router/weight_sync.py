@@ -22,9 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from zpd.wire.admin import (AdminCommand, BadArgs, CommitWeights, DestroyWeightsGroup,
-                            DiscardWeights, InitWeightsGroup, StageTensors, StageWeights,
-                            SyncStep, UpdateFromDistributed, UpdateFromTensor)
+from zpd.wire.admin import (AdminCommand, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
+from zpd.wire.admin_fields import BadArgs, SyncStep
 
 if TYPE_CHECKING:
     from zpd.router.admin import RouterAdmin

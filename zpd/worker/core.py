@@ -22,8 +22,8 @@ from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
-from zpd.wire.admin import (AdminCommand, Continue, Pause, PauseMode, Status, drops, parse,
-                            split_timeout)
+from zpd.wire.admin import (AdminCommand, Continue, Pause, Status, parse, split_timeout)
+from zpd.wire.admin_fields import PauseMode, drops
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens

@@ -18,8 +18,8 @@ from engines.models.config import ModelError
 from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.models.tiny import is_tiny
-from zpd.wire.admin import (KV_CACHE, WEIGHTS, FlushCache, ReleaseMemory, ResumeMemory,
-                            UpdateWeights, UpdateWeightVersion)
+from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, UpdateWeights, UpdateWeightVersion)
+from zpd.wire.admin_fields import KV_CACHE, WEIGHTS
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from zpd.worker.scheduler import Respond
 

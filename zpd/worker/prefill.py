@@ -19,7 +19,8 @@ from collections import deque
 from engines.request import Request, validate_prefix
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
 from engines.sampler import SamplingParams
-from zpd.wire.admin import Continue, PauseMode
+from zpd.wire.admin import (Continue)
+from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore

@@ -41,8 +41,8 @@ from engines.models.config import ModelError
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.weight_push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
 from zpd.worker.helper_link import HelperLink, Incoming, SyncFailure
-from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup,
-                            DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights, SyncStep)
+from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights)
+from zpd.wire.admin_fields import SyncStep
 from zpd.worker.scheduler import Respond
 from zpd.worker.tensor_stage import Staged, stage_tensors
 from zpd.worker.trainer_group import DEFAULT_TRAINER_INIT
