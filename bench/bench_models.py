@@ -3,6 +3,7 @@ engine vs transformers, side by side in one run.
 
     python bench/bench_models.py [--dtypes float32,bfloat16] [--batches 1,16]
                                  [--new-tokens 64] [--threads 2] [--repeats 3]
+                                 [--no-hf-load] [--hf-random-weights]
 
 Load: zpd's `load_model("smollm2")` (read, dequantize tensor by tensor into --dtype) vs
 transformers' `from_pretrained(dir, gguf_file=...)`; the peak resident memory each load
@@ -107,6 +108,21 @@ def hf_plain(dtype: torch.dtype):
     return model.eval()
 
 
+def hf_random(ours, dtype: torch.dtype):
+    """transformers' Llama of the file's shapes with random weights: a generation of a
+    fixed length takes as long whatever the weights hold, and this skips transformers'
+    GGUF loader (~20 s; the smoke test's choice)."""
+    import transformers
+    c = ours.cfg
+    conf = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position, rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings)
+    return transformers.LlamaForCausalLM(conf).to(dtype).eval()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -116,6 +132,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf-load", action="store_true",
                     help="skip timing transformers' load (its ~25 s; the smoke test's choice)")
+    ap.add_argument("--hf-random-weights", action="store_true",
+                    help="transformers' side: random weights of the same shapes, not the file's "
+                         "(the same speed, without its ~20 s GGUF load; the smoke test's choice)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtypes, batches = args.dtypes.split(","), [int(b) for b in args.batches.split(",")]
@@ -130,10 +149,12 @@ def main() -> None:
         print(f"{dtype:<10} {z['seconds']:>7.2f} {z['added_mib']:>9.0f} "
               f"{h['seconds']:>7.2f} {h['added_mib']:>9.0f}")
     print(f"\ngenerated tok/s, 37-token chat prompt + {args.new_tokens} new tokens, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}"
+          + ("; transformers with random weights (--hf-random-weights)" if args.hf_random_weights else ""))
     print(f"{'dtype':<10} {'batch':>5} {'zpd':>8} {'hf':>8} {'zpd/hf':>7}")
     for dtype in dtypes:
-        ours, ref = load_model("smollm2", dtype=dtype), hf_plain(DTYPES[dtype])
+        ours = load_model("smollm2", dtype=dtype)
+        ref = hf_random(ours, DTYPES[dtype]) if args.hf_random_weights else hf_plain(DTYPES[dtype])
         prompt = ours.encode_chat(QUESTION)
         for batch in batches:
             zs, hs = [], []

@@ -46,7 +46,7 @@ RUNS = {
     "bench_peer.py": (["--smoke"], [r"float32\s+zpd [\d.]+\s+zpd [\d.]+\s+zpd [\d.]+"]),
     "bench_peer_products.py": (["--smoke"], [r"gate/up 3072x576(\s+[\d.]+){4}", r"sum(\s+[\d.]+){3}"]),
     "bench_models.py": (["--repeats", "1", "--new-tokens", "4", "--batches", "2",
-                         "--dtypes", "float32", "--no-hf-load"],
+                         "--dtypes", "float32", "--no-hf-load", "--hf-random-weights"],
                         [r"float32\s+[\d.]+\s+\d+\s+nan\s+nan",
                          r"float32\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x"]),
     "bench_clear.py": (["--repeats", "1", "--tokens", "64"], [r"8B-class bf16\s+64\s+[\d.]+"]),
