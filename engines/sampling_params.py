@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-# Bounds checked at admission (README, "zpd run", lists them). Outside them the
+# Bounds checked at admission (docs/serving.md, "zpd run", lists them). Outside them the
 # sampler's arithmetic breaks in float32, the narrowest dtype it computes in: a
 # temperature or top_p that rounds to 0 divides by zero, a top_k past int64 cannot
 # become a tensor, a tiny or huge repetition penalty overflows the logits.

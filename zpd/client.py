@@ -100,7 +100,7 @@ class Client:
         last chunk also has finish_reason, meta and text. A request that asked for
         logprobs (`return_logprob`) has "logprobs" in every chunk, one per token id, and
         one that asked for `top_logprobs_num` N also "top_logprobs", per token its N most
-        likely [token_id, logprob] pairs, highest first (README, "Logprobs"). Closing
+        likely [token_id, logprob] pairs, highest first (docs/serving.md, "Logprobs"). Closing
         the iterator early aborts the request (499)."""
         rid = self._submit(input_ids, prompt, sampling_params, rid, True, messages)
         finished = False

@@ -103,7 +103,7 @@ class WorkerConfig:
     # (zpd/worker/mem_fraction.py); None: the KV pool is kv_cache_mb
     mem_fraction_static: float | None = None
     overrides: ModelOverrides = field(default_factory=ModelOverrides)  # tokenizer, template, context
-    clear_freed_pages: bool = False  # zero each KV page as it is freed (README, "Security")
+    clear_freed_pages: bool = False  # zero each KV page as it is freed (docs/operating.md, "Security")
     prefix_cache: bool = True        # a prefill keeps computed prompt pages for reuse
     max_batch: int = 64
     max_prefill_tokens: int = 8192
@@ -137,7 +137,7 @@ class RouterConfig:
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     # Each client's share (zpd/router/shares.py): past it, its requests wait their turn.
     # The defaults are generous; set from the decodes' KV pool, they keep one client from
-    # starving the others (README, "Limits").
+    # starving the others (docs/operating.md, "Limits").
     max_client_requests: int = 1024  # --max-client-requests: routed at once
     max_client_tokens: int = 1 << 22  # --max-client-tokens: prompt + max_new_tokens routed
     # The waiting room (zpd/router/admission.py): requests routed to the workers at once
@@ -172,7 +172,7 @@ class HttpConfig:
     body_timeout: float = 60.0       # --body-timeout: a request's body, once its route reads it (408)
     max_connections: int = 0         # --max-connections: open at once (0: 3/4 of the fd limit)
     allowed_hosts: tuple[str, ...] = ()  # --allowed-hosts: Host names a keyless front answers
-    # What one call may ask for and how its stream is written (README, "HTTP server"):
+    # What one call may ask for and how its stream is written (docs/http.md, "Streams"):
     # refused with 400 before anything reaches the router, or aborted when unread.
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # the cluster's caps
     max_batch_requests: int = 1024   # --max-batch-requests: generations per call (prompts x n)

@@ -95,7 +95,7 @@ def add_http_key_options(g: argparse._ActionsContainer) -> None:
 
 
 def add_http_guard_options(g: argparse._ActionsContainer) -> None:
-    """The HTTP front's defences against slow, idle and browser clients (README, "Security")."""
+    """The HTTP front's defences against slow, idle and browser clients (docs/operating.md, "Security")."""
     add_default(g, "--keepalive-timeout", HttpConfig, "seconds an HTTP connection may stay "
                 "idle between requests (default {default})", type=float)
     add_default(g, "--header-timeout", HttpConfig, "seconds a request's headers may take from "

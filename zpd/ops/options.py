@@ -170,11 +170,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 "cancel-weight-update` ends one sooner", type=float)
     add_default(g, "--clear-freed-pages", WorkerConfig, "zero every KV page when it is freed, so "
                 "no request's KV outlives it in memory (Mooncake lets any engine that reaches its "
-                "port read registered memory; README, Security); costs a memset per freed page",
+                "port read registered memory; docs/operating.md, Security); costs a memset per freed page",
                 action="store_true")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not keep computed prompt "
                    "pages for reuse (by default a prefill reuses the KV of a prompt prefix it "
-                   "computed before under the same weights; README, Prefix cache)")
+                   "computed before under the same weights; docs/serving.md, Prefix cache)")
     add_default(g, "--insecure", WorkerConfig, INSECURE_HELP, action="store_true")
     add_prompt_limit_options(g)
 
@@ -201,7 +201,7 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
-    """Router and workers: a larger prompt is refused with 400 (README, "Limits")."""
+    """Router and workers: a larger prompt is refused with 400 (docs/operating.md, "Limits")."""
     add_default(g, "--max-text-bytes", PromptLimits, "refuse a text prompt of more bytes of "
                 "UTF-8 (default {default})", type=int)
     add_default(g, "--max-input-ids", PromptLimits, "refuse a prompt of more token ids "
@@ -210,7 +210,7 @@ def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
 
 def add_client_limit_options(g: argparse._ActionsContainer) -> None:
     """The router: each client's share and the queue where requests past it, or past
-    --max-concurrent-requests, wait their turn (README, "Limits")."""
+    --max-concurrent-requests, wait their turn (docs/operating.md, "Limits")."""
     add_default(g, "--max-client-requests", RouterConfig, "one client's share: requests it may "
                 "have routed to the workers at once; more wait in the router's queue, served "
                 "fairly between clients, then between the users a client names (the HTTP front "

@@ -31,7 +31,7 @@ log = logging.getLogger("zpd.router.server")
 
 MAX_REASON = 200       # characters of a client's abort reason passed on
 # --max-concurrent-requests 0: this many per decode, the decodes' default --max-batch,
-# so a decode's own queue stays short (README, "Limits")
+# so a decode's own queue stays short (docs/operating.md, "Limits")
 CONCURRENT_PER_DECODE = 64
 
 
