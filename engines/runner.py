@@ -5,10 +5,11 @@ import torch
 
 from engines.backend import Backend
 from engines.cpu.backend import CpuBackend
-from engines.kv.meta import DecodeMeta, LastTokens, PrefillMeta
+from engines.kv.meta import DecodeMeta, LastTokens, PrefillMeta, ScoredRows
 from engines.kv.paged import PageRows
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
+from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs, ScoredRun, prompt_logprobs, scored_run
 from engines.torch_backend import TorchBackend
 
 
@@ -34,10 +35,24 @@ class ModelRunner:
         """Compute and store the KV of each prompt from position starts[i] on (the KV
         before it is in its pages already: a cached prefix); logits of each prompt's
         last token."""
+        return self.prefill_with_logprobs(prompts, page_tables, starts)[0]
+
+    def prefill_with_logprobs(self, prompts: list[list[int]], page_tables: list[list[int]],
+                              starts: list[int] | None = None,
+                              logprob_from: list[PromptLogprobAsk | int | None] | None = None
+                              ) -> tuple[torch.Tensor, list[PromptLogprobs | None]]:
+        """`prefill`'s logits, the same bits, and each prompt's logprobs where
+        logprob_from[i] asks (an int k: PromptLogprobAsk(k)), None for the others
+        (engines/prompt_logprobs.py has the contract). The logprobs of positions from
+        k read the logits of positions max(k, 1) - 1 on, which a prefill from a cached
+        prefix does not compute: starts[i] > max(k, 1) - 1 is a ValueError, and the
+        caller prefills such a prompt from at most max(k, 1) - 1 (its KV is the same)."""
         starts = starts or [0] * len(prompts)
         lens = [len(p) - s for p, s in zip(prompts, starts)]
         if min(lens) < 1:      # its last token would be another prompt's (the cache leaves one)
             raise ValueError(f"a prefill computes at least one token of each prompt: {lens}")
+        asks = [PromptLogprobAsk(a) if isinstance(a, int) else a for a in logprob_from or [None] * len(prompts)]
+        runs = [scored_run(a, len(p), s) for a, p, s in zip(asks, prompts, starts)]
         rows_of, tensor = self.pages.rows, self.pages.tensor
         tables = [tensor(pt) for pt in page_tables]
         positions = [torch.arange(s, len(p), device=self.device) for p, s in zip(prompts, starts)]
@@ -51,8 +66,31 @@ class ModelRunner:
         last = torch.cumsum(tensor(lens), 0) - 1
         ends = [len(p) - 1 for p in prompts]
         meta.last = LastTokens(last, self._decode_meta(rows[last], ends, page_tables))
-        hidden = self.model.net(ids, torch.cat(positions), self.pool.kv, meta, self.backend)  # [B, hidden]
-        return self.model.net.logits(hidden, self.backend)
+        meta.scored = self._scored(runs, starts, lens, rows, tables)
+        net = self.model.net
+        hidden = net(ids, torch.cat(positions), self.pool.kv, meta, self.backend)  # [B (+ R), hidden]
+        B = len(prompts)
+        logits = net.logits(hidden[:B], self.backend)
+        if not any(runs):
+            return logits, [None] * B
+        return logits, prompt_logprobs(lambda h: net.logits(h, self.backend), hidden[B:], prompts,
+                                       asks, runs, net.cfg.vocab_size)
+
+    def _scored(self, runs: list[ScoredRun | None], starts: list[int], lens: list[int],
+                rows: torch.Tensor, tables: list[torch.Tensor]) -> ScoredRows | None:
+        """The rows of the runs in the packed batch, and their attention as a prefill
+        of each run after its earlier positions."""
+        mine = [i for i, r in enumerate(runs) if r is not None and r.count]
+        if not mine:
+            return None
+        offsets = [sum(lens[:i]) - starts[i] for i in range(len(lens))]   # packed row of position 0
+        picked = torch.cat([torch.arange(runs[i].count, device=self.device) + offsets[i] + runs[i].position
+                            for i in mine])
+        at = [runs[i].position for i in mine]
+        attend = PrefillMeta([runs[i].count for i in mine], rows[picked], at,
+                             [self.pages.rows(tables[i], torch.arange(runs[i].position, device=self.device))
+                              if runs[i].position else None for i in mine])
+        return ScoredRows(picked, attend)
 
     def decode(self, tokens: list[int], positions: list[int],
                page_tables: list[list[int]]) -> torch.Tensor:

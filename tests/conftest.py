@@ -18,7 +18,7 @@ if str(ROOT) not in sys.path:
 
 SLOW_DIRS = ("tests/e2e/",)
 # transformers as the reference: its import and its GGUF loader take seconds.
-SLOW_FIXTURES = frozenset({"smollm_ref"})
+SLOW_FIXTURES = frozenset({"smollm_ref", "hf_checkpoint"})
 SLOW_FILES = frozenset({
     "tests/unit/test_smollm2.py",          # SmolLM2 against transformers
     "tests/unit/test_model_vs_hf.py",      # every architecture against transformers

@@ -19,6 +19,7 @@ class PrefillMeta:
     starts: list[int] | None = None                       # None: no sequence has a prefix
     context_rows: list[torch.Tensor | None] | None = None  # [starts[i]] rows, layer 0, K
     last: LastTokens | None = None                        # None: every token's output is read
+    scored: ScoredRows | None = None                      # with `last`: rows for prompt logprobs
 
 
 @dataclass
@@ -41,3 +42,15 @@ class LastTokens:
     and MLP in that layer were ~1/30 of SmolLM2's prefill."""
     rows: torch.Tensor            # [B] their rows in the packed batch
     attend: DecodeMeta            # their attention, each to its whole sequence
+
+
+@dataclass
+class ScoredRows:
+    """The tokens of a prefill whose logits give prompt logprobs (engines/prompt_logprobs.py):
+    a run of consecutive positions per sequence that asks. The last layer computes them
+    in a pass of its own after `LastTokens`' (forward returns theirs after the last
+    tokens' rows), so each prompt's last logits are the same bits whether or not its
+    batch asks for logprobs. Their attention is a prefill's: each run a sequence whose
+    positions before it are a cached prefix in the pool (`attend`)."""
+    rows: torch.Tensor            # [R] their rows in the packed batch
+    attend: PrefillMeta           # the runs as sequences

@@ -49,19 +49,26 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: PagedKV,
                 layer: int, meta: PrefillMeta | DecodeMeta, backend: Backend,
-                last: LastTokens | None = None) -> torch.Tensor:
-        """-> [T, hidden]; with `last` (a prefill's last layer), of its rows only."""
+                last: LastTokens | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """-> [T, hidden]; with `last` (a prefill's last layer), of its rows only, then
+        of meta.scored's rows if any: a list, each part computed on its own."""
         qkv = backend.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)   # [T, (Hq + 2 Hkv) D]
         norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         prefill = isinstance(meta, PrefillMeta)
+        scored = meta.scored if prefill and last is not None else None
         q, k, v = backend.rope_write(qkv, rope, kv, layer, meta.write_rows, self.heads, norms,
-                                     keys=prefill and last is None)       # q: [T, Hq, D]
+                                     keys=prefill and (last is None or scored is not None))  # q: [T, Hq, D]
         if last is not None:        # their attention over the pool, where every token now is
-            o = backend.decode_attention(q[last.rows], kv, layer, last.attend, self.heads)
-        elif prefill:
-            o = backend.prefill_attention(q, k, v, meta, kv, layer, self.heads)
-        else:
-            o = backend.decode_attention(q, kv, layer, meta, self.heads)
+            parts = [backend.decode_attention(q[last.rows], kv, layer, last.attend, self.heads)]
+            if scored is not None:
+                r = scored.rows
+                parts.append(backend.prefill_attention(q[r], k[r], v[r], scored.attend, kv, layer, self.heads))
+            return [self._out(o, backend) for o in parts]
+        if prefill:
+            return self._out(backend.prefill_attention(q, k, v, meta, kv, layer, self.heads), backend)
+        return self._out(backend.decode_attention(q, kv, layer, meta, self.heads), backend)
+
+    def _out(self, o: torch.Tensor, backend: Backend) -> torch.Tensor:
         return backend.linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
 
 
@@ -89,10 +96,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, backend: Backend,
                 last: LastTokens | None = None) -> torch.Tensor:
-        """With `last`, only its rows come out."""
+        """With `last`, only its rows come out, followed by meta.scored's; each part
+        through its own products, so the last rows' bits do not depend on the others."""
         h = self.self_attn(self.input_layernorm(x, backend), rope, kv, self.index, meta, backend, last)
-        if last is not None:
-            x = x[last.rows]
+        if last is None:
+            return self._rest(h, x, backend)
+        rows = [last.rows] + ([meta.scored.rows] if meta.scored is not None else [])
+        parts = [self._rest(o, x[r], backend) for o, r in zip(h, rows)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _rest(self, h: torch.Tensor, x: torch.Tensor, backend: Backend) -> torch.Tensor:
         norm = self.post_attention_layernorm
         h, x = backend.add_rms_norm(h, x, norm.weight, norm.eps)
         return x + self.mlp(h, backend)
@@ -148,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV,
                 meta: PrefillMeta | DecodeMeta, backend: Backend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last
-        norm), or of a prefill's meta.last tokens only, [B, hidden]."""
+        norm), or of a prefill's meta.last tokens only, [B, hidden], followed by its
+        meta.scored rows', [R, hidden], where it has them."""
         rope = self.rotary.tables(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         *layers, final = self.model.layers
