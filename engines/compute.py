@@ -23,9 +23,17 @@ class Compute:
     def prefill(self, reqs: list[Request], starts: list[int] | None = None) -> None:
         """Write the KV of each cached prefix (from position starts[i] on: what comes
         before is in the request's pages already); sample a first token for fresh
-        requests."""
+        requests, and the prompt logprobs of those that ask (their starts must leave the
+        positions those read uncached: Request.reusable_prefix)."""
         prefixes = [r.prompt + r.output[:-1] for r in reqs]
-        logits = self.runner.prefill(prefixes, [r.pages for r in reqs], starts)
+        asks = [r.prompt_logprob_ask for r in reqs]
+        if any(asks):
+            logits, got = self.runner.prefill_with_logprobs(prefixes, [r.pages for r in reqs],
+                                                            starts, asks)
+            for r, g in zip(reqs, got):
+                r.prompt_logprobs = g if g is not None else r.prompt_logprobs
+        else:
+            logits = self.runner.prefill(prefixes, [r.pages for r in reqs], starts)
         fresh = [i for i, r in enumerate(reqs) if not r.output]
         if fresh:
             self._sample(logits[fresh], [reqs[i] for i in fresh])

@@ -7,6 +7,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from engines.models.config import ModelConfig
+from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs
 from engines.sampler import SamplingParams
 from engines.formats.tokenizer import Tokenizer
 
@@ -29,6 +30,9 @@ class Request:
     # top_logprobs_num > 0 for the second), else empty: see engines.sampler.token_logprobs.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # The prompt's, from the prefill of its first epoch (a recompute never replaces them)
+    # when params.prompt_logprobs_from asks.
+    prompt_logprobs: PromptLogprobs | None = None
     pages: list[int] = field(default_factory=list)
     finish: dict | None = None
     retractions: int = 0
@@ -55,6 +59,21 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def prompt_logprob_ask(self) -> PromptLogprobAsk | None:
+        """What its first prefill computes of the prompt's logprobs (None: nothing)."""
+        start, p = self.params.prompt_logprobs_from, self.params
+        if start is None or self.output or self.prompt_logprobs is not None:
+            return None
+        return PromptLogprobAsk(start, p.top_logprobs_num, p.token_ids_logprob)
+
+    @property
+    def reusable_prefix(self) -> int | None:
+        """Prompt tokens its prefill may take from a prefix cache: those before the first
+        logit its prompt logprobs read (position max(k, 1) - 1); None: no bound."""
+        ask = self.prompt_logprob_ask
+        return None if ask is None else max(ask.start, 1) - 1
 
     def emit(self, token: int, version: str, logprob: float | None = None,
              top: list[tuple[int, float]] | None = None) -> None:
@@ -86,6 +105,12 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
     if bad:
         raise Unservable(f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
+    if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt):
+        raise Unservable(f"logprob_start_len {params.prompt_logprobs_from} must be less than "
+                         f"the prompt's length ({len(prompt)} tokens)")
+    bad = [t for t in params.token_ids_logprob if t >= cfg.vocab_size]
+    if bad:
+        raise Unservable(f"token_ids_logprob: token id {bad[0]} out of range [0, {cfg.vocab_size})")
     pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
     if pages > total_pages:
         raise Unservable(f"request needs {pages} KV pages; this worker has "
@@ -136,7 +161,7 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
             "finish_reason": req.finish, "weight_versions": list(req.weight_versions),
             "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                      "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})
-            } | logprob_fields(req)
+            } | logprob_fields(req) | prompt_logprob_fields(req)
 
 
 def logprob_fields(req: Request) -> dict:
@@ -147,6 +172,26 @@ def logprob_fields(req: Request) -> dict:
         out["output_token_logprobs"] = as_float32(req.output_logprobs)
     if req.params.top_logprobs_num:
         out["output_top_logprobs"] = [top_pairs(top) for top in req.output_top_logprobs]
+    return out
+
+
+def prompt_logprob_fields(req: Request) -> dict:
+    """The prompt's logprobs from position logprob_start_len k on, SGLang's positions:
+    input_token_logprobs [[logprob, token id], ...] (position 0's logprob null), and
+    where asked input_top_logprobs and input_token_ids_logprobs, per position
+    [[token id, logprob], ...] (null at position 0), all float32."""
+    k, got = req.params.prompt_logprobs_from, req.prompt_logprobs
+    if k is None or got is None:
+        return {}
+    lead = got.first - k                      # 1 when k is 0: position 0 has none
+    ids = req.prompt[k:]
+    out = {"input_token_logprobs": [[v, t] for v, t in zip([None] * lead + as_float32(got.token_logprobs), ids)]}
+    if got.top is not None:
+        out["input_top_logprobs"] = [None] * lead + [top_pairs(top) for top in got.top]
+    if got.token_ids is not None:
+        asked = req.params.token_ids_logprob
+        out["input_token_ids_logprobs"] = [None] * lead + [
+            [list(pair) for pair in zip(asked, as_float32(row))] for row in got.token_ids]
     return out
 
 

@@ -17,6 +17,7 @@ SEED_RANGE = (-2**63, 2**63 - 1)         # int64, what the wire and torch carry
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 256   # each step decodes the tail they could end in
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20                    # top_logprobs_num (OpenAI's bound for top_logprobs)
+MAX_TOKEN_IDS_LOGPROB = 64               # token_ids_logprob: each prompt position carries one each
 
 
 def _integer(value: object, low: int, high: int) -> bool:
@@ -47,6 +48,10 @@ class SamplingParams:
     seed: int | None = None
     return_logprob: bool = False         # report each output token's logprob
     top_logprobs_num: int = 0            # and its N most likely alternatives (> 0 implies logprobs)
+    # With logprobs: also the prompt's, from this position on (SGLang's; -1: none). The
+    # worker refuses a start at or past the prompt's end (engines.request.validate).
+    logprob_start_len: int = -1
+    token_ids_logprob: tuple[int, ...] = ()   # and these ids' logprobs at each prompt position
 
     def __post_init__(self) -> None:
         for name, ok, bound in self._checks():
@@ -83,6 +88,10 @@ class SamplingParams:
             ("return_logprob", isinstance(self.return_logprob, bool), "true or false"),
             ("top_logprobs_num", _integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
              f"an integer in [0, {MAX_TOP_LOGPROBS}]"),
+            ("logprob_start_len", _integer(self.logprob_start_len, -1, INT32_MAX),
+             f"-1 (no prompt logprobs) or an integer in [0, {INT32_MAX}]"),
+            ("token_ids_logprob", _ids_ok(self.token_ids_logprob, MAX_TOKEN_IDS_LOGPROB),
+             f"at most {MAX_TOKEN_IDS_LOGPROB} token ids in [0, {INT32_MAX}]"),
         ]
 
     @classmethod
@@ -93,7 +102,7 @@ class SamplingParams:
         unknown = set(raw) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown sampling parameters: {', '.join(sorted(map(str, unknown)))}")
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_token_ids", "token_ids_logprob"):
             if key in raw:
                 raw[key] = _as_tuple(raw[key])
         try:
@@ -103,7 +112,8 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        return d | {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
+        return d | {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
+                    "token_ids_logprob": list(self.token_ids_logprob)}
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +122,11 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.return_logprob or self.top_logprobs_num > 0
+
+    @property
+    def prompt_logprobs_from(self) -> int | None:
+        """The first prompt position whose logprob the request asks for, or None."""
+        return self.logprob_start_len if self.wants_logprobs and self.logprob_start_len >= 0 else None
 
     @property
     def filtered(self) -> bool:
@@ -145,8 +160,11 @@ def _stop_ok(stop: object) -> bool:
 
 
 def _stop_ids_ok(ids: object) -> bool:
-    return isinstance(ids, tuple) and len(ids) <= MAX_STOP_TOKEN_IDS and \
-        all(_integer(t, 0, INT32_MAX) for t in ids)
+    return _ids_ok(ids, MAX_STOP_TOKEN_IDS)
+
+
+def _ids_ok(ids: object, most: int) -> bool:
+    return isinstance(ids, tuple) and len(ids) <= most and all(_integer(t, 0, INT32_MAX) for t in ids)
 
 
 def _show(value: object) -> str:

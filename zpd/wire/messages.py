@@ -154,8 +154,19 @@ class KvDone(Message):
     top_ids: Optional[list[int]] = None
     top_logprobs: Optional[list[float]] = None
     cached_tokens: int = 0
+    # The prompt's logprobs when its request asked (logprob_start_len k): positions
+    # max(k, 1)..len-1, then per position its top_logprobs_num (id, logprob) pairs and
+    # its token_ids_logprob ids' logprobs, flat. Only on the first epoch's kv_done.
+    prompt_logprobs: Optional[list[float]] = None
+    prompt_top_ids: Optional[list[int]] = None
+    prompt_top_logprobs: Optional[list[float]] = None
+    prompt_ids_logprobs: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
+        if (self.prompt_top_ids is None) != (self.prompt_top_logprobs is None) or \
+                (self.prompt_top_ids is not None and len(self.prompt_top_ids) != len(self.prompt_top_logprobs)):
+            raise ProtocolError("kv_done: prompt_top_ids and prompt_top_logprobs must come "
+                                "together, as many of each")
         if self.cached_tokens < 0:
             raise ProtocolError(f"kv_done: cached_tokens {self.cached_tokens} is negative")
         if self.logprob is not None and len(self.logprob) != 1:

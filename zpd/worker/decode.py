@@ -24,7 +24,7 @@ from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.pages import PageBook, Prefix
-from zpd.worker.parts import cached_tokens, first_logprobs, token_part
+from zpd.worker.parts import cached_tokens, first_logprobs, prompt_logprobs, token_part
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -262,9 +262,11 @@ class DecodeScheduler:
         vocab = self.core.model.cfg.vocab_size
         if not 0 <= msg.first_token < vocab:
             return f"first token {msg.first_token}, outside [0, {vocab})"
-        logprobs = first_logprobs(req, msg)
-        if isinstance(logprobs, str):
-            return logprobs
+        logprobs, prompt = first_logprobs(req, msg), prompt_logprobs(req, msg)
+        for got in (logprobs, prompt):
+            if isinstance(got, str):
+                return got
+        req.prompt_logprobs = prompt
         req.emit(msg.first_token, msg.weight_version, *logprobs)
         return None
 
@@ -307,7 +309,9 @@ class DecodeScheduler:
         meta = {}
         if req.finished:
             final = response(req, self.core.model.tokenizer)
-            meta = final["meta"] | {"text": final["text"], "cached_tokens": job.cached_tokens or 0}
+            # the prompt's logprobs (input_*) ride in the final meta: they are sent once
+            meta = final["meta"] | {"text": final["text"], "cached_tokens": job.cached_tokens or 0} \
+                | {k: v for k, v in final.items() if k.startswith("input_")}
             log.info("rid=%r room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
         self.core.queue_token(job.client, token_part(req, start, meta))

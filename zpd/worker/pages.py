@@ -46,10 +46,17 @@ class PageError(RuntimeError):
 @dataclass(frozen=True)
 class Prefix:
     """A request's first `tokens` tokens as the prefix cache sees them: the keys of
-    their full pages under the weight `version` (none with the cache off)."""
+    their full pages under the weight `version` (none with the cache off). A hit takes
+    at most the first `reusable` tokens' whole pages (None: any): a prompt whose
+    logprobs are asked for computes the positions they read."""
     version: str
     tokens: int
     keys: tuple[bytes, ...]
+    reusable: int | None = None
+
+    def usable(self, page_size: int) -> tuple[bytes, ...]:
+        """The keys a cache hit may take."""
+        return self.keys if self.reusable is None else self.keys[:self.reusable // page_size]
 
 
 class NoCache:
@@ -117,19 +124,21 @@ class PageBook:
 
     # --- looking up ------------------------------------------------------------------
 
-    def prefix(self, req: Request, tokens: int, known: Prefix | None = None) -> Prefix:
+    def prefix(self, req: Request, tokens: int, known: Prefix | None = None,
+               reusable: int | None = None) -> Prefix:
         """`req`'s first `tokens` tokens (its prompt, then its output) under the current
-        weights; `known` when it is that already (keys are hashed once per epoch)."""
+        weights, of which a hit takes at most `reusable`; `known` when it is that
+        already (keys are hashed once per epoch)."""
         version = self.version()
-        if known is not None and (known.version, known.tokens) == (version, tokens):
+        if known is not None and (known.version, known.tokens, known.reusable) == (version, tokens, reusable):
             return known
         extra = tokens - len(req.prompt)
         text = req.prompt + req.output[:extra] if extra > 0 else req.prompt[:tokens]
-        return Prefix(version, tokens, tuple(self.cache.keys(text, version)))
+        return Prefix(version, tokens, tuple(self.cache.keys(text, version)), reusable)
 
     def hit(self, prefix: Prefix) -> int:
-        """Leading pages of `prefix` the cache holds now."""
-        return self.cache.peek(prefix.keys, prefix.tokens)
+        """Leading pages of `prefix` the cache holds now (of those a hit may take)."""
+        return self.cache.peek(prefix.usable(self.page_size), prefix.tokens)
 
     def fits(self, prefix: Prefix, pages: int) -> bool:
         """`reserve(_, prefix, pages)` would succeed now (a prefix's own cached pages
@@ -145,7 +154,7 @@ class PageBook:
         How many came from the cache; None, with nothing taken, if there is no room."""
         if req in self.holders:
             raise PageError(f"rid={req.rid!r} holds pages already")
-        cached = self.cache.match(prefix.keys, prefix.tokens)
+        cached = self.cache.match(prefix.usable(self.page_size), prefix.tokens)
         if not self.cache.make_room(pages - len(cached)):
             self.cache.release(cached)
             return None

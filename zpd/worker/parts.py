@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from engines.prompt_logprobs import PromptLogprobs
 from engines.request import Request
 from zpd.wire.protocol import KvDone, TokenPart
 
@@ -29,6 +30,45 @@ def first_logprob_fields(req: Request) -> dict:
         top = req.output_top_logprobs[0]
         out |= {"top_ids": [t for t, _ in top], "top_logprobs": [v for _, v in top]}
     return out
+
+
+def prompt_logprob_fields(req: Request) -> dict:
+    """`KvDone`'s prompt logprob fields (none unless its prefill computed them)."""
+    got = req.prompt_logprobs
+    if got is None:
+        return {}
+    out = {"prompt_logprobs": list(got.token_logprobs)}
+    if got.top is not None:
+        out |= {"prompt_top_ids": [t for row in got.top for t, _ in row],
+                "prompt_top_logprobs": [v for row in got.top for _, v in row]}
+    if got.token_ids is not None:
+        out["prompt_ids_logprobs"] = [v for row in got.token_ids for v in row]
+    return out
+
+
+def prompt_logprobs(req: Request, msg: KvDone) -> PromptLogprobs | None | str:
+    """The prompt's logprobs as a `kv_done` gave them (None where the request asked
+    for none), or what is wrong with them."""
+    k, p = req.params.prompt_logprobs_from, req.params
+    if k is None:
+        return None
+    first = max(k, 1)
+    count = len(req.prompt) - first
+    if msg.prompt_logprobs is None or len(msg.prompt_logprobs) != count:
+        return f"no prompt logprobs for positions {first}..{len(req.prompt) - 1}"
+    top = ids = None
+    if p.top_logprobs_num:
+        n = p.top_logprobs_num
+        if msg.prompt_top_ids is None or len(msg.prompt_top_ids) != count * n:
+            return "no prompt top logprobs"
+        pairs = list(zip(msg.prompt_top_ids, msg.prompt_top_logprobs))
+        top = [pairs[i * n:(i + 1) * n] for i in range(count)]
+    if p.token_ids_logprob:
+        n = len(p.token_ids_logprob)
+        if msg.prompt_ids_logprobs is None or len(msg.prompt_ids_logprobs) != count * n:
+            return "no prompt token_ids_logprob logprobs"
+        ids = [msg.prompt_ids_logprobs[i * n:(i + 1) * n] for i in range(count)]
+    return PromptLogprobs(first, list(msg.prompt_logprobs), top, ids)
 
 
 def first_logprobs(req: Request, msg: KvDone) -> tuple[float | None, list | None] | str:

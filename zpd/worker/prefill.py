@@ -102,8 +102,10 @@ class PrefillScheduler:
             self.pages.fits(self._prefix(job), self.pool.pages_for(len(job.req.prompt)))
 
     def _prefix(self, job: PrefillJob) -> Prefix:
-        """The job's prompt as the prefix cache sees it (hashed once per weight version)."""
-        job.prefix_keys = self.pages.prefix(job.req, len(job.req.prompt), job.prefix_keys)
+        """The job's prompt as the prefix cache sees it (hashed once per weight version),
+        a hit short of what its prompt logprobs read."""
+        req = job.req
+        job.prefix_keys = self.pages.prefix(req, len(req.prompt), job.prefix_keys, req.reusable_prefix)
         return job.prefix_keys
 
     def step(self) -> None:
@@ -139,10 +141,10 @@ class PrefillScheduler:
             if not self._fits(job):
                 break
             n, prefix = len(job.req.prompt), self._prefix(job)
-            keys, hit = prefix.keys, self.pages.hit(prefix)
+            keys, hit = prefix.usable(self.page_size), self.pages.hit(prefix)
             # wait for a batch-mate only for a page this prompt could take from the cache
             # (the page of its last token is always computed)
-            if keys and hit < (n - 1) // self.page_size and keys[hit] in computing:
+            if hit < min(len(keys), (n - 1) // self.page_size) and keys[hit] in computing:
                 continue
             if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
                 break
@@ -153,7 +155,7 @@ class PrefillScheduler:
             self.move(job, JobPhase.COMPUTING)
             batch.append(job)
             tokens += n - hit * self.page_size
-            computing.update(keys[hit:])
+            computing.update(prefix.keys[hit:])
         return batch
 
     def after_compute(self, batch: list[PrefillJob]) -> None:
@@ -215,7 +217,8 @@ class PrefillScheduler:
         failure, params = None, SamplingParams()
         try:
             params = dataclasses.replace(SamplingParams.from_dict(msg.sampling),
-                                         return_logprob=False, top_logprobs_num=0)
+                                         return_logprob=False, top_logprobs_num=0,
+                                         logprob_start_len=-1, token_ids_logprob=())
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
         except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))

@@ -18,7 +18,7 @@ import transport
 from zpd.wire.protocol import KvDone
 from zpd.wire.status import INTERNAL
 from zpd.worker.jobs import JobPhase, PrefillJob
-from zpd.worker.parts import first_logprob_fields
+from zpd.worker.parts import first_logprob_fields, prompt_logprob_fields
 
 if TYPE_CHECKING:
     from zpd.worker.prefill import PrefillScheduler
@@ -118,5 +118,6 @@ class KvWrites:
         first = job.req.output[-1] if job.req.output else -1
         s.core.send(job.decode, KvDone(job.room, job.epoch, first, s.core.model.version,
                                        _timings(job.marks, seconds), **first_logprob_fields(job.req),
+                                       **prompt_logprob_fields(job.req),
                                        cached_tokens=job.skip * s.page_size))
         s.end(job, None, "")

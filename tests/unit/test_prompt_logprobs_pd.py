@@ -1,0 +1,117 @@
+"""Prompt logprobs through prefill -> decode (SGLang's input_token_logprobs): the
+cluster's equal the runner's and `zpd run`'s; from position k; after a cached prefix;
+beside a plain request; across a retraction; a bad start refused with 400."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.kv.pool import KVLayout, KVPool
+from engines.offline import OfflineEngine
+from engines.prompt_logprobs import PromptLogprobAsk
+from engines.request import Request, as_float32
+from engines.runner import ModelRunner
+from engines.sampler import SamplingParams
+from tests.unit.inproc import InprocCluster
+
+# 40 tokens: two full 16-token pages the prefix cache can keep, and a part page
+PROMPT = torch.randint(1, 250, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+ASK = {"return_logprob": True, "logprob_start_len": 0}
+INPUT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+def _offline(c: InprocCluster, sampling: dict, max_new: int, prompt: list[int] = PROMPT) -> dict:
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new,
+                                       "ignore_eos": True} | sampling)
+    return OfflineEngine(c.prefill.model, kv_cache_mb=1).run([Request("ref", list(prompt), params)])[0]
+
+
+def _inputs(meta: dict) -> dict:
+    return {k: meta[k] for k in INPUT_KEYS if k in meta}
+
+
+def _runner_logprobs(c: InprocCluster, start: int) -> list[float]:
+    """ModelRunner.prefill_with_logprobs' own answer, float32 as the wire carries it."""
+    model = c.prefill.model
+    pool = KVPool(KVLayout.for_model(model.cfg, 16, model.dtype), 16, model.dtype, model.device)
+    table = pool.allocator.alloc(pool.pages_for(len(PROMPT)))
+    _, (got,) = ModelRunner(model, pool).prefill_with_logprobs([PROMPT], [table], None,
+                                                               [PromptLogprobAsk(start)])
+    return as_float32(got.token_logprobs)
+
+
+@pytest.mark.parametrize("start", [0, 1, 21])
+def test_cluster_prompt_logprobs_equal_the_runner_and_zpd_run(cluster, start):
+    sampling = ASK | {"logprob_start_len": start}
+    got = cluster.run(cluster.submit(PROMPT, 3, sampling=sampling))
+    ref = _offline(cluster, sampling, 3)
+    entries = got.meta["input_token_logprobs"]
+    assert [t for _, t in entries] == PROMPT[start:]
+    lead = 1 if start == 0 else 0            # position 0 has none (null, as SGLang's)
+    assert [v for v, _ in entries[:lead]] == [None] * lead
+    assert [v for v, _ in entries[lead:]] == _runner_logprobs(cluster, start)
+    assert _inputs(got.meta) == _inputs(ref)
+    assert got.token_ids == ref["output_ids"] and got.logprobs == ref["output_token_logprobs"]
+    cluster.check_pages()
+
+
+def test_top_and_token_ids_logprobs_of_the_prompt(cluster):
+    sampling = ASK | {"logprob_start_len": 30, "top_logprobs_num": 3, "token_ids_logprob": [4, 9]}
+    got = cluster.run(cluster.submit(PROMPT, 2, sampling=sampling))
+    ref = _offline(cluster, sampling, 2)
+    assert _inputs(got.meta) == _inputs(ref)
+    tops, ids = got.meta["input_top_logprobs"], got.meta["input_token_ids_logprobs"]
+    assert len(tops) == len(ids) == 10 and all(len(t) == 3 for t in tops)
+    assert all([t for t, _ in row] == [4, 9] for row in ids)
+    assert all(t[0][1] >= v for t, (v, _) in zip(tops, got.meta["input_token_logprobs"]))
+
+
+def test_a_cached_prefix_gives_the_same_answer(cluster):
+    """The second identical request takes from the cache only the pages before the
+    first logit its logprobs read, and answers what the first did."""
+    sampling = ASK | {"logprob_start_len": 20}         # reads logits from position 19 on
+    first = cluster.run(cluster.submit(PROMPT, 2, sampling=sampling))
+    again = cluster.run(cluster.submit(PROMPT, 2, sampling=sampling))
+    assert first.meta["cached_tokens"] == 0 and again.meta["cached_tokens"] == 16
+    assert _inputs(again.meta) == _inputs(first.meta) and again.token_ids == first.token_ids
+    plain = cluster.run(cluster.submit(PROMPT, 2))     # asks nothing: takes both pages
+    assert plain.meta["cached_tokens"] == 32 and not _inputs(plain.meta)
+    whole = cluster.run(cluster.submit(PROMPT, 2, sampling=ASK))
+    assert whole.meta["cached_tokens"] == 0
+    assert whole.meta["input_token_logprobs"][20:] == first.meta["input_token_logprobs"]
+    cluster.check_pages()
+
+
+def test_beside_a_plain_request_in_one_batch(cluster):
+    asking = cluster.submit(PROMPT, 3, sampling=ASK)
+    plain = cluster.submit(PROMPT[:-3], 3)
+    got, other = cluster.run(asking), cluster.run(plain)
+    assert _inputs(got.meta) == _inputs(_offline(cluster, ASK, 3))
+    assert not _inputs(other.meta)
+    assert other.token_ids == _offline(cluster, {}, 3, PROMPT[:-3])["output_ids"]
+    cluster.check_pages()
+
+
+def test_a_retraction_keeps_the_first_answer(cluster):
+    sampling = ASK | {"top_logprobs_num": 2}
+    rid = cluster.submit(PROMPT, 12, sampling=sampling)
+    cluster.until(lambda: rid in cluster.answers and len(cluster.answers[rid].token_ids) >= 3)
+    held = cluster.decode.scheduler.by_rid[rid].req
+    before = held.prompt_logprobs
+    assert cluster.admin("pause", mode="retract")["ok"]
+    assert cluster.admin("continue")["ok"]
+    got = cluster.run(rid)
+    assert got.meta["retractions"] == 1 and held.prompt_logprobs is before
+    assert _inputs(got.meta) == _inputs(_offline(cluster, sampling, 12))
+    cluster.check_pages()
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({"logprob_start_len": 40}, "logprob_start_len 40 must be less than the prompt's length"),
+    ({"logprob_start_len": -2}, "logprob_start_len must be"),
+    ({"token_ids_logprob": [10 ** 6]}, "token_ids_logprob: token id 1000000 out of range"),
+])
+def test_bad_prompt_logprob_asks_are_400(cluster, raw, named):
+    got = cluster.run(cluster.submit(PROMPT, 2, sampling=ASK | raw))
+    assert got.status == 400 and named in got.finish["message"]
+    cluster.check_pages()
