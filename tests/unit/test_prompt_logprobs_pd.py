@@ -7,12 +7,17 @@ import pytest
 import torch
 
 from engines.kv.pool import KVLayout, KVPool
+from engines.models.tiny import tiny_tokenizer
 from engines.offline import OfflineEngine
 from engines.prompt_logprobs import PromptLogprobAsk
 from engines.request import Request, as_float32
 from engines.runner import ModelRunner
 from engines.sampler import SamplingParams
+from tests.unit.http_fake import chunk
 from tests.unit.inproc import InprocCluster
+from zpd.http.native import native_answer, parse_generate
+from zpd.http.output import Output
+from zpd.http.records import BadRequest
 
 # 40 tokens: two full 16-token pages the prefix cache can keep, and a part page
 PROMPT = torch.randint(1, 250, (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -115,3 +120,33 @@ def test_bad_prompt_logprob_asks_are_400(cluster, raw, named):
     got = cluster.run(cluster.submit(PROMPT, 2, sampling=ASK | raw))
     assert got.status == 400 and named in got.finish["message"]
     cluster.check_pages()
+
+
+def test_generate_body_to_sglang_meta_info(cluster):
+    """/generate's body as slime sends it, through the cluster, in SGLang's shape:
+    [logprob, token_id, text] triples, the first position's logprob null."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "token_ids_logprob": [4], "return_text_in_logprobs": True}
+    parsed = parse_generate(body)
+    (item,) = parsed.items
+    got = cluster.run(cluster.submit(PROMPT, 2, sampling=item.sampling))
+    out = Output(0, item, tiny_tokenizer())
+    out.add(chunk("r", got.token_ids, got.finish, got.meta, logprobs=got.logprobs,
+                  top_logprobs=got.top_logprobs))
+    meta = native_answer(out, parsed.text_in_logprobs)["meta_info"]
+    tok = tiny_tokenizer()
+    assert [[v, t, tok.token_text(t)] for v, t in got.meta["input_token_logprobs"]] == \
+        meta["input_token_logprobs"]
+    assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == 40
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 2
+    assert meta["input_token_ids_logprobs"][0] is None and meta["input_token_ids_logprobs"][1][0][1] == 4
+    assert len(meta["output_token_logprobs"]) == 2
+
+
+def test_generate_refuses_a_start_past_the_prompt():
+    with pytest.raises(BadRequest) as e:
+        parse_generate({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2})
+    assert "'logprob_start_len' 2 must be less than the prompt's length (2 tokens)" in e.value.message
+    plain = parse_generate({"input_ids": [1, 2], "logprob_start_len": 5})   # no logprobs: ignored
+    assert "logprob_start_len" not in plain.items[0].sampling

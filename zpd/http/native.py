@@ -27,7 +27,7 @@ from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
-                              check_prompts, checked_sampling, integer, item_rids,
+                              check_prompts, checked_sampling, id_list, integer, item_rids,
                               logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
 from zpd.http.streams import EventStream, Stalled, follow, run_all
@@ -72,10 +72,12 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     wants = _per_item(body, "return_logprob", len(prompts), listed, boolean, False)
     tops = _per_item(body, "top_logprobs_num", len(prompts), listed,
                      integer(0, MAX_TOP_LOGPROBS), 0)
-    _no_prompt_logprobs(body, wants, listed)
+    starts = _prompt_logprob_starts(body, prompts, wants, listed)
+    ids = _per_item(body, "token_ids_logprob", len(prompts), listed and _nested(body), id_list, [])
     rids = item_rids(body.get("rid"), len(prompts), n, batch)
     stream = take(body, "stream", boolean, False)
-    copies = [seeded_copies(checked_sampling(sp.engine | logprob_sampling(wants[p], tops[p])), n)
+    copies = [seeded_copies(checked_sampling(
+        sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p])), n)
               for p, sp in enumerate(samplings)]
     items = []
     for j in range(n):
@@ -108,13 +110,24 @@ def _per_item(body: dict, name: str, count: int, listed: bool, check: Any, defau
     return [take(body, name, check, default)] * count
 
 
-def _no_prompt_logprobs(body: dict, wants: list[bool], listed: bool) -> None:
-    """logprob_start_len >= 0 with return_logprob asks for prompt logprobs: refused."""
+def _prompt_logprob_starts(body: dict, prompts: list[dict], wants: list[bool],
+                           listed: bool) -> list[int]:
+    """Each prompt's logprob_start_len (-1: no prompt logprobs); one at or past the end
+    of a prompt given as ids is refused here (a text's, by the worker once tokenized)."""
     starts = _per_item(body, "logprob_start_len", len(wants), listed,
-                       integer(-1, 2 ** 31 - 1), -1)
-    if any(w and s >= 0 for w, s in zip(wants, starts)):
-        raise BadRequest("'logprob_start_len' >= 0 asks for prompt logprobs, which this "
-                         "server does not return (use -1)")
+                       integer(-1, INT32_MAX), -1)
+    for i, (prompt, want, start) in enumerate(zip(prompts, wants, starts)):
+        ids = prompt.get("input_ids")
+        if want and ids is not None and start >= len(ids):
+            raise BadRequest(f"'logprob_start_len' {start} must be less than the prompt's "
+                             f"length ({len(ids)} tokens)" + (f" (prompt {i})" if len(prompts) > 1 else ""))
+    return starts
+
+
+def _nested(body: dict) -> bool:
+    """token_ids_logprob is a list per prompt (a list of lists), not one for all."""
+    value = body.get("token_ids_logprob")
+    return type(value) is list and bool(value) and all(type(v) is list for v in value)
 
 
 def _prompts(body: dict) -> tuple[list[dict], bool]:
@@ -200,7 +213,25 @@ def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool,
         meta["output_token_logprobs"] = triples.tokens
         if out.req.top_logprobs:
             meta["output_top_logprobs"] = triples.tops
+        meta |= prompt_triples(out, text_in_logprobs)
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
+    """The prompt's logprobs the workers sent with the finished request (engine's
+    input_* fields) as SGLang's [logprob, token_id, text] triples; null entries stay."""
+    def named(token_id: int) -> str | None:
+        return out.token_text(token_id) if text_in_logprobs else None
+
+    def row(pairs: list | None) -> list | None:
+        return None if pairs is None else [[lp, t, named(t)] for t, lp in pairs]
+    got = {}
+    if "input_token_logprobs" in out.meta:
+        got["input_token_logprobs"] = [[lp, t, named(t)] for lp, t in out.meta["input_token_logprobs"]]
+    for key in ("input_top_logprobs", "input_token_ids_logprobs"):
+        if key in out.meta:
+            got[key] = [row(pairs) for pairs in out.meta[key]]
+    return got
 
 
 class Triples:

@@ -13,13 +13,14 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from engines.sampling_params import INT32_MAX, SamplingParams
+from engines.sampling_params import INT32_MAX, MAX_TOKEN_IDS_LOGPROB, SamplingParams
 from zpd.config import HttpConfig, PromptLimits, default_of
 
 MAX_TOP_LOGPROBS = 20
 MAX_REQUESTS = default_of(HttpConfig, "max_batch_requests")   # generations per call (prompts x n)
 MAX_RID_CHARS = 256
-LOGPROB_KEYS = ("return_logprob", "top_logprobs_num")    # in the wire's sampling dict
+# in the wire's sampling dict, only when asked
+LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
 
 
 class BadRequest(ValueError):
@@ -130,6 +131,17 @@ def token_ids(name: str, value: Any) -> list[int]:
     return value
 
 
+def id_list(name: str, value: Any) -> list[int]:
+    """A list of at most MAX_TOKEN_IDS_LOGPROB token ids (the vocabulary's bound is the
+    worker's to check)."""
+    if type(value) is not list or len(value) > MAX_TOKEN_IDS_LOGPROB:
+        raise BadRequest(f"{name!r} must be a list of at most {MAX_TOKEN_IDS_LOGPROB} token ids")
+    for i, t in enumerate(value):
+        if type(t) is not int or not 0 <= t <= INT32_MAX:
+            raise BadRequest(f"{name}[{i}] must be a token id in [0, {INT32_MAX}], got {_show(t)}")
+    return value
+
+
 def stop_strings(name: str, value: Any) -> list[str]:
     """A string or a list of strings."""
     items = [value] if isinstance(value, str) else value
@@ -148,12 +160,19 @@ def checked_sampling(sampling: dict) -> dict:
         raise BadRequest(str(e)) from None
     take(sampling, "return_logprob", boolean)
     take(sampling, "top_logprobs_num", integer(0, MAX_TOP_LOGPROBS))
+    take(sampling, "logprob_start_len", integer(-1, INT32_MAX))
+    take(sampling, "token_ids_logprob", id_list)
     return sampling
 
 
-def logprob_sampling(want: bool, top: int) -> dict:
-    """What asks the workers for logprobs (nothing when not wanted)."""
-    return {"return_logprob": True, "top_logprobs_num": top} if want else {}
+def logprob_sampling(want: bool, top: int, start: int = -1, ids: list[int] = ()) -> dict:
+    """What asks the workers for logprobs (nothing when not wanted): the prompt's too
+    from `start` (SGLang's logprob_start_len) when it is not -1, with `ids`' logprobs."""
+    if not want:
+        return {}
+    prompt = {"logprob_start_len": start} if start >= 0 else {}
+    return {"return_logprob": True, "top_logprobs_num": top} | prompt | \
+        ({"token_ids_logprob": list(ids)} if ids and start >= 0 else {})
 
 
 def check_count(prompts: int, n: int = 1, cap: int = MAX_REQUESTS) -> None:
