@@ -18,6 +18,8 @@ from tests.unit.inproc import InprocCluster
 from zpd.http.native import native_answer, parse_generate
 from zpd.http.output import Output
 from zpd.http.records import BadRequest
+from zpd.wire import protocol as p
+from zpd.worker import writes
 
 # 40 tokens: two full 16-token pages the prefix cache can keep, and a part page
 PROMPT = torch.randint(1, 250, (40,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -150,3 +152,30 @@ def test_generate_refuses_a_start_past_the_prompt():
     assert "'logprob_start_len' 2 must be less than the prompt's length (2 tokens)" in e.value.message
     plain = parse_generate({"input_ids": [1, 2], "logprob_start_len": 5})   # no logprobs: ignored
     assert "logprob_start_len" not in plain.items[0].sampling
+
+
+@pytest.mark.parametrize("forged, named", [
+    (lambda fields: {}, "no prompt logprobs for positions 1..39"),
+    (lambda fields: fields | {"prompt_logprobs": fields["prompt_logprobs"][1:]}, "no prompt logprobs"),
+    (lambda fields: {k: v for k, v in fields.items() if "top" not in k}, "no prompt top logprobs"),
+])
+def test_kv_done_without_the_asked_prompt_logprobs_fails_the_request(cluster, monkeypatch, forged, named):
+    """A prefill that leaves them out, or sends too few: the request fails clearly,
+    the pages come back, the cluster serves on."""
+    real = writes.prompt_logprob_fields
+    monkeypatch.setattr("zpd.worker.writes.prompt_logprob_fields", 
+                        lambda req: forged(real(req)) if real(req) else {})
+    got = cluster.run(cluster.submit(PROMPT, 2, stream=False, sampling=ASK | {"top_logprobs_num": 2}))
+    assert got.status == 500 and named in got.finish["message"]
+    cluster.pump()
+    cluster.check_pages()
+    cluster.serves_again()
+
+
+def test_kv_done_carries_them_as_blobs():
+    msg = p.KvDone(1, 0, 5, "v", logprob=[-0.5], prompt_logprobs=[-1.25, -2.0],
+                   prompt_top_ids=[3, 4], prompt_top_logprobs=[-0.5, -0.75], prompt_ids_logprobs=[-9.0])
+    assert p.decode(p.encode(msg)) == msg
+    assert p.decode(p.encode(p.KvDone(1, 0, 5, "v"))).prompt_logprobs is None
+    with pytest.raises(p.ProtocolError, match="prompt_top_ids and prompt_top_logprobs"):
+        p.KvDone(1, 0, 5, "v", prompt_top_ids=[3])
