@@ -105,16 +105,21 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
     if bad:
         raise Unservable(f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
-    if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= len(prompt):
-        raise Unservable(f"logprob_start_len {params.prompt_logprobs_from} must be less than "
-                         f"the prompt's length ({len(prompt)} tokens)")
-    bad = [t for t in params.token_ids_logprob if t >= cfg.vocab_size]
-    if bad:
-        raise Unservable(f"token_ids_logprob: token id {bad[0]} out of range [0, {cfg.vocab_size})")
+    validate_prompt_logprobs(len(prompt), params, cfg)
     pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
     if pages > total_pages:
         raise Unservable(f"request needs {pages} KV pages; this worker has "
                          f"{total_pages} in all")
+
+
+def validate_prompt_logprobs(length: int, params: SamplingParams, cfg: ModelConfig) -> None:
+    """A prompt logprob ask the prefill can compute for a `length`-token prompt."""
+    if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= length:
+        raise Unservable(f"logprob_start_len {params.prompt_logprobs_from} must be less than "
+                         f"the prompt's length ({length} tokens)")
+    bad = [t for t in params.token_ids_logprob if t >= cfg.vocab_size]
+    if bad:
+        raise Unservable(f"token_ids_logprob: token id {bad[0]} out of range [0, {cfg.vocab_size})")
 
 
 def validate_prefix(prefix: list[int], cfg: ModelConfig, capacity_tokens: int) -> None:

@@ -15,6 +15,7 @@ from engines.runner import ModelRunner
 from engines.sampler import SamplingParams
 from tests.unit.http_fake import chunk
 from tests.unit.inproc import InprocCluster
+from transport import FaultRule
 from zpd.http.native import native_answer, parse_generate
 from zpd.http.output import Output
 from zpd.http.records import BadRequest
@@ -179,3 +180,22 @@ def test_kv_done_carries_them_as_blobs():
     assert p.decode(p.encode(p.KvDone(1, 0, 5, "v"))).prompt_logprobs is None
     with pytest.raises(p.ProtocolError, match="prompt_top_ids and prompt_top_logprobs"):
         p.KvDone(1, 0, 5, "v", prompt_top_ids=[3])
+
+
+def test_a_retraction_before_the_kv_asks_them_again():
+    """The prefill sent the first token ahead, then a retraction caught the KV: the
+    decode never got the prompt's logprobs, so its recompute (of the prompt itself)
+    asks for them, and the answer is `zpd run`'s."""
+    c = InprocCluster(fault_plan=FaultRule("hang", count=1))      # the first write hangs
+    try:
+        sampling = ASK | {"top_logprobs_num": 2, "token_ids_logprob": [3]}
+        rid = c.submit(PROMPT, 4, sampling=sampling)
+        c.until(lambda: rid in c.answers and len(c.answers[rid].token_ids) == 1)
+        assert c.admin("pause", mode="retract")["ok"]
+        assert c.admin("continue")["ok"]
+        got = c.run(rid)
+        assert got.meta["retractions"] == 1 and got.status is None
+        assert _inputs(got.meta) == _inputs(_offline(c, sampling, 4))
+        c.check_pages()
+    finally:
+        c.close()

@@ -24,7 +24,8 @@ from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.pages import PageBook, Prefix
-from zpd.worker.parts import cached_tokens, first_logprobs, prompt_logprobs, token_part
+from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, first_logprobs,
+                              prompt_logprobs, recompute_sampling, token_part)
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -149,7 +150,7 @@ class DecodeScheduler:
         req = job.req
         prefix = req.prompt + req.output[:-1]
         if epoch > 0:      # the prefill forgot this request when it was retracted
-            link.send(Recompute(req.rid, job.room, epoch, prefix, req.params.to_dict()))
+            link.send(Recompute(req.rid, job.room, epoch, prefix, recompute_sampling(req)))
         need = self.pool.pages_for(len(prefix))
         # the prefix's first job.skip pages this decode holds already (its prefix cache)
         link.send(KvDest(job.room, epoch, req.rid, req.pages[job.skip:need], cached_pages=job.skip))
@@ -245,6 +246,8 @@ class DecodeScheduler:
         if problem is None and not req.output:   # after a recompute the decode has its tokens
             problem = self._take_first_token(req, msg)
             req.finish = self.core.compute.stop(req) if problem is None else None
+        elif problem is None and asks_prompt_logprobs_again(req):    # see recompute_sampling
+            problem = self._take_prompt_logprobs(req, msg)
         if problem:                              # the write is over: nothing to fence
             self.finish(job, INTERNAL, f"prefill {job.prefill} sent {problem}",
                         tell_prefill=True, may_land=False)
@@ -262,12 +265,19 @@ class DecodeScheduler:
         vocab = self.core.model.cfg.vocab_size
         if not 0 <= msg.first_token < vocab:
             return f"first token {msg.first_token}, outside [0, {vocab})"
-        logprobs, prompt = first_logprobs(req, msg), prompt_logprobs(req, msg)
-        for got in (logprobs, prompt):
-            if isinstance(got, str):
-                return got
-        req.prompt_logprobs = prompt
-        req.emit(msg.first_token, msg.weight_version, *logprobs)
+        logprobs = first_logprobs(req, msg)
+        if isinstance(logprobs, str):
+            return logprobs
+        problem = self._take_prompt_logprobs(req, msg)
+        if problem is None:
+            req.emit(msg.first_token, msg.weight_version, *logprobs)
+        return problem
+
+    def _take_prompt_logprobs(self, req: Request, msg: KvDone) -> str | None:
+        got = prompt_logprobs(req, msg)
+        if isinstance(got, str):
+            return got
+        req.prompt_logprobs = got
         return None
 
     def on_refused(self, link: PrefillLink) -> None:

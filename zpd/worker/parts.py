@@ -46,6 +46,22 @@ def prompt_logprob_fields(req: Request) -> dict:
     return out
 
 
+def recompute_sampling(req: Request) -> dict:
+    """A recompute's sampling dict: the prompt's logprobs are asked again only where the
+    decode never got them (the prefill sent the first token ahead and a retraction
+    caught its KV; the prefix is then the prompt itself), else the first answer stays."""
+    sampling = req.params.to_dict()
+    if not asks_prompt_logprobs_again(req):
+        sampling["logprob_start_len"] = -1
+    return sampling
+
+
+def asks_prompt_logprobs_again(req: Request) -> bool:
+    """A recompute of `req` asks its prompt's logprobs (see recompute_sampling)."""
+    return req.params.prompt_logprobs_from is not None and req.prompt_logprobs is None and \
+        len(req.output) <= 1
+
+
 def prompt_logprobs(req: Request, msg: KvDone) -> PromptLogprobs | None | str:
     """The prompt's logprobs as a `kv_done` gave them (None where the request asked
     for none), or what is wrong with them."""

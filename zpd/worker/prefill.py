@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 
-from engines.request import Request, validate_prefix
+from engines.request import Request, validate_prefix, validate_prompt_logprobs
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
 from engines.sampler import SamplingParams
 from zpd.wire.admin import (Continue)
@@ -213,13 +213,16 @@ class PrefillScheduler:
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
         """KV for prompt + output[:-1] again, under the current weights, as a new epoch.
-        The token it samples is not reported (the decode has it already): no logprobs."""
+        The token it samples is not reported (the decode has it already): no logprobs,
+        but the prompt's where the decode asks (it never got them: parts.recompute_sampling)."""
         failure, params = None, SamplingParams()
         try:
-            params = dataclasses.replace(SamplingParams.from_dict(msg.sampling),
-                                         return_logprob=False, top_logprobs_num=0,
-                                         logprob_start_len=-1, token_ids_logprob=())
+            params = SamplingParams.from_dict(msg.sampling)
+            if params.prompt_logprobs_from is None:
+                params = dataclasses.replace(params, return_logprob=False, top_logprobs_num=0,
+                                             token_ids_logprob=())
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
+            validate_prompt_logprobs(len(msg.input_ids), params, self.core.model.cfg)
         except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
         old = self.jobs.get(msg.room)
