@@ -12,6 +12,12 @@ from engines.sampler import SamplingParams
 from engines.formats.tokenizer import Tokenizer
 
 
+# The most prompt logprob entries one request gets (positions x (1 + top_logprobs_num +
+# len(token_ids_logprob))): the decode's final answer carries them in one message
+# header, ~30 bytes each, which must stay well inside the wire's 16 MiB frame.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
+
+
 class Unservable(ValueError):
     """A request that can never be served as asked: the client's error, reported as
     status 400 (the serving layer's codes live in zpd/wire/status.py)."""
@@ -120,6 +126,14 @@ def validate_prompt_logprobs(length: int, params: SamplingParams, cfg: ModelConf
     bad = [t for t in params.token_ids_logprob if t >= cfg.vocab_size]
     if bad:
         raise Unservable(f"token_ids_logprob: token id {bad[0]} out of range [0, {cfg.vocab_size})")
+    if params.prompt_logprobs_from is not None:
+        each = 1 + params.top_logprobs_num + len(params.token_ids_logprob)
+        entries = (length - max(params.prompt_logprobs_from, 1)) * each
+        if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise Unservable(f"prompt logprobs of {length - max(params.prompt_logprobs_from, 1)} "
+                             f"positions x {each} values each are more than "
+                             f"{MAX_PROMPT_LOGPROB_ENTRIES} in one answer: raise "
+                             "logprob_start_len or ask fewer top_logprobs_num/token_ids_logprob")
 
 
 def validate_prefix(prefix: list[int], cfg: ModelConfig, capacity_tokens: int) -> None:

@@ -118,8 +118,10 @@ def test_a_retraction_keeps_the_first_answer(cluster):
     ({"logprob_start_len": 40}, "logprob_start_len 40 must be less than the prompt's length"),
     ({"logprob_start_len": -2}, "logprob_start_len must be"),
     ({"token_ids_logprob": [10 ** 6]}, "token_ids_logprob: token id 1000000 out of range"),
+    ({"top_logprobs_num": 20, "token_ids_logprob": [1] * 64}, "39 positions x 85 values each are more than 3000"),
 ])
-def test_bad_prompt_logprob_asks_are_400(cluster, raw, named):
+def test_bad_prompt_logprob_asks_are_400(cluster, monkeypatch, raw, named):
+    monkeypatch.setattr("engines.request.MAX_PROMPT_LOGPROB_ENTRIES", 3000)
     got = cluster.run(cluster.submit(PROMPT, 2, sampling=ASK | raw))
     assert got.status == 400 and named in got.finish["message"]
     cluster.check_pages()
