@@ -100,7 +100,8 @@ class Client:
         last chunk also has finish_reason, meta and text. A request that asked for
         logprobs (`return_logprob`) has "logprobs" in every chunk, one per token id, and
         one that asked for `top_logprobs_num` N also "top_logprobs", per token its N most
-        likely [token_id, logprob] pairs, highest first (docs/serving.md, "Logprobs"). Closing
+        likely [token_id, logprob] pairs, highest first; with `logprob_start_len` the
+        last chunk's meta has the prompt's (input_*) too (docs/serving.md, "Logprobs"). Closing
         the iterator early aborts the request (499)."""
         rid = self._submit(input_ids, prompt, sampling_params, rid, True, messages)
         finished = False
@@ -252,9 +253,13 @@ def _final_fields(msg: TokenPart) -> dict:
 def assemble(chunks: list[dict]) -> dict:
     """One request's chunks, in order, as a finished response."""
     last = chunks[-1]
+    meta = {k: v for k, v in last["meta"].items() if not k.startswith("input_")}
     out = {"rid": last["rid"], "output_ids": [t for c in chunks for t in c["token_ids"]],
            "weight_versions": [v for c in chunks for v in c["weight_versions"]],
-           "finish_reason": last["finish_reason"], "meta": last["meta"], "text": last["text"]}
+           "finish_reason": last["finish_reason"], "meta": meta, "text": last["text"]}
+    # the prompt's logprobs ride in the final meta; the response has them beside the
+    # output's, as `zpd run`'s (engines.request.response)
+    out |= {k: v for k, v in last["meta"].items() if k.startswith("input_")}
     for key, field in (("output_token_logprobs", "logprobs"), ("output_top_logprobs", "top_logprobs")):
         if any(field in c for c in chunks):
             out[key] = [v for c in chunks for v in c.get(field, [])]

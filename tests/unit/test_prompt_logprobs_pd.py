@@ -16,6 +16,7 @@ from engines.sampler import SamplingParams
 from tests.unit.http_fake import chunk
 from tests.unit.inproc import InprocCluster
 from transport import FaultRule
+from zpd.client import assemble
 from zpd.http.native import native_answer, parse_generate
 from zpd.http.output import Output
 from zpd.http.records import BadRequest
@@ -201,3 +202,15 @@ def test_a_retraction_before_the_kv_asks_them_again():
         c.check_pages()
     finally:
         c.close()
+
+
+def test_the_client_response_has_them_where_zpd_run_does(cluster):
+    """zpd.Client's assembled response lifts them out of the final meta, so it has
+    the keys `zpd run`'s response has, with its values."""
+    sampling = ASK | {"logprob_start_len": 35, "top_logprobs_num": 1}
+    got = cluster.run(cluster.submit(PROMPT, 2, sampling=sampling))
+    done = assemble([{"rid": "r", "token_ids": got.token_ids, "weight_versions": got.weight_versions,
+                      "finish_reason": got.finish, "meta": got.meta, "text": None, "finished": True}])
+    ref = _offline(cluster, sampling, 2)
+    assert _inputs(done) == _inputs(ref) and len(done["input_token_logprobs"]) == 5
+    assert not _inputs(done["meta"])
