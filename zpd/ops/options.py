@@ -26,6 +26,8 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
     "seed": (int, "per-request seed: same seed, same tokens"),
     "top_logprobs_num": (int, "report each token's N most likely alternatives with their "
                               "logprobs (0-20; implies --return-logprob)"),
+    "logprob_start_len": (int, "with logprobs, also the prompt's from this position on "
+                               "(SGLang's; -1, the default: none)"),
 }
 
 
@@ -104,6 +106,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None,
                    help="stop string (repeatable); output text ends before it")
     g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end output")
+    g.add_argument("--token-ids-logprob", default=None,
+                   help="comma-separated token ids whose logprobs to report at each prompt "
+                        "position (with --logprob-start-len)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     g.add_argument("--return-logprob", action="store_true",
                    help="report each output token's logprob (--json shows them)")
@@ -134,6 +139,8 @@ def sampling_dict(args: argparse.Namespace) -> dict:
         d["stop"] = list(args.stop)
     if args.stop_token_ids:
         d["stop_token_ids"] = parse_ids(args.stop_token_ids)
+    if args.token_ids_logprob:
+        d["token_ids_logprob"] = parse_ids(args.token_ids_logprob)
     if args.ignore_eos:
         d["ignore_eos"] = True
     if args.return_logprob:
