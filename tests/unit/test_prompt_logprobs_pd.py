@@ -214,3 +214,18 @@ def test_the_client_response_has_them_where_zpd_run_does(cluster):
     ref = _offline(cluster, sampling, 2)
     assert _inputs(done) == _inputs(ref) and len(done["input_token_logprobs"]) == 5
     assert not _inputs(done["meta"])
+
+
+@pytest.mark.parametrize("bad", [{"logprob_start_len": 40}, {"token_ids_logprob": [10 ** 6]}])
+def test_a_recompute_asking_what_cannot_be_computed_is_refused_alone(cluster, monkeypatch, bad):
+    """A (forged) recompute whose prompt-logprob ask its prefix cannot serve is a 400
+    to its decode, never a prefill step that fails its batch-mates."""
+    sent = []
+    monkeypatch.setattr(cluster.prefill, "send", lambda to, msg: sent.append(msg))
+    sampling = SamplingParams.from_dict({"max_new_tokens": 4} | ASK).to_dict() | bad
+    cluster.prefill.scheduler.on_recompute(b"decode", p.Recompute("x", 77, 1, PROMPT, sampling))
+    (failed,) = [m for m in sent if isinstance(m, p.KvFailed)]
+    assert (failed.room, failed.epoch, failed.status) == (77, 1, 400)
+    monkeypatch.undo()
+    cluster.serves_again()
+    cluster.check_pages()
