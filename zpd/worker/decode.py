@@ -25,7 +25,7 @@ from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, first_logprobs,
-                              prompt_logprobs, recompute_sampling, token_part)
+                              recompute_sampling, take_prompt_logprobs, token_part)
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -247,7 +247,7 @@ class DecodeScheduler:
             problem = self._take_first_token(req, msg)
             req.finish = self.core.compute.stop(req) if problem is None else None
         elif problem is None and asks_prompt_logprobs_again(req):    # see recompute_sampling
-            problem = self._take_prompt_logprobs(req, msg)
+            problem = take_prompt_logprobs(req, msg)
         if problem:                              # the write is over: nothing to fence
             self.finish(job, INTERNAL, f"prefill {job.prefill} sent {problem}",
                         tell_prefill=True, may_land=False)
@@ -268,17 +268,10 @@ class DecodeScheduler:
         logprobs = first_logprobs(req, msg)
         if isinstance(logprobs, str):
             return logprobs
-        problem = self._take_prompt_logprobs(req, msg)
+        problem = take_prompt_logprobs(req, msg)
         if problem is None:
             req.emit(msg.first_token, msg.weight_version, *logprobs)
         return problem
-
-    def _take_prompt_logprobs(self, req: Request, msg: KvDone) -> str | None:
-        got = prompt_logprobs(req, msg)
-        if isinstance(got, str):
-            return got
-        req.prompt_logprobs = got
-        return None
 
     def on_refused(self, link: PrefillLink) -> None:
         """The prefill refused our hello (500) or stopped answering (503): fail its

@@ -87,6 +87,15 @@ def prompt_logprobs(req: Request, msg: KvDone) -> PromptLogprobs | None | str:
     return PromptLogprobs(first, list(msg.prompt_logprobs), top, ids)
 
 
+def take_prompt_logprobs(req: Request, msg: KvDone) -> str | None:
+    """Keep the prompt logprobs a `kv_done` gave; or say what is wrong with them."""
+    got = prompt_logprobs(req, msg)
+    if isinstance(got, str):
+        return got
+    req.prompt_logprobs = got
+    return None
+
+
 def first_logprobs(req: Request, msg: KvDone) -> tuple[float | None, list | None] | str:
     """The first token's (logprob, top alternatives) as a `kv_done` gave them, or what
     is missing of what the request asked for."""
