@@ -133,7 +133,7 @@ def test_generate_body_to_sglang_meta_info(cluster):
     [logprob, token_id, text] triples, the first position's logprob null."""
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
             "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
-            "token_ids_logprob": [4], "return_text_in_logprobs": True}
+            "return_text_in_logprobs": True}
     parsed = parse_generate(body)
     (item,) = parsed.items
     got = cluster.run(cluster.submit(PROMPT, 2, sampling=item.sampling))
@@ -146,7 +146,7 @@ def test_generate_body_to_sglang_meta_info(cluster):
         meta["input_token_logprobs"]
     assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == 40
     assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 2
-    assert meta["input_token_ids_logprobs"][0] is None and meta["input_token_ids_logprobs"][1][0][1] == 4
+    assert "input_token_ids_logprobs" not in meta
     assert len(meta["output_token_logprobs"]) == 2
 
 

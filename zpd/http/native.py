@@ -27,7 +27,7 @@ from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
-                              check_prompts, checked_sampling, id_list, integer, item_rids,
+                              check_prompts, checked_sampling, integer, item_rids,
                               logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
 from zpd.http.streams import EventStream, Stalled, follow, run_all
@@ -73,11 +73,10 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     tops = _per_item(body, "top_logprobs_num", len(prompts), listed,
                      integer(0, MAX_TOP_LOGPROBS), 0)
     starts = _prompt_logprob_starts(body, prompts, wants, listed)
-    ids = _per_item(body, "token_ids_logprob", len(prompts), listed and _nested(body), id_list, [])
     rids = item_rids(body.get("rid"), len(prompts), n, batch)
     stream = take(body, "stream", boolean, False)
     copies = [seeded_copies(checked_sampling(
-        sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p])), n)
+        sp.engine | logprob_sampling(wants[p], tops[p], starts[p])), n)
               for p, sp in enumerate(samplings)]
     items = []
     for j in range(n):
@@ -122,12 +121,6 @@ def _prompt_logprob_starts(body: dict, prompts: list[dict], wants: list[bool],
             raise BadRequest(f"'logprob_start_len' {start} must be less than the prompt's "
                              f"length ({len(ids)} tokens)" + (f" (prompt {i})" if len(prompts) > 1 else ""))
     return starts
-
-
-def _nested(body: dict) -> bool:
-    """token_ids_logprob is a list per prompt (a list of lists), not one for all."""
-    value = body.get("token_ids_logprob")
-    return type(value) is list and bool(value) and all(type(v) is list for v in value)
 
 
 def _prompts(body: dict) -> tuple[list[dict], bool]:
