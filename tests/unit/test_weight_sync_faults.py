@@ -19,7 +19,7 @@ from engines.models.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_weight_sync import admin, join, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer, announce
-from zpd.wire.admin import (CancelWeightUpdate)
+from zpd.wire.admin import CancelWeightUpdate
 from zpd.wire.admin_fields import SyncStep
 from zpd.worker.sync_helper import FILL, check
 

@@ -15,7 +15,7 @@ import zmq
 from engines.batch import DecodeBatch
 from engines.request import Request, response
 from zpd.wire.status import ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE
-from zpd.wire.admin import (Continue)
+from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,

@@ -19,7 +19,7 @@ from collections import deque
 from engines.request import Request, validate_prefix, validate_prompt_logprobs
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
 from engines.sampler import SamplingParams
-from zpd.wire.admin import (Continue)
+from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens

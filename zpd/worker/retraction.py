@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from zpd.wire.admin import (Continue)
+from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.status import ABORTED
 from zpd.wire.protocol import KvFailed

@@ -12,7 +12,7 @@ from engines.models.config import ModelError
 from zpd.wire.status import CONFLICT, StatusError
 from engines.formats.tensor_payload import PayloadError, decode_named_tensors
 from engines.weight_push import MAX_TENSORS, Announced, Shadow, announce, push_limit
-from zpd.wire.admin import (StageTensors)
+from zpd.wire.admin import StageTensors
 from zpd.wire.admin_fields import SyncStep
 from zpd.worker.scheduler import Respond
 
