@@ -4,7 +4,11 @@ A request that does not stream and ends in an abort or failure answers with its
 status code in OpenAI's error shape (OpenAI has no partial answers); a streamed one
 ends its choice with finish_reason "abort" and an `error` {message, type, code},
 then `data: [DONE]`. Chat prompts go to the workers as a conversation, rendered
-there with the model's chat template."""
+there with the model's chat template.
+
+A streamed completion with `echo` and `logprobs` sends each choice as one chunk once
+it has finished: its first chunk carries the echoed prompt with the prompt's
+logprobs (vLLM's shape), and the workers send those with the request's last token."""
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +45,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     # a prompt of up to --max-input-ids ids decodes for a while: off the event loop
     echoes = await asyncio.to_thread(lambda: [_prompt_text(front, p) for p in req.prompts]) \
         if req.echo else None
-    return await _answer(request, front, req, Answer(front.model, False, req.logprobs), echoes)
+    return await _answer(request, front, req, Answer(front.model, False, req.logprobs, req.echo),
+                         echoes)
 
 
 @routes.post("/v1/chat/completions")
@@ -80,12 +85,15 @@ async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer
     events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
     started: set[int] = set()
     finished: list[Output] = []
+    whole = answer.echo and answer.logprobs is not None     # each choice waits for its end
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
                 refused = out.refusal() if events.response is None else None
                 if refused is not None:
                     raise refused
+                if whole and not out.finished:
+                    continue
                 text, tokens = out.new_text(), out.new_tokens()
                 first = out.index not in started
                 if not (first or text or tokens or out.finished):

@@ -1,7 +1,12 @@
 """Answers in OpenAI's shapes: completions and chat completions, whole or as stream
-chunks, with usage and logprobs, from the Outputs of a route's requests."""
+chunks, with usage and logprobs, from the Outputs of a route's requests.
+
+A completion with `echo` and `logprobs` covers the prompt's tokens first, as vLLM's:
+their logprobs are the prefill's (the workers' input_token_logprobs, position 0's
+null), followed by the completion's."""
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 
@@ -11,8 +16,8 @@ from zpd.http.output import Output
 class Answer:
     """One OpenAI answer's identity and the formatting of its parts."""
 
-    def __init__(self, model: str, chat: bool, logprobs: int | None) -> None:
-        self.model, self.chat, self.logprobs = model, chat, logprobs
+    def __init__(self, model: str, chat: bool, logprobs: int | None, echo: bool = False) -> None:
+        self.model, self.chat, self.logprobs, self.echo = model, chat, logprobs, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -35,7 +40,7 @@ class Answer:
                           "logprobs": self.chat_logprobs(out, every)}
             else:
                 choice = {"index": out.index, "text": echo + out.text,
-                          "logprobs": self.completion_logprobs(out, every, len(echo))}
+                          "logprobs": self.completion_logprobs(out, every, len(echo), self.echo)}
             choices.append(choice | {"finish_reason": finish_reason(out)})
         return self._head(False) | {"choices": choices, "usage": usage(outs, n)}
 
@@ -51,7 +56,8 @@ class Answer:
             choice = {"index": out.index, "delta": delta, "logprobs": self.chat_logprobs(out, tokens)}
         else:
             choice = {"index": out.index, "text": (echo if first else "") + text,
-                      "logprobs": self.completion_logprobs(out, tokens, len(echo))}
+                      "logprobs": self.completion_logprobs(out, tokens, len(echo),
+                                                           self.echo and first)}
         choice["finish_reason"] = finish_reason(out)
         if out.aborted:
             choice["error"] = abort_error(out)
@@ -62,17 +68,41 @@ class Answer:
 
     # --- logprobs -------------------------------------------------------------------
 
-    def completion_logprobs(self, out: Output, tokens: range, echo_chars: int) -> dict | None:
-        """The legacy shape: parallel lists over `tokens`; text_offset counts from the
-        start of the choice's text."""
+    def completion_logprobs(self, out: Output, tokens: range, echo_chars: int,
+                            prompt: bool = False) -> dict | None:
+        """The legacy shape: parallel lists over `tokens`, after the prompt's tokens
+        where `prompt` (echo); text_offset counts from the start of the choice's text."""
         if self.logprobs is None or not out.req.logprobs:
             return None
         texts = [out.token_text(out.token_ids[i]) for i in tokens]
-        tops = [{out.token_text(t): lp for t, lp in out.top_logprobs[i]}
-                if self.logprobs and i < len(out.top_logprobs) else None for i in tokens]
-        return {"tokens": texts, "token_logprobs": [_at(out.logprobs, i) for i in tokens],
-                "top_logprobs": tops,
-                "text_offset": [echo_chars + off for off in out.text_offsets(tokens)]}
+        tops = [self._top(out, out.top_logprobs[i]) if i < len(out.top_logprobs) else None
+                for i in tokens]
+        head = self.prompt_logprobs(out) if prompt else dict.fromkeys(LEGACY_KEYS, [])
+        return {"tokens": head["tokens"] + texts,
+                "token_logprobs": head["token_logprobs"] + [_at(out.logprobs, i) for i in tokens],
+                "top_logprobs": head["top_logprobs"] + tops,
+                "text_offset": head["text_offset"] +
+                [echo_chars + off for off in out.text_offsets(tokens)]}
+
+    def prompt_logprobs(self, out: Output) -> dict:
+        """The echoed prompt's tokens in the legacy shape, from what the workers sent with
+        the finished request: position 0 has no logprob (null, its top_logprobs too);
+        each token's text_offset counts the texts of the tokens before it, as vLLM's
+        (a special token the echoed text leaves out still counts). Empty lists where
+        the workers sent none (a request that failed before its prefill answered)."""
+        pairs = out.meta.get("input_token_logprobs") or []
+        tops = out.meta.get("input_top_logprobs") or [None] * len(pairs)
+        texts = [out.token_text(t) for _, t in pairs]
+        return {"tokens": texts, "token_logprobs": [lp for lp, _ in pairs],
+                "top_logprobs": [self._top(out, top) for top in tops],
+                "text_offset": list(itertools.accumulate(map(len, texts), initial=0))[:-1]}
+
+    def _top(self, out: Output, top: list | None) -> dict | None:
+        """One position's alternatives as {token text: logprob} (None when logprobs is 0
+        or the position has none)."""
+        if not self.logprobs or top is None:
+            return None
+        return {out.token_text(int(t)): lp for t, lp in top}
 
     def chat_logprobs(self, out: Output, tokens: range) -> dict | None:
         if self.logprobs is None or not out.req.logprobs:
@@ -81,6 +111,9 @@ class Answer:
             "top_logprobs": [_entry(out, t, lp) for t, lp in
                              (out.top_logprobs[i] if i < len(out.top_logprobs) else [])]}
             for i in tokens]}
+
+
+LEGACY_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
 def _entry(out: Output, token_id: int, logprob: float | None) -> dict:

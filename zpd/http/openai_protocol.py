@@ -6,7 +6,9 @@ the engine has (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids) ar
 taken too, and SGLang's output options (no_stop_trim, skip_special_tokens, rid).
 Which fields are taken, ignored or refused: sglang_fields.py. `n` copies of each
 prompt run as n requests, prompt-major; with a seed, copy i gets seed + i so the
-copies differ.
+copies differ. Completions' `echo` with `logprobs` asks the workers for the prompt's
+logprobs too (logprob_start_len 0), and `max_tokens: 0` with `echo` is a scoring
+request (max_new_tokens 0: a prefill alone), as vLLM serves them.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None          # top-N per token (0: the sampled token only); None: none
-    echo: bool = False
+    echo: bool = False            # completions: the prompt's text (and logprobs) lead each choice
     unknown: tuple[str, ...] = () # names neither SGLang nor OpenAI has (warned, dropped)
 
 
@@ -52,12 +54,16 @@ def parse_completion(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("'prompt' is required")
     top = take(body, "logprobs", integer(0, MAX_TOP_LOGPROBS))
+    echo = take(body, "echo", boolean, False)
     prompts = completion_prompts(body["prompt"])
     check_prompts(prompts, cfg.prompt_limits, "prompt")
-    sampling = _sampling(body, take(body, "max_tokens", integer(1, INT32_MAX),
-                                    COMPLETION_MAX_TOKENS))
-    return _request(body, prompts, n, sampling | logprob_sampling(top is not None, top or 0), top,
-                    unknown, cfg, take(body, "echo", boolean, False))
+    max_tokens = take(body, "max_tokens", integer(0, INT32_MAX), COMPLETION_MAX_TOKENS)
+    if max_tokens == 0 and not echo:
+        raise BadRequest("'max_tokens' must be at least 1 unless \"echo\": true "
+                         "('max_tokens': 0 with echo scores the prompt, as vLLM's)")
+    # echo with logprobs covers the prompt's tokens too: the prefill's, from position 0
+    asks = logprob_sampling(top is not None, top or 0, 0 if echo else -1)
+    return _request(body, prompts, n, _sampling(body, max_tokens) | asks, top, unknown, cfg, echo)
 
 
 def parse_chat(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
