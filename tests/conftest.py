@@ -21,6 +21,7 @@ SLOW_DIRS = ("tests/e2e/",)
 SLOW_FIXTURES = frozenset({"smollm_ref", "hf_checkpoint"})
 SLOW_FILES = frozenset({
     "tests/unit/test_smollm2.py",          # SmolLM2 against transformers
+    "tests/unit/test_smollm2_prompt_logprobs.py",     # and its prompt logprobs
     "tests/unit/test_model_vs_hf.py",      # every architecture against transformers
 })
 SLOW_TESTS = frozenset({

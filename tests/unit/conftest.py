@@ -6,8 +6,9 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 
-from engines.loader import resolve_spec
+from engines.loader import load_model, resolve_spec
 from tests.unit.gguf_files import gguf_meta
 from tests.unit.inproc import InprocCluster
 
@@ -59,3 +60,29 @@ def smollm_ref():
     import transformers
     path = Path(resolve_spec("smollm2"))
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf():
+    """transformers' model from the file: dequantized weights, float32 kernels. It is
+    the test-time reference; it needs `gguf` and `accelerate` to read the file."""
+    transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
+    path = Path(resolve_spec("smollm2"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf64(hf_gguf):
+    """The same weights in transformers' plain Llama, computing in float64."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_config(hf_gguf.config).to(torch.float64)
+    model.load_state_dict(hf_gguf.state_dict())
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours64():
+    """Our model from the file, in float64."""
+    return load_model("smollm2", dtype="float64")

@@ -1,17 +1,14 @@
 """SmolLM2-135M-Instruct from its GGUF file (`--model smollm2`) against transformers'
 own GGUF loading of the same file: the same dequantized weights, the same float64
-logits and greedy tokens, and the answer in ../shared/FACTS.md.
-
-transformers is the test-time reference; it needs `gguf` and `accelerate` to read the file."""
+logits and greedy tokens, and the answer in ../shared/FACTS.md. The models are the
+fixtures of tests/unit/conftest.py."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
 
 from engines.kv.pool import KVLayout, KVPool
-from engines.loader import load_model, resolve_spec
+from engines.loader import load_model
 from engines.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
@@ -26,28 +23,6 @@ ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]    # "The capital of France is
 NEW_TOKENS = 32
 # Greedy tokens may differ only where the reference's top two are this close.
 NEAR_TIE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def hf_gguf():
-    """transformers' model from the file: dequantized weights, float32 kernels."""
-    path = Path(resolve_spec("smollm2"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def hf64(hf_gguf):
-    """The same weights in transformers' plain Llama, computing in float64."""
-    model = transformers.AutoModelForCausalLM.from_config(hf_gguf.config).to(torch.float64)
-    model.load_state_dict(hf_gguf.state_dict())
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def ours64():
-    return load_model("smollm2", dtype="float64")
 
 
 @torch.inference_mode()
