@@ -23,8 +23,9 @@ class Compute:
     def prefill(self, reqs: list[Request], starts: list[int] | None = None) -> None:
         """Write the KV of each cached prefix (from position starts[i] on: what comes
         before is in the request's pages already); sample a first token for fresh
-        requests, and the prompt logprobs of those that ask (their starts must leave the
-        positions those read uncached: Request.reusable_prefix)."""
+        requests (a scoring one, max_new_tokens 0, ends instead), and the prompt logprobs
+        of those that ask (their starts must leave the positions those read uncached:
+        Request.reusable_prefix)."""
         prefixes = [r.prompt + r.output[:-1] for r in reqs]
         asks = [r.prompt_logprob_ask for r in reqs]
         if any(asks):
@@ -34,7 +35,10 @@ class Compute:
                 r.prompt_logprobs = g if g is not None else r.prompt_logprobs
         else:
             logits = self.runner.prefill(prefixes, [r.pages for r in reqs], starts)
-        fresh = [i for i, r in enumerate(reqs) if not r.output]
+        fresh = [i for i, r in enumerate(reqs) if not r.output and not r.params.scores_only]
+        for r in reqs:
+            if r.params.scores_only:             # scored: it ends here, with no output token
+                r.finish, r.scored_version = {"type": "length"}, self.model.version
         if fresh:
             self._sample(logits[fresh], [reqs[i] for i in fresh])
         self.pool.synchronize()     # the KV is complete before a transfer engine reads it

@@ -39,6 +39,7 @@ class Request:
     # The prompt's, from the prefill of its first epoch (a recompute never replaces them)
     # when params.prompt_logprobs_from asks.
     prompt_logprobs: PromptLogprobs | None = None
+    scored_version: str | None = None    # max_new_tokens 0: the weights that scored the prompt
     pages: list[int] = field(default_factory=list)
     finish: dict | None = None
     retractions: int = 0
@@ -180,6 +181,7 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
             "finish_reason": req.finish, "weight_versions": list(req.weight_versions),
             "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                      "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})
+            | ({"weight_version": req.scored_version} if req.scored_version is not None else {})
             } | logprob_fields(req) | prompt_logprob_fields(req)
 
 

@@ -33,7 +33,7 @@ def _real(value: object, low: float, high: float) -> bool:
 class SamplingParams:
     """One request's sampling; a value outside the bounds above raises ValueError
     naming the parameter (status 400 at a worker)."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128           # 0: score the prompt (its logprobs), generate nothing
     min_new_tokens: int = 0              # no EOS, stop token or stop string finishes it before
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,8 +63,8 @@ class SamplingParams:
         t_low, t_high = TEMPERATURE_RANGE
         r_low, r_high = REPETITION_PENALTY_RANGE
         return [
-            ("max_new_tokens", _integer(self.max_new_tokens, 1, INT32_MAX),
-             f"an integer in [1, {INT32_MAX}]"),
+            ("max_new_tokens", _integer(self.max_new_tokens, 0, INT32_MAX),
+             f"an integer in [0, {INT32_MAX}] (0: score the prompt only)"),
             ("min_new_tokens", _integer(self.min_new_tokens, 0, _bound(self.max_new_tokens)),
              "an integer in [0, max_new_tokens]"),
             ("temperature", _real(self.temperature, 0, 0) or _real(self.temperature, t_low, t_high),
@@ -120,6 +120,12 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def scores_only(self) -> bool:
+        """max_new_tokens 0: a prefill computes the prompt (and the logprobs it asks for)
+        and the request ends there, with no output token."""
+        return self.max_new_tokens == 0
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.return_logprob or self.top_logprobs_num > 0
 
@@ -141,7 +147,7 @@ class SamplingParams:
 def _bound(max_new_tokens: object) -> int:
     """max_new_tokens as min_new_tokens' upper bound (0 when it is itself invalid, whose
     own check then names it first)."""
-    return max_new_tokens if _integer(max_new_tokens, 1, INT32_MAX) else 0
+    return max_new_tokens if _integer(max_new_tokens, 0, INT32_MAX) else 0
 
 
 def _as_tuple(value: object) -> object:

@@ -111,7 +111,7 @@ def test_top_k_one_is_greedy_when_sampling():
 
 
 @pytest.mark.parametrize("bad", [
-    {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 2}, {"max_new_tokens": 0},
+    {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 2}, {"max_new_tokens": -1},
     {"repetition_penalty": 0}, {"frequency_penalty": 3}, {"nonsense": 1}, {"stop": [""]},
     {"seed": "x"}, {"max_new_tokens": 1.5}])
 def test_bad_params_are_clear_errors(bad):

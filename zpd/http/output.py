@@ -219,7 +219,8 @@ def meta_info(out: Output, tokens: range | None = None) -> dict:
             "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
             "cached_tokens": int(out.meta.get("cached_tokens", 0)),
             "e2e_latency": out.e2e_latency,
-            "weight_version": every[-1] if every else None,
+            # a scored prompt (max_new_tokens 0) has no token: its prefill names the weights
+            "weight_version": every[-1] if every else out.meta.get("weight_version"),
             "weight_versions": version_spans(versions, tokens.start),
             "output_token_weight_versions": versions,
             "retractions": int(out.meta.get("retractions", 0))}

@@ -52,7 +52,7 @@ class InFlight:
     rid: str
     client: bytes
     prefill: Worker
-    decode: Worker
+    decode: Worker | None                # None: a scoring request, answered by its prefill
     sent: int = 0                        # output tokens passed on to the client
     from_decode: int = 0                 # output tokens the decode has sent
     early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
@@ -150,16 +150,18 @@ class RouterServer:
         """Fail its requests now (503) and route around it until it answers again."""
         worker.alive = False
         # A decode fails its own requests when their prefill dies (it may have moved a
-        # retracted request to another prefill), so only a dead decode loses requests here.
-        lost = [f for f in self.inflight.values() if worker is f.decode]
+        # retracted request to another prefill), so only a dead decode loses requests
+        # here, and a dead prefill those it scores alone.
+        lost = [f for f in self.inflight.values()
+                if worker is (f.prefill if f.decode is None else f.decode)]
         log.error("%s %s silent for %.1f s: marked dead, failing %d requests", worker.role,
                   worker.endpoint, worker.clock.silence(self.loop.time()), len(lost))
         for flight in lost:
-            reason = f"decode {worker.endpoint} is unavailable"
-            flight.prefill.dealer.send(Abort(flight.rid, 503, reason))
-            # A frozen decode reads this when it wakes and frees the request's pages
-            # instead of generating for a client that already has its 503.
-            worker.dealer.send(Abort(flight.rid, 503, reason))
+            reason = f"{worker.role} {worker.endpoint} is unavailable"
+            # A frozen worker reads this when it wakes and frees the request's pages
+            # instead of computing for a client that already has its 503.
+            for w in {flight.prefill, worker}:
+                w.dealer.send(Abort(flight.rid, 503, reason))
             self.relay([TokenPart.abort(flight.rid, 503, reason)])
 
     # --- clients ---------------------------------------------------------------
@@ -226,20 +228,23 @@ class RouterServer:
                                                self.admission.timeout_message(entry, now), entry.msg))
 
     def route(self, client: bytes, msg: Generate, rid: str) -> None:
-        prefill, decode = self.pick_prefill(msg), self.pick("decode")
-        if prefill is None or decode is None:
+        """To a prefill and a decode; a scoring request (max_new_tokens 0) to a prefill
+        alone: it computes the prompt and answers, no KV moves."""
+        scoring = msg.scores_only
+        prefill, decode = self.pick_prefill(msg), None if scoring else self.pick("decode")
+        if prefill is None or (decode is None and not scoring):
             self.shares.release(rid)
             self.to_client(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
             return
         room = new_room()
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
-        prefill.load += 1
-        decode.load += 1
         routed = Generate(rid, msg.input_ids, msg.sampling, msg.stream, room, 0,
-                          prefill.endpoint, decode.endpoint, msg.text, msg.chat)
-        log.info("rid=%r room=%d -> prefill %s, decode %s", rid, room, prefill.endpoint, decode.endpoint)
-        decode.dealer.send(routed)
-        prefill.dealer.send(routed)
+                          prefill.endpoint, decode.endpoint if decode else "", msg.text, msg.chat)
+        log.info("rid=%r room=%d -> prefill %s, %s", rid, room, prefill.endpoint,
+                 f"decode {decode.endpoint}" if decode else "scored there")
+        for w in (decode, prefill) if decode else (prefill,):
+            w.load += 1
+            w.dealer.send(routed)
 
     def owner(self, rid: str) -> bytes | None:
         """The identity of the client that submitted `rid` (None: no such request here)."""
@@ -270,7 +275,8 @@ class RouterServer:
         flight = self.inflight.get(msg.rid)
         if flight is None:
             return
-        flight.decode.dealer.send(msg)
+        if flight.decode is not None:
+            flight.decode.dealer.send(msg)
         flight.prefill.dealer.send(msg)
 
     def end_queued(self, rid: str, status: int, reason: str) -> None:
@@ -300,7 +306,7 @@ class RouterServer:
         if isinstance(msg, Tokens) and msg.first:
             self.on_first_tokens(worker, msg)
         elif isinstance(msg, Tokens):
-            self.relay(msg.unpack())
+            self.relay(msg.unpack(), worker)
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
         elif not isinstance(msg, Pong):
@@ -319,22 +325,29 @@ class RouterServer:
             flight.early, flight.sent = part.early_entry(), 1
             self.to_client(flight.client, Tokens.pack([part]))
 
-    def relay(self, parts: list[TokenPart]) -> None:
-        """Decode tokens (a step's worth): one message on to each client concerned."""
+    def relay(self, parts: list[TokenPart], sender: Worker | None = None) -> None:
+        """Decode tokens (a step's worth; from the router itself when `sender` is None):
+        one message on to each client concerned."""
         by_client: dict[bytes, list[TokenPart]] = {}
         for got in parts:
-            flight, part = self._settle(got)
+            flight, part = self._settle(got, sender)
             if part is not None:
                 by_client.setdefault(flight.client, []).append(part)
         for client, mine in by_client.items():
             self.to_client(client, Tokens.pack(mine))
         self.dispatch()                      # finished requests made room
 
-    def _settle(self, part: TokenPart) -> tuple[InFlight | None, TokenPart | None]:
+    def _settle(self, part: TokenPart, sender: Worker | None) -> tuple[InFlight | None, TokenPart | None]:
         """The request's flight and what of the decode's `part` the client has not had
-        (None: nothing); the flight is forgotten once it finishes."""
+        (None: nothing); the flight is forgotten once it finishes. Only the worker that
+        answers the request may: its decode, or the prefill of a scoring one."""
         flight = self.inflight.get(part.rid)
         if flight is None:
+            return None, None
+        answers = flight.decode or flight.prefill
+        if sender is not None and sender is not answers:
+            log.warning("dropping tokens for rid=%r from %s %s: %s %s answers it", part.rid,
+                        sender.role, sender.endpoint, answers.role, answers.endpoint)
             return None, None
         start, n = flight.from_decode, len(part.token_ids)
         flight.from_decode += n
@@ -350,7 +363,8 @@ class RouterServer:
             self.shares.release(part.rid)
             if not flight.prefilled:
                 flight.prefill.load -= 1
-            flight.decode.load -= 1
+            if flight.decode is not None:
+                flight.decode.load -= 1
         return flight, (part if part.token_ids or part.finished else None)
 
     # --- process ----------------------------------------------------------------

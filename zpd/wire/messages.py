@@ -49,7 +49,8 @@ class Message:
 @dataclass(frozen=True, slots=True)
 class Generate(Message):
     """Start a request. A client sends room=0; the router assigns the room (see
-    ``new_room``) and epoch 0, and names the prefill and decode chosen for it."""
+    ``new_room``) and epoch 0, and names the prefill and decode chosen for it; a
+    scoring request (max_new_tokens 0) names no decode: its prefill answers it."""
 
     TYPE: ClassVar[str] = "generate"
     rid: str
@@ -69,6 +70,13 @@ class Generate(Message):
     # MAX_USER_CHARS printable characters (the router refuses others with 400); ""
     # is the client itself. Not passed on to the workers.
     user: str = ""
+
+    @property
+    def scores_only(self) -> bool:
+        """max_new_tokens 0: the prompt is scored, nothing generated (the workers check
+        every field; a bad one goes the usual way, to a decode too)."""
+        value = self.sampling.get("max_new_tokens")
+        return type(value) is int and value == 0
 
 
 MAX_USER_CHARS = 128

@@ -13,8 +13,9 @@ from collections import deque
 import zmq
 
 from engines.batch import DecodeBatch
-from engines.request import Request, response
-from zpd.wire.status import ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE
+from engines.request import Request
+from zpd.wire.status import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL, UNAVAILABLE,
+                             StatusError)
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
@@ -24,8 +25,9 @@ from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.pages import PageBook, Prefix
-from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, first_logprobs,
-                              recompute_sampling, take_prompt_logprobs, token_part)
+from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, final_meta,
+                              first_logprobs, recompute_sampling, take_prompt_logprobs,
+                              token_part)
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -185,6 +187,9 @@ class DecodeScheduler:
         self.jobs[msg.room], self.by_rid[msg.rid] = job, job
         log.info("rid=%r room=%d epoch=%d generate via prefill %s", msg.rid, msg.room, msg.epoch,
                  msg.prefill)
+        if error is None and params.scores_only:
+            error = StatusError(BAD_REQUEST, "max_new_tokens 0 is scored by a prefill alone: "
+                                             "no decode takes part in it")
         if error is not None:
             self.finish(job, error.status, str(error), tell_prefill=True)
         elif self.core.dropping:
@@ -311,10 +316,7 @@ class DecodeScheduler:
         start, job.sent = job.sent, len(req.output)
         meta = {}
         if req.finished:
-            final = response(req, self.core.model.tokenizer)
-            # the prompt's logprobs (input_*) ride in the final meta: they are sent once
-            meta = final["meta"] | {"text": final["text"], "cached_tokens": job.cached_tokens or 0} \
-                | {k: v for k, v in final.items() if k.startswith("input_")}
+            meta = final_meta(req, self.core.model.tokenizer, job.cached_tokens or 0)
             log.info("rid=%r room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
         self.core.queue_token(job.client, token_part(req, start, meta))

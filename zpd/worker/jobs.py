@@ -47,6 +47,8 @@ class PrefillJob:
     notice: tuple[int, str] | None = None    # kv_failed to send once the write is over
     marks: dict = field(default_factory=dict)   # monotonic times: queued, forward, computed
     early_to: bytes | None = None        # a streaming client's router: send it the first token
+    answer_to: bytes | None = None       # a scoring request's router (max_new_tokens 0, no
+                                         # decode): the prefill sends it the final answer
     prefix_keys: Prefix | None = None    # its prompt's prefix-cache keys (PageBook.prefix)
     skip: int = 0                        # leading pages that came from the prefix cache
 

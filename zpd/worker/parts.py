@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from engines.prompt_logprobs import PromptLogprobs
-from engines.request import Request
+from engines.formats.tokenizer import Tokenizer
+from engines.request import Request, response
 from zpd.wire.protocol import KvDone, TokenPart
 
 
@@ -19,6 +20,14 @@ def token_part(req: Request, start: int, meta: dict | None = None) -> TokenPart:
                      dict(meta or {}),
                      req.output_logprobs[start:] if p.wants_logprobs else None,
                      req.output_top_logprobs[start:] if p.top_logprobs_num else None)
+
+
+def final_meta(req: Request, tokenizer: Tokenizer | None, cached_tokens: int) -> dict:
+    """A finished request's meta for its last TokenPart: counts, text, timings, and the
+    prompt's logprobs (input_*), which ride there because they are sent once."""
+    final = response(req, tokenizer)
+    return final["meta"] | {"text": final["text"], "cached_tokens": cached_tokens} \
+        | {k: v for k, v in final.items() if k.startswith("input_")}
 
 
 def first_logprob_fields(req: Request) -> dict:

@@ -8,6 +8,10 @@ hellos and kv_dests, with the checks of zpd/worker/peers.py; zpd/worker/writes.p
 writes the KV, and zpd/worker/pages.py keeps the pages).
 Whenever a job ends, the decode is told (`kv_failed`/`kv_done`) only once no write of
 ours can still land in its pages: that message is what lets it reuse them.
+
+A scoring request (max_new_tokens 0) has no decode: the router names none, the prompt
+is computed here with the logprobs it asks for, and its final answer goes straight
+back to the router (`answer_to`); nothing is written anywhere.
 """
 from __future__ import annotations
 
@@ -22,16 +26,17 @@ from engines.sampler import SamplingParams
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
+from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvFailed, Recompute, TokenPart,
+                               Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
-from zpd.worker.parts import token_part
+from zpd.worker.parts import final_meta, token_part
 from zpd.worker.peers import DecodePeers
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
-from zpd.worker.writes import KvWrites
+from zpd.worker.writes import KvWrites, prefill_timings
 
 log = logging.getLogger("zpd.worker.prefill")
 
@@ -160,6 +165,9 @@ class PrefillScheduler:
 
     def after_compute(self, batch: list[PrefillJob]) -> None:
         for job in batch:
+            if job.answer_to is not None:
+                self._answer_scored(job)
+                continue
             self._send_first_token(job)
             if job.dest is not None:
                 self.writes.start(job)
@@ -172,7 +180,7 @@ class PrefillScheduler:
         log.error("prefill of rooms %s failed", [j.room for j in batch], exc_info=error)
         reason = step_failure("prefill step", error)
         for job in batch:
-            if job.decode is not None:
+            if job.decode is not None or job.answer_to is not None:
                 self.end(job, INTERNAL, reason)
                 continue
             # Its decode is not known until its kv_dest comes: refused, as at admission.
@@ -190,6 +198,18 @@ class PrefillScheduler:
             return
         self.core.send(job.early_to, Tokens.pack([token_part(req, 0)], first=True))
 
+    def _answer_scored(self, job: PrefillJob) -> None:
+        """A scoring request is done once computed: its answer (prompt logprobs, no
+        output token) to its router, and its pages back (the prefix cache keeps them)."""
+        req = job.req
+        req.timings = prefill_timings(job.marks)
+        cached = job.skip * self.page_size
+        self.core.queue_token(job.answer_to, token_part(
+            req, 0, final_meta(req, self.core.model.tokenizer, cached)))
+        log.info("rid=%r room=%d scored: %d prompt tokens (%d cached) under weights %r",
+                 req.rid, job.room, len(req.prompt), cached, req.scored_version)
+        self.end(job, None, "scored")
+
     # --- requests ------------------------------------------------------------------
 
     def on_generate(self, identity: bytes, msg: Generate) -> None:
@@ -200,14 +220,19 @@ class PrefillScheduler:
 
     def _admit_generate(self, identity: bytes, msg: Generate, prompt: list[int], params, error,
                         paused_meanwhile: bool) -> None:
-        if paused_meanwhile:     # as if it arrived during that pause: the decode recomputes it
+        scoring = not msg.decode        # max_new_tokens 0: no decode, we answer the router
+        if paused_meanwhile and not scoring:  # as if it arrived in that pause: the decode recomputes it
             log.info("rid=%r room=%d epoch=%d tokenized across a pause; dropped", msg.rid,
                      msg.room, msg.epoch)
             self.tombstones.add(msg.room, msg.epoch)
             return
         failure = None if error is None else (error.status, str(error))
-        job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure)
-        if job is not None:
+        if failure is None and scoring != params.scores_only:
+            failure = (BAD_REQUEST, "a generate names no decode exactly when its max_new_tokens "
+                                    "is 0 (a prompt scored by a prefill alone)")
+        job = self.admit(msg.rid, msg.room, msg.epoch, prompt, params, failure,
+                         answer_to=identity if scoring else None)
+        if job is not None:     # (a scoring job pairs with no decode: every kv_dest is refused)
             job.early_to = identity if msg.stream else None
             self.dests.pair(job, msg.decode)
 
@@ -234,13 +259,15 @@ class PrefillScheduler:
             self.dests.pair(job, self.peers.endpoint(identity), identity)
 
     def admit(self, rid: str, room: int, epoch: int, prompt: list[int], params: SamplingParams,
-              failure: tuple[int, str] | None, decode: bytes | None = None) -> PrefillJob | None:
+              failure: tuple[int, str] | None, decode: bytes | None = None,
+              answer_to: bytes | None = None) -> PrefillJob | None:
         """Queue the request (or keep its refusal for its decode); the job, or None if
-        it was dropped."""
+        it was dropped. A scoring request (`answer_to`, its router) is queued even in a
+        pause that drops requests: no decode holds it, so it waits here for continue."""
         if (room, epoch) in self.tombstones:
             log.info("rid=%r room=%d epoch=%d already ended here; not computing", rid, room, epoch)
             return None
-        if self.core.dropping:
+        if self.core.dropping and answer_to is None:
             # decode holds the request and will send a recompute after continue
             log.info("rid=%r room=%d epoch=%d arrived while paused; dropped", rid, room, epoch)
             self.tombstones.add(room, epoch)
@@ -251,11 +278,11 @@ class PrefillScheduler:
             return None
         job.req, job.failure = Request(rid, prompt, params), failure
         job.marks["queued"] = time.monotonic()
-        job.decode = job.decode or decode
+        job.decode, job.answer_to = job.decode or decode, answer_to
         log.info("rid=%r room=%d epoch=%d queued (%d prompt tokens)", rid, room, epoch, len(prompt))
         if failure is None:
             self.move(job, JobPhase.QUEUED)
-        elif job.decode is not None:
+        elif job.decode is not None or answer_to is not None:
             self.end(job, *failure)
         else:
             self.move(job, JobPhase.REJECTED)
@@ -300,8 +327,13 @@ class PrefillScheduler:
             self.finish_ended(job)
 
     def finish_ended(self, job: PrefillJob) -> None:
-        """The ended job's write is over (or there was none): tell its decode, free."""
-        if job.notice is not None and job.decode is not None:
+        """The ended job's write is over (or there was none): tell its decode (or a
+        scoring request's router), free."""
+        if job.notice is not None and job.answer_to is not None:
+            self.core.queue_token(job.answer_to, TokenPart.abort(job.req.rid, *job.notice, {
+                "prompt_tokens": len(job.req.prompt), "completion_tokens": 0,
+                "retractions": 0, "cached_tokens": 0}))
+        elif job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req in self.pages:
             self.pages.release(job.req)
@@ -317,7 +349,11 @@ class PrefillScheduler:
                 job.deadline.suspend()           # a held job waits as long as the pause
         if mode.drops:
             # Everything in flight is dropped: decode holds (retract) or ends (abort) it.
+            # A scoring request is only ever queued here (it ends in the step that
+            # computes it): retract keeps it, to be scored under the weights of continue.
             for job in list(self.jobs.values()):
+                if job.answer_to is not None and mode is PauseMode.RETRACT:
+                    continue
                 self.tombstones.add(job.room, job.epoch)
                 self.end(job, ABORTED, f"pause({mode})")
 
@@ -334,7 +370,10 @@ class PrefillScheduler:
         pass                                     # decodes learn our address at their next hello
 
     def on_peer_silent(self, identity: bytes) -> None:
-        pass                                     # a job ends by its deadline or its decode
+        """A job ends by its deadline or its decode; a scoring one whose router is gone
+        has no one to answer."""
+        for job in [j for j in self.jobs.values() if j.answer_to == identity]:
+            self.end(job, None, "its router is silent")
 
     def on_weights_changed(self) -> None:
         self.pages.weights_changed()

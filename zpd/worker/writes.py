@@ -28,13 +28,20 @@ log = logging.getLogger("zpd.worker.prefill")       # its lines are the prefill 
 WRITE_SETTLE_S = 0.02     # writes' wait before a forward (loopback TCP: ~1 ms, ~10 ms for 12 MB)
 
 
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def prefill_timings(marks: dict) -> dict:
+    """Milliseconds a job waited for its forward and spent in it (Request.timings)."""
+    return {"prefill_queue": _ms(marks["forward"] - marks["queued"]),
+            "prefill_forward": _ms(marks["computed"] - marks["forward"])}
+
+
 def _timings(marks: dict, transfer_s: float) -> dict:
-    """Milliseconds spent in each step of a job (Request.timings names them)."""
-    ms = lambda s: round(s * 1e3, 3)                       # noqa: E731
-    return {"prefill_queue": ms(marks["forward"] - marks["queued"]),
-            "prefill_forward": ms(marks["computed"] - marks["forward"]),
-            "kv_dest_wait": ms(max(0.0, marks["write"] - marks["computed"])),
-            "kv_transfer": ms(transfer_s)}
+    """Milliseconds spent in each step of a written job (Request.timings names them)."""
+    return prefill_timings(marks) | {"kv_dest_wait": _ms(max(0.0, marks["write"] - marks["computed"])),
+                                     "kv_transfer": _ms(transfer_s)}
 
 
 class KvWrites:
