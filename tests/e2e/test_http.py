@@ -161,6 +161,33 @@ def test_slime_and_areal_payloads(cluster):
         assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in lps)
 
 
+def test_scoring_as_slime_distillation_sends_it(cluster, reference):
+    """max_new_tokens 0 with prompt logprobs, whole and streamed: the prefill's answer,
+    zpd run's numbers; the decode hears nothing of it."""
+    prompt = [5, 17, 99, 3, 42, 7, 8, 200, 13, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    ref = OfflineEngine(reference).run([Request("ref", prompt, SamplingParams(
+        max_new_tokens=0, return_logprob=True, logprob_start_len=0))])[0]["input_token_logprobs"]
+    client = cluster.client()
+    decode_before = [w["counters"] for w in client.admin("status")["workers"] if w["role"] == "decode"]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 0}
+    status, whole = http(cluster, "POST", "/generate", body)
+    assert status == 200, whole
+    status, events = http(cluster, "POST", "/generate", body | {"stream": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    for got in (whole, events[-2]):
+        meta = got["meta_info"]
+        assert got["output_ids"] == [] and got["text"] == "" and meta["completion_tokens"] == 0
+        assert meta["finish_reason"] == {"type": "length", "length": 0}
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt
+        assert meta["input_token_logprobs"][0][0] is None
+        assert [v for v, _, _ in meta["input_token_logprobs"][1:]] == \
+            pytest.approx([v for v, _ in ref[1:]], abs=1e-4)
+    status_after = client.admin("status")["workers"]
+    assert [w["counters"] for w in status_after if w["role"] == "decode"] == decode_before
+    client.close()
+
+
 def test_openai_logprobs(oai):
     got = oai.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4, temperature=0,
                                  logprobs=2, extra_body={"ignore_eos": True})

@@ -239,3 +239,11 @@ def test_zpd_run_scores_too(cluster, sampling):
     assert got["output_ids"] == [] and got["meta"]["completion_tokens"] == 0
     assert got["finish_reason"] == {"type": "length"}
     assert ("input_token_logprobs" in got) == ("logprob_start_len" in sampling)
+
+
+def test_zpd_run_prints_a_scored_prompt(capsys):
+    from zpd.ops.cli import main
+    assert main(["run", "--model", "tiny", "--input-ids", "1,2,3,4", "--max-new-tokens", "0",
+                 "--return-logprob", "--logprob-start-len", "0"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[run-0 scored: 3 prompt tokens, logprob sum -") and "--json" in line

@@ -67,6 +67,10 @@ def _print_response(out: dict, as_json: bool) -> None:
     elif out["finish_reason"].get("type") == "abort":
         print(f"[{out['rid']} failed: {out['finish_reason']['status_code']} "
               f"{out['finish_reason']['message']}]")
+    elif not out["output_ids"] and "input_token_logprobs" in out:     # a scored prompt
+        scored = [v for v, _ in out["input_token_logprobs"] if v is not None]
+        print(f"[{out['rid']} scored: {len(scored)} prompt tokens, logprob sum "
+              f"{sum(scored):.4f}; --json gives each]")
     else:
         print(out["text"] if out["text"] is not None else " ".join(map(str, out["output_ids"])))
 

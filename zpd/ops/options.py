@@ -15,7 +15,8 @@ from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, defa
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
-                            f"(default {default_of(SamplingParams, 'max_new_tokens')})"),
+                            f"(default {default_of(SamplingParams, 'max_new_tokens')}; 0: score "
+                            "the prompt only, its logprobs with --logprob-start-len)"),
     "temperature": (float, f"0 = greedy; default {default_of(SamplingParams, 'temperature')}"),
     "top_p": (float, "nucleus sampling mass in (0, 1]"),
     "top_k": (int, "sample among the k best tokens (-1: all)"),
