@@ -52,6 +52,6 @@ class Compute:
         got = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output) for r in reqs], [r.prompt for r in reqs],
                                   [r.output for r in reqs])
-        for r, t, lp, top in zip(reqs, got.tokens, got.logprobs, got.top):
-            r.emit(t, self.model.version, lp, top)
+        for r, t, lp, top, ids in zip(reqs, got.tokens, got.logprobs, got.top, got.ids):
+            r.emit(t, self.model.version, lp, top, ids)
             r.finish = self.stop(r)

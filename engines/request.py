@@ -36,6 +36,7 @@ class Request:
     # top_logprobs_num > 0 for the second), else empty: see engines.sampler.token_logprobs.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_ids_logprobs: list[list[float]] = field(default_factory=list)   # params.output_ids_logprob's
     # The prompt's, from the prefill of its first epoch (a recompute never replaces them)
     # when params.prompt_logprobs_from asks.
     prompt_logprobs: PromptLogprobs | None = None
@@ -83,9 +84,10 @@ class Request:
         return None if ask is None else max(ask.start, 1) - 1
 
     def emit(self, token: int, version: str, logprob: float | None = None,
-             top: list[tuple[int, float]] | None = None) -> None:
-        """Append an output token; its `logprob` and `top` alternatives are kept when the
-        request asks for them (NaN and none where a caller has nothing to give)."""
+             top: list[tuple[int, float]] | None = None, ids: list[float] | None = None) -> None:
+        """Append an output token; its `logprob`, `top` alternatives and asked `ids`'
+        logprobs are kept when the request asks for them (NaN and none where a caller
+        has nothing to give)."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.output.append(token)
@@ -94,6 +96,8 @@ class Request:
             self.output_logprobs.append(float("nan") if logprob is None else logprob)
         if self.params.top_logprobs_num:
             self.output_top_logprobs.append(list(top or []))
+        if self.params.output_ids_logprob:
+            self.output_ids_logprobs.append(list(ids or []))
 
     def abort(self, status: int, message: str) -> None:
         if self.finish is None:
@@ -193,6 +197,10 @@ def logprob_fields(req: Request) -> dict:
         out["output_token_logprobs"] = as_float32(req.output_logprobs)
     if req.params.top_logprobs_num:
         out["output_top_logprobs"] = [top_pairs(top) for top in req.output_top_logprobs]
+    asked = req.params.output_ids_logprob
+    if asked:          # per position [[token id, logprob], ...], as input_token_ids_logprobs
+        out["output_token_ids_logprobs"] = [[list(pair) for pair in zip(asked, as_float32(row))]
+                                            for row in req.output_ids_logprobs]
     return out
 
 

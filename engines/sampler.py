@@ -57,17 +57,20 @@ def filter_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 @dataclass
 class Sampled:
     """One sampling step: a token per row and, for the rows whose request asked, its
-    logprob and top alternatives (None for the others)."""
+    logprob, top alternatives and token_ids_logprob ids' logprobs (None for the others)."""
     tokens: list[int]
     logprobs: list[float | None]
     top: list[list[tuple[int, float]] | None]
+    ids: list[list[float] | None]
 
 
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
-                   ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    """For each row whose request asks, the logprob of its sampled token and (with
-    top_logprobs_num N) the N most likely tokens as (token id, logprob), highest first;
-    None for the other rows, which cost nothing.
+                   ) -> tuple[list[float | None], list[list[tuple[int, float]] | None],
+                              list[list[float] | None]]:
+    """For each row whose request asks, the logprob of its sampled token, (with
+    top_logprobs_num N) the N most likely tokens as (token id, logprob), highest first,
+    and (with token_ids_logprob) the logprobs of those ids, in the order asked; None
+    for the other rows, which cost nothing.
 
     `logits` are the rows after penalties, in float32 at least. The distribution is
     log_softmax(logits / temperature) over the whole vocabulary (temperature 1 for a
@@ -79,22 +82,26 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
     rows = [i for i, p in enumerate(params) if p.wants_logprobs]
     logprobs: list[float | None] = [None] * len(params)
     top: list[list[tuple[int, float]] | None] = [None] * len(params)
+    ids: list[list[float] | None] = [None] * len(params)
     if not rows:
-        return logprobs, top
+        return logprobs, top, ids
     dev = logits.device
     temps = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in rows],
                          dtype=logits.dtype, device=dev)
     logp = torch.log_softmax(logits[rows] / temps[:, None], dim=-1)
     picked = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=dev))[:, 0].tolist()
     k = min(max(params[i].top_logprobs_num for i in rows), logp.shape[1])
-    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0])
-    values, ids = values.tolist(), ids.tolist()
+    values, best = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0])
+    values, best = values.tolist(), best.tolist()
     for j, i in enumerate(rows):
         logprobs[i] = picked[j]
         n = params[i].top_logprobs_num
         if n:
-            top[i] = list(zip(ids[j][:n], values[j][:n]))
-    return logprobs, top
+            top[i] = list(zip(best[j][:n], values[j][:n]))
+        asked = params[i].output_ids_logprob
+        if asked:
+            ids[i] = logp[j, torch.tensor(asked, device=dev)].tolist()
+    return logprobs, top, ids
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class SamplingParams:
     # With logprobs: also the prompt's, from this position on (SGLang's; -1: none). The
     # worker refuses a start at or past the prompt's end (engines.request.validate).
     logprob_start_len: int = -1
-    token_ids_logprob: tuple[int, ...] = ()   # and these ids' logprobs at each prompt position
+    token_ids_logprob: tuple[int, ...] = ()   # and these ids' logprobs at each prompt and output position
 
     def __post_init__(self) -> None:
         for name, ok, bound in self._checks():
@@ -128,6 +128,11 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.return_logprob or self.top_logprobs_num > 0
+
+    @property
+    def output_ids_logprob(self) -> tuple[int, ...]:
+        """The ids whose logprobs each output position reports (none without logprobs)."""
+        return self.token_ids_logprob if self.wants_logprobs else ()
 
     @property
     def prompt_logprobs_from(self) -> int | None:

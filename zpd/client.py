@@ -6,7 +6,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import zmq
 
@@ -43,7 +43,7 @@ class Client:
         self._closer.atexit = False   # at exit a daemon thread may still be reading
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
-        self._asked: dict[str, tuple[bool, bool]] = {}   # rid -> (logprobs, top logprobs) asked
+        self._asked: dict[str, Asked] = {}          # rid -> the logprobs it asked for
 
     def close(self) -> None:
         """Close the connection, dropping unsent messages; a second call does nothing.
@@ -100,7 +100,9 @@ class Client:
         last chunk also has finish_reason, meta and text. A request that asked for
         logprobs (`return_logprob`) has "logprobs" in every chunk, one per token id, and
         one that asked for `top_logprobs_num` N also "top_logprobs", per token its N most
-        likely [token_id, logprob] pairs, highest first; with `logprob_start_len` the
+        likely [token_id, logprob] pairs, highest first, and one that asked for
+        `token_ids_logprob` also "token_ids_logprobs", per token those ids' [token_id,
+        logprob] pairs in the order asked; with `logprob_start_len` the
         last chunk's meta has the prompt's (input_*) too (docs/serving.md, "Logprobs"). Closing
         the iterator early aborts the request (499)."""
         rid = self._submit(input_ids, prompt, sampling_params, rid, True, messages)
@@ -118,8 +120,8 @@ class Client:
 
     def _chunk(self, msg: TokenPart) -> dict:
         """One part as a chunk; a finished request is forgotten here."""
-        asked = self._asked.pop(msg.rid, (False, False)) if msg.finished else \
-            self._asked.get(msg.rid, (False, False))
+        asked = self._asked.pop(msg.rid, NOTHING) if msg.finished else \
+            self._asked.get(msg.rid, NOTHING)
         return chunk_of(msg, asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
@@ -131,7 +133,7 @@ class Client:
         msg = generate_message(input_ids, prompt, sampling_params, rid or uuid.uuid4().hex,
                                stream, messages)
         asked = asks_logprobs(msg.sampling)
-        if any(asked):
+        if asked != NOTHING:
             self._asked[msg.rid] = asked
         self._dealer.send(msg)
         self._unacked[msg.rid] = time.monotonic() + self.connect_timeout
@@ -210,11 +212,26 @@ def _shut(dealer: Dealer, ctx: zmq.Context) -> None:
     ctx.destroy(linger=0)
 
 
-def asks_logprobs(sampling: dict) -> tuple[bool, bool]:
-    """(logprobs, top logprobs) as the sampling parameters ask for them."""
+class Asked(NamedTuple):
+    """The output logprobs a request asked for: each token's, its top alternatives, and
+    those of the token_ids_logprob ids (which the answer pairs with its values)."""
+    logprobs: bool = False
+    top: bool = False
+    ids: tuple[int, ...] = ()
+
+
+NOTHING = Asked()
+
+
+def asks_logprobs(sampling: dict) -> Asked:
+    """The output logprobs as the sampling parameters ask for them (the workers refuse
+    malformed ones; these are then never read)."""
     top = sampling.get("top_logprobs_num")
     top = type(top) is int and top > 0
-    return sampling.get("return_logprob") is True or top, top
+    wants = sampling.get("return_logprob") is True or top
+    ids = sampling.get("token_ids_logprob")
+    ids = (ids,) if type(ids) is int else tuple(ids) if isinstance(ids, (list, tuple)) else ()
+    return Asked(wants, top, ids if wants and all(type(t) is int for t in ids) else ())
 
 
 def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_params: dict | None,
@@ -229,18 +246,20 @@ def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_p
                     text=prompt or "", chat=chat, user=user)
 
 
-def chunk_of(part: TokenPart, asked: tuple[bool, bool] = (False, False)) -> dict:
+def chunk_of(part: TokenPart, asked: Asked = NOTHING) -> dict:
     """One request's share of a Tokens message as a chunk (see `Client.stream`).
-    `asked`: (logprobs, top logprobs) the request asked for, so that an abort the
-    router made itself, which carries none, still has the keys."""
+    `asked`: what the request asked for, so that an abort the router made itself,
+    which carries none, still has the keys, and the ids pair with their logprobs."""
     chunk = {"rid": part.rid, "token_ids": list(part.token_ids),
              "weight_versions": list(part.weight_versions), "finished": part.finished}
-    logprobs, top = asked
-    if logprobs or part.logprobs is not None:
+    if asked.logprobs or part.logprobs is not None:
         chunk["logprobs"] = list(part.logprobs or [])
-    if top or part.top_logprobs is not None:
+    if asked.top or part.top_logprobs is not None:
         chunk["top_logprobs"] = [[list(pair) for pair in alternatives]
                                  for alternatives in part.top_logprobs or []]
+    if asked.ids:
+        chunk["token_ids_logprobs"] = [[[t, v] for t, v in zip(asked.ids, row)]
+                                       for row in part.ids_logprobs or []]
     return chunk | (_final_fields(part) if part.finished else {})
 
 
@@ -260,7 +279,8 @@ def assemble(chunks: list[dict]) -> dict:
     # the prompt's logprobs ride in the final meta; the response has them beside the
     # output's, as `zpd run`'s (engines.request.response)
     out |= {k: v for k, v in last["meta"].items() if k.startswith("input_")}
-    for key, field in (("output_token_logprobs", "logprobs"), ("output_top_logprobs", "top_logprobs")):
+    for key, field in (("output_token_logprobs", "logprobs"), ("output_top_logprobs", "top_logprobs"),
+                       ("output_token_ids_logprobs", "token_ids_logprobs")):
         if any(field in c for c in chunks):
             out[key] = [v for c in chunks for v in c.get(field, [])]
     return out

@@ -49,6 +49,7 @@ class Answer:
     meta: dict = field(default_factory=dict)
     logprobs: list[float] | None = None            # None: no part carried any
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    ids_logprobs: list[list[float]] | None = None   # token_ids_logprob's, per token
 
     @property
     def status(self) -> int | None:
@@ -140,6 +141,8 @@ class InprocCluster:
                     got.logprobs = (got.logprobs or []) + part.logprobs
                 if part.top_logprobs is not None:
                     got.top_logprobs = (got.top_logprobs or []) + part.top_logprobs
+                if part.ids_logprobs is not None:
+                    got.ids_logprobs = (got.ids_logprobs or []) + part.ids_logprobs
                 if part.finished:
                     got.finish, got.meta = part.finish, part.meta
 

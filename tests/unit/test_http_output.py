@@ -240,7 +240,7 @@ def test_native_bodies_as_slime_and_areal_send_them():
     ({"text": ["a", "b"], "top_logprobs_num": [1, 21]}, "top_logprobs_num[1]"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": 1}, "less than the prompt's length"),
     ({"input_ids": [1], "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
-    ({"input_ids": [1], "return_logprob": True, "token_ids_logprob": [1]}, "token_ids_logprob"),
+    ({"input_ids": [1], "return_logprob": True, "token_ids_logprob": [1.0]}, "token_ids_logprob[0]"),
     ({"input_ids": [1], "stream": "yes"}, "stream"),
     ({"input_ids": [1], "top_logprobs_num": 99}, "top_logprobs_num"),
     ({"input_ids": [1], "image_data": "x.png"}, "image_data"),

@@ -114,9 +114,9 @@ def test_requests_not_asking_cost_nothing(tiny64, monkeypatch):
     monkeypatch.setattr(torch, "log_softmax", lambda x, dim: rows.append(x.shape[0]) or real(x, dim=dim))
     logits = torch.randn(3, 50, dtype=torch.float64)
     plain, asking = SamplingParams(), SamplingParams(top_logprobs_num=2)
-    assert token_logprobs(logits, [plain] * 3, [0, 1, 2]) == ([None] * 3, [None] * 3)
+    assert token_logprobs(logits, [plain] * 3, [0, 1, 2]) == ([None] * 3, [None] * 3, [None] * 3)
     assert rows == []
-    lps, tops = token_logprobs(logits, [plain, asking, plain], [0, 1, 2])
+    lps, tops, _ = token_logprobs(logits, [plain, asking, plain], [0, 1, 2])
     assert rows == [1] and lps[0] is None and lps[1] is not None and tops[2] is None
     req = offline(tiny64, SamplingParams(temperature=0, max_new_tokens=3))
     assert req.output_logprobs == [] and req.output_top_logprobs == []

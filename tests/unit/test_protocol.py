@@ -37,7 +37,8 @@ SAMPLES: list[p.Message] = [
              ends={"r2": {"finish": {"type": "abort", "status_code": 499}, "meta": {}}}),
     p.Tokens(rids=["r1", "r2", "r3"], counts=[2, 1, 1], token_ids=[4, 5, 6, 7],
              weight_versions=["v1"] * 4, logprob_mode=[2, 0, 1], logprobs=[-0.5, -1.0, -2.0],
-             top_counts=[1, 2], top_ids=[4, 5, 9], top_logprobs=[-0.5, -1.0, -3.0]),
+             top_counts=[1, 2], top_ids=[4, 5, 9], top_logprobs=[-0.5, -1.0, -3.0],
+             ids_counts=[1, 0, 2], ids_logprobs=[-3.5, -4.0, -6.0, -7.0]),
     p.Accepted(rid="r1"),
     p.Abort(rid="r1"),
     p.Admin(command="pause", args={"mode": "retract"}, req_id="q1"),
@@ -275,8 +276,9 @@ def test_more_frames_than_any_message_has_is_protocol_error() -> None:
 
 
 def test_max_frames_is_header_plus_the_most_blobs_of_any_type() -> None:
-    # tokens: header, counts, token_ids, logprob_mode, logprobs, top_counts, top_ids, top_logprobs
-    assert p.MAX_FRAMES == 8
+    # tokens: header, counts, token_ids, logprob_mode, logprobs, top_counts, top_ids, top_logprobs,
+    # ids_counts, ids_logprobs
+    assert p.MAX_FRAMES == 10
     longest = max((encode(m) for m in SAMPLES), key=len)
     assert len(longest) == p.MAX_FRAMES
 

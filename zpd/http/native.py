@@ -27,7 +27,7 @@ from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
-                              check_prompts, checked_sampling, integer, item_rids,
+                              check_prompts, checked_sampling, id_list, integer, item_rids,
                               logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
 from zpd.http.streams import EventStream, Stalled, follow, run_all
@@ -73,10 +73,11 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     tops = _per_item(body, "top_logprobs_num", len(prompts), listed,
                      integer(0, MAX_TOP_LOGPROBS), 0)
     starts = _prompt_logprob_starts(body, prompts, wants, listed)
+    ids = _per_item(body, "token_ids_logprob", len(prompts), listed and _nested(body), id_list, [])
     rids = item_rids(body.get("rid"), len(prompts), n, batch)
     stream = take(body, "stream", boolean, False)
     copies = [seeded_copies(checked_sampling(
-        sp.engine | logprob_sampling(wants[p], tops[p], starts[p])), n)
+        sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p])), n)
               for p, sp in enumerate(samplings)]
     items = []
     for j in range(n):
@@ -121,6 +122,12 @@ def _prompt_logprob_starts(body: dict, prompts: list[dict], wants: list[bool],
             raise BadRequest(f"'logprob_start_len' {start} must be less than the prompt's "
                              f"length ({len(ids)} tokens)" + (f" (prompt {i})" if len(prompts) > 1 else ""))
     return starts
+
+
+def _nested(body: dict) -> bool:
+    """token_ids_logprob is a list per prompt (a list of lists), not one for all."""
+    value = body.get("token_ids_logprob")
+    return type(value) is list and bool(value) and all(type(v) is list for v in value)
 
 
 def _prompts(body: dict) -> tuple[list[dict], bool]:
@@ -206,6 +213,8 @@ def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool,
         meta["output_token_logprobs"] = triples.tokens
         if out.req.top_logprobs:
             meta["output_top_logprobs"] = triples.tops
+        if out.req.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = triples.ids
         meta |= prompt_triples(out, text_in_logprobs)
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
@@ -229,7 +238,8 @@ def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
 
 class Triples:
     """An Output's logprobs from token `start` on as SGLang's [logprob, token_id, text]
-    triples (text null unless return_text_in_logprobs). Each is formatted once: a
+    triples (text null unless return_text_in_logprobs): each token's, its top
+    alternatives', its token_ids_logprob ids'. Each is formatted once: a
     cumulative event extends the lists of the one before (formatting them all again
     for every event cost 30x what serializing them does)."""
 
@@ -237,6 +247,7 @@ class Triples:
         self.start = start
         self.tokens: list[list] = []
         self.tops: list[list[list]] = []
+        self.ids: list[list[list]] = []
 
     def extend(self, out: Output, stop: int, text_in_logprobs: bool) -> None:
         def named(token_id: int) -> str | None:
@@ -244,8 +255,9 @@ class Triples:
         for i in range(self.start + len(self.tokens), min(stop, len(out.logprobs))):
             t = out.token_ids[i]
             self.tokens.append([out.logprobs[i], t, named(t)])
-        for i in range(self.start + len(self.tops), min(stop, len(out.top_logprobs))):
-            self.tops.append([[lp, t, named(t)] for t, lp in out.top_logprobs[i]])
+        for rows, got in ((self.tops, out.top_logprobs), (self.ids, out.ids_logprobs)):
+            for i in range(self.start + len(rows), min(stop, len(got))):
+                rows.append([[lp, t, named(t)] for t, lp in got[i]])
 
 
 @routes.post("/generate")

@@ -57,6 +57,7 @@ class Output:
         self.weight_versions: list[str] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.ids_logprobs: list[list[tuple[int, float]]] = []    # token_ids_logprob's
         self.finish: dict | None = None
         self.meta: dict = {}
         self.detok = Detokenizer(tokenizer, req.skip_special)
@@ -76,8 +77,8 @@ class Output:
         self.token_ids += ids
         self.weight_versions += chunk["weight_versions"]
         self.logprobs += chunk.get("logprobs") or []
-        self.top_logprobs += [[(int(t), float(lp)) for t, lp in top]
-                              for top in chunk.get("top_logprobs") or []]
+        for mine, key in ((self.top_logprobs, "top_logprobs"), (self.ids_logprobs, "token_ids_logprobs")):
+            mine += [[(int(t), float(lp)) for t, lp in row] for row in chunk.get(key) or []]
         self.detok.add(ids)
         if chunk["finished"]:
             self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}

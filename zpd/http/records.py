@@ -59,6 +59,10 @@ class GenRequest:
         return int(self.sampling.get("top_logprobs_num") or 0)
 
     @property
+    def token_ids_logprob(self) -> tuple[int, ...]:
+        return tuple(self.sampling.get("token_ids_logprob") or ())
+
+    @property
     def stop(self) -> tuple[str, ...]:
         stop = self.sampling.get("stop") or ()
         return (stop,) if isinstance(stop, str) else tuple(stop)
@@ -167,12 +171,13 @@ def checked_sampling(sampling: dict) -> dict:
 
 def logprob_sampling(want: bool, top: int, start: int = -1, ids: list[int] = ()) -> dict:
     """What asks the workers for logprobs (nothing when not wanted): the prompt's too
-    from `start` (SGLang's logprob_start_len) when it is not -1, with `ids`' logprobs."""
+    from `start` (SGLang's logprob_start_len) when it is not -1, and `ids`' logprobs
+    at every output position (and prompt position asked)."""
     if not want:
         return {}
     prompt = {"logprob_start_len": start} if start >= 0 else {}
     return {"return_logprob": True, "top_logprobs_num": top} | prompt | \
-        ({"token_ids_logprob": list(ids)} if ids and start >= 0 else {})
+        ({"token_ids_logprob": list(ids)} if ids else {})
 
 
 def check_count(prompts: int, n: int = 1, cap: int = MAX_REQUESTS) -> None:

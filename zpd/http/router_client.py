@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from zpd.client import asks_logprobs, chunk_of, generate_message
+from zpd.client import Asked, asks_logprobs, chunk_of, generate_message
 from zpd.http.records import GenRequest
 from zpd.wire.net import Curve, SocketOptions, configure_socket, parse_endpoint
 from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Message,
@@ -105,7 +105,7 @@ class RouterClient:
         self.connect_timeout, self.router_silence = connect_timeout, router_silence
         self.admin_timeout = admin_timeout
         self._sinks: dict[str, Sink] = {}               # rid -> where its chunks go
-        self._asked: dict[str, tuple[bool, bool]] = {}  # rid -> (logprobs, top) it asked for
+        self._asked: dict[str, Asked] = {}  # rid -> the logprobs it asked for
         self._unacked: set[str] = set()
         self._replies: dict[str, asyncio.Future] = {}   # admin req_id -> its reply
         self._heard = 0.0                               # when the router last spoke

@@ -85,6 +85,7 @@ GENERATE: dict[str, Rule] = {
     "text": IMPL, "input_ids": IMPL, "sampling_params": IMPL, "rid": IMPL, "stream": IMPL,
     "return_logprob": IMPL, "top_logprobs_num": IMPL, "return_text_in_logprobs": IMPL,
     "logprob_start_len": IMPL,       # prompt logprobs, with return_logprob
+    "token_ids_logprob": IMPL,       # at output positions, and prompt ones with logprob_start_len
     "session_id": IGN, "log_metrics": IGN, "routed_experts_start_len": IGN,
     "routed_dp_rank": IGN, "data_parallel_rank": IGN, "disagg_prefill_dp_rank": IGN,
     "kv_router_hint": IGN, "routing_key": IGN, "conversation_id": IGN,
@@ -97,9 +98,7 @@ GENERATE: dict[str, Rule] = {
     "mm_hashes": MULTIMODAL, "mm_content_hashes": MULTIMODAL, "use_audio_in_video": MULTIMODAL,
     "video_config": MULTIMODAL, "modalities": MULTIMODAL, "need_wait_for_mm_inputs": MULTIMODAL,
     "num_items_assigned": MULTIMODAL, "encoder_urls": MULTIMODAL,
-    # SGLang answers it for output tokens too, which zpd does not yet (its engine and
-    # `zpd run` take it for prompt positions only): refused until both are served
-    "token_ids_logprob": NOT_RETURNED, "return_sampling_mask": NOT_RETURNED,
+    "return_sampling_mask": NOT_RETURNED,
     "return_flat_raw_top_logprobs": NOT_RETURNED, "return_flat_raw_top_logprobs_b64": NOT_RETURNED,
     "return_hidden_states": HIDDEN, "return_routed_experts": NOT_RETURNED,
     "return_indexer_topk": NOT_RETURNED, "return_entropy": NOT_RETURNED,

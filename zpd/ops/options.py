@@ -108,8 +108,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
                    help="stop string (repeatable); output text ends before it")
     g.add_argument("--stop-token-ids", default=None, help="comma-separated token ids that end output")
     g.add_argument("--token-ids-logprob", default=None,
-                   help="comma-separated token ids whose logprobs to report at each prompt "
-                        "position (with --logprob-start-len)")
+                   help="comma-separated token ids whose logprobs to report at each output "
+                        "position (and prompt position with --logprob-start-len)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     g.add_argument("--return-logprob", action="store_true",
                    help="report each output token's logprob (--json shows them)")

@@ -147,7 +147,8 @@ class KvDone(Message):
     """Prefill → decode: the KV is written; ``first_token`` was sampled under
     ``weight_version``. When its request asked for logprobs, ``logprob`` holds the
     first token's (one entry) and, with top logprobs, ``top_ids``/``top_logprobs`` its
-    alternatives, highest first; otherwise they are None and not sent.
+    alternatives, highest first, and with token_ids_logprob, ``ids_logprobs`` those
+    ids' (in the order asked); otherwise they are None and not sent.
     ``cached_tokens``: the prompt tokens the prefill took from its prefix cache instead
     of computing (0 from a peer that predates the field); the decode checks it against
     the prompt's length."""
@@ -162,6 +163,7 @@ class KvDone(Message):
     top_ids: Optional[list[int]] = None
     top_logprobs: Optional[list[float]] = None
     cached_tokens: int = 0
+    ids_logprobs: Optional[list[float]] = None
     # The prompt's logprobs when its request asked (logprob_start_len k): positions
     # max(k, 1)..len-1, then per position its top_logprobs_num (id, logprob) pairs and
     # its token_ids_logprob ids' logprobs, flat. Only on the first epoch's kv_done.
@@ -184,6 +186,8 @@ class KvDone(Message):
                                                or len(self.top_ids) != len(self.top_logprobs))):
             raise ProtocolError("kv_done: top_ids and top_logprobs must come together, as "
                                 "many of each, with a logprob")
+        if self.ids_logprobs is not None and self.logprob is None:
+            raise ProtocolError("kv_done: ids_logprobs without a logprob")
 
 
 @dataclass(frozen=True, slots=True)

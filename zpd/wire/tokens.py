@@ -17,7 +17,9 @@ class TokenPart:
     its new tokens, one weight version each. ``finish`` is the finish_reason once the
     request has ended, ``meta`` its final meta. ``logprobs`` (one per token) only when
     the request asked for logprobs, ``top_logprobs`` (per token, [(token id, logprob),
-    ...] highest first) only when it asked for top logprobs; None otherwise."""
+    ...] highest first) only when it asked for top logprobs, ``ids_logprobs`` (per
+    token, the logprobs of its token_ids_logprob ids, in the order asked) only when it
+    asked for those; None otherwise."""
 
     rid: str
     token_ids: list[int]
@@ -26,6 +28,7 @@ class TokenPart:
     meta: dict = field(default_factory=dict)
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    ids_logprobs: Optional[list[list[float]]] = None
 
     @property
     def finished(self) -> bool:
@@ -39,19 +42,24 @@ class TokenPart:
 
     def early_entry(self) -> list:
         """The part's first token as the router's ``continue`` carries it to a decode
-        (the first token a prefill sent ahead): [token, version], then its logprob and
-        [[token id, logprob], ...] alternatives when the part has them."""
+        (the first token a prefill sent ahead): [token, version], then its logprob,
+        [[token id, logprob], ...] alternatives (null when it has none) and asked ids'
+        logprobs when the part has them."""
         entry: list = [self.token_ids[0], self.weight_versions[0]]
         if self.logprobs is not None:
             entry.append(self.logprobs[0])
-        if self.top_logprobs is not None:
-            entry.append([list(pair) for pair in self.top_logprobs[0]])
+        if self.top_logprobs is not None or self.ids_logprobs is not None:
+            entry.append(None if self.top_logprobs is None else
+                         [list(pair) for pair in self.top_logprobs[0]])
+        if self.ids_logprobs is not None:
+            entry.append(list(self.ids_logprobs[0]))
         return entry
 
     def skip(self, n: int) -> "TokenPart":
         """The part without its first `n` tokens (and their logprobs)."""
         return TokenPart(self.rid, self.token_ids[n:], self.weight_versions[n:], self.finish,
-                         self.meta, _tail(self.logprobs, n), _tail(self.top_logprobs, n))
+                         self.meta, _tail(self.logprobs, n), _tail(self.top_logprobs, n),
+                         _tail(self.ids_logprobs, n))
 
     def then(self, later: "TokenPart") -> "TokenPart":
         """This part followed by a later one of the same request; the later one's
@@ -59,7 +67,8 @@ class TokenPart:
         return TokenPart(self.rid, self.token_ids + later.token_ids,
                          self.weight_versions + later.weight_versions, later.finish, later.meta,
                          _join(self.logprobs, later.logprobs),
-                         _join(self.top_logprobs, later.top_logprobs))
+                         _join(self.top_logprobs, later.top_logprobs),
+                         _join(self.ids_logprobs, later.ids_logprobs))
 
     @classmethod
     def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "TokenPart":
@@ -83,7 +92,10 @@ class Tokens(Message):
     ``logprobs`` (float32) has one entry per token of each rid with mode 1 or 2, in
     order; ``top_counts`` one per token of each rid with mode 2, the number of its
     alternatives, whose ids and logprobs are the next that many entries of ``top_ids``
-    and ``top_logprobs`` (float32)."""
+    and ``top_logprobs`` (float32). ``ids_counts``: one per rid, how many token_ids_logprob
+    ids each of its tokens has logprobs for (0: it asked none; only with logprobs),
+    their logprobs the next that many entries of ``ids_logprobs`` (float32), token by
+    token (the ids themselves are the request's own, not sent)."""
 
     TYPE: ClassVar[str] = "tokens"
     rids: list[str]
@@ -97,6 +109,8 @@ class Tokens(Message):
     top_counts: Optional[list[int]] = None
     top_ids: Optional[list[int]] = None
     top_logprobs: Optional[list[float]] = None
+    ids_counts: Optional[list[int]] = None
+    ids_logprobs: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
         if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
@@ -113,6 +127,7 @@ class Tokens(Message):
                     or type(end.get("meta", {})) is not dict:
                 raise ProtocolError(f"tokens: bad end for rid {rid!r}")
         self._check_logprobs()
+        self._check_ids_logprobs()
 
     def _check_logprobs(self) -> None:
         """Every logprob array holds exactly what ``logprob_mode`` and the counts say."""
@@ -141,6 +156,23 @@ class Tokens(Message):
             raise ProtocolError(f"tokens: top_counts sum to {alternatives} but there are "
                                 f"{_size(self.top_ids)} ids and {_size(self.top_logprobs)} logprobs")
 
+    def _check_ids_logprobs(self) -> None:
+        """``ids_logprobs`` holds exactly what ``ids_counts`` and the counts say, and only
+        rids with logprobs have any."""
+        per = self.ids_counts
+        if per is None:
+            if self.ids_logprobs is not None:
+                raise ProtocolError("tokens: ids_logprobs without ids_counts")
+            return
+        mode = self.logprob_mode or [0] * len(self.rids)
+        if len(per) != len(self.rids) or any(k < 0 or (k and not m) for k, m in zip(per, mode)):
+            raise ProtocolError(f"tokens: ids_counts {per[:8]} for {len(self.rids)} rids "
+                                f"with logprob_mode {mode[:8]}")
+        entries = sum(c * k for c, k in zip(self.counts, per))
+        if _size(self.ids_logprobs) != entries:
+            raise ProtocolError(f"tokens: ids_counts ask {entries} ids_logprobs but there "
+                                f"are {_size(self.ids_logprobs)}")
+
     @classmethod
     def pack(cls, parts: Sequence[TokenPart], first: bool = False) -> "Tokens":
         """One message for many parts (distinct rids)."""
@@ -148,7 +180,7 @@ class Tokens(Message):
                    [i for t in parts for i in t.token_ids],
                    [v for t in parts for v in t.weight_versions],
                    {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first,
-                   **_pack_logprobs(parts))
+                   **_pack_logprobs(parts), **_pack_ids_logprobs(parts))
 
     @classmethod
     def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "Tokens":
@@ -161,13 +193,17 @@ class Tokens(Message):
         logprobs = _Reader(self.logprobs or [])
         counts, ids, values = (_Reader(a or []) for a in (self.top_counts, self.top_ids,
                                                           self.top_logprobs))
-        for rid, n, mode in zip(self.rids, self.counts, self.logprob_mode or [0] * len(self.rids)):
+        asked = _Reader(self.ids_logprobs or [])
+        nones = [0] * len(self.rids)
+        for rid, n, mode, per in zip(self.rids, self.counts, self.logprob_mode or nones,
+                                     self.ids_counts or nones):
             end = self.ends.get(rid) or {}
             top = None if mode < 2 else [list(zip(ids.take(k), values.take(k)))
                                          for k in counts.take(n)]
             out.append(TokenPart(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
                                  end.get("finish"), end.get("meta", {}),
-                                 logprobs.take(n) if mode else None, top))
+                                 logprobs.take(n) if mode else None, top,
+                                 [asked.take(per) for _ in range(n)] if per else None))
             at += n
         return out
 
@@ -184,6 +220,18 @@ def _pack_logprobs(parts: Sequence[TokenPart]) -> dict:
                 "top_ids": [i for top in tops for i, _ in top],
                 "top_logprobs": [v for top in tops for _, v in top]}
     return out
+
+
+def _pack_ids_logprobs(parts: Sequence[TokenPart]) -> dict:
+    """``Tokens``' token_ids_logprob fields for `parts` (none when no part has any); a
+    part's tokens must each have as many."""
+    if all(t.ids_logprobs is None for t in parts):
+        return {}
+    per = [len(t.ids_logprobs[0]) if t.ids_logprobs else 0 for t in parts]
+    if any(len(row) != k for t, k in zip(parts, per) for row in t.ids_logprobs or []):
+        raise ProtocolError("tokens: a part's tokens have ids_logprobs of different lengths")
+    return {"ids_counts": per, "ids_logprobs": [v for t in parts for row in t.ids_logprobs or []
+                                                for v in row]}
 
 
 class _Reader:

@@ -19,7 +19,8 @@ def token_part(req: Request, start: int, meta: dict | None = None) -> TokenPart:
     return TokenPart(req.rid, req.output[start:], req.weight_versions[start:], req.finish,
                      dict(meta or {}),
                      req.output_logprobs[start:] if p.wants_logprobs else None,
-                     req.output_top_logprobs[start:] if p.top_logprobs_num else None)
+                     req.output_top_logprobs[start:] if p.top_logprobs_num else None,
+                     req.output_ids_logprobs[start:] if p.output_ids_logprob else None)
 
 
 def final_meta(req: Request, tokenizer: Tokenizer | None, cached_tokens: int) -> dict:
@@ -38,6 +39,8 @@ def first_logprob_fields(req: Request) -> dict:
     if req.params.top_logprobs_num:
         top = req.output_top_logprobs[0]
         out |= {"top_ids": [t for t, _ in top], "top_logprobs": [v for _, v in top]}
+    if req.params.output_ids_logprob:
+        out["ids_logprobs"] = list(req.output_ids_logprobs[0])
     return out
 
 
@@ -56,12 +59,15 @@ def prompt_logprob_fields(req: Request) -> dict:
 
 
 def recompute_sampling(req: Request) -> dict:
-    """A recompute's sampling dict: the prompt's logprobs are asked again only where the
-    decode never got them (the prefill sent the first token ahead and a retraction
-    caught its KV; the prefix is then the prompt itself), else the first answer stays."""
+    """A recompute's sampling dict, asking only what the decode still needs: the prompt's
+    logprobs only where it never got them (a retraction caught the KV before it came;
+    the prefix is then the prompt itself), else the first answer stays; the sampled
+    token's only where it has no first token yet (the recompute's is then its first)."""
     sampling = req.params.to_dict()
     if not asks_prompt_logprobs_again(req):
         sampling["logprob_start_len"] = -1
+        if req.output:
+            sampling |= {"return_logprob": False, "top_logprobs_num": 0, "token_ids_logprob": []}
     return sampling
 
 
@@ -105,16 +111,20 @@ def take_prompt_logprobs(req: Request, msg: KvDone) -> str | None:
     return None
 
 
-def first_logprobs(req: Request, msg: KvDone) -> tuple[float | None, list | None] | str:
-    """The first token's (logprob, top alternatives) as a `kv_done` gave them, or what
-    is missing of what the request asked for."""
+def first_logprobs(req: Request, msg: KvDone) -> tuple[float | None, list | None, list | None] | str:
+    """The first token's (logprob, top alternatives, asked ids' logprobs) as a `kv_done`
+    gave them, or what is missing of what the request asked for."""
     p = req.params
     if p.wants_logprobs and msg.logprob is None:
         return "no logprob for the first token"
     if p.top_logprobs_num and msg.top_ids is None:
         return "no top logprobs for the first token"
+    asked = p.output_ids_logprob
+    if asked and (msg.ids_logprobs is None or len(msg.ids_logprobs) != len(asked)):
+        return f"no token_ids_logprob logprobs of {len(asked)} ids for the first token"
     top = list(zip(msg.top_ids, msg.top_logprobs)) if p.top_logprobs_num else None
-    return (msg.logprob[0] if p.wants_logprobs else None), top
+    return (msg.logprob[0] if p.wants_logprobs else None), top, \
+        (list(msg.ids_logprobs) if asked else None)
 
 
 def cached_tokens(req: Request, msg: KvDone) -> int | str:
@@ -128,9 +138,9 @@ def cached_tokens(req: Request, msg: KvDone) -> int | str:
 
 
 def read_early_entry(req: Request, got: object, vocab: int) -> tuple | str:
-    """(token, version, logprob, top) from a `TokenPart.early_entry` for this request, or
-    why it cannot be taken (then the request is recomputed without it)."""
-    if not (isinstance(got, list) and 2 <= len(got) <= 4 and _id(got[0]) and isinstance(got[1], str)):
+    """(token, version, logprob, top, ids) from a `TokenPart.early_entry` for this request,
+    or why it cannot be taken (then the request is recomputed without it)."""
+    if not (isinstance(got, list) and 2 <= len(got) <= 5 and _id(got[0]) and isinstance(got[1], str)):
         return f"early token {str(got)[:80]} is malformed"
     if not 0 <= got[0] < vocab:
         return f"early token {got[0]} out of range"
@@ -142,7 +152,12 @@ def read_early_entry(req: Request, got: object, vocab: int) -> tuple | str:
     if p.top_logprobs_num and not (isinstance(top, list) and all(
             isinstance(t, list) and len(t) == 2 and _id(t[0]) and _number(t[1]) for t in top)):
         return "early token without its top logprobs"
-    return got[0], got[1], logprob, [tuple(t) for t in top] if p.top_logprobs_num else None
+    asked = p.output_ids_logprob
+    ids = got[4] if len(got) > 4 else None
+    if asked and not (isinstance(ids, list) and len(ids) == len(asked) and all(map(_number, ids))):
+        return "early token without its token_ids_logprob logprobs"
+    return got[0], got[1], logprob, [tuple(t) for t in top] if p.top_logprobs_num else None, \
+        (ids if asked else None)
 
 
 def _id(value: object) -> bool:

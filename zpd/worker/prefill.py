@@ -15,7 +15,6 @@ back to the router (`answer_to`); nothing is written anywhere.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -238,14 +237,11 @@ class PrefillScheduler:
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
         """KV for prompt + output[:-1] again, under the current weights, as a new epoch.
-        The token it samples is not reported (the decode has it already): no logprobs,
-        but the prompt's where the decode asks (it never got them: parts.recompute_sampling)."""
+        The decode asks only the logprobs it still needs (parts.recompute_sampling): the
+        first token's where it has none yet, the prompt's where it never got them."""
         failure, params = None, SamplingParams()
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            if params.prompt_logprobs_from is None:
-                params = dataclasses.replace(params, return_logprob=False, top_logprobs_num=0,
-                                             token_ids_logprob=())
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
             validate_prompt_logprobs(len(msg.input_ids), params, self.core.model.cfg)
         except (StatusError, ValueError) as e:
