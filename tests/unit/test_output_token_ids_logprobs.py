@@ -21,7 +21,8 @@ from tests.unit.inproc import InprocCluster
 from tests.unit.test_logprobs import reference_distributions
 from transport import FaultRule
 from zpd.client import asks_logprobs, assemble, chunk_of
-from zpd.http.native import parse_generate
+from zpd.http.native import native_delta, parse_generate
+from zpd.http.output import Output
 from zpd.wire import protocol as p
 from zpd.worker import writes
 from zpd.worker.parts import read_early_entry
@@ -326,3 +327,19 @@ def test_generate_takes_them_per_prompt_and_without_text():
     status, got = call(front(backend), "POST", "/generate",
                        {"input_ids": [1], "return_logprob": True, "token_ids_logprob": [9]})
     assert status == 200 and got["meta_info"]["output_token_ids_logprobs"] == [[[-1.5, 9, None]]]
+
+
+def test_incremental_events_carry_only_the_new_positions():
+    """--incremental-streaming-output: each event has the ids' triples of its new tokens."""
+    (item,) = parse_generate({"input_ids": [1], "return_logprob": True,
+                              "token_ids_logprob": [9, 72]}).items
+    out = Output(0, item, tiny_tokenizer())
+    asked = asks_logprobs(item.sampling)
+    rows = []
+    for part in (p.TokenPart("r", [72, 105], ["v", "v"], None, {}, [-0.5, -1.0], None,
+                             [[-2.0, -0.5], [-3.0, -4.0]]),
+                 p.TokenPart("r", [33], ["v"], {"type": "length"}, {}, [-0.25], None, [[-5.0, -6.0]])):
+        out.add(chunk_of(part, asked))
+        rows.append(native_delta(out, True)["meta_info"]["output_token_ids_logprobs"])
+    assert rows == [[[[-2.0, 9, "\t"], [-0.5, 72, "H"]], [[-3.0, 9, "\t"], [-4.0, 72, "H"]]],
+                    [[[-5.0, 9, "\t"], [-6.0, 72, "H"]]]]
