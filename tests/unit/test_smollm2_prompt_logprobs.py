@@ -116,7 +116,8 @@ def test_after_a_cached_prefix(models, prompt, reference, dtype):
 
 def test_through_the_cluster_with_and_without_a_cached_prefix(prompt, reference):
     """float32 workers, as served: the first position null, the others the reference's;
-    again from position 33, its first two pages from the prefix cache."""
+    scored (max_new_tokens 0, by the prefill alone), the same answer; again from
+    position 33, its first two pages from the prefix cache."""
     c = InprocCluster(model="smollm2", kv_cache_mb=16, dtype="float32")
     try:
         ask = {"return_logprob": True, "logprob_start_len": 0}
@@ -124,6 +125,8 @@ def test_through_the_cluster_with_and_without_a_cached_prefix(prompt, reference)
         assert got["input_token_logprobs"][0] == [None, prompt[0]]
         assert [t for _, t in got["input_token_logprobs"]] == prompt
         _close([v for v, _ in got["input_token_logprobs"][1:]], _chosen(reference, prompt, 1), "float32")
+        scored = c.run(c.submit(prompt, 0, sampling=ask))
+        assert scored.token_ids == [] and scored.meta["input_token_logprobs"] == got["input_token_logprobs"]
         again = c.run(c.submit(prompt, 1, sampling=ask | {"logprob_start_len": 33})).meta
         assert again["cached_tokens"] == 32
         _close([v for v, _ in again["input_token_logprobs"]], _chosen(reference, prompt, 33), "float32")
