@@ -72,3 +72,7 @@ class Backend(Protocol):
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits.argmax(-1) of [B, V] logits of any dtype, a NaN counting as the maximum."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks of the model's tensor-parallel group, in place (a
+        row-parallel product's partial sums; engines/tp/); x itself on one rank."""

@@ -6,6 +6,8 @@ from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
 from engines.request import Request, StopChecker
+from engines.tp.group import TpGroup
+from engines.tp.runner import TpRunner
 
 
 class Compute:
@@ -13,9 +15,10 @@ class Compute:
     prompt + output[:-1]; its next input is output[-1] (after prefill samples the first
     token, or the forced token after a recompute)."""
 
-    def __init__(self, model: LoadedModel, pool: KVPool) -> None:
+    def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None) -> None:
+        """`tp`: the tensor-parallel group whose leader this is (`model` its part)."""
         self.model, self.pool = model, pool
-        self.runner = ModelRunner(model, pool)
+        self.runner = ModelRunner(model, pool) if tp is None else TpRunner(model, pool, tp)
         eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
         self.sampler = Sampler(eos, self.runner.backend.argmax)
         self.stop = StopChecker(eos, model.tokenizer)

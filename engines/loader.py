@@ -155,15 +155,22 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
     o = overrides or ModelOverrides()
     cfg = o.config(src.cfg)
     tokenizer, chat, problem = o.text(cfg, src.tokenizer, src.chat, src.text_problem)
-    with torch.device(dev):
-        net = LlamaForCausalLM(cfg).to(dt)
-    if dev.type == "cpu" and dt == torch.float32 and cpu_products.small_linear(dt) is None:
-        net.column_major_float32()         # F.linear's faster layout; the kernel wants row-major
+    net = new_net(cfg, dev, dt)
     apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
     net.setup_rotary(dt, dev)
     net.eval()
     return LoadedModel(spec, cfg, net, tokenizer, dev, dt,
                        version or default_version(path), chat, problem)
+
+
+def new_net(cfg: ModelConfig, dev: torch.device, dt: torch.dtype) -> LlamaForCausalLM:
+    """A network of `cfg` whose weights are still to be loaded, laid out for the products
+    that will multiply by them."""
+    with torch.device(dev):
+        net = LlamaForCausalLM(cfg).to(dt)
+    if dev.type == "cpu" and dt == torch.float32 and cpu_products.small_linear(dt) is None:
+        net.column_major_float32()         # F.linear's faster layout; the kernel wants row-major
+    return net
 
 
 def update_weights(model: LoadedModel, path: str, version: str | None = None) -> str:

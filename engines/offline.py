@@ -12,14 +12,16 @@ from engines.loader import LoadedModel
 from engines.compute import Compute
 from engines.batch import DecodeBatch
 from engines.request import Request, response, validate
+from engines.tp.group import TpGroup
 
 
 class OfflineEngine:
     def __init__(self, model: LoadedModel, kv_cache_mb: float = 256, page_size: int = 16,
-                 max_batch: int = 64, max_prefill_tokens: int = 8192) -> None:
+                 max_batch: int = 64, max_prefill_tokens: int = 8192, tp: TpGroup | None = None) -> None:
+        """`tp`: `model` is rank 0's part of a tensor-parallel group (engines/tp/)."""
         layout = KVLayout.for_model(model.cfg, page_size, model.dtype)
         self.pool = KVPool.with_budget(layout, kv_cache_mb, model.dtype, model.device)
-        self.compute = Compute(model, self.pool)
+        self.compute = Compute(model, self.pool, tp)
         self.batch = DecodeBatch(self.compute, max_batch)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()

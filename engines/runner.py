@@ -1,6 +1,8 @@
 """Batched forward passes through page tables: prefill of whole prompts, decode steps."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engines.backend import Backend
@@ -11,6 +13,9 @@ from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs, ScoredRun, prompt_logprobs, scored_run
 from engines.torch_backend import TorchBackend
+
+if TYPE_CHECKING:
+    from engines.tp.group import TpGroup
 
 
 def backend_for(dtype: torch.dtype, device: torch.device) -> Backend:
@@ -24,11 +29,15 @@ class ModelRunner:
     Inputs are plain lists; outputs are logits of the last position of each sequence,
     [B, vocab], in the model's dtype."""
 
-    def __init__(self, model: LoadedModel, pool: KVPool) -> None:
+    def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None) -> None:
+        """`tp`: the tensor-parallel group `model` is one rank's part of (engines/tp/);
+        only its leader computes logits, the others' forwards answer None."""
         self.model, self.pool, self.device = model, pool, model.device
         L = pool.layout
         self.pages = PageRows(L.page_size, L.num_layers * 2 * L.page_size, L.num_kv_heads, self.device)
         self.backend = backend_for(model.dtype, model.device)
+        self.backend.group = None if tp is None else tp.group
+        self.leads = tp is None or tp.leads
 
     def prefill(self, prompts: list[list[int]], page_tables: list[list[int]],
                 starts: list[int] | None = None) -> torch.Tensor:
@@ -70,6 +79,8 @@ class ModelRunner:
         net = self.model.net
         hidden = net(ids, torch.cat(positions), self.pool.kv, meta, self.backend)  # [B (+ R), hidden]
         B = len(prompts)
+        if not self.leads:
+            return None, [None] * B
         logits = net.logits(hidden[:B], self.backend)
         if not any(runs):
             return logits, [None] * B
@@ -100,7 +111,7 @@ class ModelRunner:
         own = tensor([pt[p // page_size] for pt, p in zip(page_tables, positions)])
         meta = self._decode_meta(own * self.pages.page_stride + pos % page_size, positions, page_tables)
         hidden = self.model.net(tensor(tokens), pos, self.pool.kv, meta, self.backend)
-        return self.model.net.logits(hidden, self.backend)
+        return self.model.net.logits(hidden, self.backend) if self.leads else None
 
     def _decode_meta(self, write_rows: torch.Tensor, positions: list[int],
                      page_tables: list[list[int]]) -> DecodeMeta:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.backend import Heads
@@ -29,7 +30,10 @@ class DecodeGroup:
 class TorchBackend:
     """engines/backend.py's `Backend` in torch's ops. Its composite steps (the MLP, the
     residual addition) multiply through `self.linear`, so a subclass's products serve
-    them too."""
+    them too. `group`: the tensor-parallel process group its all-reduce sums over
+    (None: one rank)."""
+
+    group = None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,6 +93,11 @@ class TorchBackend:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(-1)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(x, group=self.group)
+        return x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -69,7 +69,9 @@ class Attention(nn.Module):
         return self._out(backend.decode_attention(q, kv, layer, meta, self.heads), backend)
 
     def _out(self, o: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return backend.linear(o.reshape(o.shape[0], self.hq * self.d), self.o_proj.weight)
+        # row parallel under tensor parallelism: each rank's heads give a partial sum
+        return backend.all_reduce(backend.linear(o.reshape(o.shape[0], self.hq * self.d),
+                                                 self.o_proj.weight))
 
 
 class MLP(nn.Module):
@@ -83,7 +85,7 @@ class MLP(nn.Module):
         self.down_proj.weight = _param(cfg.hidden_size, self.inter)
 
     def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return backend.mlp(x, self.gate_up_proj.weight, self.down_proj.weight)
+        return backend.all_reduce(backend.mlp(x, self.gate_up_proj.weight, self.down_proj.weight))
 
 
 class DecoderLayer(nn.Module):

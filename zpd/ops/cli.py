@@ -35,17 +35,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     check_fraction(args.mem_fraction_static)
     tune_allocator()
     configure_engine()
-    model = load_model(args.model, args.device, args.dtype, args.weight_version,
-                       model_overrides(args))
-    inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
-    if not inputs:
-        raise StatusError(400, "give at least one --prompt or --input-ids")
-    kv_mb = kv_budget_mb(args.mem_fraction_static, kv_cache_mb(args), model.net, model.device)
-    engine = OfflineEngine(model, kv_mb, args.page_size, args.max_batch)
-    freeze_startup_objects()
-    reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
-    for out in engine.run(reqs):
-        _print_response(out, args.json)
+    if args.tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {args.tp}")
+    tp = procs = None
+    if args.tp == 1:
+        model = load_model(args.model, args.device, args.dtype, args.weight_version,
+                           model_overrides(args))
+    else:
+        from engines.tp.spawn import lead
+        model, tp, procs = lead(args.model, args.device, args.dtype, args.weight_version,
+                                model_overrides(args), args.tp, args.threads)
+    try:
+        inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
+        if not inputs:
+            raise StatusError(400, "give at least one --prompt or --input-ids")
+        kv_mb = kv_budget_mb(args.mem_fraction_static, kv_cache_mb(args), model.net, model.device)
+        engine = OfflineEngine(model, kv_mb, args.page_size, args.max_batch, tp=tp)
+        freeze_startup_objects()
+        reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
+        for out in engine.run(reqs):
+            _print_response(out, args.json)
+    finally:
+        if tp is not None:
+            from engines.tp.spawn import stop
+            stop(tp, procs)
     return 0
 
 
@@ -165,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_options(run)
     add_sampling_options(run)
     run.add_argument("--json", action="store_true", help="one JSON response per line")
+    run.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
+                     help="tensor parallelism: the model split over this many processes "
+                          "(attention heads and MLP; gloo on cpu, NCCL on cuda, rank r on "
+                          "cuda:r); --threads is shared among them (default 1)")
     run.set_defaults(func=_cmd_run)
 
     for role, func, text in (("prefill", _cmd_prefill, "computes prompts' KV and writes it to decode"),

@@ -1,0 +1,97 @@
+"""Starting a tensor-parallel model: the leader (this process, rank 0) starts a process
+for each other rank, every rank loads the model and keeps its part of it."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engines.formats.overrides import ModelOverrides
+from engines.loader import LoadedModel, load_model
+from engines.tp.group import TpGroup, free_port, join
+from engines.tp.plan import TpPlan
+from engines.tp.shard import shard_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to load its part: the model as the command line named it."""
+    model: str
+    device: str
+    dtype: str
+    version: str | None
+    overrides: ModelOverrides | None
+    size: int
+    port: int
+    threads: int | None = None        # CPU threads of the whole group (None: torch's)
+    log_level: int = logging.WARNING
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:(k + r) for cuda:k (cuda is cuda:0); the CPU for all."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.split(":", 1)[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
+
+
+def load_whole(spec: RankSpec, rank: int) -> LoadedModel:
+    return load_model(spec.model, rank_device(spec.device, rank), spec.dtype, spec.version,
+                      spec.overrides)
+
+
+def part_of(whole: LoadedModel, rank: int, size: int) -> LoadedModel:
+    """This rank's part of the model (the whole one is then let go)."""
+    return shard_model(whole, TpPlan.for_rank(whole.cfg, rank, size))
+
+
+def _threads(spec: RankSpec) -> None:
+    total = spec.threads or torch.get_num_threads()
+    torch.set_num_threads(max(1, total // spec.size))
+
+
+def _follower_main(spec: RankSpec, rank: int) -> None:
+    from engines.tp.runner import Follower
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
+    _threads(spec)
+    tp = join(rank, spec.size, spec.port, rank_device(spec.device, rank).split(":")[0])
+    try:
+        Follower(part_of(load_whole(spec, rank), rank, spec.size), tp).serve()
+    finally:
+        tp.close()
+
+
+def lead(model: str, device: str, dtype: str, version: str | None,
+         overrides: ModelOverrides | None, size: int, threads: int | None = None
+         ) -> tuple[LoadedModel, TpGroup, list[mp.Process]]:
+    """Start ranks 1..size-1 and join them as rank 0: (rank 0's part, the group, the
+    other ranks' processes). A model that cannot be split `size` ways is a ValueError
+    before any process starts."""
+    spec = RankSpec(model, device, dtype, version, overrides, size, free_port(), threads,
+                    logging.getLogger().getEffectiveLevel())
+    whole = load_whole(spec, 0)
+    TpPlan.for_rank(whole.cfg, 0, size)               # checks the split
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(spec, r), daemon=True,
+                         name=f"zpd-tp-rank{r}") for r in range(1, size)]
+    for p in procs:
+        p.start()
+    _threads(spec)
+    tp = join(0, size, spec.port, rank_device(device, 0).split(":")[0])
+    log.info("tensor parallel over %d ranks (pids %s)", size, [os.getpid()] + [p.pid for p in procs])
+    return part_of(whole, 0, size), tp, procs
+
+
+def stop(tp: TpGroup, procs: list[mp.Process], timeout_s: float = 30.0) -> None:
+    """Tell the other ranks to stop and wait for them."""
+    tp.tell("stop")
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+    tp.close()
