@@ -176,7 +176,8 @@ class Engine:
         """Prompt tokens/s of each side, batch by batch, alternating which goes first."""
         spent = dict.fromkeys(SIDES, 0.0)
         batches = self.batches(prompts)
-        self.run(batches[0], "plain"), self.run(batches[0], "score")          # warm-up
+        for side in SIDES:                                                     # warm-up
+            self.run(batches[0], side)
         for r in range(repeats):
             for k, batch in enumerate(batches):
                 for side in SIDES if (r + k) % 2 == 0 else SIDES[::-1]:
