@@ -46,6 +46,13 @@ def test_echo_with_logprobs_asks_the_workers_for_the_prompts_from_position_0():
     assert echo.sampling == {"max_new_tokens": 16}          # no logprobs: none asked
 
 
+def test_max_tokens_0_with_echo_is_a_scoring_request():
+    req = parse_completion({"prompt": ["a", "b"], "echo": True, "max_tokens": 0, "logprobs": 0})
+    assert [i.sampling for i in req.items] == [{"max_new_tokens": 0, "return_logprob": True,
+                                                "top_logprobs_num": 0, "logprob_start_len": 0}] * 2
+    assert req.echo and req.logprobs == 0
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": [1], "max_tokens": 0}, 400, "'max_tokens' must be at least 1 unless \"echo\": true"),
     ({"prompt": [1], "max_tokens": 0, "echo": False, "logprobs": 1}, 400, "'max_tokens' must be"),
@@ -53,6 +60,7 @@ def test_echo_with_logprobs_asks_the_workers_for_the_prompts_from_position_0():
     ({"prompt": [1], "echo": "yes", "logprobs": 1}, 400, "'echo' must be true or false"),
     ({"prompt": [1], "echo": True, "logprobs": 21}, 400, "'logprobs' must be an integer in [0, 20]"),
     ({"prompt": [1], "echo": True, "logprobs": True}, 400, "'logprobs' must be an integer"),
+    ({"prompt": [1], "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_new_tokens"),
     ({"prompt": [1], "echo": True, "suffix": "x"}, 400, "'suffix' is not supported"),
 ])
 def test_bad_combinations_are_400_naming_the_field(body, status, words):
@@ -190,6 +198,30 @@ def test_echo_logprobs_equal_generates_input_token_logprobs(served):
                              "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt(served, cluster):
+    meta = _generate_prompt_logprobs(served, 1)
+    status, body = call(served, "POST", "/v1/completions", {
+        "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert status == 200, body
+    (choice,) = body["choices"]
+    assert choice["text"] == TEXT and choice["finish_reason"] == "length"
+    assert {k: choice["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs")} == \
+        _expected_prompt_part(meta)
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0,
+                             "total_tokens": len(PROMPT), "prompt_tokens_details": {"cached_tokens": 0}}
+    # without logprobs it still echoes the prompt and generates nothing
+    status, bare = call(served, "POST", "/v1/completions",
+                        {"prompt": PROMPT, "echo": True, "max_tokens": 0})
+    assert bare["choices"][0]["text"] == TEXT and bare["choices"][0]["logprobs"] is None
+    assert bare["usage"]["completion_tokens"] == 0
+    # streamed, with or without logprobs: one chunk, the whole answer's choice
+    for ask in ({"logprobs": 1}, {}):
+        whole = body if ask else bare
+        status, events = call(served, "POST", "/v1/completions", {
+            "prompt": PROMPT, "echo": True, "max_tokens": 0, "stream": True} | ask)
+        assert len(events) == 2 and events[0]["choices"] == whole["choices"]
+
+
 def test_a_stream_through_the_cluster_equals_the_whole_answer(served):
     body = {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 4, "temperature": 0}
     _, whole = call(served, "POST", "/v1/completions", body)
@@ -234,3 +266,16 @@ def test_the_openai_client_reads_echoed_logprobs(served):
     assert streamed.choices[0].text == choice.text
     assert streamed.choices[0].logprobs.token_logprobs == lp.token_logprobs
     assert refused.status_code == 400 and "'max_tokens' must be at least 1" in str(refused)
+
+
+def test_the_openai_client_scores_a_prompt(served):
+    async def use(client):
+        return await client.completions.create(model="tiny", prompt=PROMPT, echo=True,
+                                               logprobs=1, max_tokens=0)
+    scored = with_openai(served, use)
+    (choice,) = scored.choices
+    assert choice.text == TEXT and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(PROMPT)
+    assert all(v < 0 for v in lp.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(PROMPT)
