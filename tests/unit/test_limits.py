@@ -140,7 +140,7 @@ def test_share_comes_back_on_abort_queue_and_refusal(cluster):
     assert queued in c.router.queued and c.router.shares.held == {}   # charged once routed
     c.abort(queued)
     assert c.run(queued).status == 499
-    bad = c.submit(PROMPT, 0)                      # the workers refuse it (400)
+    bad = c.submit(PROMPT, 4, sampling={"temperature": -1})    # the workers refuse it (400)
     c.admin("continue")
     assert c.run(bad).status == 400
     running = c.submit(PROMPT, 50)
