@@ -35,7 +35,7 @@ class FakePrefill:
                 self.sock.send(self.decode, Pong(msg.seq, msg.sent_at, self.endpoint))
             elif isinstance(msg, Hello):
                 self.sock.send(self.decode, HelloAck(True, msg.layout, msg.compat_hash, "fake",
-                                                     0, msg.num_pages, "tiny"))
+                                                     [], msg.num_pages, "tiny"))
             else:
                 self.got.append(msg)
 

@@ -15,6 +15,7 @@ from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import HelloAck, KvDest, KvFailed
 from zpd.worker.decode import DecodePhase
+from zpd.worker.peers import MAX_POOLS
 from zpd.worker.prefill import JobPhase
 
 VICTIM = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]   # 17 tokens: 2 pages
@@ -162,8 +163,6 @@ def test_kv_dest_cached_pages_are_a_count_or_the_message_is_refused(cached):
 
 
 BAD_HELLOS = {
-    "null_base": {"base_addr": 0},
-    "base_near_2**64": {"base_addr": 2**64 - 8192},
     "no_pages": {"num_pages": 0},
     "negative_pages": {"num_pages": -4},
     "too_many_pages": {"num_pages": 2**31},
@@ -172,10 +171,29 @@ BAD_HELLOS = {
 }
 
 
-@pytest.mark.parametrize("bad", sorted(BAD_HELLOS) + ["prefill_session"])
+# The tiny model's 2 kv heads, announced as pools (rank order) around the decode's
+# real pool at `b`.
+BAD_POOLS = {
+    "null_base": lambda b: [[0, 2, 0]],
+    "base_near_2**64": lambda b: [[0, 2, 2**64 - 8192]],
+    "no_pools": lambda b: [],
+    "too_many_pools": lambda b: [[0, 2, b]] * (MAX_POOLS + 1),
+    "pool_of_two_numbers": lambda b: [[0, 2]],
+    "pool_of_four_numbers": lambda b: [[0, 2, b, 7]],
+    "heads_past_the_model": lambda b: [[0, 3, b]],
+    "negative_head": lambda b: [[-1, 2, b]],
+    "empty_head_range": lambda b: [[1, 1, b], [0, 2, b]],
+    "head_in_no_pool": lambda b: [[0, 1, b]],
+    "overlapping_ranges": lambda b: [[0, 2, b], [1, 2, b]],
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_HELLOS) + sorted(BAD_POOLS) + ["prefill_session"])
 def test_impossible_hello_is_refused(cluster, bad):
     c = cluster
     fields = dict(BAD_HELLOS.get(bad, {"session_id": c.prefill.backend.session_id}))
+    if bad in BAD_POOLS:
+        fields = {"pools": BAD_POOLS[bad](c.decode.memory.pool_addr)}
     evil = forger(c, fields.pop("endpoint", c.decode.endpoint), **fields)   # the right endpoint
     c.silent = {"decode"}
     rid = c.submit(PROMPT, 4)

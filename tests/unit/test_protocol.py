@@ -21,8 +21,9 @@ SAMPLES: list[p.Message] = [
                decode="127.0.0.1:5001"),
     p.Generate(rid="r0", input_ids=[]),
     p.Hello(decode="127.0.0.1:5001", layout=LAYOUT, compat_hash="abc", session_id="h:1",
-            base_addr=0x7F00_0000_0000, num_pages=1024, weight_version="v0"),
-    p.HelloAck(ok=False, layout=LAYOUT, compat_hash="abd", session_id="h:2", base_addr=1,
+            pools=[[0, 1, 0x7F00_0000_0000], [1, 2, 2**64 - 4096]], num_pages=1024,
+            weight_version="v0"),
+    p.HelloAck(ok=False, layout=LAYOUT, compat_hash="abd", session_id="h:2", pools=[[0, 2, 1]],
                num_pages=8, weight_version="v1", reason="hash mismatch"),
     p.KvDest(room=7, epoch=0, rid="r1", page_ids=[0, 5, 2**31 - 1], aux_slot=3),
     p.KvDone(room=7, epoch=1, first_token=42, weight_version="v2"),
@@ -97,6 +98,7 @@ def test_int_field_accepts_float_coerces_for_float() -> None:
 
 
 GOOD = encode(SAMPLES[0])
+HELLO = encode(SAMPLES[2])
 MALFORMED = {
     "empty": [],
     "not json": [b"\x00garbage"],
@@ -132,6 +134,14 @@ MALFORMED = {
     "str list is str": with_header(encode(SAMPLES[9]), weight_versions="v1"),
     "dict field str": with_header(encode(SAMPLES[9]), ends="stop"),
     "bool field null": with_header(encode(SAMPLES[10]), first=None),
+    "pools not a list": with_header(HELLO, pools=5),
+    "pools row not a list": with_header(HELLO, pools=[5]),
+    "pools hold a str": with_header(HELLO, pools=[[0, 1, "0x10"]]),
+    "pools hold a bool": with_header(HELLO, pools=[[0, True, 16]]),
+    "pools hold a float": with_header(HELLO, pools=[[0, 1, 16.0]]),
+    # a peer on version 2 says hello with one base_addr: refused by its version
+    "hello of version 2": with_header(without(HELLO, "pools"), v=2, base_addr=16),
+    "hello without pools": without(HELLO, "pools"),
 }
 
 
@@ -174,6 +184,7 @@ VALID_BY_KIND = {
     "dict": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
     "strs": st.lists(st.text(max_size=8), max_size=3), "blob": st.integers(0, 6),
     "f32blob": st.integers(0, 6),
+    "intlists": st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=3), max_size=3),
 }
 
 

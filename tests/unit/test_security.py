@@ -121,14 +121,14 @@ def test_worker_takes_requests_and_control_only_from_the_cluster_key(keys, ctx) 
     try:
         client = _dealer(ctx, worker.endpoint, client_curve(keys, "client"))
         client.send(Generate("direct", [1], {}, False))
-        client.send(Hello("x", {}, "h", "s", 0, 0, "v"))
+        client.send(Hello("x", {}, "h", "s", [], 0, "v"))
         assert _next(worker, REFUSED) is None
         token = client.recv(timeout=WAIT)
         assert isinstance(token, Tokens)
         (part,) = token.unpack()
         assert part.rid == "direct" and part.finished and part.finish["status_code"] == 403
         cluster = _dealer(ctx, worker.endpoint, sec.client_options().curve)
-        cluster.send(Hello("x", {}, "h", "s", 0, 0, "v"))
+        cluster.send(Hello("x", {}, "h", "s", [], 0, "v"))
         assert isinstance(_next(worker, WAIT)[1], Hello)
     finally:
         worker.close()
@@ -143,7 +143,7 @@ def test_plaintext_process_cannot_reach_a_keyed_one(keys, ctx, caplog) -> None:
     try:
         with caplog.at_level(logging.WARNING, logger="zpd.wire.security"):
             dealer = Dealer(ctx, plain_worker.endpoint, opts=sec.client_options())
-            dealer.send(Hello("x", {}, "h", "s", 0, 0, "v"))
+            dealer.send(Hello("x", {}, "h", "s", [], 0, "v"))
             assert _next(plain_worker, REFUSED) is None
         assert f"refused connection on tcp://{plain_worker.endpoint}" in caplog.text
     finally:

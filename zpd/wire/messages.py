@@ -92,15 +92,18 @@ def user_problem(user: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
     """Decode → prefill handshake. ``layout`` holds num_layers, page_size,
-    page_bytes, dtype, num_kv_heads, head_dim; ``base_addr``/``num_pages``
-    describe the decode's registered KV pool that prefill will write into."""
+    page_bytes, dtype, num_kv_heads, head_dim of the whole model's KV (every kv
+    head, whatever the TP). ``pools`` are the decode's registered KV pools that
+    prefill will write into, one per tensor-parallel rank in rank order, each
+    ``[head_start, head_stop, base_addr]``: the model's kv heads it holds and its
+    page 0; every pool has ``num_pages`` pages (engines/tp/transfer.py)."""
 
     TYPE: ClassVar[str] = "hello"
     decode: str
     layout: dict
     compat_hash: str
     session_id: str
-    base_addr: int
+    pools: list[list[int]]
     num_pages: int
     weight_version: str
 
@@ -108,14 +111,15 @@ class Hello(Message):
 @dataclass(frozen=True, slots=True)
 class HelloAck(Message):
     """Prefill → decode answer to Hello, with the prefill's own layout, hash,
-    Mooncake session and pool; ok=False carries the mismatch in ``reason``."""
+    Mooncake session and pools (as Hello's); ok=False carries the mismatch in
+    ``reason``."""
 
     TYPE: ClassVar[str] = "hello_ack"
     ok: bool
     layout: dict
     compat_hash: str
     session_id: str
-    base_addr: int
+    pools: list[list[int]]
     num_pages: int
     weight_version: str
     reason: str = ""

@@ -39,7 +39,9 @@ __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Error", "Generate", "Hel
            "TokenPart", "Tokens", "new_room", "MESSAGE_TYPES", "PROTOCOL_VERSION",
            "MAX_FRAME_BYTES", "MAX_FRAMES", "encode", "decode"]
 
-PROTOCOL_VERSION = 2      # 2: kv_dest states cached_pages; admin args say weight_version
+# 2: kv_dest states cached_pages; admin args say weight_version. 3: hello and hello_ack
+# announce one pool per tensor-parallel rank (`pools`) instead of one `base_addr`.
+PROTOCOL_VERSION = 3
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
@@ -62,7 +64,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 _KINDS: Mapping[Any, str] = types.MappingProxyType(
     {int: "int", float: "float", str: "str", bool: "bool", dict: "dict",
-     list[int]: "blob", list[float]: "f32blob", list[str]: "strs"}
+     list[int]: "blob", list[float]: "f32blob", list[str]: "strs", list[list[int]]: "intlists"}
 )
 # blob kind -> (array typecode, what it holds)
 _BLOBS: Mapping[str, tuple[str, str]] = types.MappingProxyType(
@@ -115,6 +117,9 @@ _TYPE_OK: Mapping[str, Callable[[Any], bool]] = types.MappingProxyType({
     "bool": lambda v: type(v) is bool,
     "dict": lambda v: type(v) is dict,
     "strs": lambda v: type(v) is list and all(type(s) is str for s in v),
+    # a few small rows (a hello's pools; addresses pass int32): JSON in the header
+    "intlists": lambda v: type(v) is list and all(
+        type(row) is list and all(type(x) is int for x in row) for row in v),
     "blob": lambda v: True,
     "f32blob": lambda v: True,
 })

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, Callable, Hashable, Iterator
 
 import zmq
@@ -17,9 +18,11 @@ import transport
 from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
+from engines.models.config import ModelConfig
 from engines.request import validate
 from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
+from engines.tp.transfer import LocalPool
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
 from zpd.wire.admin import (AdminCommand, Continue, Pause, Status, parse, split_timeout)
@@ -322,6 +325,14 @@ class WorkerCore:
         """The KV pool is there to schedule into (not released)."""
         return not self.memory.released
 
+    @property
+    def rank_pools(self) -> list[LocalPool]:
+        """Every tensor-parallel rank's KV pool and the model's kv heads it holds, in rank
+        order: what our KV writes read and our hello announces (engines/tp/transfer.py).
+        At --tp 1 our one pool, of every kv head."""
+        return [LocalPool(range(self.model.cfg.num_kv_heads), self.memory.pool_addr,
+                          self.pool.buffer)]
+
     # --- process ---------------------------------------------------------------------
 
     def close(self) -> None:
@@ -342,13 +353,18 @@ def chat_messages(chat: dict) -> list:
     return chat["messages"]
 
 
-def compat_hash(model, layout: KVLayout) -> str:
+def compat_hash(model, layout: KVLayout, cfg: ModelConfig | None = None) -> str:
     """Two workers may exchange KV only if this matches: same model shape, same
     KV layout and dtype, same tokenizer and chat template (both sides turn a text or a
-    conversation into ids, and must get the same ones)."""
+    conversation into ids, and must get the same ones). `cfg` is the whole model's
+    (`model.cfg` unless given: at --tp > 1 a rank's model and `layout` hold part of
+    the heads): the hash names every kv head, never one rank's, so a prefill and a
+    decode of different TP sizes match."""
+    cfg = cfg or model.cfg
     tok = model.tokenizer.to_json() if model.tokenizer is not None else ""
     chat = model.chat.source if model.chat is not None else ""
-    blob = json.dumps({"model": model.cfg.fingerprint(), "layout": layout.to_dict(),
+    whole = replace(layout, num_kv_heads=cfg.num_kv_heads)
+    blob = json.dumps({"model": cfg.fingerprint(), "layout": whole.to_dict(),
                        "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
                        "chat": hashlib.sha256(chat.encode()).hexdigest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -28,6 +28,7 @@ from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, final_meta,
                               first_logprobs, recompute_sampling, take_prompt_logprobs,
                               token_part)
+from zpd.worker.peers import model_layout
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import step_failure
 
@@ -54,9 +55,11 @@ class DecodeScheduler:
         self.handlers = {Generate: self.on_generate, Abort: self.on_abort}
 
     def _hello(self) -> Hello:
-        core = self.core
-        return Hello(core.endpoint, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
-                     core.memory.pool_addr, self.pool.num_pages, core.model.version)
+        """Our pools, one per tensor-parallel rank, and the whole model's KV layout."""
+        core, pools = self.core, self.core.rank_pools
+        return Hello(core.endpoint, model_layout(core.layout, pools).to_dict(), core.compat_hash,
+                     core.backend.session_id, [p.announced() for p in pools],
+                     self.pool.num_pages, core.model.version)
 
     # --- phases --------------------------------------------------------------------
 

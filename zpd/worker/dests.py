@@ -34,9 +34,10 @@ class KvDests:
         """A decode's pool, where its kv_dests may point (zpd/worker/peers.py): refused
         when incompatible or impossible, and then none of its kv_dests counts."""
         core, peers = self.sched.core, self.sched.peers
+        pools = core.rank_pools
         reason = peers.hello(identity, msg) if msg.compat_hash == core.compat_hash else (
             f"incompatible peers: prefill {core.endpoint} serves {core.model.spec} "
-            f"({core.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
+            f"({peers.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
             f"(hash {msg.compat_hash} != {core.compat_hash})")
         if reason:
             peers.forget(identity)
@@ -44,8 +45,8 @@ class KvDests:
         else:
             core.backend.connect(msg.session_id)     # handshake now, not at its first write
         core.send(identity, HelloAck(
-            not reason, core.layout.to_dict(), core.compat_hash, core.backend.session_id,
-            core.memory.pool_addr, core.pool.num_pages, core.model.version, reason))
+            not reason, peers.layout.to_dict(), core.compat_hash, core.backend.session_id,
+            [p.announced() for p in pools], core.pool.num_pages, core.model.version, reason))
 
     def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
         s = self.sched

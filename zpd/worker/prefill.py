@@ -32,7 +32,7 @@ from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import final_meta, token_part
-from zpd.worker.peers import DecodePeers
+from zpd.worker.peers import DecodePeers, model_layout
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
 from zpd.worker.writes import KvWrites, prefill_timings
@@ -59,7 +59,8 @@ class PrefillScheduler:
         self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
         self.writes = KvWrites(self)                          # KV writes in flight
-        self.peers = DecodePeers(core.layout.page_bytes, core.backend.session_id, core.send)
+        self.peers = DecodePeers(model_layout(core.layout, core.rank_pools),
+                                 core.backend.session_id, core.send)
         self.dests = KvDests(self)                            # hellos and kv_dests
         self.page_size = self.pool.layout.page_size
         self.pages = PageBook.for_worker(core)               # the pool's pages and prefix cache

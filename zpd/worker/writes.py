@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 import transport
+from engines.tp.transfer import PoolWrite, TransferPlanner
 from zpd.wire.protocol import KvDone
 from zpd.wire.status import INTERNAL
 from zpd.worker.jobs import JobPhase, PrefillJob
@@ -38,6 +39,13 @@ def prefill_timings(marks: dict) -> dict:
             "prefill_forward": _ms(marks["computed"] - marks["forward"])}
 
 
+def transfer_runs(writes: list[PoolWrite], ours: list[int], theirs: list[int]) -> list[transport.Run]:
+    """The transport's runs of a transfer's pool writes: one per stretch of pages that
+    advance together on both sides, per destination pool."""
+    return [run for w in writes
+            for run in transport.coalesce_runs(w.src_base, ours, w.dst_base, theirs, w.page_bytes)]
+
+
 def _timings(marks: dict, transfer_s: float) -> dict:
     """Milliseconds spent in each step of a written job (Request.timings names them)."""
     return prefill_timings(marks) | {"kv_dest_wait": _ms(max(0.0, marks["write"] - marks["computed"])),
@@ -53,6 +61,8 @@ class KvWrites:
         self.sched = sched
         self.by_transfer: dict[int, PrefillJob] = {}          # in flight, ended jobs' too
         self.ids = itertools.count(1)
+        # our ranks' pools -> the decode's, through staging where their heads differ
+        self.planner = TransferPlanner(sched.core.backend.register)
         # cumulative, reported in status for /metrics
         self.counters = {"kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
                          "kv_transfer_failures": 0}
@@ -90,10 +100,9 @@ class KvWrites:
         # the prefix's first `cached_pages` pages the decode holds already: not written
         ours = job.req.pages[dest.cached_pages:dest.cached_pages + len(dest.page_ids)]
         try:
-            runs = transport.coalesce_runs(s.pool.data_ptr, ours, peer.base_addr, dest.page_ids,
-                                           s.pool.layout.page_bytes)
-            s.core.backend.write(tid, peer.session, runs)
-        except transport.TransportError as e:
+            writes = self.planner.plan(s.core.rank_pools, peer.pools, ours, dest.page_ids)
+            s.core.backend.write(tid, peer.session, transfer_runs(writes, ours, dest.page_ids))
+        except (transport.TransportError, ValueError) as e:
             s.end(job, INTERNAL, f"KV transfer refused: {e}")
             return
         job.transfer_id = tid
