@@ -6,8 +6,10 @@ its heads of the whole KV, and nothing else moved."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
+from typing import Callable
 
 import pytest
 import torch
@@ -44,17 +46,31 @@ def pools(kv: int, size: int, backend: transport.Backend) -> list[LocalPool]:
     return out
 
 
+def first_poll(backend: transport.Backend) -> transport.Completion:
+    """A fake backend's completion: its first poll after the write has it."""
+    [done] = backend.poll_completions()
+    return done
+
+
 class Pair:
     """A prefill of TP p and a decode of TP d on one fake fabric, and the whole KV of
     a request of `n` pages: whole[i] is the request's page i, every kv head."""
 
-    def __init__(self, kv: int, p: int, d: int, seed: int) -> None:
-        fabric = transport.FakeFabric()
-        self.prefill, self.decode = transport.FakeBackend(fabric), transport.FakeBackend(fabric)
+    def __init__(self, kv: int, p: int, d: int, seed: int,
+                 backends: tuple[transport.Backend, transport.Backend] | None = None,
+                 wait: Callable[[transport.Backend], transport.Completion] = first_poll) -> None:
+        """`backends`: the prefill's and the decode's (two fakes on one fabric unless
+        given); `wait` returns a write's completion."""
+        if backends is None:
+            fabric = transport.FakeFabric()
+            backends = transport.FakeBackend(fabric), transport.FakeBackend(fabric)
+        self.prefill, self.decode = backends
+        self.wait = wait
         self.sources, self.dests = pools(kv, p, self.prefill), pools(kv, d, self.decode)
         self.registered: list[tuple[int, int]] = []
         self.planner = TransferPlanner(self._register)
         self.rng = random.Random(seed)
+        self.ids = itertools.count(1)
         self.kv = kv
 
     def _register(self, addr: int, nbytes: int) -> None:
@@ -77,8 +93,8 @@ class Pair:
 
     def send(self, ours: list[int], theirs: list[int]) -> list[transport.Run]:
         runs = transfer_runs(self.planner.plan(self.sources, self.dests, ours, theirs), ours, theirs)
-        self.prefill.write(1, self.decode.session_id, runs)
-        [done] = self.prefill.poll_completions()
+        self.prefill.write(next(self.ids), self.decode.session_id, runs)
+        done = self.wait(self.prefill)
         assert done.ok, done.reason
         return runs
 
