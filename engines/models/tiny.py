@@ -48,12 +48,13 @@ def tiny_seed(spec: str) -> int:
         raise ValueError(f"bad tiny model spec {spec!r}: expected 'tiny' or 'tiny:SEED'") from None
 
 
-def tiny_state_dict(seed: int) -> dict[str, torch.Tensor]:
-    """Weights in Hugging Face naming, from `seed` alone (CPU generator, float32).
+def tiny_state_dict(seed: int, config: dict = TINY_CONFIG) -> dict[str, torch.Tensor]:
+    """Weights in Hugging Face naming, from `seed` alone (CPU generator, float32), of
+    the tiny model or of another Llama `config` with its byte vocabulary.
 
     The scale is large enough that logits are peaked, so greedy decoding has clear
     winners instead of near-ties that would make outputs fragile across dtypes."""
-    c, g = TINY_CONFIG, torch.Generator().manual_seed(seed)
+    c, g = config, torch.Generator().manual_seed(seed)
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     hq, hkv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
 
@@ -87,11 +88,12 @@ def tiny_tokenizer() -> Tokenizer:
     return byte_tokenizer(BOS_ID, EOS_ID)
 
 
-def save_tiny(path: str | Path, seed: int = 0) -> Path:
-    """Write tiny:`seed` as a Hugging Face-format directory (config, weights, tokenizer)."""
+def save_tiny(path: str | Path, seed: int = 0, config: dict = TINY_CONFIG) -> Path:
+    """Write tiny:`seed` as a Hugging Face-format directory (config, weights, tokenizer);
+    with `config` (TINY_CONFIG | changes), another shape of it."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
-    save_file(tiny_state_dict(seed), str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tiny_state_dict(seed, config), str(root / "model.safetensors"))
     (root / "tokenizer.json").write_text(tiny_tokenizer().to_json())
     return root
