@@ -194,7 +194,7 @@ def plausible_frames(draw: st.DrawFn) -> list[bytes]:
     sometimes missing or random, so the fuzz reaches both decoded messages
     and every validation branch, not only the JSON parser."""
     cls = draw(st.sampled_from(list(p.MESSAGE_TYPES.values())))
-    head: dict = {"v": draw(st.sampled_from([1] * 8 + [0, "1"])), "type": cls.TYPE}
+    head: dict = {"v": draw(st.sampled_from([p.PROTOCOL_VERSION] * 8 + [0, "1"])), "type": cls.TYPE}
     for f in p._SPECS[cls]:
         choice = draw(st.integers(0, 9))
         if choice == 0:
