@@ -24,10 +24,11 @@ The scores are checked against this process's engine on the first prompts.
 Engine: the same prompts in batches the size the prefill worker forms (its
 --max-prefill-tokens, 8192 tokens), each batch timed with prefill and with
 prefill_with_logprobs from position 0, alternately, one torch thread; prompt tokens/s
-is the median of the batches'. The peak memory of the logits chunking
-(engines/prompt_logprobs.py: chunks of at most 64 MiB of logits) is what torch's
-profiler sees allocated during prompt_logprobs on one batch, above what was allocated
-when it began; beside it, the same with every row in one chunk.
+is the median of the batches', per CPU second of this process (on a shared machine
+the wall clock also counts the other processes' turns). The peak memory of the
+logits chunking (engines/prompt_logprobs.py: chunks of at most 64 MiB of logits) is
+what torch's profiler sees allocated during prompt_logprobs on one batch, above what
+was allocated when it began; beside it, the same with every row in one chunk.
 
 The default model is the embedded "tiny" one (2 layers, hidden 64, vocab 258), where
 the control plane outweighs the model; --model smollm2 (30 layers, vocab 49152) is
@@ -189,9 +190,9 @@ class Engine:
         return [s for b in self.batches(prompts) for s in self.run(b, "score")]
 
     def timed(self, prompts: list[list[int]], repeats: int) -> dict[str, float]:
-        """Prompt tokens/s of each side, batch by batch, alternating which goes first:
-        the median of the batches' own (a batch slowed by the machine's other work
-        moves it less than it would a total)."""
+        """Prompt tokens per CPU second of each side (this process's, one torch
+        thread: what other processes take of the machine does not count), batch by
+        batch, alternating which goes first; the median of the batches'."""
         rates: dict[str, list[float]] = {s: [] for s in SIDES}
         batches = self.batches(prompts)
         for side in SIDES:                                                     # warm-up
@@ -199,9 +200,9 @@ class Engine:
         for r in range(repeats):
             for k, batch in enumerate(batches):
                 for side in SIDES if (r + k) % 2 == 0 else SIDES[::-1]:
-                    t = time.perf_counter()
+                    t = time.process_time()
                     self.run(batch, side)
-                    rates[side].append(sum(map(len, batch)) / (time.perf_counter() - t))
+                    rates[side].append(sum(map(len, batch)) / (time.process_time() - t))
         return {side: med(rates[side]) for side in SIDES}
 
     def chunking_peak(self, batch: list[list[int]], chunk_bytes: int) -> float:
@@ -255,8 +256,8 @@ def report_work(cfg: ModelConfig, tokens: int, rates: dict[str, float]) -> None:
     plain, tail, vocab = added_work(cfg, tokens)
     cap = plain / (plain + tail + vocab)
     print(f"\nwork a token (multiply-adds, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
-          f"{cfg.vocab_size}): plain prefill {plain / 1e6:.2f} M; scoring adds the last layer for every "
-          f"position {tail / 1e6:.2f} M and the vocabulary projection {vocab / 1e6:.2f} M")
+          f"{cfg.vocab_size}): plain prefill {plain / 1e6:.3g} M; scoring adds the last layer for every "
+          f"position {tail / 1e6:.3g} M and the vocabulary projection {vocab / 1e6:.3g} M")
     print(f"ratio that work allows: {cap:.3f}; measured / allowed: "
           + ", ".join(f"{k} {r / cap:.3f}" for k, r in rates.items()))
 
@@ -284,7 +285,7 @@ def report_engine(engine: Engine, speeds: dict[str, float], rows: int, peaks: tu
     vocab = engine.model.cfg.vocab_size
     per_chunk = pl.chunk_rows(vocab, torch.float32, pl.LOGITS_CHUNK_BYTES)
     print(f"\nengine (ModelRunner in this process, 1 torch thread): batches of {engine.batch} prompts "
-          f"x {args.tokens} tokens, {args.engine_repeats} passes over the prompts, medians of the batches")
+          f"x {args.tokens} tokens, {args.engine_repeats} passes over the prompts, medians of the batches, per CPU s")
     print(f"{'prompt tok/s':<24}{'logprobs':>12}{'prefill':>12}{'ratio':>13}")
     print(f"{'':<24}{speeds['score']:>12.1f}{speeds['plain']:>12.1f}{speeds['score'] / speeds['plain']:>13.3f}")
     print(f"ratio engine logprobs/prefill prompt tok/s: {speeds['score'] / speeds['plain']:.3f}")

@@ -114,6 +114,7 @@ def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: t
             tops.append((best.values - lse, best.indices))
         for i, mine, got in given:
             ids[i].append(got - lse[mine])
+        del logits                                 # before the next chunk's: one chunk at a time
     return _split(asks, runs, torch.cat(chosen).tolist() if chosen else [], tops, ids)
 
 
