@@ -15,6 +15,7 @@ from engines.models.config import ModelConfig, ModelError
 from engines.formats.gguf_file import GGUFFile, is_gguf
 from engines.models.llama import LlamaForCausalLM
 from engines.formats.overrides import ModelOverrides
+from engines.tp.plan import Shard
 from engines.models.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
 from engines.formats.tokenizer import Tokenizer
 from engines.formats.vocab import tokenizer_from_gguf
@@ -42,6 +43,14 @@ class LoadedModel:
     chat: ChatTemplate | None = None
     # why there is no tokenizer or chat template, for the error a text prompt gets
     text_problem: str = ""
+    # one tensor-parallel rank's part of a model (engines/tp/): `cfg` and `net` are the
+    # part's, this says of what
+    shard: Shard | None = None
+
+    @property
+    def whole_cfg(self) -> ModelConfig:
+        """The config of the whole model (`cfg` unless this is one rank's part)."""
+        return self.cfg if self.shard is None else self.shard.whole
 
     def encode(self, text: str) -> list[int]:
         """A text prompt's ids; ModelError (a bad request) where the model has no tokenizer."""
@@ -178,18 +187,35 @@ def update_weights(model: LoadedModel, path: str, version: str | None = None) ->
     architecture. On any error the old weights stay. The version becomes `version`;
     without one it stays what it was (SGLang's update_weights_from_disk does the same:
     a version is only ever set by the caller). Returns the version."""
+    if model.shard is not None:
+        raise ValueError("one rank's part of a model updates through engines.tp.shard.update_part")
     path = resolve_spec(path)
-    src = _source(path, text=False)
-    cfg, tensors = src.cfg, src.tensors
-    if cfg.fingerprint() != model.cfg.fingerprint() or \
-            cfg.intermediate_size != model.cfg.intermediate_size:
-        raise ModelError(f"{path}: architecture differs from the loaded model "
-                         f"({cfg.fingerprint()} vs {model.cfg.fingerprint()})")
-    plan = read_checkpoint(model.net, tensors, path)
+    src = _checked_source(path, model.cfg)
+    plan = read_checkpoint(model.net, src.tensors, path)
     apply_checkpoint(model.net, plan)
     if version:
         model.version = version
     return model.version
+
+
+def _checked_source(path: str, cfg: ModelConfig) -> Source:
+    """Checkpoint `path`'s weights, which must be of `cfg`'s architecture (else ModelError)."""
+    src = _source(path, text=False)
+    if src.cfg.fingerprint() != cfg.fingerprint() or \
+            src.cfg.intermediate_size != cfg.intermediate_size:
+        raise ModelError(f"{path}: architecture differs from the loaded model "
+                         f"({src.cfg.fingerprint()} vs {cfg.fingerprint()})")
+    return src
+
+
+def whole_net(path: str, cfg: ModelConfig, dev: torch.device, dt: torch.dtype) -> LlamaForCausalLM:
+    """The network of checkpoint `path`, of `cfg`'s architecture (ModelError if not):
+    what a tensor-parallel rank cuts its new part from."""
+    path = resolve_spec(path)
+    src = _checked_source(path, cfg)
+    net = new_net(src.cfg, dev, dt)
+    apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
+    return net
 
 
 def default_version(spec: str) -> str:

@@ -36,7 +36,7 @@ class ModelRunner:
         L = pool.layout
         self.pages = PageRows(L.page_size, L.num_layers * 2 * L.page_size, L.num_kv_heads, self.device)
         self.backend = backend_for(model.dtype, model.device)
-        self.backend.group = None if tp is None else tp.group
+        self.backend.group = tp
         self.leads = tp is None or tp.leads
 
     def prefill(self, prompts: list[list[int]], page_tables: list[list[int]],

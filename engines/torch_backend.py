@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.backend import Heads
@@ -30,8 +29,8 @@ class DecodeGroup:
 class TorchBackend:
     """engines/backend.py's `Backend` in torch's ops. Its composite steps (the MLP, the
     residual addition) multiply through `self.linear`, so a subclass's products serve
-    them too. `group`: the tensor-parallel process group its all-reduce sums over
-    (None: one rank)."""
+    them too. `group`: the tensor-parallel group (engines/tp/group.py) its all-reduce
+    sums over (None: one rank)."""
 
     group = None
 
@@ -95,9 +94,7 @@ class TorchBackend:
         return logits.argmax(-1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group is not None:
-            dist.all_reduce(x, group=self.group)
-        return x
+        return x if self.group is None else self.group.all_reduce(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -119,6 +119,7 @@ class WorkerConfig:
     # --weight-sync-timeout: the most seconds a trainer's join or push may take here; past it
     # the helper receiving it is killed and the old weights stay (zpd/worker/weight_sync.py)
     weight_sync_timeout: float = 300.0
+    tp: int = 1                      # tensor-parallel ranks (engines/tp/): this process is rank 0
 
 
 @dataclass(frozen=True)

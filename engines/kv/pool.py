@@ -33,6 +33,9 @@ class KVLayout:
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim \
             * self.element_bytes
 
+    def pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        return num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim
+
     def to_dict(self) -> dict:
         return asdict(self) | {"page_bytes": self.page_bytes, "order": "page,layer,kv,token,head,dim"}
 
@@ -41,15 +44,17 @@ class KVPool:
     """Buffer [pages, layers, 2, page_size, kv_heads, head_dim] plus its page allocator."""
 
     def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype,
-                 device: torch.device, clear_on_free: bool = False) -> None:
+                 device: torch.device, clear_on_free: bool = False,
+                 buffer: torch.Tensor | None = None) -> None:
         """`clear_on_free`: zero every page as it is freed, so a page handed to the next
         request (or read by a foreign transfer engine, which Mooncake does not stop)
-        holds nothing of the last one's KV."""
+        holds nothing of the last one's KV. `buffer`: memory of `shape` to hold it in
+        (shared with another process) instead of a new one."""
         self.layout, self.num_pages, self.dtype, self.device = layout, num_pages, dtype, device
         self.allocator = PageAllocator(num_pages, self.clear_pages if clear_on_free else None)
         self.buffer: torch.Tensor | None = None
         self.kv: PagedKV | None = None
-        self.allocate_memory()
+        self.allocate_memory(buffer)
 
     @classmethod
     def with_budget(cls, layout: KVLayout, megabytes: float, dtype: torch.dtype,
@@ -73,10 +78,15 @@ class KVPool:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def allocate_memory(self) -> None:
-        L = self.layout
-        self.buffer = torch.zeros(self.num_pages, L.num_layers, 2, L.page_size, L.num_kv_heads,
-                                  L.head_dim, dtype=self.dtype, device=self.device)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.pool_shape(self.num_pages)
+
+    def allocate_memory(self, buffer: torch.Tensor | None = None) -> None:
+        """A zeroed buffer, or `buffer` (of `shape`: memory another process shares)."""
+        if buffer is None:
+            buffer = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.buffer = buffer
         self.kv = PagedKV(self.buffer)
 
     def release_memory(self) -> None:

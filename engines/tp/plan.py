@@ -16,6 +16,14 @@ from engines.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
+class Shard:
+    """What a rank's part of a model is part of: the whole model's config and the
+    rank's plan (LoadedModel.shard; None for a whole model)."""
+    whole: ModelConfig
+    plan: "TpPlan"
+
+
+@dataclass(frozen=True)
 class TpPlan:
     rank: int
     size: int

@@ -4,34 +4,67 @@ other ranks each forward before running its own part, and the loop those ranks r
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
+
+import torch
 
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.tp.group import TpGroup
+from engines.tp.shard import update_part
+from engines.tp.shared_pool import open_buffer, shared_buffer
 
 log = logging.getLogger(__name__)
 
 
 class TpRunner(ModelRunner):
-    """Rank 0's runner: the other ranks make a pool like its own, then run each of its
-    forwards with the same inputs (their logits are not computed: rank 0 samples)."""
+    """Rank 0's runner: the other ranks make a pool like its own (which it opens too:
+    `rank_buffers`, every rank's pool in rank order), then run each of its forwards
+    with the same inputs; their logits are not computed (rank 0 samples)."""
 
     def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup) -> None:
         super().__init__(model, pool, tp)
         self.tp = tp
         clears = pool.allocator.on_free
         tp.tell("make_pool", pool.layout.page_size, pool.num_pages, clears is not None)
+        self.rank_buffers: list[torch.Tensor] = [pool.buffer] + [
+            open_buffer(tp.store.get(pool_key(r))) for r in range(1, tp.size)]
         if clears is not None:         # every rank's part of a freed page is zeroed
             pool.allocator.on_free = lambda pages: (tp.tell("clear_pages", pages), clears(pages))
 
     def prefill_with_logprobs(self, *args):
-        self.tp.tell("forward", "prefill_with_logprobs", args)
-        return super().prefill_with_logprobs(*args)
+        with self._group_errors():
+            self.tp.tell("forward", "prefill_with_logprobs", args)
+            return super().prefill_with_logprobs(*args)
 
     def decode(self, *args):
-        self.tp.tell("forward", "decode", args)
-        return super().decode(*args)
+        with self._group_errors():
+            self.tp.tell("forward", "decode", args)
+            return super().decode(*args)
+
+    @contextmanager
+    def _group_errors(self):
+        """A collective that fails (a rank died, or hung past the group's timeout) leaves
+        the ranks out of step for good: the group is marked broken (its worker stops)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.tp.broken is None:
+                self.tp.broken = f"tensor-parallel group failed: {e}"
+                log.error("%s", self.tp.broken)
+            raise
+
+    def update_weights(self, path: str, version: str | None) -> str:
+        """Every rank's part from checkpoint `path`. Rank 0 loads first: a checkpoint it
+        refuses changes nothing anywhere; the others then read the same files."""
+        got = update_part(self.model, path, version)
+        self.tp.tell("update_weights", path, version)
+        return got
+
+
+def pool_key(rank: int) -> str:
+    return f"pool/{rank}"
 
 
 class Follower:
@@ -46,8 +79,10 @@ class Follower:
 
     def make_pool(self, page_size: int, num_pages: int, clear_on_free: bool) -> None:
         m = self.model
-        self.pool = KVPool(KVLayout.for_model(m.cfg, page_size, m.dtype), num_pages, m.dtype,
-                           m.device, clear_on_free)
+        layout = KVLayout.for_model(m.cfg, page_size, m.dtype)
+        buffer, handle = shared_buffer(layout.pool_shape(num_pages), m.dtype, m.device)
+        self.pool = KVPool(layout, num_pages, m.dtype, m.device, clear_on_free, buffer)
+        self.tp.store.set(pool_key(self.tp.rank), handle)
         self.runner = ModelRunner(m, self.pool, self.tp)
 
     def forward(self, name: str, args: tuple) -> None:
@@ -55,6 +90,9 @@ class Follower:
 
     def clear_pages(self, pages: list[int]) -> None:
         self.pool.clear_pages(pages)
+
+    def update_weights(self, path: str, version: str | None) -> None:
+        update_part(self.model, path, version)
 
     def serve(self) -> None:
         """Do the leader's word until it says stop."""

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import torch
 
-from engines.loader import LoadedModel, new_net
+from engines.loader import LoadedModel, new_net, whole_net
 from engines.models.config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
-from engines.tp.plan import TpPlan
+from engines.tp.plan import Shard, TpPlan
 
 
 def _rows(w: torch.Tensor, *spans: tuple[int, int]) -> torch.Tensor:
@@ -48,4 +48,14 @@ def shard_model(model: LoadedModel, plan: TpPlan) -> LoadedModel:
     copy_shards(model.net, net, plan)
     net.setup_rotary(model.dtype, model.device)
     net.eval()
-    return replace(model, cfg=cfg, net=net)
+    return replace(model, cfg=cfg, net=net, shard=Shard(model.cfg, plan))
+
+
+def update_part(part: LoadedModel, path: str, version: str | None = None) -> str:
+    """Replace a rank's part with its slice of checkpoint `path` (the whole model is read,
+    cut and let go; on any error the old weights stay). Returns the version."""
+    whole = whole_net(path, part.shard.whole, part.device, part.dtype)
+    copy_shards(whole, part.net, part.shard.plan)
+    if version:
+        part.version = version
+    return part.version

@@ -60,10 +60,7 @@ def _follower_main(spec: RankSpec, rank: int) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     _threads(spec)
     tp = join(rank, spec.size, spec.port, rank_device(spec.device, rank).split(":")[0])
-    try:
-        Follower(part_of(load_whole(spec, rank), rank, spec.size), tp).serve()
-    finally:
-        tp.close()
+    Follower(part_of(load_whole(spec, rank), rank, spec.size), tp).serve()
 
 
 def lead(model: str, device: str, dtype: str, version: str | None,
@@ -88,10 +85,15 @@ def lead(model: str, device: str, dtype: str, version: str | None,
 
 
 def stop(tp: TpGroup, procs: list[mp.Process], timeout_s: float = 30.0) -> None:
-    """Tell the other ranks to stop and wait for them."""
-    tp.tell("stop")
+    """Tell the other ranks to stop and wait for them (a broken group's are killed)."""
+    if tp.broken is None:
+        try:
+            tp.tell("stop")
+        except RuntimeError as e:
+            log.warning("could not tell the other ranks to stop: %s", e)
+            timeout_s = 0.0
     for p in procs:
-        p.join(timeout_s)
+        p.join(timeout_s if tp.broken is None else 0.0)
         if p.is_alive():
             p.kill()
-    tp.close()
+            p.join()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import zmq
 
 import transport
+from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
@@ -62,14 +63,16 @@ class InprocCluster:
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
                  max_batch: int = 8, clear_freed_pages: bool = False,
                  router_args: dict | None = None, model: str = "tiny",
-                 prefix_cache: bool = True, dtype: str = "float64") -> None:
+                 prefix_cache: bool = True, dtype: str = "float64", tp: tuple[int, int] = (1, 1)) -> None:
+        """`tp`: the prefill's and the decode's tensor-parallel ranks (more than one
+        starts processes for the others, engines/tp/)."""
         self.ctx = zmq.Context()
         self.dtype = dtype
         self.model = model
         self.clock = Clock()
         self.fabric = transport.FakeFabric()
         tag = next(_names)
-        self.clear_freed_pages, self.prefix_cache = clear_freed_pages, prefix_cache
+        self.clear_freed_pages, self.prefix_cache, self.tp = clear_freed_pages, prefix_cache, tp
         self.prefill = self._worker("prefill", f"inproc://p{tag}", complete_after_polls, fault_plan,
                                     kv_cache_mb, max_batch)
         self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
@@ -87,7 +90,8 @@ class InprocCluster:
     def _worker(self, role: str, host: str, polls: int, plan, kv_mb: float, max_batch: int) -> WorkerCore:
         cfg = WorkerConfig(role=role, model=self.model, host=host, dtype=self.dtype, kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
-                           clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache)
+                           clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache,
+                           tp=self.tp[role == "decode"])
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
@@ -205,7 +209,11 @@ class InprocCluster:
 
 
 def reference(cluster: InprocCluster, prompt: list[int], max_new: int) -> list[int]:
-    """`zpd run`'s greedy tokens for the same model (the prefill's weights)."""
-    engine = OfflineEngine(cluster.prefill.model, kv_cache_mb=1)
+    """`zpd run`'s greedy tokens for the same model (the prefill's weights; the whole
+    model where the prefill holds one tensor-parallel rank's part)."""
+    model = cluster.prefill.model
+    if model.shard is not None:
+        model = load_model(cluster.model, dtype=cluster.dtype, version=model.version)
+    engine = OfflineEngine(model, kv_cache_mb=1)
     params = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
     return engine.run([Request("ref", prompt, params)])[0]["output_ids"]

@@ -84,8 +84,10 @@ def test_garbage_is_dropped_logged_and_next_message_arrives(
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"tcp://{router.endpoint}")
     try:
-        garbage = [[b"\xff\x00not json"], [b'{"v":9,"type":"ping"}'], [b'{"v":2,"type":"bogus"}'],
-                   [b'{"v":2,"type":"kv_dest","room":1,"epoch":0,"rid":"r","page_ids":3}']]
+        v = p.PROTOCOL_VERSION
+        garbage = [[b"\xff\x00not json"], [b'{"v":9,"type":"ping"}'],
+                   [b'{"v":%d,"type":"bogus"}' % v],
+                   [b'{"v":%d,"type":"kv_dest","room":1,"epoch":0,"rid":"r","page_ids":3}' % v]]
         for frames in garbage:
             raw.send_multipart(frames)
         good = p.Ping(seq=1, sent_at=0.5, sender="evil")

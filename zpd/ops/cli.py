@@ -18,7 +18,7 @@ from zpd.ops.http_options import (add_http_front_options, add_http_key_options,
                                   add_http_options, add_served_model_name, http_config)
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
                              add_model_options, add_prompt_options, add_router_options, add_sampling_options, add_worker_options,
-                             add_worker_server_options, check_fraction, kv_cache_mb, model_overrides,
+                             add_worker_server_options, check_fraction, check_tp, kv_cache_mb, model_overrides,
                              router_config, sampling_dict, worker_argv, worker_config)
 from zpd.wire.status import StatusError
 
@@ -35,8 +35,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     check_fraction(args.mem_fraction_static)
     tune_allocator()
     configure_engine()
-    if args.tp < 1:
-        raise ValueError(f"--tp must be at least 1, got {args.tp}")
+    check_tp(args.tp)
     tp = procs = None
     if args.tp == 1:
         model = load_model(args.model, args.device, args.dtype, args.weight_version,
@@ -136,6 +135,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     for flag in ("prefill_threads", "decode_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    for tp in (args.tp, args.prefill_tp, args.decode_tp):
+        check_tp(tp)
     return launch(args, worker_argv(args))
 
 
@@ -178,10 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_options(run)
     add_sampling_options(run)
     run.add_argument("--json", action="store_true", help="one JSON response per line")
-    run.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
-                     help="tensor parallelism: the model split over this many processes "
-                          "(attention heads and MLP; gloo on cpu, NCCL on cuda, rank r on "
-                          "cuda:r); --threads is shared among them (default 1)")
     run.set_defaults(func=_cmd_run)
 
     for role, func, text in (("prefill", _cmd_prefill, "computes prompts' KV and writes it to decode"),
@@ -212,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--decode-threads", type=int, default=None,
                     help="torch threads of each decode worker (default: --threads, else a "
                          "share of the cores, below)")
+    la.add_argument("--prefill-tp", type=int, default=None,
+                    help="tensor-parallel ranks of each prefill worker (default: --tp); a "
+                         "prefill and a decode of different sizes exchange KV as well")
+    la.add_argument("--decode-tp", type=int, default=None,
+                    help="tensor-parallel ranks of each decode worker (default: --tp)")
     la.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
                     help="by default the workers without a thread count split this process's "
                          "CPUs equally (at least one thread each) and each is bound to its own "

@@ -69,6 +69,11 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     add_default(g, "--max-batch", WorkerConfig, "most requests decoding at once, counting those "
                 "whose KV is still arriving (default {default})", type=int)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
+                   help="tensor parallelism: the model split over this many processes (attention "
+                        "heads and the MLP, Megatron's way; key/value heads replicated when "
+                        "fewer than the ranks); gloo on cpu, NCCL on cuda with rank r on "
+                        "cuda:r; --threads is shared among them (default 1)")
 
 
 def add_text_options(g: argparse._ActionsContainer) -> None:
@@ -273,6 +278,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         # Found at the first update_weights, a typo would refuse every checkpoint.
         raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
     check_fraction(args.mem_fraction_static)
+    check_tp(args.tp)
     if not 0 < args.weight_sync_timeout <= 86400:          # NaN fails too
         raise ValueError("--weight-sync-timeout must be a number of seconds in (0, 86400]")
     return WorkerConfig(
@@ -285,7 +291,12 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
         prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args),
-        weight_sync_timeout=args.weight_sync_timeout)
+        weight_sync_timeout=args.weight_sync_timeout, tp=args.tp)
+
+
+def check_tp(tp: int | None) -> None:
+    if tp is not None and tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {tp}")
 
 
 def prompt_limits(args: argparse.Namespace) -> PromptLimits:

@@ -54,6 +54,10 @@ def serve_worker(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler],
         core.scheduler.close()
         core.close()
         ctx.destroy(linger=0)     # also closes the scheduler's own sockets
+    failure = core.failure()
+    if failure is not None:       # its router sees it gone: its requests end with 503
+        log.error("%s worker on %s stops: %s", cfg.role, core.endpoint, failure)
+        return 1
     return 0
 
 

@@ -18,6 +18,7 @@ import transport
 from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
+from engines.tp.plan import TpPlan
 from engines.models.config import ModelConfig
 from engines.request import validate
 from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
@@ -25,7 +26,9 @@ from engines.sampler import SamplingParams
 from engines.tp.transfer import LocalPool
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
-from zpd.wire.admin import (AdminCommand, Continue, Pause, Status, parse, split_timeout)
+from zpd.wire.admin import (AdminCommand, Continue, JoinWeightsGroup, Pause, ReleaseMemory,
+                            ResumeMemory, StageTensors, StageWeights, Status, parse,
+                            split_timeout)
 from zpd.wire.admin_fields import PauseMode, drops
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
@@ -40,6 +43,10 @@ from zpd.worker.weight_sync import WeightSync
 
 log = logging.getLogger("zpd.worker.core")
 
+# Not yet served by a worker of several tensor-parallel ranks (each rank would release,
+# resume or receive its own part): refused by name there.
+NOT_AT_TP = (ReleaseMemory, ResumeMemory, JoinWeightsGroup, StageWeights, StageTensors)
+
 
 
 class WorkerCore:
@@ -51,24 +58,31 @@ class WorkerCore:
         self.cfg = cfg
         knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
         configure_engine()
-        self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version,
-                                cfg.overrides)
+        self.tp, self.tp_procs = None, []         # --tp > 1: the other ranks (engines/tp/)
+        if cfg.tp > 1:
+            from engines.tp.spawn import lead
+            self.model, self.tp, self.tp_procs = lead(cfg.model, cfg.device, cfg.dtype,
+                                                      cfg.weight_version, cfg.overrides, cfg.tp)
+        else:
+            self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version,
+                                    cfg.overrides)
         self.layout = KVLayout.for_model(self.model.cfg, cfg.page_size, self.model.dtype)
         kv_mb = kv_cache_mb(cfg.mem_fraction_static, cfg.kv_cache_mb, self.model.net,
                             self.model.device)
         self.pool = KVPool.with_budget(self.layout, kv_mb, self.model.dtype,
                                        self.model.device, clear_on_free=cfg.clear_freed_pages)
-        self.compute = Compute(self.model, self.pool)
+        self.compute = Compute(self.model, self.pool, self.tp)
         self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
             transfer_timeout_s=cfg.deadlines.transfer * 0.75, fault_plan=knobs.fault_plan)
-        self.backend.register(self.pool.data_ptr, self.pool.nbytes)
+        for buf in self.rank_buffers:             # rank 0 writes and reads every rank's KV
+            self.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
         self.security = Security(cfg.curve_keys, ctx)
         # Our one ROUTER socket: the router process, decode peers and admins connect to it.
         self.sock = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
         self.endpoint = self.sock.endpoint
         self.loop = loop or Loop(busy_poll=cfg.deadlines.busy_poll_us / 1e6)
-        self.compat_hash = compat_hash(self.model, self.layout)
+        self.compat_hash = compat_hash(self.model, self.layout, self.model.whole_cfg)
         self.memory = WeightsAndMemory(self)
         self.weight_sync = WeightSync(self)
         self.paused: PauseMode | None = None
@@ -101,9 +115,25 @@ class WorkerCore:
 
     # --- the loop ------------------------------------------------------------------
 
+    @property
+    def rank_buffers(self) -> list:
+        """Every tensor-parallel rank's KV pool, in rank order (ours alone at --tp 1)."""
+        return getattr(self.compute.runner, "rank_buffers", [self.pool.buffer])
+
     def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
+        """Until `stop`, or until a tensor-parallel rank is lost (`failure` says why)."""
+        while not stop.is_set() and self.failure() is None:
             self.run_once()
+
+    def failure(self) -> str | None:
+        """Why this worker cannot go on: one of its other ranks died, or a collective
+        failed (then the ranks are out of step for good); None while all is well."""
+        if self.tp is None:
+            return None
+        dead = [p for p in self.tp_procs if p.exitcode is not None]
+        if dead and self.tp.broken is None:
+            self.tp.broken = f"tensor-parallel rank process {dead[0].name} exited ({dead[0].exitcode})"
+        return self.tp.broken
 
     def run_once(self, block: bool = True) -> None:
         """Poll sockets and fire due timers (waiting only when there is nothing to run),
@@ -221,6 +251,9 @@ class WorkerCore:
         log.info("admin %s %.400s", msg.command, dict(msg.args))     # bounded: payloads are MiBs
         try:
             cmd = parse(msg.command, split_timeout(msg.args, 0.0)[0])    # timeout: the caller's
+            if self.tp is not None and isinstance(cmd, NOT_AT_TP):
+                raise StatusError(BAD_REQUEST, f"{msg.command} is not served yet by a worker of "
+                                               f"--tp {self.cfg.tp} (tensor-parallel ranks)")
             self.admin_commands[type(cmd)](cmd, respond)
         except StatusError as e:
             respond(False, {"error": str(e), "status": e.status})
@@ -264,6 +297,8 @@ class WorkerCore:
                 "device": str(self.pool.device), "dtype": str(self.model.dtype).removeprefix("torch."),
                 "context_length": self.model.cfg.max_position, "max_batch": self.cfg.max_batch,
                 "kv_pages": self.scheduler.pages.counts(),
+                # tensor-parallel ranks, and the processes of ranks 1.. (rank 0 is this one)
+                "tp_size": self.cfg.tp, "tp_pids": [p.pid for p in self.tp_procs],
                 "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \
             | fields
 
@@ -330,12 +365,18 @@ class WorkerCore:
         """Every tensor-parallel rank's KV pool and the model's kv heads it holds, in rank
         order: what our KV writes read and our hello announces (engines/tp/transfer.py).
         At --tp 1 our one pool, of every kv head."""
-        return [LocalPool(range(self.model.cfg.num_kv_heads), self.memory.pool_addr,
-                          self.pool.buffer)]
+        shard, whole = self.model.shard, self.model.whole_cfg
+        if shard is None:
+            return [LocalPool(range(whole.num_kv_heads), self.memory.pool_addr, self.pool.buffer)]
+        return [LocalPool(TpPlan(r, shard.plan.size).kv_heads(whole), buf.data_ptr(), buf)
+                for r, buf in enumerate(self.rank_buffers)]
 
     # --- process ---------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.tp is not None:
+            from engines.tp.spawn import stop
+            stop(self.tp, self.tp_procs)
         self.tokenizing.close()
         self.weight_sync.close()
         self.responder.close()

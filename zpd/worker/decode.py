@@ -373,6 +373,9 @@ class DecodeScheduler:
     def on_resume(self, cmd: Continue) -> dict:
         return self.retraction.on_resume(cmd)
 
+    def on_memory_released(self) -> None:
+        pass                                     # nothing kept beside the pool
+
     def on_memory_resumed(self) -> None:
         self.links.rehello(self._hello())       # prefills must learn our pool's new address
 

@@ -96,8 +96,9 @@ class WeightsAndMemory:
             raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
         self.require_weights("update_weights")
         try:
-            with core.long_call():
-                new = load_new_weights(core.model, source, version)
+            with core.long_call():       # every tensor-parallel rank loads its part
+                new = core.compute.runner.update_weights(source, version) if core.tp else \
+                    load_new_weights(core.model, source, version)
         except (ModelError, ValueError) as e:
             raise StatusError(BAD_REQUEST, str(e)) from None
         core.scheduler.on_weights_changed()
@@ -184,6 +185,7 @@ class WeightsAndMemory:
         self.core.backend.unregister(pool.data_ptr)
         pool.release_memory()
         self.kv_released = True
+        self.core.scheduler.on_memory_released()
         if pool.device.type == "cuda":
             import torch
             torch.cuda.empty_cache()

@@ -363,6 +363,9 @@ class PrefillScheduler:
             job.deadline.resume()
         return {}
 
+    def on_memory_released(self) -> None:
+        self.writes.planner.release(self.core.backend.unregister)
+
     def on_memory_resumed(self) -> None:
         pass                                     # decodes learn our address at their next hello
 

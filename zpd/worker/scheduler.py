@@ -51,6 +51,10 @@ class Scheduler(Protocol):
     def on_resume(self, cmd: Continue) -> dict:
         """Re-admit what the pause held; returns fields for the continue answer."""
 
+    def on_memory_released(self) -> None:
+        """The KV pool's memory was given back (the scheduler lets go of what it kept
+        beside it: a prefill's staging buffers)."""
+
     def on_memory_resumed(self) -> None:
         """The KV pool was allocated again at a new address."""
 

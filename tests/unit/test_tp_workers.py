@@ -1,0 +1,95 @@
+"""Tensor-parallel workers (`zpd prefill/decode --tp N`): a prefill of p ranks and a
+decode of d ranks, for (p, d) in (2, 1), (1, 2), (2, 2), answer `zpd run`'s greedy
+tokens at one rank in float64, with every page back on every rank; a retraction
+cycle; weights updated from disk on every rank; what a TP worker does not serve yet
+is refused by name; a rank that dies stops its worker. The other ranks are real
+processes joined by gloo; the KV moves through the fake transport between the
+leaders' views of every rank's pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.inproc import InprocCluster, reference
+
+PROMPTS = [torch.randint(1, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (5, 23, 40)]
+
+
+@pytest.fixture(params=[(2, 1), (1, 2), (2, 2)], ids=lambda tp: f"p{tp[0]}d{tp[1]}")
+def tp_cluster(request):
+    c = InprocCluster(tp=request.param)
+    yield c
+    c.close()
+
+
+def test_greedy_tokens_equal_zpd_run_at_one_rank(tp_cluster):
+    c = tp_cluster
+    rids = [c.submit(p, 12) for p in PROMPTS]
+    for rid, prompt in zip(rids, PROMPTS):
+        assert c.run(rid).token_ids == reference(c, prompt, 12), rid
+    c.pump()
+    c.check_pages()
+    # the decode's ranks hold what its own forwards wrote: none of them is still zero
+    for buf in c.decode.rank_buffers:
+        assert buf.abs().sum() > 0
+
+
+def test_a_retraction_cycle(tmp_path):
+    c = InprocCluster(tp=(2, 1))
+    try:
+        rid = c.submit(PROMPTS[2], 16)
+        c.until(lambda: rid in c.answers and len(c.answers[rid].token_ids) >= 4)
+        assert c.admin("pause", mode="retract")["ok"]
+        assert c.admin("continue")["ok"]
+        got = c.run(rid)
+        assert got.meta["retractions"] == 1
+        assert got.token_ids == reference(c, PROMPTS[2], 16)
+        c.check_pages()
+    finally:
+        c.close()
+
+
+def test_weights_from_disk_on_every_rank(tmp_path):
+    from engines.loader import load_model
+    from engines.models.tiny import save_tiny
+    from engines.offline import OfflineEngine
+    from engines.request import Request
+    from engines.sampler import SamplingParams
+    new = save_tiny(tmp_path / "tiny1", seed=1)
+    c = InprocCluster(tp=(2, 2))
+    try:
+        assert c.admin("pause", mode="retract")["ok"]
+        got = c.admin("update_weights", path=str(new), weight_version="v1")
+        assert got["ok"], got
+        assert c.admin("continue")["ok"]
+        answer = c.run(c.submit(PROMPTS[1], 10))
+        model = load_model(str(new), dtype="float64")
+        ref = OfflineEngine(model, kv_cache_mb=1).run([Request("r", PROMPTS[1], SamplingParams(
+            temperature=0, max_new_tokens=10, ignore_eos=True))])[0]["output_ids"]
+        assert answer.token_ids == ref and set(answer.weight_versions) == {"v1"}
+    finally:
+        c.close()
+
+
+def test_what_a_tp_worker_does_not_serve_yet_is_refused_by_name():
+    c = InprocCluster(tp=(2, 2))
+    try:
+        got = c.admin("release_memory")
+        assert not got["ok"]
+        assert "not served yet by a worker of --tp 2" in str(got)
+        c.serves_again()
+    finally:
+        c.close()
+
+
+def test_a_dead_rank_stops_its_worker():
+    c = InprocCluster(tp=(1, 2))
+    try:
+        assert c.decode.failure() is None
+        (proc,) = c.decode.tp_procs
+        proc.kill()
+        proc.join()
+        assert "exited" in c.decode.failure()
+    finally:
+        c.close()
