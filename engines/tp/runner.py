@@ -27,9 +27,9 @@ class TpRunner(ModelRunner):
         super().__init__(model, pool, tp)
         self.tp = tp
         clears = pool.allocator.on_free
+        self.pools_made = 0                 # each new set of the others' pools has its own keys
         tp.tell("make_pool", pool.layout.page_size, pool.num_pages, clears is not None)
-        self.rank_buffers: list[torch.Tensor] = [pool.buffer] + [
-            open_buffer(tp.store.get(pool_key(r))) for r in range(1, tp.size)]
+        self.others = self._open_pools()
         if clears is not None:         # every rank's part of a freed page is zeroed
             pool.allocator.on_free = lambda pages: (tp.tell("clear_pages", pages), clears(pages))
 
@@ -55,6 +55,32 @@ class TpRunner(ModelRunner):
                 log.error("%s", self.tp.broken)
             raise
 
+    @property
+    def rank_buffers(self) -> list[torch.Tensor]:
+        """Every rank's pool buffer, rank 0's first (none while released)."""
+        return [] if self.pool.buffer is None else [self.pool.buffer] + self.others
+
+    def _open_pools(self) -> list[torch.Tensor]:
+        self.pools_made += 1
+        return [open_buffer(self.tp.store.get(pool_key(r, self.pools_made)))
+                for r in range(1, self.tp.size)]
+
+    def release_kv(self) -> None:
+        """Every other rank drops its pool (rank 0 drops its own and its views)."""
+        self.tp.tell("release_kv")
+        self.others = []
+
+    def resume_kv(self) -> None:
+        """Every other rank makes its pool again, at new addresses rank 0 opens."""
+        self.tp.tell("resume_kv", self.pools_made + 1)
+        self.others = self._open_pools()
+
+    def release_weights(self) -> None:
+        self.tp.tell("release_weights")
+
+    def resume_weights(self) -> None:
+        self.tp.tell("resume_weights")
+
     def update_weights(self, path: str, version: str | None) -> str:
         """Every rank's part from checkpoint `path`. Rank 0 loads first: a checkpoint it
         refuses changes nothing anywhere; the others then read the same files."""
@@ -63,8 +89,8 @@ class TpRunner(ModelRunner):
         return got
 
 
-def pool_key(rank: int) -> str:
-    return f"pool/{rank}"
+def pool_key(rank: int, made: int) -> str:
+    return f"pool/{rank}/{made}"
 
 
 class Follower:
@@ -76,14 +102,34 @@ class Follower:
         self.model, self.tp = model, tp
         self.pool: KVPool | None = None
         self.runner: ModelRunner | None = None
+        self.weights_held = None                 # engines.weight_release.Released
 
     def make_pool(self, page_size: int, num_pages: int, clear_on_free: bool) -> None:
         m = self.model
         layout = KVLayout.for_model(m.cfg, page_size, m.dtype)
-        buffer, handle = shared_buffer(layout.pool_shape(num_pages), m.dtype, m.device)
-        self.pool = KVPool(layout, num_pages, m.dtype, m.device, clear_on_free, buffer)
-        self.tp.store.set(pool_key(self.tp.rank), handle)
+        self.pool = KVPool(layout, num_pages, m.dtype, m.device, clear_on_free,
+                           self._shared(layout.pool_shape(num_pages), 1))
         self.runner = ModelRunner(m, self.pool, self.tp)
+
+    def _shared(self, shape: tuple[int, ...], made: int) -> torch.Tensor:
+        buffer, handle = shared_buffer(shape, self.model.dtype, self.model.device)
+        self.tp.store.set(pool_key(self.tp.rank, made), handle)
+        return buffer
+
+    def release_kv(self) -> None:
+        self.pool.release_memory()
+
+    def resume_kv(self, made: int) -> None:
+        self.pool.allocate_memory(self._shared(self.pool.shape, made))
+
+    def release_weights(self) -> None:
+        from engines import weight_release
+        self.weights_held = weight_release.release(self.model.net, self.model.device)
+
+    def resume_weights(self) -> None:
+        from engines import weight_release
+        held, self.weights_held = self.weights_held, None
+        weight_release.resume(held)
 
     def forward(self, name: str, args: tuple) -> None:
         getattr(ModelRunner, name)(self.runner, *args)

@@ -72,10 +72,26 @@ def test_weights_from_disk_on_every_rank(tmp_path):
         c.close()
 
 
-def test_what_a_tp_worker_does_not_serve_yet_is_refused_by_name():
+def test_memory_released_and_resumed_on_every_rank():
+    """KV pools and weights of every rank go and come back (the other ranks' pools in
+    new shared memory that rank 0 opens and registers again); then the same answers."""
     c = InprocCluster(tp=(2, 2))
     try:
         got = c.admin("release_memory")
+        assert got["ok"], got
+        assert c.decode.rank_buffers == [] and c.decode.memory.weights_held is not None
+        got = c.admin("resume_memory")
+        assert got["ok"], got
+        assert len(c.decode.rank_buffers) == 2 and c.decode.memory.weights_held is None
+        c.serves_again(PROMPTS[1])
+    finally:
+        c.close()
+
+
+def test_a_trainer_weight_sync_is_refused_by_name():
+    c = InprocCluster(tp=(2, 2))
+    try:
+        got = c.admin("update_weights_from_tensor", serialized_named_tensors=["x"])
         assert not got["ok"]
         assert "not served yet by a worker of --tp 2" in str(got)
         c.serves_again()

@@ -26,9 +26,8 @@ from engines.sampler import SamplingParams
 from engines.tp.transfer import LocalPool
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
-from zpd.wire.admin import (AdminCommand, Continue, JoinWeightsGroup, Pause, ReleaseMemory,
-                            ResumeMemory, StageTensors, StageWeights, Status, parse,
-                            split_timeout)
+from zpd.wire.admin import (AdminCommand, Continue, JoinWeightsGroup, Pause, StageTensors,
+                            StageWeights, Status, parse, split_timeout)
 from zpd.wire.admin_fields import PauseMode, drops
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
@@ -45,7 +44,7 @@ log = logging.getLogger("zpd.worker.core")
 
 # Not yet served by a worker of several tensor-parallel ranks (each rank would release,
 # resume or receive its own part): refused by name there.
-NOT_AT_TP = (ReleaseMemory, ResumeMemory, JoinWeightsGroup, StageWeights, StageTensors)
+NOT_AT_TP = (JoinWeightsGroup, StageWeights, StageTensors)
 
 
 
@@ -118,7 +117,9 @@ class WorkerCore:
     @property
     def rank_buffers(self) -> list:
         """Every tensor-parallel rank's KV pool, in rank order (ours alone at --tp 1)."""
-        return getattr(self.compute.runner, "rank_buffers", [self.pool.buffer])
+        if self.tp is not None:
+            return self.compute.runner.rank_buffers
+        return [] if self.pool.buffer is None else [self.pool.buffer]
 
     def run(self, stop: threading.Event) -> None:
         """Until `stop`, or until a tensor-parallel rank is lost (`failure` says why)."""

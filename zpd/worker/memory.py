@@ -140,6 +140,8 @@ class WeightsAndMemory:
             self._release_kv()
         if weights:
             self.weights_held = weight_release.release(self.core.model.net, self.core.model.device)
+            if self.core.tp is not None:      # and every other rank its part
+                self.core.compute.runner.release_weights()
         respond(True, self._memory_fields())
 
     def resume_memory(self, cmd: ResumeMemory, respond: Respond) -> None:
@@ -152,6 +154,8 @@ class WeightsAndMemory:
             try:
                 with self.core.long_call():
                     weight_release.resume(held)
+                    if self.core.tp is not None:
+                        self.core.compute.runner.resume_weights()
             except (OSError, RuntimeError) as e:
                 raise StatusError(INTERNAL, f"could not restore the weights: {e}") from None
             log.warning("weights resumed (%d bytes)", held.nbytes)
@@ -180,9 +184,12 @@ class WeightsAndMemory:
                                         "and wait for them first")
 
     def _release_kv(self) -> None:
-        """Drop the KV pool and its transport registration."""
+        """Drop the KV pool (every tensor-parallel rank's) and its transport registration."""
         pool = self.core.pool
-        self.core.backend.unregister(pool.data_ptr)
+        for buf in self.core.rank_buffers:
+            self.core.backend.unregister(buf.data_ptr())
+        if self.core.tp is not None:
+            self.core.compute.runner.release_kv()
         pool.release_memory()
         self.kv_released = True
         self.core.scheduler.on_memory_released()
@@ -194,9 +201,18 @@ class WeightsAndMemory:
     def _resume_kv(self) -> None:
         pool = self.core.pool
         pool.allocate_memory()
+        if self.core.tp is not None:
+            self.core.compute.runner.resume_kv()
+        done = []
         try:
-            self.core.backend.register(pool.data_ptr, pool.nbytes)
+            for buf in self.core.rank_buffers:
+                self.core.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
+                done.append(buf)
         except transport.TransportError as e:
+            for buf in done:
+                self.core.backend.unregister(buf.data_ptr())
+            if self.core.tp is not None:
+                self.core.compute.runner.release_kv()
             pool.release_memory()
             raise StatusError(INTERNAL, f"could not register the KV pool again: {e}") from None
         self.kv_released = False
