@@ -145,7 +145,10 @@ def _micro_follower(rank: int, size: int, port: int) -> None:
         elif op == "ping":
             n, whole = args
             for _ in range(n):
-                tp.hear() if whole else one_broadcast(tp)
+                if whole:
+                    tp.hear()
+                else:
+                    one_broadcast(tp)
                 tp.all_reduce(torch.zeros(1))
 
 
@@ -185,7 +188,10 @@ class Micro:
         one, times = torch.zeros(1), []
         for _ in range(n):
             t = time.perf_counter()
-            self.tp.tell(*word) if word is not None else one_broadcast(self.tp)
+            if word is not None:
+                self.tp.tell(*word)
+            else:
+                one_broadcast(self.tp)
             self.tp.all_reduce(one)
             times.append(time.perf_counter() - t)
         return med(times)
