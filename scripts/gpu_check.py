@@ -47,10 +47,10 @@ from pathlib import Path
 
 from gpu_common import ROOT, Emit, Row, sizes
 
-CHECKS = ("env", "parity", "cluster", "speed-smollm2", "speed-llama1b")
+CHECKS = ("env", "parity", "cluster", "tp", "speed-smollm2", "speed-llama1b")
 # seconds each check may take on CUDA (the CPU dry run takes far less); the whole run's
 # --time-limit caps them all
-TIMEOUTS = {"env": 90, "parity": 240, "cluster": 300, "speed-smollm2": 240, "speed-llama1b": 300}
+TIMEOUTS = {"env": 90, "parity": 240, "cluster": 300, "tp": 180, "speed-smollm2": 240, "speed-llama1b": 300}
 
 
 # --- the table ---------------------------------------------------------------------------

@@ -226,6 +226,37 @@ def check_cluster(args, s: Sizes, work: Path, emit: Emit) -> None:
          + (f"; errors: {errors}" if errors else ""))
 
 
+# --- check: tensor parallelism ----------------------------------------------------------------
+
+def check_tp(args, s: Sizes, work: Path, emit: Emit) -> None:
+    """`zpd run --tp 2` (NCCL, rank r on cuda:r; gloo on the cpu dry run) against
+    `--tp 1`: the same greedy tokens in float32 on the parity model."""
+    import torch
+    dev = args.device
+    if dev.startswith("cuda") and torch.cuda.device_count() < 2:
+        emit("tp 2 greedy", None, "-", f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+        return
+    path = write_llama(work / "tp-model", s.parity, seed=3, std=s.std)
+    prompts = random_prompts(s.prompt_lens, s.parity["vocab_size"], seed=13)
+    runs, seconds = {}, {}
+    for tp in (1, 2):
+        argv = [sys.executable, "-m", "zpd", "run", "--model", str(path), "--device", dev,
+                "--dtype", "float32", "--temperature", "0", "--ignore-eos", "--json",
+                "--max-new-tokens", str(s.cluster_new), "--tp", str(tp)] + \
+            [a for p in prompts for a in ("--input-ids", ",".join(map(str, p)))]
+        started = time.monotonic()
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        seconds[tp] = time.monotonic() - started
+        if done.returncode != 0:
+            emit("tp 2 greedy", False, f"--tp {tp} exited {done.returncode}", done.stderr[-300:])
+            return
+        runs[tp] = [json.loads(line)["output_ids"] for line in done.stdout.splitlines()]
+    equal = sum(a == b for a, b in zip(runs[1], runs[2]))
+    emit("tp 2 greedy", equal == len(prompts), f"{equal}/{len(prompts)} = --tp 1",
+         f"zpd run on {dev}: {seconds[1]:.1f} s at --tp 1, {seconds[2]:.1f} s at --tp 2 "
+         "(process start included)")
+
+
 # --- check: speed -------------------------------------------------------------------------------
 
 def speed_rows(args, s: Sizes, name: str, spec: str, emit: Emit) -> None:
@@ -300,5 +331,5 @@ def check_speed_llama1b(args, s: Sizes, work: Path, emit: Emit) -> None:
     speed_rows(args, s, name, str(path), emit)
 
 
-RUN = {"env": check_env, "parity": check_parity, "cluster": check_cluster,
+RUN = {"env": check_env, "parity": check_parity, "cluster": check_cluster, "tp": check_tp,
        "speed-smollm2": check_speed_smollm2, "speed-llama1b": check_speed_llama1b}

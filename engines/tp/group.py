@@ -36,6 +36,7 @@ class TpGroup:
     words: object          # the leader's word to the others (always gloo)
     store: object          # the rendezvous both were made from (kept alive with them)
     broken: str | None = None    # why the group cannot go on (a rank died or timed out)
+    stopped: bool = False        # the leader told the others to stop: their exit is no failure
 
     @property
     def leads(self) -> bool:

@@ -2,9 +2,12 @@
 for each other rank, every rank loads the model and keeps its part of it."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +58,20 @@ def _threads(spec: RankSpec) -> None:
     torch.set_num_threads(max(1, total // spec.size))
 
 
+def _bound_to_leader() -> None:
+    """A rank lives and dies with its leader: the terminal's or a launcher's SIGINT and
+    SIGTERM are for the leader (which stops the ranks in order), and where Linux allows,
+    the rank is killed when the leader exits, however it exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _follower_main(spec: RankSpec, rank: int) -> None:
     from engines.tp.runner import Follower
+    _bound_to_leader()
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     _threads(spec)
     tp = join(rank, spec.size, spec.port, rank_device(spec.device, rank).split(":")[0])
@@ -86,6 +101,7 @@ def lead(model: str, device: str, dtype: str, version: str | None,
 
 def stop(tp: TpGroup, procs: list[mp.Process], timeout_s: float = 30.0) -> None:
     """Tell the other ranks to stop and wait for them (a broken group's are killed)."""
+    tp.stopped = True
     if tp.broken is None:
         try:
             tp.tell("stop")

@@ -128,6 +128,7 @@ def test_gpu_check_cpu_dry_run(tmp_path) -> None:
     reference = "PASS" if importlib.util.find_spec("transformers") else "SKIP"
     for row, result in (("env", "PASS"), ("parity fp32 logits", reference),
                         ("parity bf16 greedy", reference), ("cluster 1P1D", "PASS"),
+                        ("tp 2 greedy", "PASS"),
                         ("llama1m prefill", "PASS"), ("llama1m decode b1", "PASS"),
                         ("llama1m decode b16", "PASS"), ("smollm2 speed", "SKIP")):
         assert re.search(rf"^{re.escape(row)}\s+{result}\s", table, re.M), (row, table)

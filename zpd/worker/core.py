@@ -132,7 +132,7 @@ class WorkerCore:
         if self.tp is None:
             return None
         dead = [p for p in self.tp_procs if p.exitcode is not None]
-        if dead and self.tp.broken is None:
+        if dead and self.tp.broken is None and not self.tp.stopped:
             self.tp.broken = f"tensor-parallel rank process {dead[0].name} exited ({dead[0].exitcode})"
         return self.tp.broken
 
