@@ -49,7 +49,8 @@ KIND = {int: st.integers(-2**63, 2**63 - 1) | st.sampled_from([0, 1, -1, 7]), fl
     allow_nan=False, allow_infinity=False), str: text, bool: st.booleans(),
         dict: st.dictionaries(st.text(max_size=8), json_value, max_size=4),
         list[int]: int32s, list[str]: st.lists(st.text(max_size=8), max_size=6),
-        list[float]: st.lists(st.floats(width=32), max_size=12)}   # logprobs: NaN and inf too
+        list[float]: st.lists(st.floats(width=32), max_size=12),   # logprobs: NaN and inf too
+        list[list[int]]: st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=4), max_size=4)}
 
 
 def message(cls: type) -> st.SearchStrategy:
