@@ -109,11 +109,25 @@ class Shadow:
     written one. Made once per trainer group, on `device` (the model's, unless the
     group's backend cannot reach it)."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, blank: bool = False) -> None:
+        """`blank`: zeros of the parameters' shapes, not their values (`model` may then be
+        on the meta device: a tensor-parallel rank's template of the whole model, whose
+        commit applies only the rows a push wrote, engines/tp/runner.py)."""
         self.params = dict(model.named_parameters())
         with torch.no_grad():
-            self.copy = {n: p.detach().to(device, copy=True) for n, p in self.params.items()}
+            self.copy = {n: torch.zeros(p.shape, dtype=p.dtype, device=device) if blank
+                         else p.detach().to(device, copy=True) for n, p in self.params.items()}
         self.nbytes = sum(t.nbytes for t in self.copy.values())
+
+    def written_rows(self, written: list[Announced]) -> dict[str, list[tuple[int, int]]]:
+        """Each parameter the written tensors land in, with the row ranges they cover."""
+        rows: dict[str, list[tuple[int, int]]] = {}
+        for a in written:
+            if a.where is not None:
+                pname, start, n = a.where
+                span = (0, self.params[pname].shape[0]) if n < 0 else (start, start + n)
+                rows.setdefault(pname, []).append(span)
+        return rows
 
     def target(self, a: Announced) -> torch.Tensor | None:
         """Where announced tensor `a` lands (a view in the parameter's layout), None if it

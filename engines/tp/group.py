@@ -47,6 +47,11 @@ class TpGroup:
         self.group.allreduce([x]).wait()
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """x from rank 0 into every rank's x, in place (on the model's collectives)."""
+        self.group.broadcast(x, 0).wait()
+        return x
+
     def tell(self, op: str, *args: object) -> None:
         """Leader: have every other rank do `op(*args)` (engines/tp/runner.py Follower)."""
         assert self.leads, "only rank 0 tells"

@@ -4,6 +4,7 @@ other ranks each forward before running its own part, and the loop those ranks r
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 
 import torch
@@ -12,7 +13,8 @@ from engines.kv.pool import KVLayout, KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.tp.group import TpGroup
-from engines.tp.shard import update_part
+from engines.tp.shard import apply_rows, update_part
+from engines.weight_push import Shadow
 from engines.tp.shared_pool import open_buffer, shared_buffer
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,29 @@ class TpRunner(ModelRunner):
     def resume_weights(self) -> None:
         self.tp.tell("resume_weights")
 
+    def whole_template(self) -> torch.nn.Module:
+        """The whole model's parameters by name and shape, holding no memory (the meta
+        device): what a trainer's push is checked against and staged as."""
+        from engines.models.llama import LlamaForCausalLM
+        with torch.device("meta"):
+            return LlamaForCausalLM(self.model.shard.whole).to(self.model.dtype)
+
+    def commit_weights(self, shadow: Shadow, written: list) -> int:
+        """A trainer's push, staged whole in `shadow` on this rank: each rank takes the
+        rows of its part the push wrote. The whole tensors travel to the other ranks on
+        the group (one broadcast each, in the order told). Returns elements written."""
+        rows = shadow.written_rows(written)
+        items = [(name, tuple(shadow.copy[name].shape), str(shadow.copy[name].dtype), spans)
+                 for name, spans in rows.items()]
+        self.tp.tell("take_weights", items)
+        params, (whole, plan) = dict(self.model.net.named_parameters()), \
+            (self.model.shard.whole, self.model.shard.plan)
+        for name, _, _, spans in items:
+            staged = shadow.copy[name].to(self.model.device)     # where the group's collectives run
+            self.tp.broadcast(staged)
+            apply_rows(params[name], name, staged, spans, whole, plan)
+        return sum(math.prod(a.shape) for a in written if a.where is not None)
+
     def update_weights(self, path: str, version: str | None) -> str:
         """Every rank's part from checkpoint `path`. Rank 0 loads first: a checkpoint it
         refuses changes nothing anywhere; the others then read the same files."""
@@ -139,6 +164,16 @@ class Follower:
 
     def update_weights(self, path: str, version: str | None) -> None:
         update_part(self.model, path, version)
+
+    def take_weights(self, items: list) -> None:
+        """The rows of a trainer's push the leader says, from its broadcasts in order."""
+        params = dict(self.model.net.named_parameters())
+        whole, plan = self.model.shard.whole, self.model.shard.plan
+        for name, shape, dtype, spans in items:
+            staged = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
+                                 device=self.model.device)
+            self.tp.broadcast(staged)
+            apply_rows(params[name], name, staged, spans, whole, plan)
 
     def serve(self) -> None:
         """Do the leader's word until it says stop."""

@@ -16,21 +16,54 @@ def _rows(w: torch.Tensor, *spans: tuple[int, int]) -> torch.Tensor:
     return torch.cat([w[a:b] for a, b in spans])
 
 
-def weight_slice(name: str, whole: torch.Tensor, cfg: ModelConfig, plan: TpPlan) -> torch.Tensor:
-    """The part of the whole model's parameter `name` that `plan`'s rank holds."""
+def _row_spans(name: str, cfg: ModelConfig, plan: TpPlan) -> list[tuple[int, int]] | None:
+    """The whole parameter's rows a column-parallel one keeps here (None: all rows)."""
     d, hq, hkv, inter = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     q, kv, mid = plan.q_heads(cfg), plan.kv_heads(cfg), plan.intermediate(cfg)
     if name.endswith("self_attn.qkv_proj.weight") or name.endswith("self_attn.qkv_proj.bias"):
         k0, v0 = hq * d, (hq + hkv) * d
-        return _rows(whole, (q.start * d, q.stop * d), (k0 + kv.start * d, k0 + kv.stop * d),
-                     (v0 + kv.start * d, v0 + kv.stop * d))
-    if name.endswith("self_attn.o_proj.weight"):
-        return whole[:, q.start * d:q.stop * d]
+        return [(q.start * d, q.stop * d), (k0 + kv.start * d, k0 + kv.stop * d),
+                (v0 + kv.start * d, v0 + kv.stop * d)]
     if name.endswith("mlp.gate_up_proj.weight"):
-        return _rows(whole, (mid.start, mid.stop), (inter + mid.start, inter + mid.stop))
+        return [(mid.start, mid.stop), (inter + mid.start, inter + mid.stop)]
+    return None
+
+
+def _columns(name: str, cfg: ModelConfig, plan: TpPlan) -> slice:
+    """The whole parameter's columns a row-parallel one keeps here (all for others)."""
+    d, q, mid = cfg.head_dim, plan.q_heads(cfg), plan.intermediate(cfg)
+    if name.endswith("self_attn.o_proj.weight"):
+        return slice(q.start * d, q.stop * d)
     if name.endswith("mlp.down_proj.weight"):
-        return whole[:, mid.start:mid.stop]
-    return whole           # norms, embedding, LM head: whole on every rank
+        return slice(mid.start, mid.stop)
+    return slice(None)
+
+
+def weight_slice(name: str, whole: torch.Tensor, cfg: ModelConfig, plan: TpPlan) -> torch.Tensor:
+    """The part of the whole model's parameter `name` that `plan`'s rank holds: rows of
+    q/k/v and gate/up, columns of o and down, the rest whole (norms, embedding, head)."""
+    spans = _row_spans(name, cfg, plan)
+    if spans is not None:
+        return _rows(whole, *spans)
+    cols = _columns(name, cfg, plan)
+    return whole if cols == slice(None) else whole[:, cols]
+
+
+@torch.no_grad()
+def apply_rows(part: torch.Tensor, name: str, whole: torch.Tensor, rows: list[tuple[int, int]],
+               cfg: ModelConfig, plan: TpPlan) -> None:
+    """Copy into `part` (this rank's slice of parameter `name`) what lies in the whole
+    parameter's `rows` ([start, stop) ranges) of `whole`: a push that wrote only those."""
+    spans = _row_spans(name, cfg, plan)
+    index = torch.cat([torch.arange(a, b) for a, b in spans]) if spans is not None \
+        else torch.arange(whole.shape[0])                 # part row i is whole row index[i]
+    keep = torch.zeros(len(index), dtype=torch.bool)
+    for start, stop in rows:
+        keep |= (index >= start) & (index < stop)
+    mine = keep.nonzero()[:, 0]
+    source = whole[index[mine].to(whole.device)]
+    cols = _columns(name, cfg, plan)
+    part[mine.to(part.device)] = (source if cols == slice(None) else source[:, cols]).to(part.dtype)
 
 
 def copy_shards(whole: LlamaForCausalLM, part: LlamaForCausalLM, plan: TpPlan) -> None:

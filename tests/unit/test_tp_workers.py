@@ -1,8 +1,8 @@
 """Tensor-parallel workers (`zpd prefill/decode --tp N`): a prefill of p ranks and a
 decode of d ranks, for (p, d) in (2, 1), (1, 2), (2, 2), answer `zpd run`'s greedy
 tokens at one rank in float64, with every page back on every rank; a retraction
-cycle; weights updated from disk on every rank; what a TP worker does not serve yet
-is refused by name; a rank that dies stops its worker. The other ranks are real
+cycle; weights updated from disk, released and resumed, and pushed by a trainer
+(whole or partial), on every rank; a rank that dies stops its worker. The other ranks are real
 processes joined by gloo; the KV moves through the fake transport between the
 leaders' views of every rank's pool."""
 from __future__ import annotations
@@ -88,14 +88,50 @@ def test_memory_released_and_resumed_on_every_rank():
         c.close()
 
 
-def test_a_trainer_weight_sync_is_refused_by_name():
-    c = InprocCluster(tp=(2, 2))
+def _pushed(tensors: dict):
+    """tiny with `tensors` (Hugging Face names) written over it: what a push makes."""
+    from engines.formats.weights import apply_checkpoint, lazy, read_checkpoint
+    from engines.loader import load_model
+    from engines.models.tiny import tiny_state_dict
+    model = load_model("tiny", dtype="float64")
+    mixed = tiny_state_dict(0) | tensors
+    apply_checkpoint(model.net, read_checkpoint(model.net, [lazy(n, t) for n, t in mixed.items()],
+                                                "push"))
+    return model
+
+
+def _part_of(core, model) -> bool:
+    """Rank 0's weights are exactly its slice of `model`'s."""
+    from engines.tp.shard import weight_slice
+    want, shard = dict(model.net.named_parameters()), core.model.shard
+    return all(torch.equal(p, weight_slice(n, want[n], shard.whole, shard.plan))
+               for n, p in core.model.net.named_parameters())
+
+
+@pytest.mark.parametrize("part", ["all", "mlp", "q_proj"])
+def test_a_trainers_push_reaches_every_rank(part):
+    """A trainer pushes whole tensors (Hugging Face names; a partial push too, q_proj
+    being some rows of the fused qkv_proj): rank 0 stages them and every rank takes the
+    rows of its part; then the tokens of the model the push made, on every rank."""
+    from engines.models.tiny import tiny_state_dict
+    from tests.unit.test_handoff import reference_tiny_model
+    from tests.unit.test_weight_sync import join, push
+    from tests.unit.trainer_side import Trainer
+    w2 = tiny_state_dict(7)
+    tensors = w2 if part == "all" else {n: t for n, t in w2.items() if f".{part}." in n}
+    want = _pushed(tensors)
+    c, t = InprocCluster(kv_cache_mb=2.0, tp=(2, 2)), Trainer(world_size=3)
     try:
-        got = c.admin("update_weights_from_tensor", serialized_named_tensors=["x"])
-        assert not got["ok"]
-        assert "not served yet by a worker of --tp 2" in str(got)
-        c.serves_again()
+        assert join(c, t)["ok"]
+        reply = push(c, t, tensors, version="v2")
+        assert reply["ok"], reply
+        assert _part_of(c.prefill, want) and _part_of(c.decode, want)
+        assert not _part_of(c.decode, _pushed({}))            # it did change
+        got = c.run(c.submit(PROMPTS[1], 8))
+        assert got.token_ids == reference_tiny_model(want, PROMPTS[1], 8)
+        assert set(got.weight_versions) == {"v2"}
     finally:
+        t.close()
         c.close()
 
 

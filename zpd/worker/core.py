@@ -26,8 +26,7 @@ from engines.sampler import SamplingParams
 from engines.tp.transfer import LocalPool
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
-from zpd.wire.admin import (AdminCommand, Continue, JoinWeightsGroup, Pause, StageTensors,
-                            StageWeights, Status, parse, split_timeout)
+from zpd.wire.admin import (AdminCommand, Continue, Pause, Status, parse, split_timeout)
 from zpd.wire.admin_fields import PauseMode, drops
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
@@ -41,10 +40,6 @@ from zpd.worker.tokenizing import Tokenizing, is_long
 from zpd.worker.weight_sync import WeightSync
 
 log = logging.getLogger("zpd.worker.core")
-
-# Not yet served by a worker of several tensor-parallel ranks (each rank would release,
-# resume or receive its own part): refused by name there.
-NOT_AT_TP = (JoinWeightsGroup, StageWeights, StageTensors)
 
 
 
@@ -252,9 +247,6 @@ class WorkerCore:
         log.info("admin %s %.400s", msg.command, dict(msg.args))     # bounded: payloads are MiBs
         try:
             cmd = parse(msg.command, split_timeout(msg.args, 0.0)[0])    # timeout: the caller's
-            if self.tp is not None and isinstance(cmd, NOT_AT_TP):
-                raise StatusError(BAD_REQUEST, f"{msg.command} is not served yet by a worker of "
-                                               f"--tp {self.cfg.tp} (tensor-parallel ranks)")
             self.admin_commands[type(cmd)](cmd, respond)
         except StatusError as e:
             respond(False, {"error": str(e), "status": e.status})

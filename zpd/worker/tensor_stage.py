@@ -11,7 +11,7 @@ import torch
 from engines.models.config import ModelError
 from zpd.wire.status import CONFLICT, StatusError
 from engines.formats.tensor_payload import PayloadError, decode_named_tensors
-from engines.weight_push import MAX_TENSORS, Announced, Shadow, announce, push_limit
+from engines.weight_push import MAX_TENSORS, Announced, announce, push_limit
 from zpd.wire.admin import StageTensors
 from zpd.wire.admin_fields import SyncStep
 from zpd.worker.scheduler import Respond
@@ -40,7 +40,8 @@ def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> No
     if core.paused is None and core.scheduler.busy():
         raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
     core.memory.require_weights("update_weights_from_tensor")
-    net, limit = core.model.net, push_limit(core.model.net)
+    net = sync.template
+    limit = push_limit(net)
     sync.staged = None                # a newer push replaces one never committed
 
     def work(_job) -> list[Announced]:
@@ -49,7 +50,7 @@ def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> No
         items = announce(net, [n for n, _ in named], [str(t.dtype) for _, t in named],
                          [list(t.shape) for _, t in named])
         if sync.shadow is None:       # made here, off the loop: it copies the weights
-            sync.shadow = Shadow(net, core.model.device)
+            sync.shadow = sync.new_shadow(core.model.device)
         with torch.no_grad():
             for a, (_, tensor) in zip(items, named):
                 target = sync.shadow.target(a)

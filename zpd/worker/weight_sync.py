@@ -99,6 +99,7 @@ class WeightSync:
         self.job: Job | None = None              # what runs off the loop now
         self.staged: Staged | None = None
         self.shadow: Shadow | None = None        # staging: a second copy of the weights
+        self._template: torch.nn.Module | None = None    # see `template`
         self.abandoned: set[str] = set()         # update ids discarded while receiving
 
     def commands(self) -> dict[type, Callable[..., None]]:
@@ -135,7 +136,7 @@ class WeightSync:
                 link.join((name, backend, address, port, rank, world, trainer_init, timeout),
                           deadline)
                 if self.shadow is None:          # made here, off the loop: it copies the weights
-                    self.shadow = Shadow(self.core.model.net, device)
+                    self.shadow = self.new_shadow(device)
                     log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)
             except BaseException:
                 link.close()
@@ -170,9 +171,9 @@ class WeightSync:
             raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
         items, refusal = self._announced(cmd)
         total = sum(a.nbytes for a in items)
-        if total > push_limit(core.model.net):
+        if total > push_limit(self.template):
             raise StatusError(BAD_REQUEST, f"the push announces {total} bytes, more than this "
-                                           f"model could take ({push_limit(core.model.net)})")
+                                           f"model could take ({push_limit(self.template)})")
         self.staged = None                # a newer push replaces one never committed
         bucket = bucket_dtype(items) if load_format == "flattened_bucket" else None
         shadow = self.shadow if refusal is None else None
@@ -218,8 +219,9 @@ class WeightSync:
         core.memory.require_weights("committing pushed weights")     # released since staged
         started = time.monotonic()
         try:
-            with core.long_call():
-                written = self.shadow.commit(staged.written)
+            with core.long_call():       # at --tp > 1 each rank takes its part's rows
+                written = core.compute.runner.commit_weights(self.shadow, staged.written) \
+                    if core.tp is not None else self.shadow.commit(staged.written)
         except RuntimeError as e:        # shapes were checked: this is a real fault
             raise StatusError(INTERNAL, f"applying the pushed weights failed: {e}") from None
         finally:
@@ -272,7 +274,7 @@ class WeightSync:
         except ModelError as e:
             raise StatusError(BAD_REQUEST, str(e)) from None
         try:
-            return announce(self.core.model.net, names, dtypes, shapes), None
+            return announce(self.template, names, dtypes, shapes), None
         except ModelError as e:
             return [Announced(str(n)[:200], d, s, None) for n, (d, s) in zip(names, parsed)], str(e)
 
@@ -307,6 +309,21 @@ class WeightSync:
             group.link.close()
             log.warning("weight group %r left", name)
         self.drop_shadow()
+
+    @property
+    def template(self) -> torch.nn.Module:
+        """What a push is checked against: the model's network, or at --tp > 1 a template
+        of the whole model's (a trainer pushes whole tensors; each rank keeps its rows)."""
+        if self.core.tp is None:
+            return self.core.model.net
+        if self._template is None:
+            self._template = self.core.compute.runner.whole_template()
+        return self._template
+
+    def new_shadow(self, device: torch.device) -> Shadow:
+        """Staging for pushes: a copy of the weights, or at --tp > 1 a blank of the whole
+        model's shapes (only the rows a push writes are ever applied from it)."""
+        return Shadow(self.template, device, blank=self.core.tp is not None)
 
     def drop_shadow(self) -> None:
         """The staging memory goes with the last group (a tensor push's, after it)."""
