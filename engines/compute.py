@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
+from engines.models.config import ModelError
+from engines.null import NullNet, NullRunner
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
 from engines.request import Request, StopChecker
@@ -18,7 +20,7 @@ class Compute:
     def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None) -> None:
         """`tp`: the tensor-parallel group whose leader this is (`model` its part)."""
         self.model, self.pool = model, pool
-        self.runner = ModelRunner(model, pool) if tp is None else TpRunner(model, pool, tp)
+        self.runner = runner_for(model, pool, tp)
         eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
         self.sampler = Sampler(eos, self.runner.backend.argmax)
         self.stop = StopChecker(eos, model.tokenizer)
@@ -58,3 +60,13 @@ class Compute:
         for r, t, lp, top, ids in zip(reqs, got.tokens, got.logprobs, got.top, got.ids):
             r.emit(t, self.model.version, lp, top, ids)
             r.finish = self.stop(r)
+
+
+def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None):
+    """The runner of `model`: the null model's (engines/null.py), else the network's,
+    across the tensor-parallel group `tp` if there is one."""
+    if isinstance(model.net, NullNet):
+        if tp is not None:
+            raise ModelError("the null model runs at --tp 1 only")
+        return NullRunner(model, pool)
+    return ModelRunner(model, pool) if tp is None else TpRunner(model, pool, tp)

@@ -14,6 +14,7 @@ from engines.formats.chat import ChatTemplate, encode_chat
 from engines.models.config import ModelConfig, ModelError
 from engines.formats.gguf_file import GGUFFile, is_gguf
 from engines.models.llama import LlamaForCausalLM
+from engines.null import NullNet, NullSpec, is_null
 from engines.formats.overrides import ModelOverrides
 from engines.tp.plan import Shard
 from engines.models.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
@@ -107,6 +108,9 @@ class Source:
 
 def _source(spec: str, text: bool) -> Source:
     """`text`: also build the tokenizer and chat template (not needed for a weight update)."""
+    if is_null(spec):
+        return Source(NullSpec.parse(spec).config(torch.float32), [], tiny_tokenizer(), None,
+                      "the null model has no chat template")
     if is_tiny(spec):
         return Source(ModelConfig.from_dict(TINY_CONFIG),
                       [lazy(n, t) for n, t in tiny_state_dict(tiny_seed(spec)).items()],
@@ -120,8 +124,8 @@ def _source(spec: str, text: bool) -> Source:
         return src
     root = Path(spec)
     if not root.is_dir():
-        raise ModelError(f"model {spec!r} is neither 'tiny', '{SMOLLM2}', a .gguf file nor "
-                         "an existing directory")
+        raise ModelError(f"model {spec!r} is neither 'tiny', '{SMOLLM2}', 'null', a .gguf file "
+                         "nor an existing directory")
     src = Source(ModelConfig.from_dir(root), iter_tensors(root))
     tok_file = root / "tokenizer.json"
     if text and tok_file.is_file():
@@ -162,12 +166,17 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
     path = resolve_spec(spec)
     src = _source(path, text=True)
     o = overrides or ModelOverrides()
+    if is_null(path):          # its KV layout is in bytes: the head is sized for `dt`
+        src.cfg = NullSpec.parse(path).config(dt)
     cfg = o.config(src.cfg)
     tokenizer, chat, problem = o.text(cfg, src.tokenizer, src.chat, src.text_problem)
-    net = new_net(cfg, dev, dt)
-    apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
-    net.setup_rotary(dt, dev)
-    net.eval()
+    if is_null(path):
+        net = NullNet(NullSpec.parse(path))
+    else:
+        net = new_net(cfg, dev, dt)
+        apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
+        net.setup_rotary(dt, dev)
+        net.eval()
     return LoadedModel(spec, cfg, net, tokenizer, dev, dt,
                        version or default_version(path), chat, problem)
 
@@ -190,6 +199,10 @@ def update_weights(model: LoadedModel, path: str, version: str | None = None) ->
     if model.shard is not None:
         raise ValueError("one rank's part of a model updates through engines.tp.shard.update_part")
     path = resolve_spec(path)
+    if isinstance(model.net, NullNet):
+        model.net.update(path)
+        model.version = version or model.version
+        return model.version
     src = _checked_source(path, model.cfg)
     plan = read_checkpoint(model.net, src.tensors, path)
     apply_checkpoint(model.net, plan)
@@ -219,4 +232,6 @@ def whole_net(path: str, cfg: ModelConfig, dev: torch.device, dt: torch.dtype) -
 
 
 def default_version(spec: str) -> str:
+    if is_null(spec):
+        return NullSpec.parse(spec).version
     return spec if is_tiny(spec) else Path(spec).resolve().name

@@ -14,6 +14,8 @@ import torch
 
 from engines.formats.overrides import ModelOverrides
 from engines.loader import LoadedModel, load_model
+from engines.models.config import ModelError
+from engines.null import is_null
 from engines.tp.group import TpGroup, free_port, join
 from engines.tp.plan import TpPlan
 from engines.tp.shard import shard_model
@@ -84,6 +86,8 @@ def lead(model: str, device: str, dtype: str, version: str | None,
     """Start ranks 1..size-1 and join them as rank 0: (rank 0's part, the group, the
     other ranks' processes). A model that cannot be split `size` ways is a ValueError
     before any process starts."""
+    if is_null(model):
+        raise ModelError("the null model runs at --tp 1 only")
     spec = RankSpec(model, device, dtype, version, overrides, size, free_port(), threads,
                     logging.getLogger().getEffectiveLevel())
     whole = load_whole(spec, 0)

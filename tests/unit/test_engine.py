@@ -225,7 +225,7 @@ def test_mismatched_checkpoint_keeps_old_weights(tmp_path):
 
 
 def test_missing_and_corrupt_checkpoints(tmp_path):
-    with pytest.raises(ModelError, match="neither 'tiny', 'smollm2', a .gguf file nor an existing directory"):
+    with pytest.raises(ModelError, match="neither 'tiny', 'smollm2', 'null', a .gguf file nor an existing directory"):
         load_model(str(tmp_path / "nope"))
     with pytest.raises(ModelError, match="no config.json"):
         load_model(str(tmp_path))

@@ -18,6 +18,7 @@ from engines.models.config import ModelError
 from engines.loader import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.models.tiny import is_tiny
+from engines.null import is_null
 from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, UpdateWeights, UpdateWeightVersion)
 from zpd.wire.admin_fields import KV_CACHE, WEIGHTS
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
@@ -35,10 +36,10 @@ def checkpoint_source(path: str, root: str | None) -> str:
     """Where `update_weights` may load `path` from: anywhere without a root; with one,
     only a directory that resolves (symlinks and .. followed) under it, relative paths
     taken from it. The refusal reads the same whether `path` exists or not, so it
-    cannot be used to map the host's directories. `tiny` specs touch no file."""
+    cannot be used to map the host's directories. `tiny` and `null` specs touch no file."""
     if "\0" in path:                  # no file has one; realpath would raise
         raise StatusError(BAD_REQUEST, "update_weights: the path holds a NUL character")
-    if root is None or is_tiny(path) or path == SMOLLM2:
+    if root is None or is_tiny(path) or is_null(path) or path == SMOLLM2:
         return path
     base = os.path.realpath(root)
     real = os.path.realpath(os.path.join(base, path))

@@ -1,0 +1,214 @@
+"""The null engine: a model with no weights and no compute, for simulating a cluster.
+
+`--model null[:OPTIONS]`, OPTIONS comma-separated `key=value` (a bare first number is
+`step_ms`): `null`, `null:5`, `null:step_ms=5,prefill_us=20,kv_bytes=131072,seed=1`.
+
+- step_ms (20): one decode step, whatever the batch;
+- prefill_us (50): per prompt token a prefill computes (a cached prefix costs nothing);
+- kv_bytes (4096): KV bytes per token, a multiple of 16 (a page is --page-size times
+  this: Llama-3-8B in bfloat16 is 131072);
+- seed (0): the "weights". `update_weights` to a null spec takes its seed alone.
+
+The forward sleeps out its time rather than spinning: like a torch forward it releases
+the GIL, so the worker's busy responder answers pings meanwhile (zpd/worker/busy.py),
+and a hundred simulated workers cost a machine no CPU for their "compute".
+
+The tokens are a function of the context, as a real model's are: position i of a
+sequence holds h(i) = mix(h(i-1), token i, seed), and the token after it is
+`next_token(h(i))`, printable ASCII (32..126; never EOS, so a request runs to its
+max_new_tokens). The prefill writes h(i) into the first 4 bytes of position i's K row
+in the KV pages and the decode step reads it back from there, so a page the
+transport lost or garbled changes the tokens, and KV recomputed under a new seed
+gives that seed's tokens. `predict` is what a test expects."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from engines.kv.pool import KVPool
+from engines.models.config import ModelConfig, ModelError
+from engines.models.tiny import BOS_ID, EOS_ID
+from engines.torch_backend import TorchBackend
+
+if TYPE_CHECKING:
+    from engines.loader import LoadedModel
+
+VOCAB = 258                          # the byte tokenizer's: 256 bytes, BOS, EOS
+FIRST, SPAN = 32, 95                 # tokens are printable ASCII
+MASK = 0x7FFFFFFF                    # h fits an int32 of the pool
+START = 0x2545F491 & MASK            # h before the first token
+PEAK = 50.0                          # the chosen token's logit; the others' are 0
+
+
+@dataclass(frozen=True)
+class NullSpec:
+    """The null model's options (the module's docstring gives the spelling)."""
+    step_ms: float = 20.0
+    prefill_us: float = 50.0
+    kv_bytes: int = 4096
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> "NullSpec":
+        if not is_null(spec):
+            raise ModelError(f"{spec!r} is not a null model spec")
+        opts = spec[len("null:"):].split(",") if spec != "null" else []
+        got = {}
+        for i, opt in enumerate(opts):
+            key, eq, value = opt.partition("=")
+            key, value = (key, value) if eq else ("step_ms" if i == 0 else "", key)
+            got[key.strip()] = value.strip()
+        known = {f.name: f.type for f in fields(cls)}
+        if set(got) - set(known):
+            raise ModelError(f"bad null model spec {spec!r}: unknown option "
+                             f"{sorted(set(got) - set(known))[0]!r}; {SPELLING}")
+        try:
+            out = cls(**{k: (float if known[k] == "float" else int)(v) for k, v in got.items()})
+        except ValueError:
+            raise ModelError(f"bad null model spec {spec!r}: every value is a number; "
+                             f"{SPELLING}") from None
+        return out.checked(spec)
+
+    def checked(self, spec: str) -> "NullSpec":
+        times = (self.step_ms, self.prefill_us)
+        if self.seed < 0 or not all(math.isfinite(t) and t >= 0 for t in times):
+            raise ModelError(f"bad null model spec {spec!r}: times and seed are finite, >= 0")
+        if self.kv_bytes < 16 or self.kv_bytes % 16:
+            raise ModelError(f"bad null model spec {spec!r}: kv_bytes is a multiple of 16 "
+                             f"(got {self.kv_bytes})")
+        return self
+
+    @property
+    def version(self) -> str:
+        """The weight version a worker loaded with this spec reports by default."""
+        return "null" if not self.seed else f"null:seed={self.seed}"
+
+    def config(self, dtype: torch.dtype) -> ModelConfig:
+        """One layer, one KV head of kv_bytes / 2 (K and V) per token in `dtype`."""
+        head_dim = self.kv_bytes // 2 // torch.empty((), dtype=dtype).element_size()
+        return ModelConfig(architecture="null", vocab_size=VOCAB, hidden_size=head_dim,
+                           intermediate_size=0, num_layers=1, num_heads=1, num_kv_heads=1,
+                           head_dim=head_dim, max_position=1 << 20, rms_norm_eps=0.0,
+                           rope_theta=0.0, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
+
+
+SPELLING = "spell it null[:STEP_MS] or null:step_ms=MS,prefill_us=US,kv_bytes=N,seed=N"
+
+
+def is_null(spec: str) -> bool:
+    return spec == "null" or spec.startswith("null:")
+
+
+class NullNet(torch.nn.Module):
+    """The null model's network: no parameters; its "weights" are the spec's seed."""
+
+    def __init__(self, spec: NullSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def update(self, spec: str) -> None:
+        """Take the seed of null spec `spec`, its weights; its other options (times, KV
+        size) stay as loaded. ModelError for a spec that is not a null model's."""
+        if not is_null(spec):
+            raise ModelError(f"the null model updates only from a null spec "
+                             f"(null:seed=N), not {spec!r}")
+        self.spec = replace(self.spec, seed=NullSpec.parse(spec).seed)
+
+
+def mix(h: int, token: int, seed: int) -> int:
+    return (((h ^ (token + 1)) * 0x01000193) + seed * 0x9E3779B1 + 1) & MASK
+
+
+def next_token(h: int) -> int:
+    return FIRST + ((h * 2654435761) >> 13) % SPAN
+
+
+def predict(prompt: list[int], max_new: int, seed: int = 0) -> list[int]:
+    """The tokens the null model of `seed` answers `prompt` with."""
+    h, out = START, []
+    for t in prompt:
+        h = mix(h, t, seed)
+    for _ in range(max_new):
+        out.append(next_token(h))
+        h = mix(h, out[-1], seed)
+    return out
+
+
+class NullRunner:
+    """ModelRunner's interface over the null model: writes and reads h (above) in the
+    KV pages, sleeps out the spec's time, and answers logits peaked at the next token."""
+
+    def __init__(self, model: LoadedModel, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        self.backend = TorchBackend()                # the sampler's argmax
+        L = pool.layout
+        self.row_words = L.num_kv_heads * L.head_dim * L.element_bytes // 4   # int32s per K row
+
+    @property
+    def spec(self) -> NullSpec:
+        return self.model.net.spec
+
+    def prefill(self, prompts: list[list[int]], page_tables: list[list[int]],
+                starts: list[int] | None = None) -> torch.Tensor:
+        began, starts = time.monotonic(), starts or [0] * len(prompts)
+        if min(len(p) - s for p, s in zip(prompts, starts)) < 1:
+            raise ValueError("a prefill computes at least one token of each prompt")
+        seed, last, at, hs = self.spec.seed, [], [], []
+        for prompt, table, start in zip(prompts, page_tables, starts):
+            h = self._read([table], [start - 1])[0] if start else START
+            for pos in range(start, len(prompt)):
+                h = mix(h, prompt[pos], seed)
+                at.append((table, pos))
+                hs.append(h)
+            last.append(h)
+        self._write([t for t, _ in at], [p for _, p in at], hs)
+        self._wait(began, self.spec.prefill_us * 1e-6 * len(hs))
+        return self._logits(last)
+
+    def prefill_with_logprobs(self, prompts, page_tables, starts=None, logprob_from=None):
+        if any(a is not None for a in logprob_from or []):
+            raise ModelError("the null model computes no prompt logprobs")
+        return self.prefill(prompts, page_tables, starts), [None] * len(prompts)
+
+    def decode(self, tokens: list[int], positions: list[int],
+               page_tables: list[list[int]]) -> torch.Tensor:
+        began, seed = time.monotonic(), self.spec.seed
+        before = self._read(page_tables, [p - 1 for p in positions])
+        hs = [mix(h, t, seed) for h, t in zip(before, tokens)]
+        self._write(page_tables, positions, hs)
+        self._wait(began, self.spec.step_ms * 1e-3)
+        return self._logits(hs)
+
+    def _index(self, tables: list[list[int]], positions: list[int]) -> tuple[list[int], list[int]]:
+        size = self.pool.layout.page_size
+        return [t[p // size] for t, p in zip(tables, positions)], \
+            [(p % size) * self.row_words for p in positions]
+
+    def _words(self) -> torch.Tensor:
+        """The pool as int32 words, one row per page (K rows first: one layer)."""
+        return self.pool.buffer.view(self.pool.num_pages, -1).view(torch.int32)
+
+    def _read(self, tables: list[list[int]], positions: list[int]) -> list[int]:
+        pages, offsets = self._index(tables, positions)
+        return self._words()[pages, offsets].tolist()
+
+    def _write(self, tables: list[list[int]], positions: list[int], hs: list[int]) -> None:
+        if hs:
+            pages, offsets = self._index(tables, positions)
+            self._words()[pages, offsets] = torch.tensor(hs, dtype=torch.int32,
+                                                         device=self.pool.device)
+
+    def _logits(self, hs: list[int]) -> torch.Tensor:
+        logits = torch.zeros(len(hs), VOCAB, dtype=torch.float32, device=self.pool.device)
+        logits[range(len(hs)), [next_token(h) for h in hs]] = PEAK
+        return logits
+
+    @staticmethod
+    def _wait(began: float, seconds: float) -> None:
+        left = began + seconds - time.monotonic()
+        if left > 0:
+            time.sleep(left)
