@@ -44,8 +44,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "--model-path", dest="model", required=True,
                    help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3), a .gguf "
-                        "file, 'smollm2', or 'tiny' (embedded default; 'tiny:SEED' for other "
-                        "weights); --model-path is SGLang's name for it")
+                        "file, 'smollm2', 'tiny' (embedded default; 'tiny:SEED' for other "
+                        "weights) or 'null[:STEP_MS]' (no model: a simulation, docs/serving.md); "
+                        "--model-path is SGLang's name for it")
     add_text_options(g)
     g.add_argument("--context-length", type=int, default=None,
                    help="serve at most this many tokens per request (prompt + max_new_tokens; "
