@@ -32,6 +32,7 @@ import torch
 from engines.kv.pool import KVPool
 from engines.models.config import ModelConfig, ModelError
 from engines.models.tiny import BOS_ID, EOS_ID
+from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs, prompt_logprobs, scored_run
 from engines.torch_backend import TorchBackend
 
 if TYPE_CHECKING:
@@ -154,25 +155,41 @@ class NullRunner:
 
     def prefill(self, prompts: list[list[int]], page_tables: list[list[int]],
                 starts: list[int] | None = None) -> torch.Tensor:
+        return self.prefill_with_logprobs(prompts, page_tables, starts)[0]
+
+    def prefill_with_logprobs(self, prompts: list[list[int]], page_tables: list[list[int]],
+                              starts: list[int] | None = None,
+                              logprob_from: list[PromptLogprobAsk | int | None] | None = None
+                              ) -> tuple[torch.Tensor, list[PromptLogprobs | None]]:
+        """ModelRunner's contract: the logits of each prompt's last token, and the prompt
+        logprobs asked for (of the same peaked logits at every position)."""
         began, starts = time.monotonic(), starts or [0] * len(prompts)
         if min(len(p) - s for p, s in zip(prompts, starts)) < 1:
             raise ValueError("a prefill computes at least one token of each prompt")
-        seed, last, at, hs = self.spec.seed, [], [], []
-        for prompt, table, start in zip(prompts, page_tables, starts):
-            h = self._read([table], [start - 1])[0] if start else START
-            for pos in range(start, len(prompt)):
-                h = mix(h, prompt[pos], seed)
-                at.append((table, pos))
-                hs.append(h)
-            last.append(h)
-        self._write([t for t, _ in at], [p for _, p in at], hs)
-        self._wait(began, self.spec.prefill_us * 1e-6 * len(hs))
-        return self._logits(last)
+        computed = [self._chain(p, t, s) for p, t, s in zip(prompts, page_tables, starts)]
+        self._wait(began, self.spec.prefill_us * 1e-6 * sum(map(len, computed)))
+        logits = self._logits([hs[-1] for hs in computed])
+        asks = [PromptLogprobAsk(a) if isinstance(a, int) else a
+                for a in logprob_from or [None] * len(prompts)]
+        runs = [scored_run(a, len(p), s) for a, p, s in zip(asks, prompts, starts)]
+        if not any(runs):
+            return logits, [None] * len(prompts)
+        rows = [h for hs, s, r in zip(computed, starts, runs) if r
+                for h in hs[r.position - s:r.position - s + r.count]]
+        hidden = torch.tensor(rows, dtype=torch.int64, device=self.pool.device)[:, None]
+        return logits, prompt_logprobs(lambda h: self._logits(h[:, 0].tolist()), hidden,
+                                       prompts, asks, runs, VOCAB)
 
-    def prefill_with_logprobs(self, prompts, page_tables, starts=None, logprob_from=None):
-        if any(a is not None for a in logprob_from or []):
-            raise ModelError("the null model computes no prompt logprobs")
-        return self.prefill(prompts, page_tables, starts), [None] * len(prompts)
+    def _chain(self, prompt: list[int], table: list[int], start: int) -> list[int]:
+        """h at positions start..len-1 of `prompt`, written into its pages (what comes
+        before `start` is there already: a cached prefix)."""
+        h, hs, seed = (self._read([table], [start - 1])[0] if start else START), [], self.spec.seed
+        for t in prompt[start:]:
+            h = mix(h, t, seed)
+            hs.append(h)
+        positions = list(range(start, len(prompt)))
+        self._write([table] * len(hs), positions, hs)
+        return hs
 
     def decode(self, tokens: list[int], positions: list[int],
                page_tables: list[list[int]]) -> torch.Tensor:

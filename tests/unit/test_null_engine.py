@@ -12,7 +12,8 @@ from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.models.config import ModelError
-from engines.null import NullSpec, predict
+from engines.null import PEAK, NullSpec, predict
+from engines.prompt_logprobs import PromptLogprobAsk
 from tests.unit.inproc import InprocCluster, reference
 from transport import FaultRule
 from zpd.ops.cli import main
@@ -186,3 +187,24 @@ def test_a_lost_transfer_shows_in_the_tokens():
         c.check_pages()
     finally:
         c.close()
+
+
+def test_prompt_logprobs_are_of_the_same_peaked_logits():
+    """Token p's logprob is ~0 where the model would have said it, ~-PEAK elsewhere."""
+    prompt = [5] + predict([5], 3) + [7 if predict([5], 4)[3] != 7 else 8]
+    logits, (got,) = _compute(FAST).runner.prefill_with_logprobs(
+        [prompt], [[1]], logprob_from=[PromptLogprobAsk(0, top_k=1)])
+    assert got.first == 1 and got.token_logprobs[:3] == pytest.approx([0, 0, 0], abs=1e-6)
+    assert got.token_logprobs[3] == pytest.approx(-PEAK, abs=1e-3)
+    assert [t[0][0] for t in got.top] == predict([5], 4)
+    assert int(logits.argmax(-1)) == predict(prompt, 1)[0]
+
+
+def test_1p1d_answers_prompt_and_output_logprobs(null_cluster):
+    prompt = PROMPT + predict(PROMPT, 2)             # its last two tokens are the model's
+    sampling = {"return_logprob": True, "logprob_start_len": 0}
+    got = null_cluster.run(null_cluster.submit(prompt, 3, sampling=sampling))
+    values = [v for v, _ in got.meta["input_token_logprobs"]]
+    assert values[0] is None and values[-2:] == pytest.approx([0, 0], abs=1e-6)
+    assert got.token_ids == predict(prompt, 3) and got.logprobs == pytest.approx([0] * 3, abs=1e-6)
+    null_cluster.check_pages()
