@@ -4,6 +4,7 @@ page handoff, so a test can predict every token without a model to compare with.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -17,6 +18,8 @@ from engines.prompt_logprobs import PromptLogprobAsk
 from tests.unit.inproc import InprocCluster, reference
 from transport import FaultRule
 from zpd.ops.cli import main
+from zpd.wire.net import Dealer
+from zpd.wire.protocol import Ping, Pong
 
 FAST = "null:step_ms=0,prefill_us=0,kv_bytes=1024"
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]   # 17 tokens: 2 pages
@@ -208,3 +211,30 @@ def test_1p1d_answers_prompt_and_output_logprobs(null_cluster):
     assert values[0] is None and values[-2:] == pytest.approx([0, 0], abs=1e-6)
     assert got.token_ids == predict(prompt, 3) and got.logprobs == pytest.approx([0] * 3, abs=1e-6)
     null_cluster.check_pages()
+
+
+def test_a_long_step_still_answers_pings():
+    """The step sleeps as a torch forward computes, off the GIL: the busy responder
+    (zpd/worker/busy.py) answers a ping in the middle of it, as for a real forward."""
+    c = InprocCluster(model="null:step_ms=1500,prefill_us=0,kv_bytes=1024")
+    pong_at: list[float] = []
+
+    def probe() -> None:
+        dealer = Dealer(c.ctx, c.decode.endpoint, identity=b"prober")
+        time.sleep(0.7)                                  # inside the decode step
+        dealer.send(Ping(1, 0.0, "prober"))
+        got = dealer.recv(timeout=3.0)
+        pong_at.append(time.monotonic() if isinstance(got, Pong) else float("inf"))
+        dealer.close()
+
+    try:
+        rid = c.submit(PROMPT, 2)
+        thread = threading.Thread(target=probe)
+        thread.start()
+        began = time.monotonic()
+        assert c.run(rid).token_ids == predict(PROMPT, 2)
+        ended = time.monotonic()
+        thread.join()
+        assert ended - began >= 1.5 and pong_at[0] < ended - 0.3, (began, pong_at, ended)
+    finally:
+        c.close()
