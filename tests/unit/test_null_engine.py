@@ -238,3 +238,10 @@ def test_a_long_step_still_answers_pings():
         assert ended - began >= 1.5 and pong_at[0] < ended - 0.3, (began, pong_at, ended)
     finally:
         c.close()
+
+
+def test_memory_release_and_resume(null_cluster):
+    c = null_cluster
+    assert c.admin("release_memory")["ok"] and c.admin("resume_memory")["ok"]
+    assert c.run(c.submit(PROMPT, 5)).token_ids == predict(PROMPT, 5)
+    c.check_pages()
