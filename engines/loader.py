@@ -166,19 +166,23 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
     path = resolve_spec(spec)
     src = _source(path, text=True)
     o = overrides or ModelOverrides()
-    if is_null(path):          # its KV layout is in bytes: the head is sized for `dt`
-        src.cfg = NullSpec.parse(path).config(dt)
+    null = NullSpec.parse(path) if is_null(path) else None
+    if null is not None:       # its KV size is in bytes: the head is sized for `dt`
+        src.cfg = null.config(dt)
     cfg = o.config(src.cfg)
     tokenizer, chat, problem = o.text(cfg, src.tokenizer, src.chat, src.text_problem)
-    if is_null(path):
-        net = NullNet(NullSpec.parse(path))
-    else:
-        net = new_net(cfg, dev, dt)
-        apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
-        net.setup_rotary(dt, dev)
-        net.eval()
+    net = NullNet(null) if null is not None else _loaded_net(cfg, src, path, dev, dt)
     return LoadedModel(spec, cfg, net, tokenizer, dev, dt,
                        version or default_version(path), chat, problem)
+
+
+def _loaded_net(cfg: ModelConfig, src: Source, path: str, dev: torch.device,
+                dt: torch.dtype) -> LlamaForCausalLM:
+    net = new_net(cfg, dev, dt)
+    apply_checkpoint(net, read_checkpoint(net, src.tensors, path))
+    net.setup_rotary(dt, dev)
+    net.eval()
+    return net
 
 
 def new_net(cfg: ModelConfig, dev: torch.device, dt: torch.dtype) -> LlamaForCausalLM:
