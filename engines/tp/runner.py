@@ -33,7 +33,18 @@ class TpRunner(ModelRunner):
         tp.tell("make_pool", pool.layout.page_size, pool.num_pages, clears is not None)
         self.others = self._open_pools()
         if clears is not None:         # every rank's part of a freed page is zeroed
-            pool.allocator.on_free = lambda pages: (tp.tell("clear_pages", pages), clears(pages))
+            pool.allocator.on_free = lambda pages: self._clear_everywhere(pages, clears)
+
+    def _clear_everywhere(self, pages: list[int], clear_own) -> None:
+        """Zero freed pages on every rank. Pages are freed from any handler of the loop:
+        a group that fails here is marked broken (the worker stops) instead of raising
+        into it, and our own part is zeroed regardless."""
+        try:
+            with self._group_errors():
+                self.tp.tell("clear_pages", pages)
+        except RuntimeError:
+            pass                       # logged and marked by _group_errors
+        clear_own(pages)
 
     def prefill_with_logprobs(self, *args):
         with self._group_errors():

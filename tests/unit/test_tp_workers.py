@@ -142,6 +142,26 @@ def test_a_dead_rank_stops_its_worker():
         (proc,) = c.decode.tp_procs
         proc.kill()
         proc.join()
+        c.advance(1.0)                       # the heartbeat's check of the rank processes
         assert "exited" in c.decode.failure()
+    finally:
+        c.close()
+
+
+def test_pages_freed_after_a_rank_died_are_zeroed_here_and_break_the_group():
+    """With --clear-freed-pages every rank zeroes a freed page; a rank that is gone
+    cannot, which marks the group broken (the worker stops) instead of raising into
+    whatever loop handler freed the pages, and our own part is still zeroed."""
+    c = InprocCluster(tp=(1, 2), clear_freed_pages=True)
+    try:
+        pool = c.decode.pool
+        pages = pool.allocator.alloc(2)
+        pool.buffer[pages] = 1.0
+        (proc,) = c.decode.tp_procs
+        proc.kill()
+        proc.join()
+        pool.allocator.free_pages(pages)
+        assert pool.buffer[pages].abs().sum() == 0
+        assert c.decode.failure() is not None
     finally:
         c.close()

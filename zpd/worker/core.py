@@ -94,6 +94,8 @@ class WorkerCore:
             **self.memory.commands(), **self.weight_sync.commands()}
         self.loop.add_socket(self.sock, self._on_socket)
         self.loop.every(cfg.deadlines.heartbeat, self._check_peers)
+        if self.tp is not None:
+            self.loop.every(cfg.deadlines.heartbeat, self._check_ranks)
         # Pings are answered during forwards longer than this, so a busy worker stays alive.
         self.responder = BusyResponder(self.sock, self._answer_while_busy,
                                        min(cfg.deadlines.heartbeat, cfg.deadlines.peer_timeout / 4))
@@ -122,14 +124,16 @@ class WorkerCore:
             self.run_once()
 
     def failure(self) -> str | None:
-        """Why this worker cannot go on: one of its other ranks died, or a collective
-        failed (then the ranks are out of step for good); None while all is well."""
-        if self.tp is None:
-            return None
-        dead = [p for p in self.tp_procs if p.exitcode is not None]
-        if dead and self.tp.broken is None and not self.tp.stopped:
-            self.tp.broken = f"tensor-parallel rank process {dead[0].name} exited ({dead[0].exitcode})"
-        return self.tp.broken
+        """Why this worker cannot go on: one of its other ranks died (`_check_ranks`,
+        every heartbeat), or a collective failed (then the ranks are out of step for
+        good); None while all is well. A field read: the loop asks every round."""
+        return None if self.tp is None else self.tp.broken
+
+    def _check_ranks(self) -> None:
+        """Off the hot path, once a heartbeat: a rank process that exited breaks the group."""
+        dead = next((p for p in self.tp_procs if p.exitcode is not None), None)
+        if dead is not None and self.tp.broken is None and not self.tp.stopped:
+            self.tp.broken = f"tensor-parallel rank process {dead.name} exited ({dead.exitcode})"
 
     def run_once(self, block: bool = True) -> None:
         """Poll sockets and fire due timers (waiting only when there is nothing to run),
