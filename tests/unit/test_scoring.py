@@ -154,6 +154,23 @@ def test_an_abort_pause_ends_it_with_499(cluster):
     cluster.serves_again()
 
 
+def test_waiting_past_its_deadline_ends_it_with_504(cluster, monkeypatch):
+    """No pages for it (here: the prefill says none fit): it waits out --kv-wait-timeout
+    and its router gets 504, with the counts of a request that generated nothing."""
+    monkeypatch.setattr(cluster.prefill.scheduler, "_fits", lambda job: False)
+    rid = cluster.submit(PROMPT, 0, sampling=SCORE)
+    cluster.pump(5)
+    assert not cluster.finished(rid)
+    cluster.advance(cluster.prefill.cfg.deadlines.wait_pages + 1.0)
+    got = cluster.run(rid)
+    assert got.status == 504 and "deadline expired waiting for KV pages" in got.finish["message"]
+    assert got.meta["completion_tokens"] == 0 and got.meta["prompt_tokens"] == 40
+    assert not cluster.prefill.scheduler.jobs and rid not in cluster.router.inflight
+    monkeypatch.undo()
+    cluster.check_pages()
+    cluster.serves_again()
+
+
 def test_its_prefill_dying_ends_it_with_503(cluster):
     cluster.silent.add("prefill")
     rid = cluster.submit(PROMPT, 0, sampling=SCORE)

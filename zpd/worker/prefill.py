@@ -25,8 +25,7 @@ from engines.sampler import SamplingParams
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvFailed, Recompute, TokenPart,
-                               Tokens)
+from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
 from zpd.worker.jobs import JobPhase, PrefillJob
@@ -203,12 +202,16 @@ class PrefillScheduler:
         output token) to its router, and its pages back (the prefix cache keeps them)."""
         req = job.req
         req.timings = prefill_timings(job.marks)
-        cached = job.skip * self.page_size
+        self._answer_router(job, job.skip * self.page_size)
+        log.info("rid=%r room=%d scored: %d prompt tokens (%d cached) under weights %r",
+                 req.rid, job.room, len(req.prompt), job.skip * self.page_size, req.scored_version)
+        self.end(job, None, "scored")
+
+    def _answer_router(self, job: PrefillJob, cached: int) -> None:
+        """A scoring request's final answer, scored or ended, built as a decode builds one."""
+        req = job.req
         self.core.queue_token(job.answer_to, token_part(
             req, 0, final_meta(req, self.core.model.tokenizer, cached)))
-        log.info("rid=%r room=%d scored: %d prompt tokens (%d cached) under weights %r",
-                 req.rid, job.room, len(req.prompt), cached, req.scored_version)
-        self.end(job, None, "scored")
 
     # --- requests ------------------------------------------------------------------
 
@@ -327,9 +330,8 @@ class PrefillScheduler:
         """The ended job's write is over (or there was none): tell its decode (or a
         scoring request's router), free."""
         if job.notice is not None and job.answer_to is not None:
-            self.core.queue_token(job.answer_to, TokenPart.abort(job.req.rid, *job.notice, {
-                "prompt_tokens": len(job.req.prompt), "completion_tokens": 0,
-                "retractions": 0, "cached_tokens": 0}))
+            job.req.abort(*job.notice)
+            self._answer_router(job, 0)
         elif job.notice is not None and job.decode is not None:
             self.core.send(job.decode, KvFailed(job.room, job.epoch, *job.notice))
         if job.req in self.pages:
