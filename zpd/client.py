@@ -1,15 +1,17 @@
 """`zpd.Client`: submit requests, stream tokens and send admin commands to a router
-(or admin commands straight to one worker)."""
+(or admin commands straight to one worker), or to several routers: zpd/failover.py
+says which router takes each request and what happens when one dies."""
 from __future__ import annotations
 
 import time
 import uuid
 import weakref
 from collections import deque
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import zmq
 
+from zpd.failover import FANNED, LINK_EVENTS, Routers, merge_replies, monitor_event, parse_routers
 from zpd.wire.net import Curve, Dealer, SocketOptions
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, TokenPart,
                                Tokens)
@@ -21,25 +23,42 @@ class NoAnswerError(TimeoutError):
 
 
 class Client:
-    """One DEALER connection; not thread-safe (use one Client per thread)."""
+    """One DEALER connection per router; not thread-safe (use one Client per thread)."""
 
-    def __init__(self, endpoint: str, timeout: float = 300.0, curve: Curve | None = None,
-                 connect_timeout: float = 5.0) -> None:
-        """`timeout`: seconds to wait for each answer. `connect_timeout`: seconds within
-        which the router must acknowledge each request submitted, else NoAnswerError (a
-        TimeoutError), so a wrong address fails fast. `curve`: this client's CURVE keys
-        (`zpd.wire.security.client_curve`) for a cluster started with --curve-keys;
-        None speaks plaintext."""
-        self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
+    def __init__(self, endpoint: str | Sequence[str], timeout: float = 300.0,
+                 curve: Curve | None = None, connect_timeout: float = 5.0,
+                 router_silence: float = 10.0) -> None:
+        """`endpoint`: "host:port", or several routers as "h:p,h:p" or a list.
+        `timeout`: seconds to wait for each answer. `connect_timeout`: seconds within
+        which the router must acknowledge each request submitted, else the request goes
+        to the next router up, or with none NoAnswerError (a TimeoutError), so a wrong
+        address fails fast. `router_silence`: a router silent this long with requests in
+        flight is gone; they end with 503, as when its connection drops. `curve`: this
+        client's CURVE keys (`zpd.wire.security.client_curve`) for a cluster started
+        with --curve-keys; None speaks plaintext."""
+        self.routers = Routers(parse_routers(endpoint))
+        self.endpoint = ",".join(self.routers.endpoints)
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.router_silence = router_silence
         self._ctx = zmq.Context()
+        self._dealers: list[Dealer] = []
+        self._monitors: list[zmq.Socket] = []
         try:
-            self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
+            for e in self.routers.endpoints:
+                self._dealers.append(Dealer(self._ctx, e, opts=SocketOptions(curve=curve)))
+                self._monitors.append(self._dealers[-1].socket.get_monitor_socket(LINK_EVENTS))
         except BaseException:
-            self._ctx.destroy(linger=0)
+            _shut(self._dealers, self._monitors, self._ctx)
             raise
+        self._poller = zmq.Poller()
+        for sock in [d.socket for d in self._dealers] + self._monitors:
+            self._poller.register(sock, zmq.POLLIN)
+        self._heard = [time.monotonic()] * len(self._dealers)   # when each router last spoke
+        self._owner: dict[str, int] = {}            # rid -> the router that has it
+        self._sent: dict[str, tuple[Generate, set[int]]] = {}   # unacknowledged: msg, tried
         # Also runs if the Client is dropped unclosed: a context left to the garbage
         # collector may be finalized before its socket and then wait on it forever.
-        self._closer = weakref.finalize(self, _shut, self._dealer, self._ctx)
+        self._closer = weakref.finalize(self, _shut, self._dealers, self._monitors, self._ctx)
         self._closer.atexit = False   # at exit a daemon thread may still be reading
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
@@ -125,7 +144,7 @@ class Client:
         return chunk_of(msg, asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
-        self._dealer.send(Abort(rid, 499, reason))
+        self._dealers[self._owner.get(rid, 0)].send(Abort(rid, 499, reason))
 
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                 sampling_params: dict | None = None, rid: str | None = None,
@@ -135,9 +154,16 @@ class Client:
         asked = asks_logprobs(msg.sampling)
         if asked != NOTHING:
             self._asked[msg.rid] = asked
-        self._dealer.send(msg)
-        self._unacked[msg.rid] = time.monotonic() + self.connect_timeout
+        self._send_to(self.routers.pick(time.monotonic()), msg, set())
         return msg.rid
+
+    def _send_to(self, i: int, msg: Generate, tried: set[int]) -> None:
+        now = time.monotonic()
+        self._dealers[i].send(msg)
+        tried.add(i)
+        self._owner[msg.rid], self._sent[msg.rid] = i, (msg, tried)
+        self._unacked[msg.rid] = now + self.connect_timeout
+        self._heard[i] = max(self._heard[i], now)       # silence counts from here
 
     # --- admin ----------------------------------------------------------------------
 
@@ -149,12 +175,24 @@ class Client:
             # A router answers with what it has (missing workers marked 504) a little
             # before we give up, so one dead worker still yields the others' results.
             args["timeout"] = timeout * 0.8
-        self._dealer.send(Admin(command, args, req_id))
+        now = time.monotonic()
+        targets = self.routers.fanned(now) if command in FANNED else \
+            [self.routers.coordinator(now)]
+        for i in targets:
+            self._dealers[i].send(Admin(command, args, req_id))
         wait = timeout or self.timeout
-        while True:
-            msg = self._next(AdminReply, f"the {command!r} reply", wait)
+        deadline, replies = now + wait, []
+        while len(replies) < len(targets):
+            left = deadline - time.monotonic()
+            try:
+                msg = self._next(AdminReply, f"the {command!r} reply", max(left, 1e-3))
+            except TimeoutError:
+                if replies:             # a fanned abort: the routers that answered
+                    break
+                raise
             if msg.req_id == req_id:
-                return {"ok": msg.ok} | msg.result
+                replies.append({"ok": msg.ok} | msg.result)
+        return merge_replies(command, replies)
 
     def _next(self, kind: type, what: str, timeout: float | None = None) -> Message | TokenPart:
         """The next `kind` (a message type, or TokenPart for one request's tokens);
@@ -164,25 +202,48 @@ class Client:
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             now = time.monotonic()
-            msg = self._dealer.recv(timeout=max(0.0, min(deadline - now, self._ack_wait(now))))
-            got = self._take(msg, kind) if msg is not None else None
-            if got is not None:
-                return got
-            if msg is None:                 # nothing pending: is anything overdue?
+            got = self._recv(max(0.0, min(deadline - now, self._ack_wait(now))))
+            msg = self._take(*got, kind) if got is not None else None
+            if msg is None and kind is TokenPart and self._parts:   # ended here (503)
+                msg = self._parts.popleft()
+            if msg is not None:
+                return msg
+            if got is None:                 # nothing pending: is anything overdue?
                 now = time.monotonic()
+                self._check_silent(now)
                 self._check_acked(now)
                 if now >= deadline:
                     raise TimeoutError(f"no answer from {self.endpoint} within "
                                        f"{timeout or self.timeout:.0f} s while waiting for {what}")
 
-    def _take(self, msg: Message, kind: type) -> Message | TokenPart | None:
-        """Note what `msg` tells; return it (or its first part) if it is a `kind`."""
+    def _recv(self, timeout: float) -> tuple[int, Message] | None:
+        """The next message and the router it came from; None after `timeout` seconds,
+        or after a connection event (a dropped router's requests handled first)."""
+        ready = dict(self._poller.poll(int(timeout * 1000) or 1))
+        for i, monitor in enumerate(self._monitors):
+            if monitor in ready and self.routers.link_event(i, monitor_event(monitor.recv_multipart())):
+                self._lost(i, f"the connection to the router {self._dealers[i].endpoint} dropped")
+        for i, dealer in enumerate(self._dealers):
+            if dealer.socket in ready:
+                msg = dealer.recv()
+                if msg is not None:
+                    self._heard[i] = time.monotonic()
+                    self.routers.heard(i)
+                    return i, msg
+        return None
+
+    def _take(self, i: int, msg: Message, kind: type) -> Message | TokenPart | None:
+        """Note what `msg` from router `i` tells; return it (or its first part) if it is
+        a `kind`. A late answer of a router a request was moved away from is dropped."""
         if isinstance(msg, Accepted):
-            self._unacked.pop(msg.rid, None)
+            if self._owner.get(msg.rid) == i:
+                self._acked(msg.rid)
         elif isinstance(msg, Tokens):            # several requests' tokens at once
-            parts = msg.unpack()
+            parts = [p for p in msg.unpack() if self._owner.get(p.rid, i) == i]
             for part in parts:                   # an answer implies the request arrived
-                self._unacked.pop(part.rid, None)
+                self._acked(part.rid)
+                if part.finished:
+                    self._owner.pop(part.rid, None)
             self._parts.extend(parts)
             if kind is TokenPart and self._parts:
                 return self._parts.popleft()
@@ -190,25 +251,68 @@ class Client:
             return msg
         return None
 
+    def _acked(self, rid: str) -> None:
+        self._unacked.pop(rid, None)
+        self._sent.pop(rid, None)
+
+    def _lost(self, i: int, why: str) -> None:
+        """Router `i` is gone: what it never acknowledged goes to another router up
+        (else waits out its acknowledgement); the rest ends now with 503."""
+        for rid in [rid for rid, owner in self._owner.items() if owner == i]:
+            if rid in self._sent:
+                msg, tried = self._sent[rid]
+                j = self.routers.next_up(time.monotonic(), tried)
+                if j is not None:
+                    self._send_to(j, msg, tried)
+                continue
+            del self._owner[rid]
+            self._parts.append(TokenPart.abort(rid, 503, why))
+
+    def _check_silent(self, now: float) -> None:
+        """Routers silent past router_silence with requests in flight are gone (a
+        router pings every client with requests in flight)."""
+        for i in set(self._owner.values()):
+            if now - self._heard[i] > self.router_silence:
+                self.routers.down(i, now)
+                self._lost(i, f"the router {self._dealers[i].endpoint} has not answered "
+                              f"for {now - self._heard[i]:.0f} s")
+                self._heard[i] = now
+
     def _ack_wait(self, now: float) -> float:
-        """Seconds until the next acknowledgement is due (a long time if none is)."""
-        return min(self._unacked.values(), default=now + self.timeout) - now
+        """Seconds until the next acknowledgement is due, or a router with requests in
+        flight has been silent too long (a long time if neither can be)."""
+        due = min(self._unacked.values(), default=now + self.timeout)
+        busy = set(self._owner.values())
+        return min([due] + [self._heard[i] + self.router_silence for i in busy]) - now
 
     def _check_acked(self, now: float) -> None:
         """Raise NoAnswerError for requests whose acknowledgement is overdue (forgotten
         then, so a later call waits as usual)."""
         late = [rid for rid, due in self._unacked.items() if due <= now]
-        if not late:
-            return
+        failed = []
         for rid in late:
-            del self._unacked[rid]
-        raise NoAnswerError(f"no answer from router {self.endpoint} within "
-                            f"{self.connect_timeout:g} s: is a router running there?")
+            i = self._owner[rid]
+            self.routers.down(i, now)
+            self.abort(rid, "not acknowledged in time")      # in case it arrives late
+            msg, tried = self._sent[rid]
+            j = self.routers.next_up(now, tried)
+            if j is not None:
+                self._send_to(j, msg, tried)
+                continue
+            del self._unacked[rid], self._sent[rid], self._owner[rid]
+            failed.append(self._dealers[i].endpoint)
+        if failed:
+            raise NoAnswerError(f"no answer from router {','.join(sorted(set(failed)))} within "
+                                f"{self.connect_timeout:g} s: is a router running there?")
 
 
-def _shut(dealer: Dealer, ctx: zmq.Context) -> None:
+def _shut(dealers: list[Dealer], monitors: list[zmq.Socket], ctx: zmq.Context) -> None:
     # linger 0 throughout: term() would otherwise wait for any socket still open
-    dealer.close()
+    for dealer in dealers:
+        dealer.socket.disable_monitor()
+        dealer.close()
+    for monitor in monitors:
+        monitor.close(linger=0)
     ctx.destroy(linger=0)
 
 

@@ -153,8 +153,8 @@ class CallerBackend:
             return text
         for address, name in self.names.items():
             text = text.replace(address, name)
-        if self.router:
-            text = text.replace(self.router, "the router")
+        for router in filter(None, self.router.split(",")):
+            text = text.replace(router, "the router")
         return ADDRESS.sub(HIDDEN, text)
 
     def __getattr__(self, name: str):

@@ -182,8 +182,9 @@ class Watched(asyncio.Protocol):
 class WatchedSite(web.TCPSite):
     """aiohttp's TCP site, each connection Watched by `book`."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, book: Connections) -> None:
-        super().__init__(runner, host, port)
+    def __init__(self, runner: web.AppRunner, host: str, port: int, book: Connections,
+                 reuse_port: bool = False) -> None:
+        super().__init__(runner, host, port, reuse_port=reuse_port)
         self.book = book
 
     async def start(self) -> None:

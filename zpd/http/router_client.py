@@ -1,4 +1,6 @@
-"""The HTTP front's connection to the router: one asyncio DEALER for every request.
+"""The HTTP front's connection to the router: one asyncio DEALER for every request
+(one per router where --router names several: zpd/failover.py says which router
+takes each request and what happens when one dies).
 
 One reader task takes each message off the socket and hands it on: a request's
 token chunks to that request's sink (a plain function, called in the reader task, so
@@ -23,17 +25,18 @@ import hashlib
 import logging
 import uuid
 from contextvars import ContextVar
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
-import zmq
 import zmq.asyncio
 from aiohttp import web
 
 from zpd.client import Asked, asks_logprobs, chunk_of, generate_message
+from zpd.failover import FANNED, Routers, merge_replies, parse_routers
 from zpd.http.records import GenRequest
-from zpd.wire.net import Curve, SocketOptions, configure_socket, parse_endpoint
-from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Message,
-                               ProtocolError, TokenPart, Tokens, decode, encode)
+from zpd.http.router_link import Link
+from zpd.wire.net import Curve
+from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Generate,
+                               Message, ProtocolError, TokenPart, Tokens, decode, encode)
 
 log = logging.getLogger("zpd.http.router_client")
 
@@ -97,31 +100,34 @@ def abort_chunk(rid: str, status: int, message: str) -> dict:
 
 
 class RouterClient:
-    """Requests and admin commands to one router, for many asyncio tasks at once."""
+    """Requests and admin commands to one router, or to several (`endpoint` a list or
+    "h:p,h:p"): zpd/failover.py says which takes what, and what happens when one dies.
+    For many asyncio tasks at once."""
 
-    def __init__(self, endpoint: str, curve: Curve | None = None, connect_timeout: float = 5.0,
-                 router_silence: float = 10.0, admin_timeout: float = 30.0) -> None:
-        self.endpoint, self.curve = endpoint, curve
+    def __init__(self, endpoint: str | Sequence[str], curve: Curve | None = None,
+                 connect_timeout: float = 5.0, router_silence: float = 10.0,
+                 admin_timeout: float = 30.0) -> None:
+        self.routers = Routers(parse_routers(endpoint))
+        self.endpoint, self.curve = ",".join(self.routers.endpoints), curve
         self.connect_timeout, self.router_silence = connect_timeout, router_silence
         self.admin_timeout = admin_timeout
         self._sinks: dict[str, Sink] = {}               # rid -> where its chunks go
         self._asked: dict[str, Asked] = {}  # rid -> the logprobs it asked for
-        self._unacked: set[str] = set()
+        self._owner: dict[str, int] = {}                # rid -> the router that has it
+        self._unacked: dict[str, Unacked] = {}          # rid -> how to send it elsewhere
         self._replies: dict[str, asyncio.Future] = {}   # admin req_id -> its reply
-        self._heard = 0.0                               # when the router last spoke
         self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self._links: list[Link] = []
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        host, _ = parse_endpoint(self.endpoint)
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        configure_socket(self._sock, host=host, server=False, opts=SocketOptions(curve=self.curve))
-        bracketed = f"[{host}]" if ":" in host else host
-        self._sock.connect(f"tcp://{bracketed}:{parse_endpoint(self.endpoint)[1]}")
-        self._heard = asyncio.get_running_loop().time()
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        now = asyncio.get_running_loop().time()
+        self._links = [Link(self._ctx, e, self.curve, now) for e in self.routers.endpoints]
+        self._tasks = [asyncio.create_task(self._watch())]
+        for i in range(len(self._links)):
+            self._tasks += [asyncio.create_task(self._read(i)),
+                            asyncio.create_task(self._follow(i))]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -130,9 +136,13 @@ class RouterClient:
         for rid in list(self._sinks):
             self.abort(rid, "the HTTP server is shutting down")
             self._end(rid, abort_chunk(rid, UNAVAILABLE, "the HTTP server is shutting down"))
-        if self._sock is not None:
-            self._sock.close(linger=100)        # a moment for the aborts just sent
+        for link in self._links:
+            link.close(linger=100)              # a moment for the aborts just sent
+        if self._ctx is not None:
             self._ctx.destroy(linger=0)         # term() alone waits on any socket left open
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
 
     # --- requests ---------------------------------------------------------------
 
@@ -155,8 +165,8 @@ class RouterClient:
 
         def close() -> None:
             if self._sinks.get(rid) is sink:
-                self._forget(rid)
                 self.abort(rid, "the HTTP client went away")
+                self._forget(rid)
         return close
 
     async def stream(self, req: GenRequest) -> AsyncIterator[dict]:
@@ -176,7 +186,8 @@ class RouterClient:
     def _forget(self, rid: str) -> None:
         self._sinks.pop(rid, None)
         self._asked.pop(rid, None)
-        self._unacked.discard(rid)
+        self._owner.pop(rid, None)
+        self._unacked.pop(rid, None)
 
     def _end(self, rid: str, chunk: dict) -> None:
         """Hand `rid`'s sink its last chunk, one made here."""
@@ -189,16 +200,21 @@ class RouterClient:
         msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages,
                                USER.get())
         frames = self._frames(rid, msg)
-        if frames is None:
-            return
-        if not self._send(msg, frames):
+        if frames is not None:
+            self._send_to(self.routers.pick(self._now()), rid, Unacked(msg, frames))
+
+    def _send_to(self, i: int, rid: str, pending: Unacked) -> None:
+        """Send `rid` to router `i`; it must acknowledge within connect_timeout."""
+        link = self._links[i]
+        if not self._send(pending.msg, pending.frames, i):
             self._end(rid, abort_chunk(rid, UNAVAILABLE, f"cannot reach the router "
-                                       f"{self.endpoint}: its send queue is full"))
+                                       f"{link.endpoint}: its send queue is full"))
             return
-        self._unacked.add(rid)
+        self._owner[rid], self._unacked[rid] = i, pending
+        pending.tried.add(i)
         loop = asyncio.get_running_loop()
-        self._heard = max(self._heard, loop.time())       # silence counts from here
-        loop.call_later(self.connect_timeout, self._check_acked, rid)
+        link.heard = max(link.heard, loop.time())       # silence counts from here
+        loop.call_later(self.connect_timeout, self._check_acked, rid, i)
 
     def _frames(self, rid: str, msg: Message) -> list[bytes] | None:
         """`msg` encoded; None (and `rid` ended with 400) where the router would refuse it."""
@@ -215,84 +231,120 @@ class RouterClient:
             return None
         return frames
 
-    def _check_acked(self, rid: str) -> None:
-        if rid in self._unacked and rid in self._sinks:
-            self.abort(rid, "not acknowledged in time")      # in case it arrives late
-            self._end(rid, abort_chunk(rid, UNAVAILABLE, f"no answer from the router "
-                                       f"{self.endpoint} within {self.connect_timeout:g} s: "
-                                       "is it running?"))
+    def _check_acked(self, rid: str, i: int) -> None:
+        if rid in self._unacked and self._owner.get(rid) == i and rid in self._sinks:
+            self.routers.down(i, self._now())
+            self._retry(rid, f"no answer from the router {self._links[i].endpoint} within "
+                             f"{self.connect_timeout:g} s: is it running?")
+
+    def _retry(self, rid: str, why: str) -> None:
+        """`rid`, never acknowledged, to the next router up (its last one is told to
+        drop it, in case it arrives late); with none left, it ends with 503 `why`."""
+        self.abort(rid, "not acknowledged in time")
+        pending = self._unacked[rid]
+        j = self.routers.next_up(self._now(), pending.tried)
+        if j is None:
+            self._end(rid, abort_chunk(rid, UNAVAILABLE, why))
+        else:
+            log.warning("request %s: %s; sending it to %s", rid, why, self._links[j].endpoint)
+            self._send_to(j, rid, pending)
 
     def abort(self, rid: str, reason: str) -> None:
-        """Ask the router to end `rid` (one of ours) with 499."""
-        self._send(Abort(rid, 499, reason))
+        """Ask the router that has `rid` (one of ours) to end it with 499."""
+        self._send(Abort(rid, 499, reason), to=self._owner.get(rid, 0))
 
     # --- admin ------------------------------------------------------------------
 
     async def admin(self, command: str, timeout: float | None = None, **args) -> dict:
         """{"ok": bool, **result}; a router that does not answer within `timeout` gives
-        {"ok": False, "status": 504, "error": ...}."""
+        {"ok": False, "status": 504, "error": ...}. Aborts go to every router up, the
+        rest to the coordinator (zpd/failover.py)."""
+        now = self._now()
+        if command in FANNED:
+            targets = self.routers.fanned(now)
+            replies = await asyncio.gather(*(self._admin(i, command, timeout, args)
+                                             for i in targets))
+            return merge_replies(command, list(replies))
+        return await self._admin(self.routers.coordinator(now), command, timeout, args)
+
+    async def _admin(self, i: int, command: str, timeout: float | None, args: dict) -> dict:
         wait = timeout or self.admin_timeout
-        req_id = uuid.uuid4().hex
+        req_id, link = uuid.uuid4().hex, self._links[i]
         # The router answers with what it has a little before we give up.
         reply = self._replies[req_id] = asyncio.get_running_loop().create_future()
+        sent = self._now()
         try:
-            if not self._send(Admin(command, args | {"timeout": wait * 0.8}, req_id)):
+            if not self._send(Admin(command, args | {"timeout": wait * 0.8}, req_id), to=i):
                 return {"ok": False, "status": UNAVAILABLE, "error": "router send queue full"}
             return await asyncio.wait_for(reply, wait)
         except asyncio.TimeoutError:
+            if link.heard < sent:               # not a slow command: a silent router
+                self.routers.down(i, self._now())
             return {"ok": False, "status": 504, "error": f"no answer from the router "
-                                                        f"{self.endpoint} within {wait:g} s"}
+                                                        f"{link.endpoint} within {wait:g} s"}
         finally:
             self._replies.pop(req_id, None)
 
-    # --- the socket ---------------------------------------------------------------
+    # --- the sockets --------------------------------------------------------------
 
-    def _send(self, msg: Message, frames: list[bytes] | None = None) -> bool:
-        """Queue `msg` (as `frames`, if encoded already) without waiting; False when the
-        socket's queue is full."""
-        done = self._sock.send_multipart(frames or encode(msg), flags=zmq.DONTWAIT)
-        if done.exception() is not None:
-            log.warning("dropped %s to the router %s: %s", msg.TYPE, self.endpoint, done.exception())
-            return False
-        return True
+    def _send(self, msg: Message, frames: list[bytes] | None = None, to: int = 0) -> bool:
+        """Queue `msg` (as `frames`, if encoded already) for router `to` without
+        waiting; False when the socket's queue is full."""
+        return self._links[to].send(msg, frames)
 
-    async def _read(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _read(self, i: int) -> None:
+        link = self._links[i]
         while True:
-            frames = await self._sock.recv_multipart()
-            self._heard = loop.time()
+            frames = await link.recv()
+            link.heard = self._now()
+            self.routers.heard(i)
             try:
-                self._dispatch(decode(frames))
+                self._dispatch(decode(frames), i)
             except ProtocolError as e:
                 log.warning("dropped a malformed message from the router: %s", e.reason)
             except Exception:       # a bug here must not stop every other request's reader
                 log.exception("handing on a message from the router failed")
 
-    def _dispatch(self, msg: Message) -> None:
+    async def _follow(self, i: int) -> None:
+        """Router `i`'s connection events: once it drops, the router is gone."""
+        link = self._links[i]
+        while True:
+            if self.routers.link_event(i, await link.event()):
+                self._lost(i, f"the connection to the router {link.endpoint} dropped")
+
+    def _dispatch(self, msg: Message, i: int) -> None:
         if isinstance(msg, Accepted):
-            self._unacked.discard(msg.rid)
+            if self._owner.get(msg.rid) == i:
+                self._unacked.pop(msg.rid, None)
         elif isinstance(msg, Tokens):
             for part in msg.unpack():
-                sink = self._sinks.get(part.rid)
-                if sink is None:
+                if self._owner.get(part.rid, i) != i:    # a late copy of one sent elsewhere
+                    if not part.finished:
+                        self._send(Abort(part.rid, 499, "sent to another router"), to=i)
                     continue
-                self._unacked.discard(part.rid)
-                chunk = chunk_of(part, self._asked[part.rid])
-                if chunk["finished"]:
-                    self._forget(part.rid)
-                try:
-                    sink(chunk)
-                except Exception as e:      # that request ends; the others go on
-                    log.exception("request %s: taking a chunk failed", part.rid)
-                    if not chunk["finished"]:
-                        self.abort(part.rid, "the HTTP front failed")
-                        self._forget(part.rid)
-                        self._call_quietly(sink, abort_chunk(part.rid, 500, f"{type(e).__name__}: {e}"))
+                self._take(part)
         elif isinstance(msg, AdminReply):
             reply = self._replies.get(msg.req_id)
             if reply is not None and not reply.done():
                 reply.set_result({"ok": msg.ok} | msg.result)
         # anything else (the router's pings) only says it is alive
+
+    def _take(self, part: TokenPart) -> None:
+        sink = self._sinks.get(part.rid)
+        if sink is None:
+            return
+        self._unacked.pop(part.rid, None)
+        chunk = chunk_of(part, self._asked[part.rid])
+        if chunk["finished"]:
+            self._forget(part.rid)
+        try:
+            sink(chunk)
+        except Exception as e:      # that request ends; the others go on
+            log.exception("request %s: taking a chunk failed", part.rid)
+            if not chunk["finished"]:
+                self.abort(part.rid, "the HTTP front failed")
+                self._forget(part.rid)
+                self._call_quietly(sink, abort_chunk(part.rid, 500, f"{type(e).__name__}: {e}"))
 
     @staticmethod
     def _call_quietly(sink: Sink, chunk: dict) -> None:
@@ -301,16 +353,36 @@ class RouterClient:
         except Exception:
             log.exception("request %s: its sink failed again; dropping it", chunk["rid"])
 
+    def _lost(self, i: int, why: str) -> None:
+        """Router `i` is gone: what it never acknowledged goes to another; the rest
+        ends with 503."""
+        mine = [rid for rid, owner in self._owner.items() if owner == i]
+        if mine:
+            log.error("%s: ending or moving its %d requests", why, len(mine))
+        for rid in mine:
+            if rid in self._unacked:
+                self._retry(rid, why)
+            else:
+                self._end(rid, abort_chunk(rid, UNAVAILABLE, why))
+
     async def _watch(self) -> None:
-        """End every request in flight once the router has been silent too long."""
-        loop = asyncio.get_running_loop()
+        """End every request in flight on a router that has been silent too long."""
         while True:
             await asyncio.sleep(min(1.0, self.router_silence / 4))
-            silent = loop.time() - self._heard
-            if self._sinks and silent > self.router_silence:
-                log.error("router %s silent for %.1f s: ending %d requests", self.endpoint,
-                          silent, len(self._sinks))
-                for rid in list(self._sinks):
-                    self._end(rid, abort_chunk(rid, UNAVAILABLE, f"the router {self.endpoint} "
-                                               f"has not answered for {silent:.0f} s"))
-                self._heard = loop.time()
+            now = self._now()
+            busy = set(self._owner.values())
+            for i, link in enumerate(self._links):
+                silent = now - link.heard
+                if i in busy and silent > self.router_silence:
+                    self.routers.down(i, now)
+                    self._lost(i, f"the router {link.endpoint} has not answered for "
+                                  f"{silent:.0f} s")
+                    link.heard = now
+
+
+class Unacked:
+    """A request sent and not yet acknowledged: enough to send it to another router."""
+
+    def __init__(self, msg: Generate, frames: list[bytes]) -> None:
+        self.msg, self.frames = msg, frames
+        self.tried: set[int] = set()

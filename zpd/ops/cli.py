@@ -15,7 +15,8 @@ from zpd.ops.keys import add_keys_parser
 from zpd.config import RouterConfig
 from zpd.env import configure_engine
 from zpd.ops.http_options import (add_http_front_options, add_http_key_options,
-                                  add_http_options, add_served_model_name, http_config)
+                                  add_http_options, add_http_workers_option,
+                                  add_served_model_name, http_config)
 from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
                              add_model_options, add_prompt_options, add_router_options, add_sampling_options, add_worker_options,
                              add_worker_server_options, check_fraction, check_tp, kv_cache_mb, model_overrides,
@@ -127,6 +128,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         check_admin_key(admin_key, args.curve_keys, args.insecure)
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be at least 1")
+    if args.http_workers < 1:
+        raise ValueError("--http-workers must be at least 1")
     check_fraction(args.mem_fraction_static)
     overrides = model_overrides(args)
     if overrides != ModelOverrides():
@@ -229,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--http-port", type=int, default=None,
                     help="also start `zpd http` on this port (0 = any free port); the ready "
                          'file gains "http": "H:P"')
+    add_http_workers_option(la, "--http-workers")
     add_served_model_name(la)
     add_http_key_options(la)
     add_http_front_options(la)
@@ -245,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", parents=[common], help="send requests to a router",
                        description="Send requests to a running cluster and print the responses.")
-    g.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default {ROUTER_ENDPOINT})")
+    g.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default "
+                   f"{ROUTER_ENDPOINT}), or several of one pool, comma-separated (one takes "
+                   "each request; a dead one's requests go to the others)")
     add_prompt_options(g)
     add_sampling_options(g)
     g.add_argument("--stream", action="store_true", help="print chunks as they arrive (one request)")

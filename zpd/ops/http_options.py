@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from zpd.config import HttpConfig
+from zpd.failover import parse_routers
 from zpd.ops.exposure import check_admin_key, given_http_keys
 from zpd.ops.options import (ROUTER_ENDPOINT, add_default, add_prompt_limit_options,
                              add_text_options, model_overrides, prompt_limits)
@@ -20,7 +21,13 @@ HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template",
 
 def add_http_options(p: argparse.ArgumentParser) -> None:
     """`zpd http`: where it serves and which router it is a client of."""
-    p.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default {ROUTER_ENDPOINT})")
+    p.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default "
+                   f"{ROUTER_ENDPOINT}), or several routers of one pool, comma-separated: each "
+                   "request goes to one router up, in turn; a router that dies ends its "
+                   "requests in flight with 503 and the next ones go to the others; admin "
+                   "routes go to the first router up (docs/http.md, \"Several fronts and "
+                   "routers\")")
+    add_http_workers_option(p, "--workers")
     p.add_argument("--model", "--model-path", dest="model", required=True,
                    help="the cluster's --model: its tokenizer and chat template turn token ids "
                         "into text (its weights are not loaded); --model-path is SGLang's name")
@@ -46,6 +53,14 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     add_http_front_options(p)
 
 
+def add_http_workers_option(g: argparse._ActionsContainer, flag: str) -> None:
+    g.add_argument(flag, dest="http_workers", type=int, default=1, metavar="N",
+                   help="HTTP front processes serving the same host:port (SO_REUSEPORT; "
+                        "default 1): each is a whole front with its own router connections, "
+                        "for more than one core of HTTP work. One that dies is restarted; one "
+                        "that dies at start-up or within 10 s of its start stops them all")
+
+
 def add_http_front_options(g: argparse._ActionsContainer) -> None:
     """`zpd http` (and `zpd launch` for it): what one call may ask for, and its streams."""
     add_default(g, "--max-batch-requests", HttpConfig, "generations one HTTP call may start "
@@ -67,6 +82,8 @@ def add_http_front_options(g: argparse._ActionsContainer) -> None:
 
 def check_front_options(args: argparse.Namespace) -> None:
     """ValueError naming a flag of add_http_front_options that cannot work."""
+    if getattr(args, "http_workers", 1) < 1:
+        raise ValueError("--workers (--http-workers) must be at least 1")
     for name in ("max_batch_requests", "cumulative_bytes_per_token", "stream_buffer_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -116,7 +133,8 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
     api_key, admin_key = given_http_keys(args)
     check_admin_key(admin_key, args.curve_keys, args.insecure)
     check_front_options(args)
-    return HttpConfig(router=args.router, model=args.model, host=args.host, port=args.port,
+    return HttpConfig(router=",".join(parse_routers(args.router)), workers=args.http_workers,
+                      model=args.model, host=args.host, port=args.port,
                       served_model_name=args.served_model_name, overrides=model_overrides(args),
                       api_key=api_key, admin_api_key=admin_key, insecure=args.insecure,
                       keepalive_timeout=args.keepalive_timeout, header_timeout=args.header_timeout,

@@ -96,7 +96,7 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
     env = http_child_environ(*given_http_keys(args))
     argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
                  "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
-                 "--log-level", args.log_level,
+                 "--log-level", args.log_level, "--workers", str(args.http_workers),
                  "--weights-timeout", f"{_weights_timeout(args.weight_sync_timeout):g}"] \
         + passthrough_argv(args, HTTP_PASSTHROUGH) \
         + (["--curve-keys", args.curve_keys] if args.curve_keys else []) \

@@ -80,7 +80,16 @@ def serve_router(cfg: RouterConfig) -> int:
 
 def serve_http(cfg: HttpConfig) -> int:
     """Run `zpd http` until SIGINT/SIGTERM: the model's tokenizer and chat template (no
-    weights), the router client and the aiohttp server on --host/--port."""
+    weights), the router client and the aiohttp server on --host/--port; with
+    --workers N, N such processes on that port (zpd/ops/http_workers.py)."""
+    if cfg.workers > 1:
+        from zpd.ops.http_workers import serve_http_workers
+        return serve_http_workers(cfg, serve_one_http)
+    return serve_one_http(cfg)
+
+
+def serve_one_http(cfg: HttpConfig) -> int:
+    """One HTTP front process."""
     from engines.loader import load_text
     from zpd.http.browser import allowed_hosts
     from zpd.http.front import Front
@@ -116,12 +125,12 @@ async def _serve_http(cfg: HttpConfig, front: Front) -> int:
     runner = web.AppRunner(app, **server_options(limits))
     await runner.setup()
     try:
-        site = WatchedSite(runner, cfg.host, cfg.port, app[BOOK])
+        site = WatchedSite(runner, cfg.host, cfg.port, app[BOOK], reuse_port=cfg.workers > 1)
         await site.start()
         endpoint = format_endpoint(cfg.host, runner.addresses[0][1])
         write_role_ready(cfg.ready_file, "http", endpoint)
-        log.warning("zpd http ready on http://%s (router %s, model %s)", endpoint, cfg.router,
-                    cfg.model)
+        log.warning("zpd http ready on http://%s (router %s, model %s)", endpoint,
+                    front.backend.endpoint, cfg.model)
         # At 64 streams on tiny the collector took ~0.5 s of the front's loop in ~25 s
         # before (pauses every stream waits out), ~0.2 s after.
         freeze_startup_objects()

@@ -1,0 +1,269 @@
+"""Several routers behind one client (zpd/failover.py): the policy on its own with a
+clock passed in, then the HTTP front's router client and zpd.Client over two scripted
+ROUTER sockets on loopback, one of which dies."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from zpd.client import Client
+from zpd.failover import Routers, merge_replies, parse_routers
+from zpd.http.records import GenRequest
+from zpd.http.router_client import RouterClient
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, TokenPart, Tokens,
+                               decode, encode)
+
+A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
+
+
+# --- the policy ----------------------------------------------------------------------
+
+def test_router_lists_parse_from_a_comma_string_or_a_list():
+    assert parse_routers("127.0.0.1:1") == (A,)
+    assert parse_routers(" 127.0.0.1:1, 127.0.0.1:2 ,") == (A, B)
+    assert parse_routers([A, B]) == (A, B)
+    for bad in ("", ",", "127.0.0.1", f"{A},{A}", [A, "x"]):
+        with pytest.raises(ValueError):
+            parse_routers(bad)
+
+
+def test_requests_go_round_robin_and_two_clients_over_two_routers_split_evenly():
+    one, two = Routers((A, B), first=0), Routers((A, B), first=1)
+    picks = Counter(r.pick(0.0) for r in (one, two) for _ in range(50))
+    assert picks == {0: 50, 1: 50}
+    assert [one.pick(0.0) for _ in range(4)] == [0, 1, 0, 1]
+    assert [two.pick(0.0) for _ in range(2)] == [1, 0]
+
+
+def test_a_router_down_is_skipped_until_its_retry_and_one_unplugged_until_it_reconnects():
+    r = Routers((A, B, C), first=0, retry_s=5.0)
+    r.down(1, now=10.0)
+    assert [r.pick(11.0) for _ in range(4)] == [0, 2, 0, 2]
+    assert not r.up(1, 14.9) and r.up(1, 15.0)            # tried again after retry_s
+    assert r.link_event(2, zmq.EVENT_DISCONNECTED) is True
+    assert {r.pick(100.0) for _ in range(6)} == {0, 1}    # unplugged: no retry by time
+    assert r.link_event(2, zmq.EVENT_CONNECTED) is False
+    assert r.up(2, 100.0)
+    r.down(0, 100.0)
+    r.heard(0)                                            # it spoke: up at once
+    assert r.up(0, 100.0)
+
+
+def test_with_every_router_down_the_soonest_retry_is_tried_and_one_router_always():
+    alone = Routers((A,), first=0)
+    alone.down(0, 0.0)
+    assert alone.pick(1.0) == 0 and alone.coordinator(1.0) == 0
+    assert alone.next_up(1.0, avoid={0}) is None          # nothing to move a request to
+    r = Routers((A, B), first=0, retry_s=5.0)
+    r.down(0, now=2.0)
+    r.down(1, now=1.0)
+    assert r.pick(3.0) == 1 and r.pick(3.0) == 1          # B's retry comes first
+    assert r.next_up(3.0, avoid=()) is None
+    assert r.fanned(3.0) == [0, 1]                        # aborts still go everywhere
+
+
+def test_admin_goes_to_the_first_router_up_and_aborts_to_every_router_up():
+    r = Routers((A, B, C), first=2)
+    assert r.coordinator(0.0) == 0
+    r.down(0, 0.0)
+    assert r.coordinator(1.0) == 1 and r.fanned(1.0) == [1, 2]
+    r.heard(0)
+    assert r.coordinator(1.0) == 0
+
+
+def test_fanned_replies_merge():
+    ok, missing = {"ok": True}, {"ok": False, "status": 404, "error": "unknown rid"}
+    late = {"ok": False, "status": 504, "error": "no answer"}
+    assert merge_replies("abort", [missing, ok]) is ok
+    assert merge_replies("abort", [missing, late]) is late
+    assert merge_replies("abort", [missing, dict(missing)])["status"] == 404
+    both = merge_replies("abort_all", [{"ok": True, "aborted": 2}, {"ok": True, "aborted": 3}])
+    assert both == {"ok": True, "aborted": 5}
+    assert merge_replies("abort_all", [{"ok": True, "aborted": 1}, late])["status"] == 504
+
+
+# --- the HTTP front's router client ------------------------------------------------
+
+class ScriptedRouter:
+    """A bound asyncio ROUTER; the test answers by hand. `kill` drops its connections."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.endpoint = f"127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    async def recv(self):
+        identity, *frames = await asyncio.wait_for(self.sock.recv_multipart(), 5)
+        return identity, decode(frames)
+
+    async def send(self, identity: bytes, msg) -> None:
+        await self.sock.send_multipart([identity, *encode(msg)])
+
+    def kill(self) -> None:
+        self.sock.close(linger=0)
+
+
+def run_front(test, connect_timeout: float = 0.5):
+    async def go():
+        ctx = zmq.asyncio.Context()
+        a, b = ScriptedRouter(ctx), ScriptedRouter(ctx)
+        client = RouterClient([a.endpoint, b.endpoint], connect_timeout=connect_timeout,
+                              router_silence=30.0)
+        client.routers._next = 0                 # A first, for a script that can say so
+        await client.start()
+        try:
+            await test(a, b, client)
+        finally:
+            await client.close()
+            for r in (a, b):
+                r.kill()
+            ctx.destroy(linger=0)
+    asyncio.run(go())
+
+
+async def collect(stream) -> list[dict]:
+    return [c async for c in stream]
+
+
+def finished(rid: str) -> Tokens:
+    return Tokens.pack([TokenPart(rid, [5], ["v"], {"type": "length"}, {})])
+
+
+def test_front_requests_alternate_and_a_dead_routers_requests_end_or_move():
+    async def test(a, b, client):
+        def start(rid: str) -> asyncio.Task:
+            return asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid=rid))))
+        r1, r2 = start("r1"), start("r2")
+        (ia, ga), (ib, gb) = await a.recv(), await b.recv()
+        assert (ga.rid, gb.rid) == ("r1", "r2")
+        await a.send(ia, Accepted("r1"))
+        await b.send(ib, finished("r2"))
+        assert (await r2)[-1]["finish_reason"] == {"type": "length"}
+        r3 = start("r3")                          # A again: sent, never acknowledged
+        assert (await a.recv())[1].rid == "r3"
+        began = time.monotonic()
+        a.kill()                                  # r1 was acknowledged: 503; r3 moves to B
+        ended = await asyncio.wait_for(r1, 5)
+        assert ended[-1]["finish_reason"]["status_code"] == 503
+        assert "dropped" in ended[-1]["finish_reason"]["message"]
+        assert time.monotonic() - began < 0.5     # the connection event, not a timeout
+        ib, moved = await b.recv()
+        assert isinstance(moved, Generate) and moved.rid == "r3"
+        await b.send(ib, finished("r3"))
+        assert (await asyncio.wait_for(r3, 5))[-1]["finish_reason"] == {"type": "length"}
+        r4 = start("r4")                          # new requests: B only
+        ib, new = await b.recv()
+        assert new.rid == "r4"
+        await b.send(ib, finished("r4"))
+        await asyncio.wait_for(r4, 5)
+    run_front(test)
+
+
+def test_front_a_request_not_acknowledged_in_time_goes_to_the_next_router():
+    async def test(a, b, client):
+        task = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="x"))))
+        assert (await a.recv())[1].rid == "x"     # A says nothing
+        ia, dropped = await a.recv()              # A is told to drop it
+        assert isinstance(dropped, Abort) and dropped.rid == "x"
+        ib, moved = await b.recv()
+        assert moved.rid == "x"
+        await a.send(ia, Tokens.pack([TokenPart("x", [9], ["v"])]))   # too late: ignored
+        ia, again = await a.recv()
+        assert isinstance(again, Abort) and again.rid == "x"
+        await b.send(ib, finished("x"))
+        chunks = await asyncio.wait_for(task, 5)
+        assert [c["token_ids"] for c in chunks] == [[5]]
+    run_front(test, connect_timeout=0.2)
+
+
+def test_front_admin_goes_to_one_router_and_aborts_to_both():
+    async def test(a, b, client):
+        status = asyncio.create_task(client.admin("status"))
+        ia, msg = await a.recv()
+        assert isinstance(msg, Admin) and msg.command == "status"
+        await a.send(ia, AdminReply(msg.req_id, True, {"router": "A"}))
+        assert (await status)["router"] == "A"
+        abort = asyncio.create_task(client.admin("abort", rid="q"))
+        (ia, ma), (ib, mb) = await a.recv(), await b.recv()
+        assert ma.command == mb.command == "abort"
+        await a.send(ia, AdminReply(ma.req_id, False, {"status": 404, "error": "unknown"}))
+        await b.send(ib, AdminReply(mb.req_id, True, {}))
+        assert (await abort)["ok"] is True
+        a.kill()
+        for _ in range(200):                      # the drop reaches the client's monitor
+            if not client.routers.up(0, client._now()):
+                break
+            await asyncio.sleep(0.01)
+        status = asyncio.create_task(client.admin("pause", mode="abort"))
+        ib, msg = await b.recv()
+        assert msg.command == "pause"
+        await b.send(ib, AdminReply(msg.req_id, True, {"router": "B"}))
+        assert (await status)["router"] == "B"
+    run_front(test)
+
+
+# --- zpd.Client ------------------------------------------------------------------------
+
+class SyncRouter:
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.endpoint = f"127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def recv(self):
+        assert self.sock.poll(5000), "nothing arrived"
+        identity, *frames = self.sock.recv_multipart()
+        return identity, decode(frames)
+
+    def send(self, identity: bytes, msg) -> None:
+        self.sock.send_multipart([identity, *encode(msg)])
+
+
+def test_client_moves_unacknowledged_requests_and_ends_a_dead_routers_with_503():
+    ctx = zmq.Context()
+    a, b = SyncRouter(ctx), SyncRouter(ctx)
+    try:
+        with Client(f"{a.endpoint},{b.endpoint}", timeout=10, connect_timeout=0.3) as client:
+            client.routers._next = 0
+            assert client.submit(input_ids=[1], rid="r1") == "r1"
+            client.submit(input_ids=[1], rid="r2")
+            (ia, ga), (ib, gb) = a.recv(), b.recv()
+            assert (ga.rid, gb.rid) == ("r1", "r2")
+            a.send(ia, Accepted("r1"))
+            b.send(ib, finished("r2"))
+            assert client.receive()["rid"] == "r2"
+            client.submit(input_ids=[1], rid="r3")            # A: never acknowledged
+            assert a.recv()[1].rid == "r3"
+            assert not b.sock.poll(0)                         # B has nothing yet
+            a.sock.close(linger=0)                            # A dies
+            got = client.receive()
+            assert got["rid"] == "r1" and got["finish_reason"]["status_code"] == 503
+            ib, moved = b.recv()
+            assert moved.rid == "r3"
+            b.send(ib, finished("r3"))
+            assert client.receive()["rid"] == "r3"
+            client.submit(input_ids=[1], rid="r4")            # new ones: B only
+            ib, new = b.recv()
+            assert new.rid == "r4"
+            b.send(ib, finished("r4"))
+            assert client.receive()["rid"] == "r4"
+            assert client.routers.coordinator(time.monotonic()) == 1   # admin: to B
+    finally:
+        b.sock.close(linger=0)
+        ctx.destroy(linger=0)
+
+
+def test_client_with_one_silent_router_raises_no_answer_as_before():
+    ctx = zmq.Context()
+    a = SyncRouter(ctx)
+    try:
+        with Client(a.endpoint, timeout=10, connect_timeout=0.2) as client:
+            client.submit(input_ids=[1], rid="s")
+            with pytest.raises(TimeoutError, match="no answer from router"):
+                client.receive()
+    finally:
+        a.sock.close(linger=0)
+        ctx.destroy(linger=0)

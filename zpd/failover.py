@@ -1,0 +1,146 @@
+"""Several routers behind one client: which takes the next request, which takes admin
+commands, and which are down (issue 34, item 3). `zpd.Client` and the HTTP front's
+router client (zpd/http/router_client.py) both follow this policy; they own the sockets.
+
+- Requests go round-robin over the routers that are up, from a random first one, so
+  that two fronts (or clients) over two routers split their load evenly.
+- A router is down once its connection drops (the socket monitor's event), once it
+  leaves a request unacknowledged for the connect timeout, or once it falls silent
+  with requests in flight. Its requests in flight end with 503 (never a hang); one it
+  never acknowledged goes to the next router up instead, since it never started. A
+  router whose connection dropped is tried again when it reconnects; one down for
+  silence, after RETRY_S. With every router down, requests still go to the one that
+  may be tried soonest: one router alone behaves as it always did.
+- Admin commands that act on the whole pool (pause, continue, weights, status...) go
+  to the coordinator, the first router of the list that is up, never to all: the
+  coordinator makes them atomic across the pool. Aborts (`FANNED`) concern each
+  router's own requests, so they go to every router up and their replies merge.
+"""
+from __future__ import annotations
+
+import random
+from typing import Collection, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from zpd.wire.net import INPROC, format_endpoint, parse_endpoint
+
+RETRY_S = 5.0           # a router down for silence or no acknowledgement is tried after
+FANNED = frozenset({"abort", "abort_all"})      # each router aborts only its own requests
+LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def parse_routers(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """Router endpoints from "h:p,h:p" or a list of "h:p"; ValueError on a bad one,
+    a repeated one or none."""
+    parts = spec.split(",") if isinstance(spec, str) else list(spec)
+    endpoints = tuple(_endpoint(p.strip()) for p in parts if p.strip())
+    if not endpoints:
+        raise ValueError("give at least one router endpoint (host:port)")
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"a router is named twice in {','.join(endpoints)}")
+    return endpoints
+
+
+def _endpoint(text: str) -> str:
+    return text if text.startswith(INPROC) else format_endpoint(*parse_endpoint(text))
+
+
+class Routers:
+    """The routers of one client and which of them are up (indexes into `endpoints`).
+    Time is passed in (a monotonic clock in seconds), so tests need no sleeps."""
+
+    def __init__(self, endpoints: Sequence[str], first: int | None = None,
+                 retry_s: float = RETRY_S) -> None:
+        self.endpoints = tuple(endpoints)
+        self.retry_s = retry_s
+        self._next = random.randrange(len(self.endpoints)) if first is None \
+            else first % len(self.endpoints)
+        self._down_until: dict[int, float] = {}     # silent or unacknowledging: until then
+        self._unplugged: set[int] = set()           # its connection dropped: until it is back
+
+    def __len__(self) -> int:
+        return len(self.endpoints)
+
+    def up(self, i: int, now: float) -> bool:
+        return i not in self._unplugged and self._down_until.get(i, 0.0) <= now
+
+    def pick(self, now: float, avoid: Collection[int] = ()) -> int | None:
+        """The router for a new request: the next up in turn, not in `avoid`; with none
+        up, the one that may be tried soonest; None once every router is in `avoid`."""
+        order = [(self._next + k) % len(self) for k in range(len(self))]
+        left = [i for i in order if i not in avoid]
+        if not left:
+            return None
+        i = next((i for i in left if self.up(i, now)), None)
+        if i is None:
+            i = min(left, key=self._retry_at)
+        self._next = (i + 1) % len(self)
+        return i
+
+    def next_up(self, now: float, avoid: Collection[int]) -> int | None:
+        """The router a request that `avoid` did not acknowledge goes to: one up, else None."""
+        i = self.pick(now, avoid)
+        return i if i is not None and self.up(i, now) else None
+
+    def coordinator(self, now: float) -> int:
+        """Where pool-wide admin commands go: the first router up in list order."""
+        return next((i for i in range(len(self)) if self.up(i, now)),
+                    min(range(len(self)), key=self._retry_at))
+
+    def fanned(self, now: float) -> list[int]:
+        """Where aborts go: every router up (every router when none is)."""
+        return [i for i in range(len(self)) if self.up(i, now)] or list(range(len(self)))
+
+    def down(self, i: int, now: float) -> None:
+        """Router `i` failed a request or fell silent: skip it for `retry_s`."""
+        self._down_until[i] = now + self.retry_s
+
+    def heard(self, i: int) -> None:
+        """Router `i` spoke: it is up."""
+        self._down_until.pop(i, None)
+        self._unplugged.discard(i)
+
+    def link_event(self, i: int, event: int) -> bool:
+        """Note a socket monitor event of router `i`'s connection; True when it dropped."""
+        if event == zmq.EVENT_DISCONNECTED:
+            self._unplugged.add(i)
+            return True
+        if event == zmq.EVENT_CONNECTED:        # back (or a new process): try it again
+            self.heard(i)
+        return False
+
+    def _retry_at(self, i: int) -> float:
+        return self._down_until.get(i, 0.0) + (1e9 if i in self._unplugged else 0.0)
+
+
+def monitor_event(frames: list[bytes]) -> int:
+    """The event number of one message of a socket monitor (`LINK_EVENTS`)."""
+    return parse_monitor_message(frames)["event"]
+
+
+def merge_replies(command: str, replies: list[dict]) -> dict:
+    """One reply for a FANNED command from every router's: an abort of one rid is done
+    where any router had it (else the most telling failure: a 404 only if all are);
+    abort_all is ok where every router's is, with their counts summed."""
+    if len(replies) == 1:
+        return replies[0]
+    if command == "abort":
+        done = [r for r in replies if r.get("ok")]
+        if done:
+            return done[0]
+        return next((r for r in replies if _status(r) != 404), replies[0])
+    merged: dict = {"ok": all(r.get("ok") for r in replies)}
+    merged["aborted"] = sum(r.get("aborted", 0) for r in replies
+                            if type(r.get("aborted")) is int)
+    failed = [r for r in replies if not r.get("ok")]
+    if failed:
+        merged |= {k: failed[0][k] for k in ("status", "error") if k in failed[0]}
+    return merged
+
+
+def _status(reply: dict) -> int | None:
+    """A failed reply's status, its own or its first failed worker's."""
+    bad = [w for w in reply.get("workers", []) if isinstance(w, dict) and not w.get("ok")]
+    return (bad[0] if bad else reply).get("status")
