@@ -218,11 +218,9 @@ class Client:
 
     def _recv(self, timeout: float) -> tuple[int, Message] | None:
         """The next message and the router it came from; None after `timeout` seconds,
-        or after a connection event (a dropped router's requests handled first)."""
+        or after a connection event. Messages come first: what a router said before its
+        connection dropped (an acknowledgement) counts."""
         ready = dict(self._poller.poll(int(timeout * 1000) or 1))
-        for i, monitor in enumerate(self._monitors):
-            if monitor in ready and self.routers.link_event(i, monitor_event(monitor.recv_multipart())):
-                self._lost(i, f"the connection to the router {self._dealers[i].endpoint} dropped")
         for i, dealer in enumerate(self._dealers):
             if dealer.socket in ready:
                 msg = dealer.recv()
@@ -230,6 +228,9 @@ class Client:
                     self._heard[i] = time.monotonic()
                     self.routers.heard(i)
                     return i, msg
+        for i, monitor in enumerate(self._monitors):
+            if monitor in ready and self.routers.link_event(i, monitor_event(monitor.recv_multipart())):
+                self._lost(i, f"the connection to the router {self._dealers[i].endpoint} dropped")
         return None
 
     def _take(self, i: int, msg: Message, kind: type) -> Message | TokenPart | None:

@@ -12,6 +12,7 @@ zpd's router already pairs them. The router's own status is under "zpd"."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from datetime import datetime, timezone
@@ -154,7 +155,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         "internal_states": [_internal_state(w) for w in live(reply)],
         "version": zpd.__version__,
         "zpd": {"router": front.router if CALLER.get().sees_internals else "[address]",
-                "router_ok": bool(reply.get("ok")),
+                "router_ok": bool(reply.get("ok")), "front_pid": os.getpid(),
                 "paused": reply.get("paused"), "queued": reply.get("queued"),
                 "inflight": reply.get("inflight"),
                 "workers": [{k: w.get(k) for k in (

@@ -27,6 +27,7 @@ import uuid
 from contextvars import ContextVar
 from typing import AsyncIterator, Callable, Sequence
 
+import zmq
 import zmq.asyncio
 from aiohttp import web
 
@@ -310,6 +311,10 @@ class RouterClient:
         link = self._links[i]
         while True:
             if self.routers.link_event(i, await link.event()):
+                for _ in range(10_000):         # what it said before (an ack) counts
+                    if not link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    await asyncio.sleep(0)      # the reader takes it
                 self._lost(i, f"the connection to the router {link.endpoint} dropped")
 
     def _dispatch(self, msg: Message, i: int) -> None:
