@@ -153,6 +153,7 @@ class HttpConfig:
     """`zpd http`: an HTTP server that is a client of one router (or several)."""
     router: str = "127.0.0.1:5757"   # the router's endpoint, or several: "h:p,h:p" (failover.py)
     workers: int = 1                 # front processes sharing host:port (ops/http_workers.py)
+    metrics_dir: str | None = None   # where those fronts sum their latency histograms
     model: str = ""                  # the cluster's --model: its tokenizer and chat template
     served_model_name: str | None = None  # the model id clients see (None: `model`)
     overrides: ModelOverrides = field(default_factory=ModelOverrides)  # the workers' text overrides

@@ -14,7 +14,10 @@ router client (zpd/http/router_client.py) both follow this policy; they own the 
 - Admin commands that act on the whole pool (pause, continue, weights, status...) go
   to the coordinator, the first router of the list that is up, never to all: the
   coordinator makes them atomic across the pool. Aborts (`FANNED`) concern each
-  router's own requests, so they go to every router up and their replies merge.
+  router's own requests, so they go to every router up and their replies merge; so
+  does `status`, read-only: the coordinator's reply (the workers are the same pool
+  for every router), with the routers' own figures (requests in flight and queued,
+  the counters) summed over the routers that answered and listed under "routers".
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from zpd.wire.net import INPROC, format_endpoint, parse_endpoint
 
 RETRY_S = 5.0           # a router down for silence or no acknowledgement is tried after
-FANNED = frozenset({"abort", "abort_all"})      # each router aborts only its own requests
+FANNED = frozenset({"abort", "abort_all", "status"})   # each router's own requests, figures
 LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
@@ -126,6 +129,8 @@ def merge_replies(command: str, replies: list[dict]) -> dict:
     abort_all is ok where every router's is, with their counts summed."""
     if len(replies) == 1:
         return replies[0]
+    if command == "status":
+        return merge_status(replies)
     if command == "abort":
         done = [r for r in replies if r.get("ok")]
         if done:
@@ -138,6 +143,31 @@ def merge_replies(command: str, replies: list[dict]) -> dict:
     if failed:
         merged |= {k: failed[0][k] for k in ("status", "error") if k in failed[0]}
     return merged
+
+
+def merge_status(replies: list[dict]) -> dict:
+    """Several routers' status as one: the first that answered (the coordinator, when
+    it did), with each router's own figures summed over those that answered."""
+    answered = [r for r in replies if r.get("ok") or r.get("workers")] or replies[:1]
+    merged = dict(answered[0])
+    for key in ("inflight", "queued"):
+        merged[key] = sum(r.get(key) for r in answered if type(r.get(key)) is int)
+    merged["counters"] = _summed([r.get("counters") for r in answered])
+    merged["routers"] = [{k: r.get(k) for k in ("router", "ok", "paused", "inflight", "queued")}
+                         for r in replies]
+    return merged
+
+
+def _summed(counters: list[object]) -> dict:
+    """Counter dicts added key by key (numbers, and dicts of numbers one level down)."""
+    out: dict = {}
+    for c in counters:
+        for key, value in (c.items() if isinstance(c, dict) else ()):
+            if isinstance(value, dict):
+                out[key] = _summed([out.get(key, {}), value])
+            elif type(value) in (int, float) and type(out.get(key, 0)) in (int, float):
+                out[key] = out.get(key, 0) + value
+    return out
 
 
 def _status(reply: dict) -> int | None:

@@ -62,6 +62,20 @@ def generate(url: str, prompt: list[int], max_new: int = NEW, stream: bool = Fal
     return orjson.loads(events[-2])
 
 
+def metric(url: str, name: str, want: float) -> bool:
+    """Whether /metrics shows `name` at `want` within 5 s (each front writes its
+    histograms every second; a scrape sums them, whichever front answers it)."""
+    seen = []
+    for _ in range(25):
+        text = requests.get(f"{url}/metrics", headers={"Connection": "close"}, timeout=10).text
+        seen.append(next(float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith(name + " ")))
+        if seen[-1] == want:
+            return True
+        time.sleep(0.2)
+    raise AssertionError(f"{name}: {seen}, want {want}")
+
+
 def routed(endpoint: str) -> int:
     with Client(endpoint, timeout=10) as c:
         return sum(c.admin("status")["counters"]["finished"].values())
@@ -86,6 +100,9 @@ def test_two_fronts_over_two_routers_share_the_load_and_survive_a_router_kill(tm
             assert pids == set(info["workers"])             # both fronts answer
             assert routed(a) > 0 and routed(b) > 0          # both routers route
             assert routed(a) + routed(b) == len(prompts)
+            # each front's latencies and both routers' counters, whichever front answers
+            assert metric(url, "zpd:e2e_request_latency_seconds_count", len(prompts))
+            assert metric(url, "zpd:generation_tokens_total", len(prompts) * NEW)
 
             with Client([a, b], timeout=30, connect_timeout=2) as client:
                 long = {"max_new_tokens": LONG, "ignore_eos": True}

@@ -182,11 +182,12 @@ def test_front_a_request_not_acknowledged_in_time_goes_to_the_next_router():
 
 def test_front_admin_goes_to_one_router_and_aborts_to_both():
     async def test(a, b, client):
-        status = asyncio.create_task(client.admin("status"))
+        resume = asyncio.create_task(client.admin("continue"))
         ia, msg = await a.recv()
-        assert isinstance(msg, Admin) and msg.command == "status"
+        assert isinstance(msg, Admin) and msg.command == "continue"
         await a.send(ia, AdminReply(msg.req_id, True, {"router": "A"}))
-        assert (await status)["router"] == "A"
+        assert (await resume)["router"] == "A"
+        assert not await b.sock.poll(0)           # B heard nothing of it
         abort = asyncio.create_task(client.admin("abort", rid="q"))
         (ia, ma), (ib, mb) = await a.recv(), await b.recv()
         assert ma.command == mb.command == "abort"
@@ -267,3 +268,20 @@ def test_client_with_one_silent_router_raises_no_answer_as_before():
     finally:
         a.sock.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_status_of_several_routers_is_the_first_answer_with_router_figures_summed():
+    workers = [{"role": "decode", "endpoint": "w", "ok": True}]
+    a = {"ok": True, "router": A, "inflight": 2, "queued": 1, "workers": workers, "paused": None,
+         "counters": {"generation_tokens": 10, "finished": {"length": 3}, "gen_throughput": 1.5}}
+    b = {"ok": True, "router": B, "inflight": 1, "queued": 0, "workers": workers, "paused": None,
+         "counters": {"generation_tokens": 5, "finished": {"length": 1, "stop": 2},
+                      "gen_throughput": 0.5}}
+    late = {"ok": False, "status": 504, "error": "no answer"}
+    merged = merge_replies("status", [a, b, late])
+    assert merged["workers"] == workers and merged["router"] == A
+    assert (merged["inflight"], merged["queued"]) == (3, 1)
+    assert merged["counters"] == {"generation_tokens": 15, "finished": {"length": 4, "stop": 2},
+                                  "gen_throughput": 2.0}
+    assert [r["router"] for r in merged["routers"]] == [A, B, None]
+    assert merge_replies("status", [late, b])["router"] == B     # the first that answered

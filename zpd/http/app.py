@@ -115,7 +115,10 @@ def build_app(front: Front, max_body_bytes: int | None = None,
     app = web.Application(middlewares=[tracking, retry_after_header, errors, guard],
                           client_max_size=front.max_body_bytes)
     app[BOOK] = Connections(limits)
-    front.backend = metrics.metered(front.backend, front.model)    # latencies for /metrics
+    # latencies for /metrics, summed over the fronts of `zpd http --workers N`
+    front.backend = metrics.metered(front.backend, front.model, front.config.metrics_dir)
+    if front.backend.metrics.shared is not None:
+        app.cleanup_ctx.append(front.backend.metrics.shared.running)
     if not isinstance(front.backend.inner, CallerBackend):
         front.backend.inner = CallerBackend(front.backend.inner, front.router)
     app[FRONT] = front

@@ -4,7 +4,8 @@ The `zpd:*` duplicates of SGLang-named figures stay, for the users who read them
 
 Two sources. Latencies are measured here, per request this front serves, by wrapping
 the router client (`MeteredBackend`): time to first token, inter-token latency,
-end-to-end latency, and queue time (the prefill's, from the request's timings).
+end-to-end latency, and queue time (the prefill's, from the request's timings); with
+`zpd http --workers N`, summed over every front (zpd/http/shared_metrics.py).
 Everything else is the cluster's, read from the router's `status` at each scrape
 (`ClusterCollector`): requests running and waiting, KV pages per worker, and the
 counters the router and workers keep (tokens every client received, requests ended
@@ -22,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from zpd.http.front import FRONT
 from zpd.http.records import GenRequest
 from zpd.http.sglang_metrics import SglangCluster, SglangLatencies, number
+from zpd.http.shared_metrics import SharedHistograms
 from zpd.http.streams import Backend
 
 routes = web.RouteTableDef()
@@ -33,11 +35,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 class RequestMetrics:
     """The latency histograms of the requests this front serves (of the served model
-    `model`, SGLang's `model_name` label)."""
+    `model`, SGLang's `model_name` label); `shared_dir`: where the fronts of `zpd http
+    --workers N` sum theirs."""
 
-    def __init__(self, model: str = "") -> None:
+    def __init__(self, model: str = "", shared_dir: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model = model
+        self.shared = SharedHistograms(shared_dir, self.registry) if shared_dir else None
         self.sglang = SglangLatencies(self.registry, model)
 
         def histogram(name: str, doc: str) -> Histogram:
@@ -185,14 +189,15 @@ async def render(metrics: RequestMetrics, backend: Backend, timeout: float = 5.0
     cluster = CollectorRegistry()
     cluster.register(ClusterCollector(status))
     cluster.register(SglangCluster(status, metrics.model))
-    return generate_latest(metrics.registry) + generate_latest(cluster)
+    ours = metrics.shared.render() if metrics.shared else generate_latest(metrics.registry)
+    return ours + generate_latest(cluster)
 
 
-def metered(backend: Backend, model: str = "") -> MeteredBackend:
+def metered(backend: Backend, model: str = "", shared_dir: str | None = None) -> MeteredBackend:
     """`backend` with a fresh set of histograms for the served model `model` (itself if
-    it already has them)."""
+    it already has them); `shared_dir`: see RequestMetrics."""
     return backend if isinstance(backend, MeteredBackend) else \
-        MeteredBackend(backend, RequestMetrics(model))
+        MeteredBackend(backend, RequestMetrics(model, shared_dir))
 
 
 @routes.get("/metrics")

@@ -6,7 +6,8 @@ reserves the port (bound, never listening, so it takes no connection; port 0 pic
 one for all), forks the N fronts before anything else starts (no thread, no socket, no
 tokenizer yet), writes the ready file once every front has written its own, forwards
 SIGINT/SIGTERM and waits for them. Each front is a whole `zpd http`: its own router
-connections, tokenizer and tables (docs/http.md, "Several fronts").
+connections, tokenizer and tables (docs/http.md, "Several fronts and routers"); their
+/metrics latency histograms are kept in one directory and summed at each scrape.
 
 A front that dies is started again, as a web server's workers are: its streams are
 lost (their clients see the connection drop, and the router aborts their requests),
@@ -60,13 +61,16 @@ class Fronts:
                  tmp: Path) -> None:
         self.cfg, self.port, self.serve, self.tmp = cfg, port, serve, tmp
         self.running: dict[int, tuple[int, float]] = {}
+        self.metrics_dir = tmp / "metrics"          # every front's latency histograms
+        self.metrics_dir.mkdir()
 
     def ready_file(self, index: int) -> Path:
         return self.tmp / f"http{index}.json"
 
     def start(self, index: int) -> None:
         self.ready_file(index).unlink(missing_ok=True)
-        child = replace(self.cfg, port=self.port, ready_file=str(self.ready_file(index)))
+        child = replace(self.cfg, port=self.port, ready_file=str(self.ready_file(index)),
+                        metrics_dir=str(self.metrics_dir))
         pid = os.fork()
         if pid == 0:                                # the front: never returns
             rc = 1
