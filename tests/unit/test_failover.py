@@ -7,14 +7,17 @@ import asyncio
 import time
 from collections import Counter
 
+import orjson
 import pytest
 import zmq
 import zmq.asyncio
 
 from zpd.client import Client
+from zpd.config import HttpConfig
 from zpd.failover import Routers, merge_replies, parse_routers
 from zpd.http.records import GenRequest
 from zpd.http.router_client import RouterClient
+from zpd.ops.http_workers import _supervise
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, TokenPart, Tokens,
                                decode, encode)
 
@@ -285,3 +288,45 @@ def test_status_of_several_routers_is_the_first_answer_with_router_figures_summe
                                   "gen_throughput": 2.0}
     assert [r["router"] for r in merged["routers"]] == [A, B, None]
     assert merge_replies("status", [late, b])["router"] == B     # the first that answered
+
+
+# --- zpd http --workers N: the parent's policy ---------------------------------------
+
+class FakeFronts:
+    """Fronts as `_supervise` sees them: scripted deaths, no processes."""
+
+    def __init__(self, deaths: list[list[tuple[int, int, float]]], stopping: list) -> None:
+        self.deaths, self.stopping, self.started = deaths, stopping, []
+        self.running = {100: (0, 0.0), 101: (1, 0.0)}
+
+    def all_ready(self) -> bool:
+        return True
+
+    def reap(self) -> list[tuple[int, int, float]]:
+        if not self.deaths:
+            self.stopping.append(15)             # SIGTERM once the script is done
+            return []
+        return self.deaths.pop(0)
+
+    def start(self, index: int) -> None:
+        self.started.append(index)
+
+
+def supervise(deaths, tmp_path) -> tuple[int, FakeFronts, dict]:
+    stopping: list = []
+    fronts = FakeFronts(deaths, stopping)
+    ready = tmp_path / "ready.json"
+    cfg = HttpConfig(workers=2, ready_file=str(ready))
+    rc = _supervise(cfg, fronts, "127.0.0.1:9", stopping, poll_s=0)
+    return rc, fronts, orjson.loads(ready.read_bytes())
+
+
+def test_a_front_that_dies_after_its_start_is_started_again(tmp_path):
+    rc, fronts, ready = supervise([[], [(1, -9, 60.0)], []], tmp_path)
+    assert rc == 0 and fronts.started == [1]
+    assert ready["endpoint"] == "127.0.0.1:9" and ready["workers"] == [100, 101]
+
+
+def test_a_front_that_dies_soon_after_its_start_stops_them_all(tmp_path):
+    rc, fronts, _ = supervise([[(0, 1, 2.0)]], tmp_path)
+    assert rc == 1 and fronts.started == []

@@ -136,7 +136,8 @@ def serve_http_workers(cfg: HttpConfig, serve: Callable[[HttpConfig], int]) -> i
             reserved.close()
 
 
-def _supervise(cfg: HttpConfig, fronts: Fronts, endpoint: str, stopping: list[int]) -> int:
+def _supervise(cfg: HttpConfig, fronts: Fronts, endpoint: str, stopping: list[int],
+               poll_s: float = 0.1) -> int:
     ready = False
     while not stopping:
         if not ready and fronts.all_ready():
@@ -152,7 +153,7 @@ def _supervise(cfg: HttpConfig, fronts: Fronts, endpoint: str, stopping: list[in
                 return 1
             log.error("HTTP front %d exited with code %s; starting it again", index, code)
             fronts.start(index)
-        time.sleep(0.1)
+        time.sleep(poll_s)
     return 0
 
 
