@@ -154,6 +154,7 @@ class HttpConfig:
     router: str = "127.0.0.1:5757"   # the router's endpoint, or several: "h:p,h:p" (failover.py)
     workers: int = 1                 # front processes sharing host:port (ops/http_workers.py)
     metrics_dir: str | None = None   # where those fronts sum their latency histograms
+    front_index: int | None = None   # which of them this is: its own router (None: random)
     model: str = ""                  # the cluster's --model: its tokenizer and chat template
     served_model_name: str | None = None  # the model id clients see (None: `model`)
     overrides: ModelOverrides = field(default_factory=ModelOverrides)  # the workers' text overrides

@@ -2,8 +2,12 @@
 commands, and which are down (issue 34, item 3). `zpd.Client` and the HTTP front's
 router client (zpd/http/router_client.py) both follow this policy; they own the sockets.
 
-- Requests go round-robin over the routers that are up, from a random first one, so
-  that two fronts (or clients) over two routers split their load evenly.
+- Each client sends its requests to one router, its own, while that one is up: a
+  random one, or for the fronts of `zpd http --workers N` front i's is router i mod
+  the routers, so 2 fronts over 2 routers split the load evenly. One router per
+  client keeps each router's token messages to it batched: on the null cluster,
+  2 fronts x 2 routers took 849 µs of router CPU per request sticking and 1035 µs
+  round-robin (each front's tokens then came in four streams, not two).
 - A router is down once its connection drops (the socket monitor's event), once it
   leaves a request unacknowledged for the connect timeout, or once it falls silent
   with requests in flight. Its requests in flight end with 503 (never a hang); one it
@@ -58,8 +62,8 @@ class Routers:
                  retry_s: float = RETRY_S) -> None:
         self.endpoints = tuple(endpoints)
         self.retry_s = retry_s
-        self._next = random.randrange(len(self.endpoints)) if first is None \
-            else first % len(self.endpoints)
+        self.first = random.randrange(len(self.endpoints)) if first is None \
+            else first % len(self.endpoints)          # this client's own router
         self._down_until: dict[int, float] = {}     # silent or unacknowledging: until then
         self._unplugged: set[int] = set()           # its connection dropped: until it is back
 
@@ -70,17 +74,15 @@ class Routers:
         return i not in self._unplugged and self._down_until.get(i, 0.0) <= now
 
     def pick(self, now: float, avoid: Collection[int] = ()) -> int | None:
-        """The router for a new request: the next up in turn, not in `avoid`; with none
-        up, the one that may be tried soonest; None once every router is in `avoid`."""
-        order = [(self._next + k) % len(self) for k in range(len(self))]
+        """The router for a new request: this client's own, else the next up after it
+        in the list, not in `avoid`; with none up, the one that may be tried soonest;
+        None once every router is in `avoid`."""
+        order = [(self.first + k) % len(self) for k in range(len(self))]
         left = [i for i in order if i not in avoid]
         if not left:
             return None
         i = next((i for i in left if self.up(i, now)), None)
-        if i is None:
-            i = min(left, key=self._retry_at)
-        self._next = (i + 1) % len(self)
-        return i
+        return min(left, key=self._retry_at) if i is None else i
 
     def next_up(self, now: float, avoid: Collection[int]) -> int | None:
         """The router a request that `avoid` did not acknowledge goes to: one up, else None."""

@@ -35,23 +35,23 @@ def test_router_lists_parse_from_a_comma_string_or_a_list():
             parse_routers(bad)
 
 
-def test_requests_go_round_robin_and_two_clients_over_two_routers_split_evenly():
+def test_each_client_keeps_to_its_own_router_and_two_over_two_routers_split_evenly():
     one, two = Routers((A, B), first=0), Routers((A, B), first=1)
     picks = Counter(r.pick(0.0) for r in (one, two) for _ in range(50))
     assert picks == {0: 50, 1: 50}
-    assert [one.pick(0.0) for _ in range(4)] == [0, 1, 0, 1]
-    assert [two.pick(0.0) for _ in range(2)] == [1, 0]
+    assert Counter(Routers((A, B, C)).first for _ in range(300)).keys() == {0, 1, 2}
 
 
 def test_a_router_down_is_skipped_until_its_retry_and_one_unplugged_until_it_reconnects():
-    r = Routers((A, B, C), first=0, retry_s=5.0)
+    r = Routers((A, B, C), first=1, retry_s=5.0)
     r.down(1, now=10.0)
-    assert [r.pick(11.0) for _ in range(4)] == [0, 2, 0, 2]
+    assert [r.pick(11.0) for _ in range(2)] == [2, 2]      # the next after its own
     assert not r.up(1, 14.9) and r.up(1, 15.0)            # tried again after retry_s
-    assert r.link_event(2, zmq.EVENT_DISCONNECTED) is True
-    assert {r.pick(100.0) for _ in range(6)} == {0, 1}    # unplugged: no retry by time
-    assert r.link_event(2, zmq.EVENT_CONNECTED) is False
-    assert r.up(2, 100.0)
+    assert r.pick(15.0) == 1                               # and its own again once up
+    assert r.link_event(1, zmq.EVENT_DISCONNECTED) is True
+    assert r.pick(100.0) == 2                              # unplugged: no retry by time
+    assert r.link_event(1, zmq.EVENT_CONNECTED) is False
+    assert r.pick(100.0) == 1
     r.down(0, 100.0)
     r.heard(0)                                            # it spoke: up at once
     assert r.up(0, 100.0)
@@ -65,7 +65,7 @@ def test_with_every_router_down_the_soonest_retry_is_tried_and_one_router_always
     r = Routers((A, B), first=0, retry_s=5.0)
     r.down(0, now=2.0)
     r.down(1, now=1.0)
-    assert r.pick(3.0) == 1 and r.pick(3.0) == 1          # B's retry comes first
+    assert r.pick(3.0) == 1                               # B's retry comes first
     assert r.next_up(3.0, avoid=()) is None
     assert r.fanned(3.0) == [0, 1]                        # aborts still go everywhere
 
@@ -115,8 +115,7 @@ def run_front(test, connect_timeout: float = 0.5):
         ctx = zmq.asyncio.Context()
         a, b = ScriptedRouter(ctx), ScriptedRouter(ctx)
         client = RouterClient([a.endpoint, b.endpoint], connect_timeout=connect_timeout,
-                              router_silence=30.0)
-        client.routers._next = 0                 # A first, for a script that can say so
+                              router_silence=30.0, first=0)     # A is its own router
         await client.start()
         try:
             await test(a, b, client)
@@ -136,17 +135,18 @@ def finished(rid: str) -> Tokens:
     return Tokens.pack([TokenPart(rid, [5], ["v"], {"type": "length"}, {})])
 
 
-def test_front_requests_alternate_and_a_dead_routers_requests_end_or_move():
+def test_front_requests_go_to_its_router_and_a_dead_routers_requests_end_or_move():
     async def test(a, b, client):
         def start(rid: str) -> asyncio.Task:
             return asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid=rid))))
         r1, r2 = start("r1"), start("r2")
-        (ia, ga), (ib, gb) = await a.recv(), await b.recv()
-        assert (ga.rid, gb.rid) == ("r1", "r2")
+        (ia, ga), (_, g2) = await a.recv(), await a.recv()
+        assert (ga.rid, g2.rid) == ("r1", "r2")
         await a.send(ia, Accepted("r1"))
-        await b.send(ib, finished("r2"))
+        await a.send(ia, finished("r2"))
         assert (await r2)[-1]["finish_reason"] == {"type": "length"}
-        r3 = start("r3")                          # A again: sent, never acknowledged
+        assert not await b.sock.poll(0)
+        r3 = start("r3")                          # sent, never acknowledged
         assert (await a.recv())[1].rid == "r3"
         began = time.monotonic()
         a.kill()                                  # r1 was acknowledged: 503; r3 moves to B
@@ -231,15 +231,15 @@ def test_client_moves_unacknowledged_requests_and_ends_a_dead_routers_with_503()
     a, b = SyncRouter(ctx), SyncRouter(ctx)
     try:
         with Client(f"{a.endpoint},{b.endpoint}", timeout=10, connect_timeout=0.3) as client:
-            client.routers._next = 0
+            client.routers.first = 0                          # A is its own router
             assert client.submit(input_ids=[1], rid="r1") == "r1"
             client.submit(input_ids=[1], rid="r2")
-            (ia, ga), (ib, gb) = a.recv(), b.recv()
-            assert (ga.rid, gb.rid) == ("r1", "r2")
+            (ia, ga), (_, g2) = a.recv(), a.recv()
+            assert (ga.rid, g2.rid) == ("r1", "r2")
             a.send(ia, Accepted("r1"))
-            b.send(ib, finished("r2"))
+            a.send(ia, finished("r2"))
             assert client.receive()["rid"] == "r2"
-            client.submit(input_ids=[1], rid="r3")            # A: never acknowledged
+            client.submit(input_ids=[1], rid="r3")            # never acknowledged
             assert a.recv()[1].rid == "r3"
             assert not b.sock.poll(0)                         # B has nothing yet
             a.sock.close(linger=0)                            # A dies

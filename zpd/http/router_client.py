@@ -107,8 +107,9 @@ class RouterClient:
 
     def __init__(self, endpoint: str | Sequence[str], curve: Curve | None = None,
                  connect_timeout: float = 5.0, router_silence: float = 10.0,
-                 admin_timeout: float = 30.0) -> None:
-        self.routers = Routers(parse_routers(endpoint))
+                 admin_timeout: float = 30.0, first: int | None = None) -> None:
+        """`first`: the index of this front's own router in the list (None: random)."""
+        self.routers = Routers(parse_routers(endpoint), first)
         self.endpoint, self.curve = ",".join(self.routers.endpoints), curve
         self.connect_timeout, self.router_silence = connect_timeout, router_silence
         self.admin_timeout = admin_timeout

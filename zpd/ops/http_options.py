@@ -22,11 +22,11 @@ HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template",
 def add_http_options(p: argparse.ArgumentParser) -> None:
     """`zpd http`: where it serves and which router it is a client of."""
     p.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default "
-                   f"{ROUTER_ENDPOINT}), or several routers of one pool, comma-separated: each "
-                   "request goes to one router up, in turn; a router that dies ends its "
-                   "requests in flight with 503 and the next ones go to the others; admin "
-                   "routes go to the first router up (docs/http.md, \"Several fronts and "
-                   "routers\")")
+                   f"{ROUTER_ENDPOINT}), or several routers of one pool, comma-separated: "
+                   "each front sends its requests to one of them (front i of --workers to "
+                   "router i), while it is up; a router that dies ends its requests in "
+                   "flight with 503 and the next ones go to the others; admin routes go to "
+                   "the first router up (docs/http.md, \"Several fronts and routers\")")
     add_http_workers_option(p, "--workers")
     p.add_argument("--model", "--model-path", dest="model", required=True,
                    help="the cluster's --model: its tokenizer and chat template turn token ids "

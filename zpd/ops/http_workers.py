@@ -70,7 +70,7 @@ class Fronts:
     def start(self, index: int) -> None:
         self.ready_file(index).unlink(missing_ok=True)
         child = replace(self.cfg, port=self.port, ready_file=str(self.ready_file(index)),
-                        metrics_dir=str(self.metrics_dir))
+                        metrics_dir=str(self.metrics_dir), front_index=index)
         pid = os.fork()
         if pid == 0:                                # the front: never returns
             rc = 1

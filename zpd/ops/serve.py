@@ -118,7 +118,7 @@ async def _serve_http(cfg: HttpConfig, front: Front) -> int:
         from zpd.wire.security import client_curve
         curve = client_curve(cfg.curve_keys, "admin")      # requests and admin commands
     front.backend = RouterClient(cfg.router, curve, cfg.connect_timeout, cfg.router_silence,
-                                 cfg.admin_timeout)
+                                 cfg.admin_timeout, cfg.front_index)
     await front.backend.start()
     limits = ConnectionLimits(cfg.keepalive_timeout, cfg.header_timeout, cfg.max_connections)
     app = build_app(front, limits=limits)
