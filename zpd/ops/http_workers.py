@@ -69,13 +69,14 @@ class Fronts:
 
     def start(self, index: int) -> None:
         self.ready_file(index).unlink(missing_ok=True)
+        parent = os.getpid()
         child = replace(self.cfg, port=self.port, ready_file=str(self.ready_file(index)),
                         metrics_dir=str(self.metrics_dir), front_index=index)
         pid = os.fork()
         if pid == 0:                                # the front: never returns
             rc = 1
             try:
-                _die_with_parent()
+                _die_with_parent(parent)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 rc = self.serve(child)
@@ -168,10 +169,12 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """Linux: this front gets SIGTERM when the parent dies, even by SIGKILL."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass                           # elsewhere: the parent's stop() is the only way
+    if os.getppid() != parent:         # it died before the call above
+        os._exit(1)
 
