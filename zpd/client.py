@@ -11,8 +11,9 @@ from typing import Iterator, NamedTuple, Sequence
 
 import zmq
 
-from zpd.failover import FANNED, LINK_EVENTS, Routers, merge_replies, monitor_event, parse_routers
-from zpd.wire.net import Curve, Dealer, SocketOptions
+from zpd.client_links import Links
+from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
+from zpd.wire.net import Curve
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, TokenPart,
                                Tokens)
 
@@ -41,24 +42,16 @@ class Client:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.router_silence = router_silence
         self._ctx = zmq.Context()
-        self._dealers: list[Dealer] = []
-        self._monitors: list[zmq.Socket] = []
         try:
-            for e in self.routers.endpoints:
-                self._dealers.append(Dealer(self._ctx, e, opts=SocketOptions(curve=curve)))
-                self._monitors.append(self._dealers[-1].socket.get_monitor_socket(LINK_EVENTS))
+            self._links = Links(self._ctx, self.routers.endpoints, curve)
         except BaseException:
-            _shut(self._dealers, self._monitors, self._ctx)
+            self._ctx.destroy(linger=0)
             raise
-        self._poller = zmq.Poller()
-        for sock in [d.socket for d in self._dealers] + self._monitors:
-            self._poller.register(sock, zmq.POLLIN)
-        self._heard = [time.monotonic()] * len(self._dealers)   # when each router last spoke
         self._owner: dict[str, int] = {}            # rid -> the router that has it
         self._sent: dict[str, tuple[Generate, set[int]]] = {}   # unacknowledged: msg, tried
         # Also runs if the Client is dropped unclosed: a context left to the garbage
         # collector may be finalized before its socket and then wait on it forever.
-        self._closer = weakref.finalize(self, _shut, self._dealers, self._monitors, self._ctx)
+        self._closer = weakref.finalize(self, _shut, self._links, self._ctx)
         self._closer.atexit = False   # at exit a daemon thread may still be reading
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
@@ -144,7 +137,7 @@ class Client:
         return chunk_of(msg, asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
-        self._dealers[self._owner.get(rid, 0)].send(Abort(rid, 499, reason))
+        self._links.send(self._owner.get(rid, 0), Abort(rid, 499, reason))
 
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                 sampling_params: dict | None = None, rid: str | None = None,
@@ -159,40 +152,51 @@ class Client:
 
     def _send_to(self, i: int, msg: Generate, tried: set[int]) -> None:
         now = time.monotonic()
-        self._dealers[i].send(msg)
+        self._links.send(i, msg)
         tried.add(i)
         self._owner[msg.rid], self._sent[msg.rid] = i, (msg, tried)
         self._unacked[msg.rid] = now + self.connect_timeout
-        self._heard[i] = max(self._heard[i], now)       # silence counts from here
+        self._links.heard[i] = max(self._links.heard[i], now)     # silence counts from here
 
     # --- admin ----------------------------------------------------------------------
 
     def admin(self, command: str, timeout: float | None = None, **args) -> dict:
         """Send an admin command; returns {"ok": bool, **result}. `timeout` bounds the
         whole call (TimeoutError after it)."""
-        req_id = uuid.uuid4().hex
-        if timeout is not None:
-            # A router answers with what it has (missing workers marked 504) a little
-            # before we give up, so one dead worker still yields the others' results.
-            args["timeout"] = timeout * 0.8
-        now = time.monotonic()
+        now, wait = time.monotonic(), timeout or self.timeout
         targets = self.routers.fanned(now) if command in FANNED else \
             [self.routers.coordinator(now)]
-        for i in targets:
-            self._dealers[i].send(Admin(command, args, req_id))
-        wait = timeout or self.timeout
-        deadline, replies = now + wait, []
-        while len(replies) < len(targets):
-            left = deadline - time.monotonic()
+        asked: dict[str, tuple[int, float]] = {}    # req_id -> its router, when it is due
+        for k, i in enumerate(targets):
+            share = wait if k == 0 else min(wait, PEER_WAIT_S)
+            # A router answers with what it has (missing workers marked 504) a little
+            # before we give up, so one dead worker still yields the others' results.
+            timed = args | {"timeout": share * 0.8} if timeout is not None or k else args
+            req_id = uuid.uuid4().hex
+            self._links.send(i, Admin(command, timed, req_id))
+            asked[req_id] = (i, now + share)
+        replies: dict[str, dict] = {}
+        while due := [d for r, (_, d) in asked.items()
+                      if r not in replies and d > time.monotonic()]:
             try:
-                msg = self._next(AdminReply, f"the {command!r} reply", max(left, 1e-3))
-            except TimeoutError:
-                if replies:             # a fanned abort: the routers that answered
-                    break
+                msg = self._next(AdminReply, f"the {command!r} reply",
+                                 max(min(due) - time.monotonic(), 1e-3))
+            except NoAnswerError:
                 raise
-            if msg.req_id == req_id:
-                replies.append({"ok": msg.ok} | msg.result)
-        return merge_replies(command, replies)
+            except TimeoutError:
+                continue
+            if msg.req_id in asked:
+                replies[msg.req_id] = {"ok": msg.ok} | msg.result
+        if not replies:
+            raise TimeoutError(f"no answer from {self.endpoint} within {wait:.0f} s while "
+                               f"waiting for the {command!r} reply")
+        return merge_replies(command, [replies.get(r) or self._silent(i)
+                                       for r, (i, _) in asked.items()])
+
+    def _silent(self, i: int) -> dict:
+        endpoint = self._links.endpoint(i)
+        return {"ok": False, "status": 504, "router": endpoint,
+                "error": f"no answer from the router {endpoint} in time"}
 
     def _next(self, kind: type, what: str, timeout: float | None = None) -> Message | TokenPart:
         """The next `kind` (a message type, or TokenPart for one request's tokens);
@@ -218,20 +222,14 @@ class Client:
 
     def _recv(self, timeout: float) -> tuple[int, Message] | None:
         """The next message and the router it came from; None after `timeout` seconds,
-        or after a connection event. Messages come first: what a router said before its
-        connection dropped (an acknowledgement) counts."""
-        ready = dict(self._poller.poll(int(timeout * 1000) or 1))
-        for i, dealer in enumerate(self._dealers):
-            if dealer.socket in ready:
-                msg = dealer.recv()
-                if msg is not None:
-                    self._heard[i] = time.monotonic()
-                    self.routers.heard(i)
-                    return i, msg
-        for i, monitor in enumerate(self._monitors):
-            if monitor in ready and self.routers.link_event(i, monitor_event(monitor.recv_multipart())):
-                self._lost(i, f"the connection to the router {self._dealers[i].endpoint} dropped")
-        return None
+        or after connection events (a dropped router's requests handled then)."""
+        got, events = self._links.poll(timeout)
+        if got is not None:
+            self.routers.heard(got[0])
+        for i, event in events:
+            if self.routers.link_event(i, event):
+                self._lost(i, f"the connection to the router {self._links.endpoint(i)} dropped")
+        return got
 
     def _take(self, i: int, msg: Message, kind: type) -> Message | TokenPart | None:
         """Note what `msg` from router `i` tells; return it (or its first part) if it is
@@ -273,18 +271,19 @@ class Client:
         """Routers silent past router_silence with requests in flight are gone (a
         router pings every client with requests in flight)."""
         for i in set(self._owner.values()):
-            if now - self._heard[i] > self.router_silence:
+            silent = now - self._links.heard[i]
+            if silent > self.router_silence:
                 self.routers.down(i, now)
-                self._lost(i, f"the router {self._dealers[i].endpoint} has not answered "
-                              f"for {now - self._heard[i]:.0f} s")
-                self._heard[i] = now
+                self._lost(i, f"the router {self._links.endpoint(i)} has not answered "
+                              f"for {silent:.0f} s")
+                self._links.heard[i] = now
 
     def _ack_wait(self, now: float) -> float:
         """Seconds until the next acknowledgement is due, or a router with requests in
         flight has been silent too long (a long time if neither can be)."""
         due = min(self._unacked.values(), default=now + self.timeout)
         busy = set(self._owner.values())
-        return min([due] + [self._heard[i] + self.router_silence for i in busy]) - now
+        return min([due] + [self._links.heard[i] + self.router_silence for i in busy]) - now
 
     def _check_acked(self, now: float) -> None:
         """Raise NoAnswerError for requests whose acknowledgement is overdue (forgotten
@@ -301,19 +300,15 @@ class Client:
                 self._send_to(j, msg, tried)
                 continue
             del self._unacked[rid], self._sent[rid], self._owner[rid]
-            failed.append(self._dealers[i].endpoint)
+            failed.append(self._links.endpoint(i))
         if failed:
             raise NoAnswerError(f"no answer from router {','.join(sorted(set(failed)))} within "
                                 f"{self.connect_timeout:g} s: is a router running there?")
 
 
-def _shut(dealers: list[Dealer], monitors: list[zmq.Socket], ctx: zmq.Context) -> None:
+def _shut(links: Links, ctx: zmq.Context) -> None:
     # linger 0 throughout: term() would otherwise wait for any socket still open
-    for dealer in dealers:
-        dealer.socket.disable_monitor()
-        dealer.close()
-    for monitor in monitors:
-        monitor.close(linger=0)
+    links.close()
     ctx.destroy(linger=0)
 
 

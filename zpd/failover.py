@@ -22,6 +22,8 @@ router client (zpd/http/router_client.py) both follow this policy; they own the 
   does `status`, read-only: the coordinator's reply (the workers are the same pool
   for every router), with the routers' own figures (requests in flight and queued,
   the counters) summed over the routers that answered and listed under "routers".
+  A fanned command waits its whole timeout for the first router only, PEER_WAIT_S
+  for the others: a frozen second router does not hold up /health or a status.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from zpd.wire.net import INPROC, format_endpoint, parse_endpoint
 
 RETRY_S = 5.0           # a router down for silence or no acknowledgement is tried after
 FANNED = frozenset({"abort", "abort_all", "status"})   # each router's own requests, figures
+PEER_WAIT_S = 2.0       # a FANNED command waits this long for the routers but the first
 LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 

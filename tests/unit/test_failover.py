@@ -4,6 +4,7 @@ ROUTER sockets on loopback, one of which dies."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -210,6 +211,22 @@ def test_front_admin_goes_to_one_router_and_aborts_to_both():
     run_front(test)
 
 
+def test_front_status_waits_for_the_coordinator_not_for_a_silent_second_router(monkeypatch):
+    monkeypatch.setattr("zpd.http.router_client.PEER_WAIT_S", 0.2)
+
+    async def test(a, b, client):
+        status = asyncio.create_task(client.admin("status", timeout=30))
+        ia, msg = await a.recv()
+        _, silent = await b.recv()                # B never answers
+        assert msg.command == silent.command == "status" and silent.args["timeout"] < 0.2
+        await a.send(ia, AdminReply(msg.req_id, True, {"router": A, "inflight": 1,
+                                                       "workers": [], "counters": {}}))
+        reply = await asyncio.wait_for(status, 2)
+        assert reply["router"] == A and reply["inflight"] == 1
+        assert [r["ok"] for r in reply["routers"]] == [True, False]
+    run_front(test)
+
+
 # --- zpd.Client ------------------------------------------------------------------------
 
 class SyncRouter:
@@ -330,3 +347,26 @@ def test_a_front_that_dies_after_its_start_is_started_again(tmp_path):
 def test_a_front_that_dies_soon_after_its_start_stops_them_all(tmp_path):
     rc, fronts, _ = supervise([[(0, 1, 2.0)]], tmp_path)
     assert rc == 1 and fronts.started == []
+
+
+def test_client_abort_all_goes_to_both_and_a_silent_one_costs_peer_wait_only(monkeypatch):
+    monkeypatch.setattr("zpd.client.PEER_WAIT_S", 0.2)
+    ctx = zmq.Context()
+    a, b = SyncRouter(ctx), SyncRouter(ctx)
+    try:
+        with Client([a.endpoint, b.endpoint], timeout=10) as client:
+            def answer() -> None:
+                ia, msg = a.recv()
+                a.send(ia, AdminReply(msg.req_id, True, {"aborted": 2}))
+            helper = threading.Thread(target=answer)
+            helper.start()
+            began = time.monotonic()
+            merged = client.admin("abort_all")
+            assert merged["ok"] is False and merged["aborted"] == 2 and merged["status"] == 504
+            assert time.monotonic() - began < 5
+            helper.join(5)
+            assert b.recv()[1].command == "abort_all"     # B was asked too
+    finally:
+        for r in (a, b):
+            r.sock.close(linger=0)
+        ctx.destroy(linger=0)

@@ -32,7 +32,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from zpd.client import Asked, asks_logprobs, chunk_of, generate_message
-from zpd.failover import FANNED, Routers, merge_replies, parse_routers
+from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
 from zpd.http.records import GenRequest
 from zpd.http.router_link import Link
 from zpd.wire.net import Curve
@@ -262,10 +262,12 @@ class RouterClient:
         {"ok": False, "status": 504, "error": ...}. Aborts go to every router up, the
         rest to the coordinator (zpd/failover.py)."""
         now = self._now()
-        if command in FANNED:
+        if command in FANNED:               # the first answers within timeout, the rest sooner
+            wait = timeout or self.admin_timeout
             targets = self.routers.fanned(now)
-            replies = await asyncio.gather(*(self._admin(i, command, timeout, args)
-                                             for i in targets))
+            replies = await asyncio.gather(*(
+                self._admin(i, command, wait if k == 0 else min(wait, PEER_WAIT_S), args)
+                for k, i in enumerate(targets)))
             return merge_replies(command, list(replies))
         return await self._admin(self.routers.coordinator(now), command, timeout, args)
 
