@@ -12,8 +12,8 @@ router client (zpd/http/router_client.py) both follow this policy; they own the 
   leaves a request unacknowledged for the connect timeout, or once it falls silent
   with requests in flight. Its requests in flight end with 503 (never a hang); one it
   never acknowledged goes to the next router up instead, since it never started. A
-  router whose connection dropped is tried again when it reconnects; one down for
-  silence, after RETRY_S. With every router down, requests still go to the one that
+  router whose connection dropped, or that failed before it ever connected, is tried
+  again when it (re)connects; one down with its connection up (frozen), after RETRY_S. With every router down, requests still go to the one that
   may be tried soonest: one router alone behaves as it always did.
 - Admin commands that act on the whole pool (pause, continue, weights, status...) go
   to the coordinator, the first router of the list that is up, never to all: the
@@ -68,7 +68,8 @@ class Routers:
         self.first = random.randrange(len(self.endpoints)) if first is None \
             else first % len(self.endpoints)          # this client's own router
         self._down_until: dict[int, float] = {}     # silent or unacknowledging: until then
-        self._unplugged: set[int] = set()           # its connection dropped: until it is back
+        self._unplugged: set[int] = set()           # down, no connection: until it has one
+        self._connected: set[int] = set()           # a connection is up (socket monitor)
 
     def __len__(self) -> int:
         return len(self.endpoints)
@@ -102,18 +103,24 @@ class Routers:
         return [i for i in range(len(self)) if self.up(i, now)] or list(range(len(self)))
 
     def down(self, i: int, now: float) -> None:
-        """Router `i` failed a request or fell silent: skip it for `retry_s`."""
+        """Router `i` failed a request or fell silent: skip it for `retry_s`, or until
+        it connects where it has no connection (nothing listens there: waiting out
+        connect timeouts every `retry_s` would delay one request each time)."""
         self._down_until[i] = now + self.retry_s
+        if i not in self._connected:
+            self._unplugged.add(i)
 
     def heard(self, i: int) -> None:
         """Router `i` spoke: it is up."""
         self._down_until.pop(i, None)
         self._unplugged.discard(i)
+        self._connected.add(i)
 
     def link_event(self, i: int, event: int) -> bool:
         """Note a socket monitor event of router `i`'s connection; True when it dropped."""
         if event == zmq.EVENT_DISCONNECTED:
             self._unplugged.add(i)
+            self._connected.discard(i)
             return True
         if event == zmq.EVENT_CONNECTED:        # back (or a new process): try it again
             self.heard(i)

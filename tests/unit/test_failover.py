@@ -45,6 +45,7 @@ def test_each_client_keeps_to_its_own_router_and_two_over_two_routers_split_even
 
 def test_a_router_down_is_skipped_until_its_retry_and_one_unplugged_until_it_reconnects():
     r = Routers((A, B, C), first=1, retry_s=5.0)
+    r.link_event(1, zmq.EVENT_CONNECTED)                  # connected, then frozen
     r.down(1, now=10.0)
     assert [r.pick(11.0) for _ in range(2)] == [2, 2]      # the next after its own
     assert not r.up(1, 14.9) and r.up(1, 15.0)            # tried again after retry_s
@@ -53,7 +54,8 @@ def test_a_router_down_is_skipped_until_its_retry_and_one_unplugged_until_it_rec
     assert r.pick(100.0) == 2                              # unplugged: no retry by time
     assert r.link_event(1, zmq.EVENT_CONNECTED) is False
     assert r.pick(100.0) == 1
-    r.down(0, 100.0)
+    r.down(0, 100.0)                                      # never connected: nothing there
+    assert not r.up(0, 1e6)                               # no retry by time either
     r.heard(0)                                            # it spoke: up at once
     assert r.up(0, 100.0)
 
