@@ -12,6 +12,7 @@ from typing import Any
 from engines.sampling_params import SamplingParams
 from engines.formats.overrides import ModelOverrides
 from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
+from zpd.wire.net import parse_endpoint
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
@@ -209,6 +210,11 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
     add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
+    add_default(p, "--coordinator", RouterConfig, "run beside other routers over the same "
+                "workers: H:P of the router that coordinates pauses, continues, weight "
+                "pushes and abort_all across them; this one follows it, holding its new "
+                "requests while the pool is paused, and passes those admin commands on to "
+                "it. Requests are served either way (default: none, this router coordinates)")
     add_liveness_options(p, RouterConfig)
     add_prompt_limit_options(p)
     add_client_limit_options(p)
@@ -315,6 +321,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     prefill, decode = _endpoints(args.prefill), _endpoints(args.decode)
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
+    if args.coordinator is not None:
+        try:
+            parse_endpoint(args.coordinator)
+        except ValueError:
+            raise ValueError(f"--coordinator {args.coordinator!r} is not HOST:PORT") from None
     return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
                         peer_timeout=args.peer_timeout, busy_poll_us=args.busy_poll_us,
                         ready_file=args.ready_file,
@@ -323,7 +334,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         max_client_requests=args.max_client_requests,
                         max_client_tokens=args.max_client_tokens,
                         max_concurrent_requests=args.max_concurrent_requests,
-                        queue_size=args.queue_size, queue_timeout=args.queue_timeout)
+                        queue_size=args.queue_size, queue_timeout=args.queue_timeout,
+                        coordinator=args.coordinator)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:

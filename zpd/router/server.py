@@ -16,6 +16,7 @@ from zpd.config import RouterConfig
 from zpd.router.admin import RouterAdmin
 from zpd.router.admission import QUEUE_TIMEOUT, RETRY_AFTER_S, Admission, Waiting
 from zpd.router.affinity import PrefixAffinity
+from zpd.router.peers import FOLLOW, CoordinatorLink, Followers
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
@@ -90,6 +91,10 @@ class RouterServer:
         self.paused: PauseMode | None = None
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
+        self.followers = Followers(self)        # routers that follow this one (zpd/router/peers.py)
+        self.coordinator = None if cfg.coordinator is None else CoordinatorLink(
+            self, cfg.coordinator, Dealer(ctx, cfg.coordinator, identity=identity,
+                                          opts=self.security.client_options()))
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
@@ -120,6 +125,9 @@ class RouterServer:
             w.clock.pinged(now)
         self.probe_clients(Ping(seq, now, self.endpoint))
         self.expire_waiting(now)
+        self.followers.expire(now)
+        if self.coordinator is not None:
+            self.coordinator.heartbeat()
 
     def probe_clients(self, ping: Ping) -> None:
         """A client that hung up (crashed, closed its socket) can take no tokens: end its
@@ -175,9 +183,11 @@ class RouterServer:
             self.on_generate(identity, msg)
         elif isinstance(msg, Abort):
             self.on_client_abort(identity, msg)
+        elif isinstance(msg, Admin) and msg.command == FOLLOW:
+            self.followers.on_follow(identity, msg)
         elif isinstance(msg, Admin):
             self.admin.on_admin(identity, msg)
-        else:
+        elif not (isinstance(msg, AdminReply) and self.followers.on_reply(identity, msg)):
             log.warning("dropping unexpected %s from client %r", msg.TYPE, identity[:32])
 
     @property
@@ -285,12 +295,27 @@ class RouterServer:
 
     @property
     def holding(self) -> bool:
-        """New requests wait here: paused, or a weight push is under way."""
-        return self.paused is not None or self.admin.sync.pushing
+        """New requests wait here: paused, or a weight push is under way (here, or at
+        the coordinator this router follows)."""
+        return self.paused is not None or self.admin.sync.pushing or \
+            (self.coordinator is not None and self.coordinator.pushing)
+
+    def running(self) -> int:
+        """Requests routed to the workers, here and by the routers following this one."""
+        return len(self.inflight) + self.followers.inflight()
+
+    def hold(self, mode: PauseMode) -> None:
+        """Paused: new requests wait; pause(abort) ends those waiting already."""
+        self.paused = mode
+        if mode is PauseMode.ABORT:
+            for rid in list(self.queued):
+                self.end_queued(rid, 499, "aborted by pause(abort)")
 
     def unpause(self) -> None:
-        """After a successful continue (or the end of a weight push): route what waits."""
+        """After a successful continue (or the end of a weight push): route what waits,
+        and so do the routers that follow this one."""
         self.paused = None
+        self.followers.tell(lambda _: None, self.cfg.peer_timeout)
         self.dispatch()
 
     # --- workers ----------------------------------------------------------------
@@ -373,6 +398,8 @@ class RouterServer:
         self.loop.run(stop)
 
     def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.dealer.close()
         for w in self.workers:
             w.dealer.close()
         self.front.close()
