@@ -365,9 +365,9 @@ def router_argv(args: argparse.Namespace) -> list[str]:
     """`zpd launch`'s router flags (ROUTER_PASSTHROUGH) as arguments for its router;
     --max-concurrent-requests 0 becomes the decodes' --max-batch times their number,
     which `zpd launch` knows and its router does not."""
-    if args.max_concurrent_requests == 0:
-        args = argparse.Namespace(**vars(args) | {
-            "max_concurrent_requests": args.max_batch * args.decode})
+    if args.max_concurrent_requests == 0:      # shared by the routers (--routers)
+        args = argparse.Namespace(**vars(args) | {"max_concurrent_requests": max(
+            1, args.max_batch * args.decode // getattr(args, "routers", 1))})
     return passthrough_argv(args, ROUTER_PASSTHROUGH)
 
 
