@@ -180,6 +180,7 @@ class CoordinatorLink:
         self.ids = itertools.count(1)
         self.tag = os.urandom(4).hex()         # our req_ids cannot be guessed by a client
         server.loop.add_socket(dealer, self.on_message)
+        self.heartbeat()                       # known to the coordinator before routing anything
 
     @property
     def alive(self) -> bool:
