@@ -37,6 +37,7 @@ class Resumes:
     def __init__(self, now: float = 0.0) -> None:
         self.open: dict[str, list] = {}     # rid -> [boot (None until accepted), tokens]
         self.heard = now                    # when the router last spoke
+        self.boot = ""                      # the router's boot id, as last seen
 
     def opened(self, rid: str, now: float) -> None:
         self.open[rid] = [None, 0]
@@ -49,9 +50,14 @@ class Resumes:
         """The router spoke: the resumes to send if its boot id changed (`got` counts
         the tokens of a Tokens message)."""
         self.heard = now
+        if not isinstance(msg, (Accepted, Ping, Pong)):
+            return []
         if isinstance(msg, Accepted) and msg.rid in self.open and self.open[msg.rid][0] is None:
             self.open[msg.rid][0] = msg.boot
-        return self.rebooted(msg.boot) if isinstance(msg, (Accepted, Ping, Pong)) else []
+        if not msg.boot or msg.boot == self.boot:       # the usual case: nothing to look at
+            return []
+        self.boot = msg.boot
+        return self.rebooted(msg.boot)
 
     def got(self, part: TokenPart) -> None:
         entry = self.open.get(part.rid)
