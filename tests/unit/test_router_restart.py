@@ -154,6 +154,20 @@ def test_resumes_wait_for_the_decodes_to_hand_over(cluster):
     assert cluster.run(rid).token_ids == reference(cluster, PROMPT, N)
 
 
+def test_a_decode_that_hands_over_too_late_has_its_requests_aborted(cluster):
+    rid = cluster.submit(PROMPT, 300)
+    running(cluster, 1)
+    restart_router(cluster)
+    cluster.silent.add("decode")
+    resume(cluster, rid)
+    cluster.advance(2.5, step=0.5)                  # the router waits a peer timeout at most
+    assert cluster.run(rid).status == 503
+    cluster.silent.discard("decode")
+    cluster.until(lambda: not cluster.decode.scheduler.jobs, rounds=20)   # aborted, not run on
+    assert cluster.router.inflight == {}
+    cluster.check_pages()
+
+
 # --- the decode's side ----------------------------------------------------------------------
 
 

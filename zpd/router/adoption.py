@@ -55,14 +55,15 @@ class Adoption:
         self.timer = server.loop.call_later(server.cfg.peer_timeout, self._asked)
 
     def on_adopted(self, worker: Worker, msg: Adopted) -> None:
-        if worker.role != "decode" or worker.endpoint not in self.asking:
-            log.warning("dropping adopted from %s %s: not asked", worker.role, worker.endpoint)
+        if worker.role != "decode":
+            log.warning("dropping adopted from %s %s", worker.role, worker.endpoint)
             return
+        late = worker.endpoint not in self.asking     # its clients' resumes had 503 already
         for rid, entry in msg.requests.items():
-            flight = self._flight(worker, rid, entry)
+            flight = None if late else self._flight(worker, rid, entry)
             if flight is None:
-                log.warning("decode %s handed over rid=%r unusable (%.200r): aborting it",
-                            worker.endpoint, rid, entry)
+                log.warning("decode %s handed over rid=%r %s: aborting it", worker.endpoint, rid,
+                            "too late" if late else f"unusable ({entry!r:.200})")
                 worker.dealer.send(Abort(rid, 503, LOST))
                 continue
             self._adopt(flight, entry)
