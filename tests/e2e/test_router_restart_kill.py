@@ -3,9 +3,11 @@ streams, start `zpd router` again on the same port, and account for every reques
 
 The same zpd.Client reads on: each request ends either complete, with exactly the
 null model's predicted tokens (none lost, none twice), or with a 503 saying the
-router restarted (it finished while no router listened); none hangs, and every KV
-page comes back. Most requests run 8-12 s (40 ms steps), longer than the restart; a
-few end within a second of the kill, while no router listens: those are lost (503)."""
+router restarted; none hangs, and every KV page comes back. Most requests run 8-12 s
+(40 ms steps), longer than the restart: they must all complete. A few end within a
+second of the kill, while no router listens: their decode keeps their answers for
+the new router, unless one ended in the step before the decode saw the router gone
+(then it is lost: 503)."""
 from __future__ import annotations
 
 import random
@@ -70,6 +72,5 @@ def test_a_router_killed_mid_stream_and_restarted_loses_no_running_request(tmp_p
         print(f"router restart after kill -9 ({restarted:.1f} s to ready): "
               f"{len(outcome['complete'])} of {len(work)} requests complete with every token, "
               f"{len(outcome['503'])} ended 503 {sorted(outcome['503'])}")
-        # each runs 8-12 s, a restart takes a few: most run on through it
-        assert len(outcome["complete"]) >= len(work) // 2, outcome
+        assert not [r for r in outcome["503"] if not r.startswith("short")], outcome
         cluster.wait_all_free(timeout=30)

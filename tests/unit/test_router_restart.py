@@ -90,6 +90,23 @@ def test_a_request_that_ends_before_its_client_resumes_is_kept_for_it(cluster):
     cluster.check_pages()
 
 
+def test_requests_that_end_while_no_router_listens_are_kept_for_the_next(cluster):
+    """Once a send to the dead router failed, what ends is kept whole: here a request
+    not streamed ends during the outage, beside a stream that runs through it."""
+    long, short = cluster.submit(PROMPT, 300), cluster.submit(PROMPT[2:], 8, stream=False)
+    running(cluster, 2)
+    restart_router(cluster, silent_for=4.0)        # 12 steps: `short` ends meanwhile
+    assert [j.req.rid for j in cluster.decode.scheduler.jobs.values()] == [long]
+    cluster.pump(5)
+    assert set(cluster.router.adoption.unclaimed) == {long, short}
+    resume(cluster, short, 0)
+    assert cluster.run(short).token_ids == reference(cluster, PROMPT[2:], 8)
+    resume(cluster, long)
+    assert cluster.run(long, rounds=1000).token_ids == reference(cluster, PROMPT, 300)
+    assert all(w.load == 0 for w in cluster.router.workers)
+    cluster.check_pages()
+
+
 def test_another_identity_resuming_a_request_gets_503_and_the_owner_its_tokens(cluster):
     rid = cluster.submit(PROMPT, N)
     running(cluster, 1)

@@ -3,15 +3,17 @@
 At start the router asks every decode to `Adopt` the requests of the earlier
 processes of its endpoint (zpd/worker/adoption.py says which); each decode answers
 `Adopted` with, per rid, its client, prefill, share and output so far, then the
-tokens of each streamed one from the first. The router rebuilds their flights
-(client, loads, shares) and keeps their tokens, for only the client knows how many it
-has: a client that sees the router's boot id change sends `Resume(rid, have)` for each
-request it waits for (zpd/wire/resume.py). The router then sends the tokens past
-`have` and streams on. Everything else ends 503 at once: a rid it holds for another
-client (that client learns nothing, the owner's request goes on), a rid it never
-adopted (queued in the dead router, scored by a prefill, or finished while no router
-listened). A flight nobody claims within CLAIM_S is aborted with 503. Resumes that
-come while a decode has not answered yet wait for it, at most the peer timeout.
+tokens of each streamed one from the first, and the whole answer of each that ended
+while no router listened. The router rebuilds their flights (client, loads, shares)
+and keeps their tokens, for only the client knows how many it has: a client that
+sees the router's boot id change sends `Resume(rid, have)` for each request it waits
+for (zpd/wire/resume.py). The router then sends the tokens past `have` and streams
+on. Everything else ends 503 at once: a rid it holds for another client (that
+client learns nothing, the owner's request goes on), a rid it never adopted (queued
+in the dead router, scored by a prefill, or ended in the moment before its decode
+saw the router gone). A flight nobody claims within CLAIM_S is aborted with 503.
+Resumes that come while a decode has not answered yet wait for it, at most the peer
+timeout; what a decode hands over later than that is aborted there.
 """
 from __future__ import annotations
 

@@ -8,9 +8,11 @@ predecessor is gone from our socket or silent: a live router, say another host's
 prints the same endpoint, keeps its requests. Adopting rebinds each job to the new
 router and answers `Adopted` (for each rid: its client, prefill, share and tokens so
 far), then sends each streamed job's tokens from the first (the router keeps them until
-the client says how many it has). A request that finished while its router was
-silent was answered to no one and is forgotten: its client's resume gets 503. The
-prefill needs no part in this: it answers its decode, never the router, except a
+the client says how many it has). A request that ends once its router is known to be
+disconnected (a send of our tokens to it failed: `core.unreachable`) is kept, its whole
+answer, for as long and handed over the same way; one that ended before that, in the
+moment between the router's death and our first failed send, was answered to no one
+and is forgotten: its client's resume gets 503. The prefill needs no part in this: it answers its decode, never the router, except a
 streamed request's early first token (the decode sends that token again) and a
 scoring request's answer (ended when its router falls silent; the client gets 503).
 """
@@ -20,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from zpd.wire.loop import Timer
-from zpd.wire.protocol import Adopt, Adopted, Ping
+from zpd.wire.protocol import Adopt, Adopted, Ping, TokenPart
 from zpd.wire.status import UNAVAILABLE
 from zpd.worker.jobs import DecodeJob
 from zpd.worker.parts import token_part
@@ -48,6 +50,8 @@ class RouterOrphans:
         self.sched, self.core = sched, sched.core
         self.grace = self.core.cfg.deadlines.router_grace
         self.timers: dict[bytes, Timer] = {}      # silent router -> when its requests end
+        # gone router -> rid -> (Adopted entry, whole answer) of requests ended since
+        self.kept: dict[bytes, dict[str, tuple[dict, TokenPart]]] = {}
 
     def of(self, identity: bytes) -> list[DecodeJob]:
         return [j for j in self.sched.jobs.values() if j.client == identity]
@@ -77,30 +81,47 @@ class RouterOrphans:
         for job in orphans:
             self.sched.finish(job, UNAVAILABLE, "router unavailable", tell_prefill=True)
 
+    def ended(self, job: DecodeJob, meta: dict) -> None:
+        """`job` ended just now (its answer is queued): keep the answer if its router is
+        gone, until a successor adopts it or the grace after the peer timeout passes."""
+        if job.client not in self.core.unreachable:
+            return
+        if job.client not in self.kept:
+            deadlines = self.core.cfg.deadlines
+            self.core.loop.call_later(deadlines.peer_timeout + self.grace, self.kept.pop,
+                                      job.client, None)
+        self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), token_part(job.req, 0, meta))
+
     def on_adopt(self, identity: bytes, msg: Adopt) -> None:
         """Hand the requests of `identity`'s gone predecessors over to it."""
         endpoint = router_endpoint(identity)
         if endpoint is None:
             log.warning("adopt from %r dropped: not a router", identity[:64])
             return
-        gone = {j.client for j in self.sched.jobs.values() if j.client != identity
-                and router_endpoint(j.client) == endpoint and self._gone(j.client)}
+        routers = {j.client for j in self.sched.jobs.values()} | set(self.kept)
+        gone = {r for r in routers if r != identity and router_endpoint(r) == endpoint
+                and self._gone(r)}
         jobs = [j for j in self.sched.jobs.values() if j.client in gone]
+        ended = [(info, part) for old in gone for info, part in self.kept.pop(old, {}).values()
+                 if part.rid not in self.sched.by_rid]     # not a rid that runs again
         for old in gone:
             timer = self.timers.pop(old, None)
             if timer is not None:
                 timer.cancel()
         for job in jobs:
             job.client = identity
-        self.core.send(identity, Adopted({j.req.rid: entry(j) for j in jobs}))
-        for job in jobs:            # after Adopted: the router knows the rids by then
+        handed = {part.rid: info for info, part in ended} | {j.req.rid: entry(j) for j in jobs}
+        self.core.send(identity, Adopted(handed))
+        for _, part in ended:       # after Adopted: the router knows the rids by then
+            self.core.queue_token(identity, part)
+        for job in jobs:
             if job.stream:
                 if job.req.output:
                     self.core.queue_token(identity, token_part(job.req, 0))
                 job.sent = len(job.req.output)
-        if jobs:
-            log.warning("router %r adopted %d requests of %d earlier router(s)", identity[:64],
-                        len(jobs), len(gone))
+        if handed:
+            log.warning("router %r adopted %d requests (%d ended) of %d earlier router(s)",
+                        identity[:64], len(handed), len(ended), len(gone))
 
     def _gone(self, identity: bytes) -> bool:
         """Silent (we stopped expecting its pings) or no longer connected to us."""

@@ -323,6 +323,7 @@ class DecodeScheduler:
                      job.epoch, req.finish.get("type"), len(req.output))
         self.core.queue_token(job.client, token_part(req, start, meta))
         if req.finished:
+            self.orphans.ended(job, meta)       # kept if its router is gone
             self._forget(job)
 
     def finish(self, job: DecodeJob, status: int, reason: str, tell_prefill: bool = False,
