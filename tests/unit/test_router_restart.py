@@ -11,7 +11,7 @@ from zpd.router.adoption import CLAIM_S
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Accepted, Adopt, Ping, Pong, Resume, Tokens
+from zpd.wire.protocol import Accepted, Adopt, Adopted, Ping, Pong, Resume, Tokens
 from zpd.wire.resume import PROBE_S, Resumes
 from zpd.worker.adoption import router_endpoint
 from zpd.worker.decode import DecodePhase
@@ -183,6 +183,24 @@ def test_a_decode_that_hands_over_too_late_has_its_requests_aborted(cluster):
     cluster.until(lambda: not cluster.decode.scheduler.jobs, rounds=20)   # aborted, not run on
     assert cluster.router.inflight == {}
     cluster.check_pages()
+
+
+def test_a_malformed_handover_is_aborted_at_the_decode(cluster):
+    """What a decode hands over is checked: an entry the router cannot use is aborted
+    there, the others are adopted."""
+    server = cluster.router
+    decode = next(w for w in server.workers if w.role == "decode")
+    prefill = cluster.prefill.endpoint
+    good = {"owner": b"client".hex(), "prefill": prefill, "stream": True, "tokens": 9, "output": 0}
+    bad = [[], {"owner": "zz", "prefill": prefill, "tokens": 1, "output": 0},
+           good | {"prefill": ["x"]}, good | {"prefill": "127.0.0.1:1"}, good | {"output": -1},
+           good | {"tokens": "9"}, good | {"owner": ""}]
+    aborted = []
+    decode.dealer.send = aborted.append
+    server.adoption.on_adopted(decode, Adopted({"ok": good} | {f"bad{i}": b for i, b in enumerate(bad)}))
+    assert set(server.inflight) == {"ok"} and set(server.adoption.unclaimed) == {"ok"}
+    assert sorted(m.rid for m in aborted) == sorted(f"bad{i}" for i in range(len(bad)))
+    assert decode.load == 1 and server.shares.routed(b"client") == 1
 
 
 # --- the decode's side ----------------------------------------------------------------------

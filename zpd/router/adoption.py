@@ -84,7 +84,8 @@ class Adoption:
         owner, prefill, output = entry.get("owner"), entry.get("prefill"), entry.get("output")
         prefills = {w.endpoint: w for w in server.workers if w.role == "prefill"}
         if type(owner) is not str or type(output) is not int or output < 0 \
-                or type(entry.get("tokens")) is not int or prefill not in prefills:
+                or type(entry.get("tokens")) is not int or type(prefill) is not str \
+                or prefill not in prefills:
             return None
         try:
             client = bytes.fromhex(owner)

@@ -1,20 +1,21 @@
-"""A decode's side of a router restart: the requests of a router that fell silent go
-on running for --router-grace seconds, their pages held, and a router restarted on
-the same endpoint adopts them; what nobody adopts by then ends with 503.
+"""A decode's side of a router restart: the requests of a router that fell silent go on
+running for --router-grace seconds, their pages held, and a router restarted on the
+same endpoint adopts them; what nobody adopts by then ends with 503.
 
-A router's identity on our socket is `router@{endpoint}/{boot}` (zpd/router/server.py).
-Only the process bound to that endpoint now can be its successor, and only once its
-predecessor is gone from our socket or silent: a live router, say another host's that
-prints the same endpoint, keeps its requests. Adopting rebinds each job to the new
-router and answers `Adopted` (for each rid: its client, prefill, share and tokens so
-far), then sends each streamed job's tokens from the first (the router keeps them until
-the client says how many it has). A request that ends once its router is known to be
-disconnected (a send of our tokens to it failed: `core.unreachable`) is kept, its whole
-answer, for as long and handed over the same way; one that ended before that, in the
-moment between the router's death and our first failed send, was answered to no one
-and is forgotten: its client's resume gets 503. The prefill needs no part in this: it answers its decode, never the router, except a
-streamed request's early first token (the decode sends that token again) and a
-scoring request's answer (ended when its router falls silent; the client gets 503).
+A router's identity on our socket is `router@{endpoint}/{boot}`
+(zpd/router/server.py). Only the process bound to that endpoint now can be its
+successor, and only once its predecessor is gone from our socket or silent: a live
+router, say another host's that prints the same endpoint, keeps its requests. Adopting
+rebinds each job to the new router and answers `Adopted` (for each rid: its client,
+prefill, share and tokens so far), then sends each streamed job's tokens from the
+first (the router keeps them until the client says how many it has). A request that
+ends once its router is known to be disconnected (a send of our tokens to it failed:
+`core.unreachable`) is kept, its whole answer, for as long and handed over the same
+way; one that ended before that, in the moment between the router's death and our
+first failed send, was answered to no one and is forgotten: its client's resume gets
+503. The prefill needs no part in this: it answers its decode, never the router,
+except a streamed request's early first token (the decode sends that token again) and
+a scoring request's answer (ended when its router falls silent; the client gets 503).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ class RouterOrphans:
             deadlines = self.core.cfg.deadlines
             self.core.loop.call_later(deadlines.peer_timeout + self.grace, self.kept.pop,
                                       job.client, None)
-        self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), token_part(job.req, 0, meta))
+        answer = token_part(job.req, 0, meta)
+        self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), answer)
 
     def on_adopt(self, identity: bytes, msg: Adopt) -> None:
         """Hand the requests of `identity`'s gone predecessors over to it."""
