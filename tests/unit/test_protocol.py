@@ -47,7 +47,7 @@ SAMPLES: list[p.Message] = [
     p.Resume(rid="r1", have=7),
     p.Adopt(),
     p.Adopted(requests={"r1": {"owner": "6162", "prefill": "127.0.0.1:5000", "stream": True,
-                               "tokens": 40, "output": 3}}),
+                               "tokens": 40, "output": 3}}, paused="retract"),
     p.Ping(seq=3, sent_at=12.5, sender="decode-0", boot="123.abcd"),
     p.Pong(seq=3, sent_at=12.5, sender="prefill-0"),
     p.Error(status=400, reason="bad", rid="r9"),

@@ -203,6 +203,21 @@ def test_a_malformed_handover_is_aborted_at_the_decode(cluster):
     assert decode.load == 1 and server.shares.routed(b"client") == 1
 
 
+def test_a_router_restarted_in_a_retract_pause_takes_it_on_and_continues(cluster):
+    rid = cluster.submit(PROMPT, N)
+    running(cluster, 1)
+    cluster.until(lambda: len(cluster.answers.get(rid, Answer()).token_ids) >= 3)
+    assert cluster.admin("pause", mode="retract")["ok"]
+    restart_router(cluster)
+    cluster.pump(5)
+    assert cluster.router.paused == "retract" and rid in cluster.router.adoption.unclaimed
+    resume(cluster, rid)
+    assert cluster.admin("continue")["ok"] and cluster.router.paused is None
+    got = cluster.run(rid)
+    assert got.token_ids == reference(cluster, PROMPT, N) and got.meta["retractions"] == 1
+    cluster.check_pages()
+
+
 # --- the decode's side ----------------------------------------------------------------------
 
 

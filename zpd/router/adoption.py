@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zpd.router.flights import InFlight, Worker
+from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Adopt, Adopted, Resume, TokenPart, Tokens
 
@@ -32,6 +33,7 @@ log = logging.getLogger("zpd.router.adoption")
 
 CLAIM_S = 30.0          # an adopted request's client resumes within this, or it is aborted
 LOST = "router restarted; request lost"
+PAUSE_MODES = {m.value for m in PauseMode}
 
 
 @dataclass(eq=False)
@@ -60,6 +62,8 @@ class Adoption:
         if worker.role != "decode":
             log.warning("dropping adopted from %s %s", worker.role, worker.endpoint)
             return
+        if msg.paused in PAUSE_MODES and self.server.paused is None:
+            self.server.paused = PauseMode(msg.paused)     # paused before this router began
         late = worker.endpoint not in self.asking     # its clients' resumes had 503 already
         for rid, entry in msg.requests.items():
             flight = None if late else self._flight(worker, rid, entry)

@@ -317,10 +317,12 @@ class Adopted(Message):
     """Decode → router, the answer to Adopt: ``requests`` maps each rid handed over to
     ``{"owner": client identity (hex), "prefill": endpoint, "stream": bool, "tokens":
     prompt + max_new_tokens, "output": tokens generated so far}``; the tokens
-    themselves follow in a Tokens message (streamed requests: all so far)."""
+    themselves follow in a Tokens message (streamed requests: all so far). ``paused``:
+    the decode's pause mode ("" when it runs), which the new router takes on."""
 
     TYPE: ClassVar[str] = "adopted"
     requests: dict = field(default_factory=dict)
+    paused: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,7 +113,8 @@ class RouterOrphans:
         for job in jobs:
             job.client = identity
         handed = {part.rid: info for info, part in ended} | {j.req.rid: entry(j) for j in jobs}
-        self.core.send(identity, Adopted(handed))
+        paused = self.core.paused
+        self.core.send(identity, Adopted(handed, paused.value if paused is not None else ""))
         for _, part in ended:       # after Adopted: the router knows the rids by then
             self.core.queue_token(identity, part)
         for job in jobs:
