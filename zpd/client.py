@@ -13,6 +13,7 @@ import zmq
 from zpd.wire.net import Curve, Dealer, SocketOptions
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, TokenPart,
                                Tokens)
+from zpd.wire.resume import Resumes, client_identity
 
 
 class NoAnswerError(TimeoutError):
@@ -33,7 +34,9 @@ class Client:
         self.endpoint, self.timeout, self.connect_timeout = endpoint, timeout, connect_timeout
         self._ctx = zmq.Context()
         try:
-            self._dealer = Dealer(self._ctx, endpoint, opts=SocketOptions(curve=curve))
+            # one identity for good: a restarted router gives requests back only to it
+            self._dealer = Dealer(self._ctx, endpoint, identity=client_identity(),
+                                  opts=SocketOptions(curve=curve))
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -44,6 +47,7 @@ class Client:
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
         self._asked: dict[str, Asked] = {}          # rid -> the logprobs it asked for
+        self._resumes = Resumes(time.monotonic())   # open requests, for a router restart
 
     def close(self) -> None:
         """Close the connection, dropping unsent messages; a second call does nothing.
@@ -125,6 +129,7 @@ class Client:
         return chunk_of(msg, asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
+        self._resumes.closed(rid)
         self._dealer.send(Abort(rid, 499, reason))
 
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
@@ -137,6 +142,7 @@ class Client:
             self._asked[msg.rid] = asked
         self._dealer.send(msg)
         self._unacked[msg.rid] = time.monotonic() + self.connect_timeout
+        self._resumes.opened(msg.rid, time.monotonic())
         return msg.rid
 
     # --- admin ----------------------------------------------------------------------
@@ -164,12 +170,14 @@ class Client:
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             now = time.monotonic()
-            msg = self._dealer.recv(timeout=max(0.0, min(deadline - now, self._ack_wait(now))))
+            msg = self._dealer.recv(timeout=max(0.0, min(deadline - now, self._ack_wait(now),
+                                                         self._resumes.wait(now))))
             got = self._take(msg, kind) if msg is not None else None
             if got is not None:
                 return got
             if msg is None:                 # nothing pending: is anything overdue?
                 now = time.monotonic()
+                self._probe(now)
                 self._check_acked(now)
                 if now >= deadline:
                     raise TimeoutError(f"no answer from {self.endpoint} within "
@@ -177,18 +185,28 @@ class Client:
 
     def _take(self, msg: Message, kind: type) -> Message | TokenPart | None:
         """Note what `msg` tells; return it (or its first part) if it is a `kind`."""
+        for resume in self._resumes.note(msg, time.monotonic()):    # the router restarted
+            self._dealer.send(resume)
         if isinstance(msg, Accepted):
             self._unacked.pop(msg.rid, None)
         elif isinstance(msg, Tokens):            # several requests' tokens at once
             parts = msg.unpack()
             for part in parts:                   # an answer implies the request arrived
                 self._unacked.pop(part.rid, None)
+                self._resumes.got(part)
             self._parts.extend(parts)
             if kind is TokenPart and self._parts:
                 return self._parts.popleft()
         elif isinstance(msg, kind):
             return msg
         return None
+
+    def _probe(self, now: float) -> None:
+        """Requests open and the router silent: ping it (a restarted one answers with
+        its boot id, and the requests are resumed)."""
+        ping = self._resumes.probe(now)
+        if ping is not None:
+            self._dealer.send(ping)
 
     def _ack_wait(self, now: float) -> float:
         """Seconds until the next acknowledgement is due (a long time if none is)."""

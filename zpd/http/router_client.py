@@ -34,6 +34,7 @@ from zpd.http.records import GenRequest
 from zpd.wire.net import Curve, SocketOptions, configure_socket, parse_endpoint
 from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Message,
                                ProtocolError, TokenPart, Tokens, decode, encode)
+from zpd.wire.resume import Resumes, client_identity
 
 log = logging.getLogger("zpd.http.router_client")
 
@@ -109,6 +110,7 @@ class RouterClient:
         self._unacked: set[str] = set()
         self._replies: dict[str, asyncio.Future] = {}   # admin req_id -> its reply
         self._heard = 0.0                               # when the router last spoke
+        self._resumes = Resumes()          # open requests, resumed if the router restarts
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
@@ -118,6 +120,7 @@ class RouterClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         configure_socket(self._sock, host=host, server=False, opts=SocketOptions(curve=self.curve))
+        self._sock.setsockopt(zmq.IDENTITY, client_identity())   # see zpd/wire/resume.py
         bracketed = f"[{host}]" if ":" in host else host
         self._sock.connect(f"tcp://{bracketed}:{parse_endpoint(self.endpoint)[1]}")
         self._heard = asyncio.get_running_loop().time()
@@ -177,6 +180,7 @@ class RouterClient:
         self._sinks.pop(rid, None)
         self._asked.pop(rid, None)
         self._unacked.discard(rid)
+        self._resumes.closed(rid)
 
     def _end(self, rid: str, chunk: dict) -> None:
         """Hand `rid`'s sink its last chunk, one made here."""
@@ -197,6 +201,7 @@ class RouterClient:
             return
         self._unacked.add(rid)
         loop = asyncio.get_running_loop()
+        self._resumes.opened(rid, loop.time())
         self._heard = max(self._heard, loop.time())       # silence counts from here
         loop.call_later(self.connect_timeout, self._check_acked, rid)
 
@@ -262,7 +267,10 @@ class RouterClient:
             frames = await self._sock.recv_multipart()
             self._heard = loop.time()
             try:
-                self._dispatch(decode(frames))
+                msg = decode(frames)
+                for resume in self._resumes.note(msg, self._heard):    # the router restarted
+                    self._send(resume)
+                self._dispatch(msg)
             except ProtocolError as e:
                 log.warning("dropped a malformed message from the router: %s", e.reason)
             except Exception:       # a bug here must not stop every other request's reader
@@ -276,6 +284,7 @@ class RouterClient:
                 sink = self._sinks.get(part.rid)
                 if sink is None:
                     continue
+                self._resumes.got(part)
                 self._unacked.discard(part.rid)
                 chunk = chunk_of(part, self._asked[part.rid])
                 if chunk["finished"]:
@@ -306,6 +315,9 @@ class RouterClient:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(min(1.0, self.router_silence / 4))
+            ping = self._resumes.probe(loop.time())       # a restarted router answers
+            if ping is not None:
+                self._send(ping)
             silent = loop.time() - self._heard
             if self._sinks and silent > self.router_silence:
                 log.error("router %s silent for %.1f s: ending %d requests", self.endpoint,

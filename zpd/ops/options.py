@@ -174,6 +174,10 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     add_default(g, "--dead-fence", Deadlines, "decode: longest pages stay fenced for a prefill "
                 "that stopped answering in the middle of writing them (default {default})",
                 type=float)
+    add_default(g, "--router-grace", Deadlines, "decode: seconds a silent router's requests go "
+                "on running, their pages held, so that a router restarted on the same endpoint "
+                "can adopt them; then they end with 503 (0: at once; default {default})",
+                type=float)
     add_liveness_options(g, Deadlines)
     add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
     add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
@@ -313,7 +317,8 @@ def prompt_limits(args: argparse.Namespace) -> PromptLimits:
 def deadlines(args: argparse.Namespace) -> Deadlines:
     return Deadlines(kv_wait=args.kv_wait_timeout, transfer=args.transfer_timeout,
                      heartbeat=args.heartbeat, peer_timeout=args.peer_timeout,
-                     dead_fence=args.dead_fence, busy_poll_us=args.busy_poll_us)
+                     dead_fence=args.dead_fence, busy_poll_us=args.busy_poll_us,
+                     router_grace=args.router_grace)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -346,7 +351,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "mem_fraction_static", "tokenizer_path", "chat_template", "context_length",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
-                      "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
+                      "router_grace", "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
                       "weights_root", "weight_sync_timeout",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")
