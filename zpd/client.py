@@ -137,7 +137,9 @@ class Client:
         return chunk_of(msg, asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
-        self._links.send(self._owner.get(rid, 0), Abort(rid, 499, reason))
+        i = self._owner.get(rid, 0)
+        self._links.resumes[i].closed(rid)
+        self._links.send(i, Abort(rid, 499, reason))
 
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
                 sampling_params: dict | None = None, rid: str | None = None,
@@ -152,6 +154,9 @@ class Client:
 
     def _send_to(self, i: int, msg: Generate, tried: set[int]) -> None:
         now = time.monotonic()
+        if msg.rid in self._owner:                  # moved: its last router is gone
+            self._links.resumes[self._owner[msg.rid]].closed(msg.rid)
+        self._links.resumes[i].opened(msg.rid, now)
         self._links.send(i, msg)
         tried.add(i)
         self._owner[msg.rid], self._sent[msg.rid] = i, (msg, tried)
@@ -201,19 +206,19 @@ class Client:
     def _next(self, kind: type, what: str, timeout: float | None = None) -> Message | TokenPart:
         """The next `kind` (a message type, or TokenPart for one request's tokens);
         acknowledgements are taken on the way and never returned."""
-        if kind is TokenPart and self._parts:
-            return self._parts.popleft()
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
+            if kind is TokenPart and self._parts:       # the rest of a batch, or a 503 here
+                return self._parts.popleft()
             now = time.monotonic()
-            got = self._recv(max(0.0, min(deadline - now, self._ack_wait(now))))
+            got = self._recv(max(0.0, min(deadline - now, self._ack_wait(now),
+                                          self._links.probe_wait(now))))
             msg = self._take(*got, kind) if got is not None else None
-            if msg is None and kind is TokenPart and self._parts:   # ended here (503)
-                msg = self._parts.popleft()
             if msg is not None:
                 return msg
             if got is None:                 # nothing pending: is anything overdue?
                 now = time.monotonic()
+                self._links.probe(now)
                 self._check_silent(now)
                 self._check_acked(now)
                 if now >= deadline:
@@ -227,13 +232,17 @@ class Client:
         if got is not None:
             self.routers.heard(got[0])
         for i, event in events:
-            if self.routers.link_event(i, event):
-                self._lost(i, f"the connection to the router {self._links.endpoint(i)} dropped")
+            if self.routers.link_event(i, event):       # what it never acknowledged moves
+                self._move(i, [rid for rid, owner in self._owner.items()
+                               if owner == i and rid in self._sent])
         return got
 
     def _take(self, i: int, msg: Message, kind: type) -> Message | TokenPart | None:
         """Note what `msg` from router `i` tells; return it (or its first part) if it is
         a `kind`. A late answer of a router a request was moved away from is dropped."""
+        resumes = self._links.resumes[i]
+        for resume in resumes.note(msg, time.monotonic()):     # the router restarted
+            self._links.send(i, resume)
         if isinstance(msg, Accepted):
             if self._owner.get(msg.rid) == i:
                 self._acked(msg.rid)
@@ -241,6 +250,7 @@ class Client:
             parts = [p for p in msg.unpack() if self._owner.get(p.rid, i) == i]
             for part in parts:                   # an answer implies the request arrived
                 self._acked(part.rid)
+                resumes.got(part)
                 if part.finished:
                     self._owner.pop(part.rid, None)
             self._parts.extend(parts)
@@ -254,18 +264,25 @@ class Client:
         self._unacked.pop(rid, None)
         self._sent.pop(rid, None)
 
+    def _move(self, i: int, rids: list[str]) -> None:
+        """Send `rids`, which router `i` never acknowledged, to another router up (else
+        they wait out their acknowledgement)."""
+        for rid in rids:
+            msg, tried = self._sent[rid]
+            j = self.routers.next_up(time.monotonic(), tried)
+            if j is not None:
+                self._send_to(j, msg, tried)
+
     def _lost(self, i: int, why: str) -> None:
-        """Router `i` is gone: what it never acknowledged goes to another router up
-        (else waits out its acknowledgement); the rest ends now with 503."""
-        for rid in [rid for rid, owner in self._owner.items() if owner == i]:
-            if rid in self._sent:
-                msg, tried = self._sent[rid]
-                j = self.routers.next_up(time.monotonic(), tried)
-                if j is not None:
-                    self._send_to(j, msg, tried)
-                continue
-            del self._owner[rid]
-            self._parts.append(TokenPart.abort(rid, 503, why))
+        """Router `i` is silent: what it never acknowledged goes to another router up;
+        the rest ends now with 503."""
+        mine = [rid for rid, owner in self._owner.items() if owner == i]
+        self._move(i, [rid for rid in mine if rid in self._sent])
+        for rid in mine:
+            if rid not in self._sent:
+                del self._owner[rid]
+                self._links.resumes[i].closed(rid)
+                self._parts.append(TokenPart.abort(rid, 503, why))
 
     def _check_silent(self, now: float) -> None:
         """Routers silent past router_silence with requests in flight are gone (a
@@ -300,6 +317,7 @@ class Client:
                 self._send_to(j, msg, tried)
                 continue
             del self._unacked[rid], self._sent[rid], self._owner[rid]
+            self._links.resumes[i].closed(rid)
             failed.append(self._links.endpoint(i))
         if failed:
             raise NoAnswerError(f"no answer from router {','.join(sorted(set(failed)))} within "

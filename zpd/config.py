@@ -24,6 +24,9 @@ class Deadlines:
     busy_poll_us: float = 0.0        # --busy-poll-us: the loop spins this long after a message
     peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
     dead_fence: float = 300.0        # decode: longest pages stay fenced for a silent prefill
+    # decode: a silent router's requests run on this long for a router restarted on its
+    # endpoint to adopt (zpd/worker/adoption.py), then end 503
+    router_grace: float = 10.0
 
     # The schedulers name each wait by its phase; a user sets them all at once (kv_wait).
     @property
@@ -146,6 +149,9 @@ class RouterConfig:
     max_concurrent_requests: int = 0  # --max-concurrent-requests (sglang-router's name)
     queue_size: int = 1 << 14        # --queue-size: past it, 429 "queue full"
     queue_timeout: float = 300.0     # --queue-timeout: past it, 503 "queue timeout"
+    # --coordinator: another router over the same workers that coordinates pauses and
+    # weight pushes; this one follows it (zpd/router/peers.py). None: this one coordinates.
+    coordinator: str | None = None
 
 
 @dataclass(frozen=True)

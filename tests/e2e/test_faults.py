@@ -41,6 +41,7 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-n
 
 DELAY = 1.0              # seconds every write of the delayed cluster waits
 DELAYED_KV_WAIT = 10.0   # the delayed cluster's --kv-wait-timeout
+GRACE = 1.0              # its --router-grace: a dead router's requests run on this long
 
 
 # --- the delayed cluster: 2 prefills, 2 decodes, every write sits DELAY s in transfer ----
@@ -50,7 +51,7 @@ def delayed(tmp_path_factory):
     # kv_wait is long here, so a slow abort shows as a timing failure, not a 504
     with FaultCluster(tmp_path_factory.mktemp("delayed"), prefill=2, decode=2,
                       flags=("--transfer-timeout", str(TRANSFER), "--kv-wait-timeout", str(DELAYED_KV_WAIT),
-                             "--kv-cache-mb", "8"),
+                             "--kv-cache-mb", "8", "--router-grace", str(GRACE)),
                       prefill_env={FAULT_ENV: f"delay:seconds={DELAY}"}) as c:
         warm_up(c)
         yield c
@@ -395,15 +396,16 @@ def test_a_client_that_hangs_up_gets_its_requests_ended(delayed, stream):
 
 
 def test_router_killed(delayed):
-    """Workers end a dead router's requests (running and in transfer) and free their pages."""
+    """Workers end a dead router's requests (running and in transfer) and free their
+    pages, once its grace for a restarted router to adopt them is over."""
     with delayed.client() as c, \
             submit(c, {f"orphan-run{i}": ([9, i, 9], 4000) for i in range(2)}, stream=True) as runs:
         wait_for(lambda: all(runs.tokens(r) >= 2 for r in runs.chunks), what="running")
         with _in_transfer(delayed, 4, seed=30):
             t = time.monotonic()
             delayed.router.kill()
-            took = delayed.wait_all_free(timeout=DETECT + DELAY + SLACK)
-    assert time.monotonic() - t <= DETECT + DELAY + SLACK, took
+            took = delayed.wait_all_free(timeout=DETECT + GRACE + DELAY + SLACK)
+    assert time.monotonic() - t <= DETECT + GRACE + DELAY + SLACK, took
     assert all("ending its" in d.log.read_text() for d in delayed.decodes)
     delayed.start_router()
     serves_correctly(delayed)

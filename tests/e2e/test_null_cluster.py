@@ -4,26 +4,35 @@ transport garbled would show."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
 
 from engines.null import predict
 from tests.e2e.cluster import Cluster, assert_all_pages_free
+from zpd.client import Client
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
 STEP_MS = 5
 
 
-def test_a_null_2p2d_cluster_answers_the_predicted_tokens(tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """2P2D and two routers: the first coordinates, the second follows it."""
+    spec = f"null:step_ms={STEP_MS},prefill_us=20,kv_bytes=8192"
+    with Cluster(tmp_path_factory.mktemp("null"), prefill=2, decode=2, model=spec,
+                 dtype="bfloat16", extra=("--routers", "2")) as c:
+        yield c
+
+
+def test_a_null_2p2d_cluster_answers_the_predicted_tokens(cluster):
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 15, 16, 17, 100, 300) * 3]
     work = [{"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 20}}
             for p in prompts]
-    spec = f"null:step_ms={STEP_MS},prefill_us=20,kv_bytes=8192"
-    with Cluster(tmp_path, prefill=2, decode=2, model=spec, dtype="bfloat16") as c, \
-            c.client() as client:
+    with cluster.client() as client:
         began = time.monotonic()
         got = client.generate_many(work)
         took = time.monotonic() - began
@@ -32,3 +41,36 @@ def test_a_null_2p2d_cluster_answers_the_predicted_tokens(tmp_path):
         text = client.generate(prompt="hello", sampling_params={"max_new_tokens": 6})
         assert text["output_ids"] == predict(list(b"hello"), 6)
         assert_all_pages_free(client)
+
+
+def test_two_routers_serve_one_pool_and_a_pause_through_the_follower_holds_both(cluster):
+    """--routers 2: a retract pause sent to the follower (passed on to the coordinator)
+    while both routers stream; every request ends with exactly its predicted tokens."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 40, 200) * 4]
+    work = [{"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 60}}
+            for p in prompts]
+    coordinator, follower = cluster.info["routers"]
+    got: dict[str, list] = {}
+
+    def run(endpoint: str) -> None:
+        with Client(endpoint, timeout=60) as client:
+            got[endpoint] = client.generate_many(work)
+
+    threads = [threading.Thread(target=run, args=(ep,)) for ep in (coordinator, follower)]
+    for t in threads:
+        t.start()
+    with Client(follower, timeout=60) as admin:
+        time.sleep(0.1)                            # mid-stream (60 steps of 5 ms)
+        paused = admin.admin("pause", mode="retract")
+        assert paused["ok"] and paused["via"] == follower, paused
+        assert [f["ok"] for f in paused["followers"]] == [True]
+        assert admin.admin("status")["paused"] == "retract"
+        assert admin.admin("continue")["ok"]
+        for t in threads:
+            t.join(60)
+        for endpoint in (coordinator, follower):
+            assert [g["output_ids"] for g in got[endpoint]] == [predict(p, 60) for p in prompts]
+            # the pause came mid-stream: some of each router's requests were retracted
+            assert any(g["meta"]["retractions"] for g in got[endpoint]), endpoint
+        assert_all_pages_free(admin)

@@ -105,6 +105,16 @@ def test_limit_flags_reach_router_and_workers_through_launch() -> None:
         "--busy-poll-us", str(default_of(RouterConfig, "busy_poll_us"))]
 
 
+def test_routers_share_the_decodes_batches_and_a_follower_names_its_coordinator() -> None:
+    two = parse("launch", "--model", "tiny", "--decode", "3", "--max-batch", "8", "--routers", "2")
+    r = router_config(parse("router", "--prefill", "a:1", "--decode", "b:2", *router_argv(two),
+                            "--coordinator", "h:5757"))
+    assert (r.max_concurrent_requests, r.coordinator) == (12, "h:5757")
+    assert router_config(parse("router", "--prefill", "a:1", "--decode", "b:2")).coordinator is None
+    with pytest.raises(ValueError, match="--coordinator 'h' is not HOST:PORT"):
+        router_config(parse("router", "--prefill", "a:1", "--decode", "b:2", "--coordinator", "h"))
+
+
 def test_busy_poll_reaches_the_router_and_workers_through_launch() -> None:
     la = parse("launch", "--model", "tiny", "--busy-poll-us", "250")
     assert worker_config(parse("decode", *worker_argv(la)), "decode").deadlines.busy_poll_us == 250

@@ -353,7 +353,7 @@ def test_silent_router_orphans_are_ended(cluster):
     cluster.until(lambda: decode_phases(cluster) == [DecodePhase.RUNNING])
     cluster.advance(0.5)                                 # the router has pinged the decode
     cluster.silent.add("router")
-    cluster.advance(3.0, step=0.5)
+    cluster.advance(3.0 + cluster.decode.cfg.deadlines.router_grace, step=1.0)   # no router took them
     assert cluster.decode.scheduler.jobs == {}
     cluster.check_pages()
 

@@ -13,7 +13,7 @@ from zpd.http.records import GenRequest
 from zpd.http.router_client import USER, RouterClient, http_user
 from zpd.wire.messages import MAX_USER_CHARS
 from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Generate,
-                               Ping, TokenPart, Tokens, decode, encode)
+                               Ping, Resume, TokenPart, Tokens, decode, encode)
 
 
 class ScriptedRouter:
@@ -233,4 +233,22 @@ def test_a_request_whose_send_raises_leaves_its_rid_free():
         assert msg.rid == "r"
         await router.send(who, Tokens.pack([TokenPart("r", [5], ["v"], {"type": "length"}, {})]))
         assert (await asyncio.wait_for(again, 5))[-1]["token_ids"] == [5]
+    run(test)
+
+
+def test_a_restarted_router_gets_the_open_requests_resumed_from_the_same_identity():
+    """The router's boot id changes (zpd/wire/resume.py): the front resumes each open
+    request with the tokens it has, from the identity that sent it, and takes the rest."""
+    async def test(router, client):
+        a = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="a", stream=True))))
+        who, msg = await router.recv()
+        assert isinstance(msg, Generate)
+        await router.send(who, Accepted("a", "boot1"))
+        await router.send(who, Tokens.pack([TokenPart("a", [5, 6], ["v", "v"])]))
+        await router.send(who, Ping(1, 0.0, boot="boot1"))         # the same router: nothing
+        await router.send(who, Ping(2, 0.0, boot="boot2"))         # restarted
+        again, resume = await router.recv()
+        assert again == who and resume == Resume("a", 2)
+        await router.send(who, Tokens.pack([TokenPart("a", [7], ["v"], {"type": "length"})]))
+        assert [c["token_ids"] for c in await a] == [[5, 6], [7]]
     run(test)

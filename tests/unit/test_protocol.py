@@ -44,7 +44,11 @@ SAMPLES: list[p.Message] = [
     p.Abort(rid="r1"),
     p.Admin(command="pause", args={"mode": "retract"}, req_id="q1"),
     p.AdminReply(req_id="q1", ok=True, result={"paused": "retract"}),
-    p.Ping(seq=3, sent_at=12.5, sender="decode-0"),
+    p.Resume(rid="r1", have=7),
+    p.Adopt(),
+    p.Adopted(requests={"r1": {"owner": "6162", "prefill": "127.0.0.1:5000", "stream": True,
+                               "tokens": 40, "output": 3}}, paused="retract"),
+    p.Ping(seq=3, sent_at=12.5, sender="decode-0", boot="123.abcd"),
     p.Pong(seq=3, sent_at=12.5, sender="prefill-0"),
     p.Error(status=400, reason="bad", rid="r9"),
 ]
@@ -142,6 +146,10 @@ MALFORMED = {
     # a peer on version 2 says hello with one base_addr: refused by its version
     "hello of version 2": with_header(without(HELLO, "pools"), v=2, base_addr=16),
     "hello without pools": without(HELLO, "pools"),
+    "resume of a negative count": [orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "resume",
+                                                 "rid": "r1", "have": -1})],
+    "adopted requests not an object": [orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "adopted",
+                                                     "requests": [["r1"]]})],
 }
 
 

@@ -34,10 +34,10 @@ from aiohttp import web
 from zpd.client import Asked, asks_logprobs, chunk_of, generate_message
 from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
 from zpd.http.records import GenRequest
-from zpd.http.router_link import Link
+from zpd.http.router_link import Link, Unacked
 from zpd.wire.net import Curve
-from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Generate,
-                               Message, ProtocolError, TokenPart, Tokens, decode, encode)
+from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Message,
+                               ProtocolError, TokenPart, Tokens, decode, encode)
 
 log = logging.getLogger("zpd.http.router_client")
 
@@ -188,8 +188,10 @@ class RouterClient:
     def _forget(self, rid: str) -> None:
         self._sinks.pop(rid, None)
         self._asked.pop(rid, None)
-        self._owner.pop(rid, None)
         self._unacked.pop(rid, None)
+        i = self._owner.pop(rid, None)
+        if i is not None:
+            self._links[i].resumes.closed(rid)
 
     def _end(self, rid: str, chunk: dict) -> None:
         """Hand `rid`'s sink its last chunk, one made here."""
@@ -215,6 +217,7 @@ class RouterClient:
         self._owner[rid], self._unacked[rid] = i, pending
         pending.tried.add(i)
         loop = asyncio.get_running_loop()
+        link.resumes.opened(rid, loop.time())
         link.heard = max(link.heard, loop.time())       # silence counts from here
         loop.call_later(self.connect_timeout, self._check_acked, rid, i)
 
@@ -243,6 +246,7 @@ class RouterClient:
         """`rid`, never acknowledged, to the next router up (its last one is told to
         drop it, in case it arrives late); with none left, it ends with 503 `why`."""
         self.abort(rid, "not acknowledged in time")
+        self._links[self._owner[rid]].resumes.closed(rid)
         pending = self._unacked[rid]
         j = self.routers.next_up(self._now(), pending.tried)
         if j is None:
@@ -303,14 +307,19 @@ class RouterClient:
             link.heard = self._now()
             self.routers.heard(i)
             try:
-                self._dispatch(decode(frames), i)
+                msg = decode(frames)
+                for resume in link.resumes.note(msg, link.heard):    # the router restarted
+                    self._send(resume, to=i)
+                self._dispatch(msg, i)
             except ProtocolError as e:
                 log.warning("dropped a malformed message from the router: %s", e.reason)
             except Exception:       # a bug here must not stop every other request's reader
                 log.exception("handing on a message from the router failed")
 
     async def _follow(self, i: int) -> None:
-        """Router `i`'s connection events: once it drops, the router is gone."""
+        """Router `i`'s connection events: once it drops, new requests go elsewhere and
+        so do those it never acknowledged; the rest wait for it to come back (resumed)
+        or for the silence watch (503)."""
         link = self._links[i]
         while True:
             if self.routers.link_event(i, await link.event()):
@@ -318,7 +327,10 @@ class RouterClient:
                     if not link.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
                     await asyncio.sleep(0)      # the reader takes it
-                self._lost(i, f"the connection to the router {link.endpoint} dropped")
+                why = f"the connection to the router {link.endpoint} dropped"
+                for rid in [r for r, owner in self._owner.items() if owner == i]:
+                    if rid in self._unacked and self.routers.next_up(self._now(), {i}) is not None:
+                        self._retry(rid, why)
 
     def _dispatch(self, msg: Message, i: int) -> None:
         if isinstance(msg, Accepted):
@@ -330,6 +342,7 @@ class RouterClient:
                     if not part.finished:
                         self._send(Abort(part.rid, 499, "sent to another router"), to=i)
                     continue
+                self._links[i].resumes.got(part)
                 self._take(part)
         elif isinstance(msg, AdminReply):
             reply = self._replies.get(msg.req_id)
@@ -362,11 +375,10 @@ class RouterClient:
             log.exception("request %s: its sink failed again; dropping it", chunk["rid"])
 
     def _lost(self, i: int, why: str) -> None:
-        """Router `i` is gone: what it never acknowledged goes to another; the rest
+        """Router `i` is silent: what it never acknowledged goes to another; the rest
         ends with 503."""
         mine = [rid for rid, owner in self._owner.items() if owner == i]
-        if mine:
-            log.error("%s: ending or moving its %d requests", why, len(mine))
+        log.error("%s: ending or moving its %d requests", why, len(mine))
         for rid in mine:
             if rid in self._unacked:
                 self._retry(rid, why)
@@ -380,6 +392,9 @@ class RouterClient:
             now = self._now()
             busy = set(self._owner.values())
             for i, link in enumerate(self._links):
+                ping = link.resumes.probe(now)          # a restarted router answers
+                if ping is not None:
+                    self._send(ping, to=i)
                 silent = now - link.heard
                 if i in busy and silent > self.router_silence:
                     self.routers.down(i, now)
@@ -387,10 +402,3 @@ class RouterClient:
                                   f"{silent:.0f} s")
                     link.heard = now
 
-
-class Unacked:
-    """A request sent and not yet acknowledged: enough to send it to another router."""
-
-    def __init__(self, msg: Generate, frames: list[bytes]) -> None:
-        self.msg, self.frames = msg, frames
-        self.tried: set[int] = set()

@@ -126,8 +126,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         api_key, admin_key = given_http_keys(args)
         check_http_bind(args.host, api_key, args.insecure)
         check_admin_key(admin_key, args.curve_keys, args.insecure)
-    if args.prefill < 1 or args.decode < 1:
-        raise ValueError("--prefill and --decode must be at least 1")
+    if args.prefill < 1 or args.decode < 1 or args.routers < 1:
+        raise ValueError("--prefill, --decode and --routers must be at least 1")
     if args.http_workers < 1:
         raise ValueError("--http-workers must be at least 1")
     check_fraction(args.mem_fraction_static)
@@ -205,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(la)
     add_worker_options(la)
     la.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    la.add_argument("--routers", type=int, default=1,
+                    help="routers over the workers (default 1): the first, on --port, "
+                         "coordinates pauses and weight pushes, the others (on the ports after "
+                         "it) follow it (zpd router --coordinator); each serves requests, and "
+                         "--max-concurrent-requests 0 splits the decodes' batches between them. "
+                         'The ready file gains "routers": [...]')
     la.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     la.add_argument("--prefill-threads", type=int, default=None,
                     help="torch threads of each prefill worker (default: --threads, else a "

@@ -104,6 +104,27 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
     return Child("http", argv, tmp / "http.json", log_dir / "http.log" if log_dir else None, env)
 
 
+def _start_routers(args, py: list[str], eps: dict[str, str], tmp: Path,
+                   log_dir: Path | None) -> list[Child]:
+    """--routers N: the first on --port coordinates, the others (on the ports after it,
+    or any free ones with --port 0) follow it (zpd/router/peers.py)."""
+    routers: list[Child] = []
+    for i in range(args.routers):
+        port = args.port + i if args.port else 0
+        follow = ["--coordinator", routers[0].info["endpoint"]] if routers else []
+        name = "router" if i == 0 else f"router{i}"
+        routers.append(Child("router", py + [
+            "router", "--host", args.host, "--port", str(port), "--prefill", eps["prefill"],
+            "--decode", eps["decode"], "--ready-file", str(tmp / f"{name}.json"),
+            "--log-level", args.log_level, "--heartbeat", str(args.heartbeat),
+            "--peer-timeout", str(args.peer_timeout)] + follow
+            + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+            + (["--insecure"] if args.insecure else []) + router_argv(args),
+            tmp / f"{name}.json", log_dir / f"{name}.log" if log_dir else None))
+        _wait_ready(routers[-1:], args.startup_timeout)
+    return routers
+
+
 def launch(args, worker_flags: list[str]) -> int:
     """args: prefill, decode, host, port, ready_file, log_dir, startup_timeout."""
     tmp = Path(tempfile.mkdtemp(prefix="zpd-launch-"))
@@ -132,34 +153,30 @@ def launch(args, worker_flags: list[str]) -> int:
         _wait_ready(children, args.startup_timeout)
         eps = {r: ",".join(c.info["endpoint"] for c in children if c.role == r)
                for r in ("prefill", "decode")}
-        router = Child("router", py + ["router", "--host", args.host, "--port", str(args.port),
-                                       "--prefill", eps["prefill"], "--decode", eps["decode"],
-                                       "--ready-file", str(tmp / "router.json"),
-                                       "--log-level", args.log_level,
-                                       "--heartbeat", str(args.heartbeat),
-                                       "--peer-timeout", str(args.peer_timeout)]
-                       + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
-                       + (["--insecure"] if args.insecure else [])
-                       + router_argv(args),
-                       tmp / "router.json", log_dir / "router.log" if log_dir else None)
-        children.append(router)
-        _wait_ready([router], args.startup_timeout)
+        routers = _start_routers(args, py, eps, tmp, log_dir)
+        children += routers
+        router = routers[0]
         cluster = {"router": router.info["endpoint"],
+                   "routers": [r.info["endpoint"] for r in routers],
                    "workers": [{"role": c.role, "endpoint": c.info["endpoint"], "pid": c.proc.pid}
                                for c in children if c.role in ("prefill", "decode")]}
         if args.http_port is not None:
-            http = _start_http(args, py, router.info["endpoint"], tmp, log_dir)
+            http = _start_http(args, py, ",".join(cluster["routers"]), tmp, log_dir)
             children.append(http)
             _wait_ready([http], args.startup_timeout)
             cluster["http"] = http.info["endpoint"]
         write_ready_file(args.ready_file, cluster)
         http = f", HTTP http://{cluster['http']}" if "http" in cluster else ""
-        print(f"zpd cluster ready: router {cluster['router']} "
+        names = "routers " + ", ".join(cluster["routers"]) if len(routers) > 1 else \
+            f"router {cluster['router']}"
+        print(f"zpd cluster ready: {names} "
               f"({args.prefill} prefill, {args.decode} decode){http}; Ctrl-C stops it", flush=True)
         while not stopping:
-            if router.proc.poll() is not None:
-                log.error("router exited with code %s; stopping the cluster", router.proc.returncode)
-                return 1
+            for router in routers:
+                if router.proc.poll() is not None:
+                    log.error("router %s exited with code %s; stopping the cluster",
+                              router.info["endpoint"], router.proc.returncode)
+                    return 1
             for c in children:
                 if c.proc.poll() is not None and not c.reported:
                     c.reported = True

@@ -12,6 +12,7 @@ from typing import Any
 from engines.sampling_params import SamplingParams
 from engines.formats.overrides import ModelOverrides
 from zpd.config import Deadlines, PromptLimits, RouterConfig, WorkerConfig, default_of
+from zpd.wire.net import parse_endpoint
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParams has the defaults
     "max_new_tokens": (int, "tokens to generate at most "
@@ -173,6 +174,10 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     add_default(g, "--dead-fence", Deadlines, "decode: longest pages stay fenced for a prefill "
                 "that stopped answering in the middle of writing them (default {default})",
                 type=float)
+    add_default(g, "--router-grace", Deadlines, "decode: seconds a silent router's requests go "
+                "on running, their pages held, so that a router restarted on the same endpoint "
+                "can adopt them; then they end with 503 (0: at once; default {default})",
+                type=float)
     add_liveness_options(g, Deadlines)
     add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
     add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
@@ -209,6 +214,11 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
     add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
+    add_default(p, "--coordinator", RouterConfig, "run beside other routers over the same "
+                "workers: H:P of the router that coordinates pauses, continues, weight "
+                "pushes and abort_all across them; this one follows it, holding its new "
+                "requests while the pool is paused, and passes those admin commands on to "
+                "it. Requests are served either way (default: none, this router coordinates)")
     add_liveness_options(p, RouterConfig)
     add_prompt_limit_options(p)
     add_client_limit_options(p)
@@ -307,7 +317,8 @@ def prompt_limits(args: argparse.Namespace) -> PromptLimits:
 def deadlines(args: argparse.Namespace) -> Deadlines:
     return Deadlines(kv_wait=args.kv_wait_timeout, transfer=args.transfer_timeout,
                      heartbeat=args.heartbeat, peer_timeout=args.peer_timeout,
-                     dead_fence=args.dead_fence, busy_poll_us=args.busy_poll_us)
+                     dead_fence=args.dead_fence, busy_poll_us=args.busy_poll_us,
+                     router_grace=args.router_grace)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -315,6 +326,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     prefill, decode = _endpoints(args.prefill), _endpoints(args.decode)
     if not prefill or not decode:
         raise ValueError("the router needs at least one --prefill and one --decode endpoint")
+    if args.coordinator is not None:
+        try:
+            parse_endpoint(args.coordinator)
+        except ValueError:
+            raise ValueError(f"--coordinator {args.coordinator!r} is not HOST:PORT") from None
     return RouterConfig(prefill, decode, host=args.host, port=args.port, heartbeat=args.heartbeat,
                         peer_timeout=args.peer_timeout, busy_poll_us=args.busy_poll_us,
                         ready_file=args.ready_file,
@@ -323,7 +339,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         max_client_requests=args.max_client_requests,
                         max_client_tokens=args.max_client_tokens,
                         max_concurrent_requests=args.max_concurrent_requests,
-                        queue_size=args.queue_size, queue_timeout=args.queue_timeout)
+                        queue_size=args.queue_size, queue_timeout=args.queue_timeout,
+                        coordinator=args.coordinator)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:
@@ -334,7 +351,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "mem_fraction_static", "tokenizer_path", "chat_template", "context_length",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
-                      "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
+                      "router_grace", "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
                       "weights_root", "weight_sync_timeout",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")
@@ -353,9 +370,9 @@ def router_argv(args: argparse.Namespace) -> list[str]:
     """`zpd launch`'s router flags (ROUTER_PASSTHROUGH) as arguments for its router;
     --max-concurrent-requests 0 becomes the decodes' --max-batch times their number,
     which `zpd launch` knows and its router does not."""
-    if args.max_concurrent_requests == 0:
-        args = argparse.Namespace(**vars(args) | {
-            "max_concurrent_requests": args.max_batch * args.decode})
+    if args.max_concurrent_requests == 0:      # shared by the routers (--routers)
+        args = argparse.Namespace(**vars(args) | {"max_concurrent_requests": max(
+            1, args.max_batch * args.decode // getattr(args, "routers", 1))})
     return passthrough_argv(args, ROUTER_PASSTHROUGH)
 
 

@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from zpd.router.peers import HOLD_SHARE
 from zpd.router.weight_sync import SYNC_COMMANDS, RouterWeightSync
 from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, UpdateWeights, parse, split_timeout)
-from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 from zpd.wire.status import StatusError
@@ -56,32 +56,49 @@ class RouterAdmin:
         self.req_ids = itertools.count(1)
         self.sync = RouterWeightSync(self)
 
-    def on_admin(self, client: bytes, msg: Admin) -> None:
+    def on_admin(self, client: bytes, msg: Admin,
+                 answer: Callable[[AdminReply], object] | None = None) -> None:
         """Parse the command (its record checks it), then run it: bad input is answered
-        400 and changes nothing; a command that fails here is answered 500, never raised."""
-        reply = self._replier(client, msg)
+        400 and changes nothing; a command that fails here is answered 500, never raised.
+        A follower passes most commands on to its coordinator (zpd/router/peers.py);
+        `answer`: where the reply goes instead of `client` (a command the coordinator
+        sent this follower, which runs here)."""
+        reply = self._replier(client, msg, answer)
         log.info("admin %r %.400r", msg.command, msg.args)   # bounded: a tensor payload is MiBs
         try:
             args, timeout = split_timeout(msg.args, self.server.cfg.admin_timeout_s)
             if msg.command not in COMMANDS:
                 raise StatusError(400, f"unknown command {msg.command!r}; known: "
                                        f"{', '.join(sorted(COMMANDS))}")
-            self._run(parse(msg.command, args, client=True), timeout, reply)
+            cmd = parse(msg.command, args, client=True)
+            link = self.server.coordinator
+            if answer is None and link is not None and link.passes(cmd.COMMAND, args):
+                link.pass_on(client, msg, timeout)
+            else:
+                self._run(cmd, timeout, reply)
         except StatusError as e:
             reply(False, {"status": e.status, "error": str(e)})
         except Exception as e:  # an admin command must answer, whatever happened
             log.exception("admin %r failed", msg.command)
             reply(False, {"status": 500, "error": f"{type(e).__name__}: {e}"})
 
-    def _replier(self, client: bytes, msg: Admin) -> Reply:
+    def _replier(self, client: bytes, msg: Admin,
+                 answer: Callable[[AdminReply], object] | None = None) -> Reply:
         server = self.server
+        send = answer or (lambda m: server.front.send(client, m))
 
         def reply(ok: bool, result: dict) -> None:
-            server.front.send(client, AdminReply(msg.req_id, ok, {
+            send(AdminReply(msg.req_id, ok, {
                 "router": server.endpoint, "command": msg.command, "paused": server.paused,
                 "queued": len(server.queued), "inflight": len(server.inflight)} | result
-                | ({"counters": server.tally.fields()} if msg.command == "status" else {})))
+                | (self.status_fields() if msg.command == "status" else {})))
         return reply
+
+    def status_fields(self) -> dict:
+        server = self.server
+        peers = {"coordinator": server.coordinator.fields()} if server.coordinator else \
+            {"followers": server.followers.fields()}
+        return {"counters": server.tally.fields()} | peers
 
     def _run(self, cmd: AdminCommand, timeout: float, reply: Reply) -> None:
         server, sync = self.server, self.sync
@@ -92,7 +109,7 @@ class RouterAdmin:
             sync.run(cmd, timeout, reply)
         elif type(cmd) in OWN:
             getattr(self, OWN[type(cmd)])(cmd, timeout, reply)
-        elif isinstance(cmd, NEED_QUIET) and server.paused is None and server.inflight:
+        elif isinstance(cmd, NEED_QUIET) and server.paused is None and server.running():
             # an idle prefill would take the new weights (or drop its memory) while its
             # decode, still running, refuses: all workers must see the same state
             reply(False, {"status": 409, "error": f"{cmd.COMMAND} while requests are in "
@@ -101,6 +118,7 @@ class RouterAdmin:
             self.fan_out(cmd, server.workers, timeout, answer_all(reply))
 
     def abort(self, cmd: AbortRequest, timeout: float, reply: Reply) -> None:
+        """End the rid, queued or in flight here, else at a router following this one."""
         server, rid = self.server, cmd.rid
         if rid in server.queued:
             server.end_queued(rid, 499, "aborted by admin")
@@ -109,46 +127,60 @@ class RouterAdmin:
             server.on_abort(Abort(rid, 499, "aborted by admin"))
             reply(True, {"rid": rid, "state": "inflight"})
         else:
-            reply(False, {"rid": rid, "status": 404, "error": f"unknown rid {rid!r}"})
+            def found(acks: list[dict]) -> None:
+                ok = [a for a in acks if a["ok"]]
+                reply(bool(ok), ok[0] if ok else {"rid": rid, "status": 404,
+                                                  "error": f"unknown rid {rid!r}"})
+            server.followers.ask(cmd.COMMAND, cmd.args(), found, timeout)
 
     def abort_all(self, cmd: AbortAll, timeout: float, reply: Reply) -> None:
-        """End every request queued or in flight here, whoever sent it, with 499."""
+        """End every request queued or in flight here, whoever sent it, with 499, and
+        at every router following this one."""
         server = self.server
         queued, running = list(server.queued), list(server.inflight)
         for rid in queued:
             server.end_queued(rid, 499, "aborted by admin (abort_all)")
         for rid in running:
             server.on_abort(Abort(rid, 499, "aborted by admin (abort_all)"))
-        reply(True, {"aborted": len(queued) + len(running)})
+        here = len(queued) + len(running)
+
+        def counted(acks: list[dict]) -> None:
+            there = sum(a["aborted"] for a in acks if a["ok"] and type(a.get("aborted")) is int)
+            reply(all(a["ok"] for a in acks), {"aborted": here + there, "followers": acks})
+        server.followers.ask(cmd.COMMAND, {}, counted, timeout)
 
     def pause(self, cmd: Pause, timeout: float, reply: Reply) -> None:
-        """1. queue new requests here (abort: end the queued ones); 2. pause the decodes;
-        3. pause the prefills. Decodes first: a prefill that paused first would drop
-        requests mid-write and tell their decodes (kv_failed) before those knew of a
-        pause, failing (499) what a retract must hold. Once the decodes have paused, the
-        prefills have nothing in flight that a decode still waits for."""
+        """1. queue new requests here (abort: end the queued ones), and at every router
+        that follows this one; 2. pause the decodes; 3. pause the prefills. Decodes
+        first: a prefill that paused first would drop requests mid-write and tell their
+        decodes (kv_failed) before those knew of a pause, failing (499) what a retract
+        must hold. Once the decodes have paused, the prefills have nothing in flight
+        that a decode still waits for."""
         server = self.server
         if server.paused not in (None, cmd.mode):
             reply(False, {"status": 409, "error": f"already paused ({server.paused}); continue first"})
             return
-        server.paused = cmd.mode
-        if cmd.mode is PauseMode.ABORT:
-            for rid in list(server.queued):
-                server.end_queued(rid, 499, "aborted by pause(abort)")
-        until = server.loop.time() + timeout       # both rounds together, as the caller asked
-        self.in_order(answer_all(reply),
-                      lambda _: (cmd, self.of_role("decode"), timeout * 0.75),
-                      lambda _: (cmd, self.of_role("prefill"), until - server.loop.time()))
+        server.hold(cmd.mode)
+        until = server.loop.time() + timeout       # every round together, as the caller asked
+
+        def workers(followers: list[dict]) -> None:
+            left = until - server.loop.time()
+            self.in_order(answer_all(reply, followers),
+                          lambda _: (cmd, self.of_role("decode"), left * 0.75),
+                          lambda _: (cmd, self.of_role("prefill"), until - server.loop.time()))
+        server.followers.tell(workers, timeout * HOLD_SHARE)
 
     def continue_(self, cmd: Continue, timeout: float, reply: Reply) -> None:
-        """1. continue the prefills; 2. continue the decodes, naming the prefills that
-        answered (decodes send their recomputes only to those) and the first tokens
-        clients have; 3. unpause here once every decode and some prefill continued."""
+        """1. collect the first tokens the followers' clients have; 2. continue the
+        prefills; 3. continue the decodes, naming the prefills that answered (decodes
+        send their recomputes only to those) and the first tokens clients have; 4.
+        unpause here, and at the followers, once every decode and some prefill continued."""
         server = self.server
+        early: dict = {}
 
         def decodes(got: list[dict]) -> tuple[Continue, list[Worker], float]:
             live = [r["endpoint"] for r in got if r["ok"]]
-            return (dataclasses.replace(cmd, prefills=live, early=self.early_tokens()),
+            return (dataclasses.replace(cmd, prefills=live, early=early | self.early_tokens()),
                     self.of_role("decode"), timeout)
 
         def done(replies: list[dict]) -> None:
@@ -158,7 +190,12 @@ class RouterAdmin:
                 server.unpause()
             reply(ok, {"workers": replies})
 
-        self.in_order(done, lambda _: (cmd, self.of_role("prefill"), timeout), decodes)
+        def workers(followers: list[dict]) -> None:
+            for ack in followers:
+                if ack["ok"] and isinstance(ack.get("early"), dict):
+                    early.update(ack["early"])
+            self.in_order(done, lambda _: (cmd, self.of_role("prefill"), timeout), decodes)
+        server.followers.tell(workers, timeout * HOLD_SHARE, early=True)
 
     def early_tokens(self) -> dict:
         """First tokens the client has from a prefill but no decode confirmed: a decode
@@ -222,6 +259,8 @@ class RouterAdmin:
                                    for ep in sorted(fan.waiting)])
 
 
-def answer_all(reply: Reply) -> Replies:
-    """Answer with every worker's reply: ok when all are."""
-    return lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies})
+def answer_all(reply: Reply, followers: list[dict] | None = None) -> Replies:
+    """Answer with every worker's reply: ok when all are (and the followers' acks,
+    which do not decide it: a router that did not confirm is named there)."""
+    more = {} if followers is None else {"followers": followers}
+    return lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies} | more)

@@ -8,14 +8,17 @@ import os
 import random
 import threading
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import zmq
 
 from zpd.config import RouterConfig
 from zpd.router.admin import RouterAdmin
+from zpd.router.adoption import Adoption
 from zpd.router.admission import QUEUE_TIMEOUT, RETRY_AFTER_S, Admission, Waiting
 from zpd.router.affinity import PrefixAffinity
+from zpd.router.flights import InFlight, Worker
+from zpd.router.peers import FOLLOW, CoordinatorLink, Followers
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
@@ -24,8 +27,8 @@ from zpd.wire.net import Dealer, Router
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
-from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Ping, Pong, TokenPart,
-                               Tokens, new_room)
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Adopted, Generate, Ping, Pong,
+                               Resume, TokenPart, Tokens, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
@@ -33,30 +36,6 @@ MAX_REASON = 200       # characters of a client's abort reason passed on
 # --max-concurrent-requests 0: this many per decode, the decodes' default --max-batch,
 # so a decode's own queue stays short (docs/operating.md, "Limits")
 CONCURRENT_PER_DECODE = 64
-
-
-@dataclass(eq=False)
-class Worker:
-    """One prefill or decode worker as the router sees it: its link, load and liveness."""
-    role: str
-    endpoint: str
-    dealer: Dealer
-    clock: PeerClock
-    load: int = 0            # requests routed here and not done with this worker's part
-    alive: bool = True
-
-
-@dataclass(eq=False)
-class InFlight:
-    """A routed request, until its final answer passes through."""
-    rid: str
-    client: bytes
-    prefill: Worker
-    decode: Worker | None                # None: a scoring request, answered by its prefill
-    sent: int = 0                        # output tokens passed on to the client
-    from_decode: int = 0                 # output tokens the decode has sent
-    early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
-    prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load
 
 
 class RouterServer:
@@ -78,9 +57,11 @@ class RouterServer:
         # names a client's identity take its route, its tokens and its requests.
         self.front.socket.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.endpoint = self.front.endpoint
-        # The pid tells workers that a router restarted on the same port is another
-        # process: the old one's requests are orphans they must end.
-        identity = f"router@{self.endpoint}/{os.getpid()}".encode()
+        # The boot id (pid and a random part) tells workers that a router restarted on
+        # the same port is another process, which adopts the old one's requests
+        # (zpd/router/adoption.py); clients see it change and resume theirs.
+        self.boot = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        identity = f"router@{self.endpoint}/{self.boot}".encode()
         self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=identity,
                                                 opts=self.security.client_options()),
                                PeerClock(self.loop.time()))
@@ -90,11 +71,16 @@ class RouterServer:
         self.paused: PauseMode | None = None
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
+        self.followers = Followers(self)        # routers that follow this one (zpd/router/peers.py)
+        self.coordinator = None if cfg.coordinator is None else CoordinatorLink(
+            self, cfg.coordinator, Dealer(ctx, cfg.coordinator, identity=identity,
+                                          opts=self.security.client_options()))
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
         self.pings = itertools.count()
         self.loop.every(cfg.heartbeat, self.heartbeat)
+        self.adoption = Adoption(self)      # the requests of this endpoint's last router
 
     def pick(self, role: str) -> Worker | None:
         candidates = [w for w in self.workers if w.role == role and w.alive]
@@ -116,10 +102,13 @@ class RouterServer:
         for w in self.workers:
             if w.alive and w.clock.silent(now, self.cfg.peer_timeout):
                 self.mark_dead(w)
-            w.dealer.send(Ping(seq, now, self.endpoint))
+            w.dealer.send(Ping(seq, now, self.endpoint, self.boot))
             w.clock.pinged(now)
-        self.probe_clients(Ping(seq, now, self.endpoint))
+        self.probe_clients(Ping(seq, now, self.endpoint, self.boot))
         self.expire_waiting(now)
+        self.followers.expire(now)
+        if self.coordinator is not None:
+            self.coordinator.heartbeat()
 
     def probe_clients(self, ping: Ping) -> None:
         """A client that hung up (crashed, closed its socket) can take no tokens: end its
@@ -136,7 +125,8 @@ class RouterServer:
 
     def client_gone(self, client: bytes) -> None:
         queued = self.admission.of_client(client)
-        running = [rid for rid, f in self.inflight.items() if f.client == client]
+        running = [rid for rid, f in self.inflight.items()       # an adopted one's client
+                   if f.client == client and rid not in self.adoption.unclaimed]   # comes back
         if not queued and not running:
             return
         log.warning("client %r disconnected: ending its %d requests", client[:32],
@@ -175,9 +165,15 @@ class RouterServer:
             self.on_generate(identity, msg)
         elif isinstance(msg, Abort):
             self.on_client_abort(identity, msg)
+        elif isinstance(msg, Admin) and msg.command == FOLLOW:
+            self.followers.on_follow(identity, msg)
         elif isinstance(msg, Admin):
             self.admin.on_admin(identity, msg)
-        else:
+        elif isinstance(msg, Resume):
+            self.adoption.on_resume(identity, msg)
+        elif isinstance(msg, Ping):        # a client that heard nothing for a while
+            self.front.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint, self.boot))
+        elif not (isinstance(msg, AdminReply) and self.followers.on_reply(identity, msg)):
             log.warning("dropping unexpected %s from client %r", msg.TYPE, identity[:32])
 
     @property
@@ -188,7 +184,7 @@ class RouterServer:
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
         # Before anything else, so a client learns at once that a router listens here.
-        self.front.send(client, Accepted(rid))
+        self.front.send(client, Accepted(rid, self.boot))
         if rid in self.inflight or rid in self.admission:
             self.to_client(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
@@ -239,7 +235,8 @@ class RouterServer:
         room = new_room()
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
         routed = Generate(rid, msg.input_ids, msg.sampling, msg.stream, room, 0,
-                          prefill.endpoint, decode.endpoint if decode else "", msg.text, msg.chat)
+                          prefill.endpoint, decode.endpoint if decode else "", msg.text, msg.chat,
+                          owner=client.hex())
         log.info("rid=%r room=%d -> prefill %s, %s", rid, room, prefill.endpoint,
                  f"decode {decode.endpoint}" if decode else "scored there")
         for w in (decode, prefill) if decode else (prefill,):
@@ -285,12 +282,27 @@ class RouterServer:
 
     @property
     def holding(self) -> bool:
-        """New requests wait here: paused, or a weight push is under way."""
-        return self.paused is not None or self.admin.sync.pushing
+        """New requests wait here: paused, or a weight push is under way (here, or at
+        the coordinator this router follows)."""
+        return self.paused is not None or self.admin.sync.pushing or \
+            (self.coordinator is not None and self.coordinator.pushing)
+
+    def running(self) -> int:
+        """Requests routed to the workers, here and by the routers following this one."""
+        return len(self.inflight) + self.followers.inflight()
+
+    def hold(self, mode: PauseMode) -> None:
+        """Paused: new requests wait; pause(abort) ends those waiting already."""
+        self.paused = mode
+        if mode is PauseMode.ABORT:
+            for rid in list(self.queued):
+                self.end_queued(rid, 499, "aborted by pause(abort)")
 
     def unpause(self) -> None:
-        """After a successful continue (or the end of a weight push): route what waits."""
+        """After a successful continue (or the end of a weight push): route what waits,
+        and so do the routers that follow this one."""
         self.paused = None
+        self.followers.tell(lambda _: None, self.cfg.peer_timeout)
         self.dispatch()
 
     # --- workers ----------------------------------------------------------------
@@ -309,6 +321,8 @@ class RouterServer:
             self.relay(msg.unpack(), worker)
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
+        elif isinstance(msg, Adopted):
+            self.adoption.on_adopted(worker, msg)
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
 
@@ -331,7 +345,7 @@ class RouterServer:
         by_client: dict[bytes, list[TokenPart]] = {}
         for got in parts:
             flight, part = self._settle(got, sender)
-            if part is not None:
+            if part is not None and not self.adoption.hold(part):     # its client is away
                 by_client.setdefault(flight.client, []).append(part)
         for client, mine in by_client.items():
             self.to_client(client, Tokens.pack(mine))
@@ -373,6 +387,8 @@ class RouterServer:
         self.loop.run(stop)
 
     def close(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.dealer.close()
         for w in self.workers:
             w.dealer.close()
         self.front.close()

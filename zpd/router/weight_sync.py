@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from zpd.wire.admin import (AdminCommand, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
+from zpd.router.peers import HOLD_SHARE
 from zpd.wire.admin_fields import BadArgs, SyncStep
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class RouterWeightSync:
     # --- pushes: stage everywhere, then commit everywhere or discard everywhere -------
 
     def _running(self, command: str, reply: Reply) -> bool:
-        if self.server.paused is None and self.server.inflight:
+        if self.server.paused is None and self.server.running():
             reply(False, {"status": 409, "error": f"{command} while requests are in flight: "
                                                   "pause first", "workers": []})
             return True
@@ -149,11 +150,14 @@ class RouterWeightSync:
                             self.server.loop.time()), reply)
 
     def two_phase(self, push: Push, reply: Reply) -> None:
-        """1. stage on every worker (new requests queue meanwhile); 2. commit on every
-        worker if all staged, else discard everywhere; 3. route what queued, answer."""
+        """1. stage on every worker (new requests queue meanwhile, here and at the
+        routers that follow this one); 2. commit on every worker if all staged, else
+        discard everywhere; 3. route what queued, answer."""
         self._begin(SyncStep.PUSHING, f"pushing weights from {push.source}")
-        self.admin.fan_out(push.stage, self.server.workers, push.timeout,
-                           lambda staged: self._second_phase(push, staged, reply))
+        self.server.followers.tell(
+            lambda _: self.admin.fan_out(push.stage, self.server.workers, push.timeout,
+                                         lambda staged: self._second_phase(push, staged, reply)),
+            push.timeout * HOLD_SHARE)
 
     def _second_phase(self, push: Push, staged: list[dict], reply: Reply) -> None:
         server, workers = self.server, self.server.workers
@@ -175,7 +179,9 @@ class RouterWeightSync:
         server = self.server
         self._end()
         if server.paused is None:
-            server.unpause()             # route what queued meanwhile
+            server.unpause()             # route what queued meanwhile; so do the followers
+        else:
+            server.followers.tell(lambda _: None, server.cfg.peer_timeout)
         seconds = server.loop.time() - push.started
         log.warning("push %s from %s: %s in %.3f s", push.update_id, push.source,
                     f"version {push.weight_version!r} on every worker" if ok else "failed", seconds)

@@ -70,6 +70,10 @@ class Generate(Message):
     # MAX_USER_CHARS printable characters (the router refuses others with 400); ""
     # is the client itself. Not passed on to the workers.
     user: str = ""
+    # The router sets it: its client's identity (hex), which a decode keeps so that a
+    # router restarted on the same endpoint can give the request back to that client
+    # (zpd/router/adoption.py).
+    owner: str = ""
 
     @property
     def scores_only(self) -> bool:
@@ -227,6 +231,7 @@ class Accepted(Message):
 
     TYPE: ClassVar[str] = "accepted"
     rid: str
+    boot: str = ""     # the router process's boot id (see Ping.boot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +273,9 @@ class Ping(Message):
     seq: int
     sent_at: float
     sender: str = ""
+    # A router's boot id, new each time it starts: a client that sees it change
+    # resumes its requests (zpd/wire/resume.py).
+    boot: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +286,43 @@ class Pong(Message):
     seq: int
     sent_at: float
     sender: str = ""
+    boot: str = ""     # a router's answer to a client's ping carries its boot id
+
+
+@dataclass(frozen=True, slots=True)
+class Resume(Message):
+    """Client → a router that restarted (its boot id changed): go on with ``rid``, of
+    which the client has ``have`` tokens. The router sends the tokens past those, then
+    the rest as they come; a request it does not hold for this client ends 503."""
+
+    TYPE: ClassVar[str] = "resume"
+    rid: str
+    have: int = 0
+
+    def __post_init__(self) -> None:
+        if self.have < 0:
+            raise ProtocolError(f"resume: have {self.have} is negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt(Message):
+    """Router → decode, when the router starts: hand over the requests of the earlier
+    processes of this router's endpoint (identity ``router@{endpoint}/{boot}``)."""
+
+    TYPE: ClassVar[str] = "adopt"
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted(Message):
+    """Decode → router, the answer to Adopt: ``requests`` maps each rid handed over to
+    ``{"owner": client identity (hex), "prefill": endpoint, "stream": bool, "tokens":
+    prompt + max_new_tokens, "output": tokens generated so far}``; the tokens
+    themselves follow in a Tokens message (streamed requests: all so far). ``paused``:
+    the decode's pause mode ("" when it runs), which the new router takes on."""
+
+    TYPE: ClassVar[str] = "adopted"
+    requests: dict = field(default_factory=dict)
+    paused: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,22 +30,26 @@ import orjson
 
 # The usual import path for every message name (``from zpd.wire.protocol import ...``).
 from zpd.wire.messages import (
-    Abort, Accepted, Admin, AdminReply, Error, Generate, Hello, HelloAck, KvDest, KvDone,
-    KvFailed, Message, Ping, Pong, ProtocolError, Recompute, new_room)
+    Abort, Accepted, Admin, AdminReply, Adopt, Adopted, Error, Generate, Hello, HelloAck, KvDest,
+    KvDone, KvFailed, Message, Ping, Pong, ProtocolError, Recompute, Resume, new_room)
 from zpd.wire.tokens import TokenPart, Tokens
 
-__all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Error", "Generate", "Hello", "HelloAck",
-           "KvDest", "KvDone", "KvFailed", "Message", "Ping", "Pong", "ProtocolError", "Recompute",
-           "TokenPart", "Tokens", "new_room", "MESSAGE_TYPES", "PROTOCOL_VERSION",
-           "MAX_FRAME_BYTES", "MAX_FRAMES", "encode", "decode"]
+__all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Adopt", "Adopted", "Error",
+           "Generate", "Hello", "HelloAck", "KvDest", "KvDone", "KvFailed", "Message",
+           "Ping", "Pong", "ProtocolError", "Recompute", "Resume", "TokenPart",
+           "Tokens", "new_room", "MESSAGE_TYPES", "PROTOCOL_VERSION", "MAX_FRAME_BYTES",
+           "MAX_FRAMES", "encode", "decode"]
 
 # 2: kv_dest states cached_pages; admin args say weight_version. 3: hello and hello_ack
 # announce one pool per tensor-parallel rank (`pools`) instead of one `base_addr`.
-PROTOCOL_VERSION = 3
+# 4: a restarted router adopts its predecessor's requests (adopt, adopted; generate's
+# owner) and clients resume them (resume; the router's boot id in accepted, ping, pong).
+PROTOCOL_VERSION = 4
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                               Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error)})
+                               Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error,
+                               Resume, Adopt, Adopted)})
 
 # The largest frame a bound socket accepts (ZeroMQ's MAXMSGSIZE bounds each frame, not
 # a message). The largest legitimate ones are a generate's: its ids as int32 (at most

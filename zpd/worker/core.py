@@ -83,6 +83,7 @@ class WorkerCore:
         self.drop_pauses = 0                      # pauses that drop requests begun so far
         self.pause_waiters: list[Respond] = []
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
+        self.unreachable: set[bytes] = set()      # peers gone when our tokens were sent
         self.drops = knobs.drops
         self.slow_s = knobs.slow_s
         self.outbox: dict[bytes, dict[str, TokenPart]] = {}   # peer -> rid -> tokens not sent yet
@@ -196,8 +197,9 @@ class WorkerCore:
         outbox, self.outbox = self.outbox, {}
         for identity, parts in outbox.items():
             msg = Tokens.pack(list(parts.values()))
-            if not self.drops.drops(msg):
-                self.sock.send(identity, msg)
+            if not self.drops.drops(msg) and not self.sock.send(identity, msg) \
+                    and self.sock.last_send_unreachable:    # a decode keeps what ends for it
+                self.unreachable.add(identity)              # (zpd/worker/adoption.py)
 
     # --- receiving -----------------------------------------------------------------
 
@@ -212,6 +214,8 @@ class WorkerCore:
             # Any message shows the peer is alive: a burst of requests queued ahead of
             # its ping must not make it look silent.
             self.pinged_at[identity] = self.loop.time()
+        if self.unreachable:
+            self.unreachable.discard(identity)
         handler = self.handlers.get(type(msg))
         if handler is None:
             log.warning("%s: dropping unexpected %s from %r", self.cfg.role, msg.TYPE, identity[:32])

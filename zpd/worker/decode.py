@@ -19,8 +19,9 @@ from zpd.wire.status import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL,
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed, Message,
-                               Recompute, Tokens)
+from zpd.wire.protocol import (Abort, Adopt, Generate, Hello, KvDest, KvDone, KvFailed,
+                               Message, Recompute, Tokens)
+from zpd.worker.adoption import RouterOrphans
 from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
@@ -52,7 +53,9 @@ class DecodeScheduler:
                                   self.on_refused, self.on_prefill_restarted,
                                   core.security.client_options(), self.deadlines.heartbeat,
                                   self.deadlines.peer_timeout, core.drops)
-        self.handlers = {Generate: self.on_generate, Abort: self.on_abort}
+        self.orphans = RouterOrphans(self)     # a silent router's, until adopted or ended
+        self.handlers = {Generate: self.on_generate, Abort: self.on_abort,
+                         Adopt: self.orphans.on_adopt}
 
     def _hello(self) -> Hello:
         """Our pools, one per tensor-parallel rank, and the whole model's KV layout."""
@@ -186,7 +189,8 @@ class DecodeScheduler:
             log.warning("duplicate generate rid=%r room=%d dropped", msg.rid, msg.room)
             return
         job = DecodeJob(msg.room, msg.epoch, Request(msg.rid, prompt, params), msg.prefill, identity,
-                        msg.stream, Deadline(self.loop, lambda what: self._expire(job, what)))
+                        msg.stream, Deadline(self.loop, lambda what: self._expire(job, what)),
+                        owner=msg.owner)
         self.jobs[msg.room], self.by_rid[msg.rid] = job, job
         log.info("rid=%r room=%d epoch=%d generate via prefill %s", msg.rid, msg.room, msg.epoch,
                  msg.prefill)
@@ -218,14 +222,9 @@ class DecodeScheduler:
             self.finish(job, msg.status or ABORTED, msg.reason or "aborted", tell_prefill=True)
 
     def on_peer_silent(self, identity: bytes) -> None:
-        """A router that stopped pinging is gone: end its requests and free their pages."""
-        orphans = [j for j in self.jobs.values() if j.client == identity]
-        for rid in [r for r, (client, _) in self.core.tokenizing.pending.items() if client == identity]:
-            self.refuse(*self.core.tokenizing.cancel(rid), UNAVAILABLE, "router unavailable")
-        if orphans:
-            log.error("router %r silent: ending its %d requests", identity[:40], len(orphans))
-        for job in orphans:
-            self.finish(job, UNAVAILABLE, "router unavailable", tell_prefill=True)
+        """A router that stopped pinging is gone: its requests end, unless a router
+        restarted on its endpoint adopts them first (zpd/worker/adoption.py)."""
+        self.orphans.on_silent(identity)
 
     # --- from prefills ---------------------------------------------------------------
 
@@ -324,6 +323,7 @@ class DecodeScheduler:
                      job.epoch, req.finish.get("type"), len(req.output))
         self.core.queue_token(job.client, token_part(req, start, meta))
         if req.finished:
+            self.orphans.ended(job, meta)       # kept if its router is gone
             self._forget(job)
 
     def finish(self, job: DecodeJob, status: int, reason: str, tell_prefill: bool = False,

@@ -79,6 +79,7 @@ class DecodeJob:
     skip: int = 0            # leading prefix pages from the prefix cache (not transferred)
     prefix_keys: Prefix | None = None    # its prefix's prefix-cache keys (PageBook.prefix)
     cached_tokens: int | None = None     # prompt tokens its first prefill took from its cache
+    owner: str = ""          # the router's client (Generate.owner), for a restarted router
 
     @property
     def write_may_land(self) -> bool:

@@ -1,0 +1,153 @@
+"""A router restarted on its endpoint picks up its predecessor's requests.
+
+At start the router asks every decode to `Adopt` the requests of the earlier
+processes of its endpoint (zpd/worker/adoption.py says which); each decode answers
+`Adopted` with, per rid, its client, prefill, share and output so far, then the
+tokens of each streamed one from the first, and the whole answer of each that ended
+while no router listened. The router rebuilds their flights (client, loads, shares)
+and keeps their tokens, for only the client knows how many it has: a client that
+sees the router's boot id change sends `Resume(rid, have)` for each request it waits
+for (zpd/wire/resume.py). The router then sends the tokens past `have` and streams
+on. Everything else ends 503 at once: a rid it holds for another client (that
+client learns nothing, the owner's request goes on), a rid it never adopted (queued
+in the dead router, scored by a prefill, or ended in the moment before its decode
+saw the router gone). A flight nobody claims within CLAIM_S is aborted with 503.
+Resumes that come while a decode has not answered yet wait for it, at most the peer
+timeout; what a decode hands over later than that is aborted there.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from zpd.router.flights import InFlight, Worker
+from zpd.wire.admin_fields import PauseMode
+from zpd.wire.loop import Timer
+from zpd.wire.protocol import Abort, Adopt, Adopted, Resume, TokenPart, Tokens
+
+if TYPE_CHECKING:
+    from zpd.router.server import RouterServer
+
+log = logging.getLogger("zpd.router.adoption")
+
+CLAIM_S = 30.0          # an adopted request's client resumes within this, or it is aborted
+LOST = "router restarted; request lost"
+PAUSE_MODES = {m.value for m in PauseMode}
+
+
+@dataclass(eq=False)
+class Unclaimed:
+    """An adopted request whose client has not resumed it yet."""
+    client: bytes
+    timer: Timer
+    backlog: TokenPart | None = None     # its tokens from the first, and its end if it came
+
+
+class Adoption:
+    """The restart's state on one router: the decodes not answered yet, the adopted
+    requests not claimed yet and the resumes waiting for the decodes."""
+
+    def __init__(self, server: RouterServer) -> None:
+        self.server = server
+        self.asking = {w.endpoint for w in server.workers if w.role == "decode"}
+        self.unclaimed: dict[str, Unclaimed] = {}
+        self.waiting: list[tuple[bytes, Resume]] = []
+        for w in server.workers:
+            if w.role == "decode":
+                w.dealer.send(Adopt())
+        self.timer = server.loop.call_later(server.cfg.peer_timeout, self._asked)
+
+    def on_adopted(self, worker: Worker, msg: Adopted) -> None:
+        if worker.role != "decode":
+            log.warning("dropping adopted from %s %s", worker.role, worker.endpoint)
+            return
+        if msg.paused in PAUSE_MODES and self.server.paused is None:
+            self.server.paused = PauseMode(msg.paused)     # paused before this router began
+        late = worker.endpoint not in self.asking     # its clients' resumes had 503 already
+        for rid, entry in msg.requests.items():
+            flight = None if late else self._flight(worker, rid, entry)
+            if flight is None:
+                log.warning("decode %s handed over rid=%r %s: aborting it", worker.endpoint, rid,
+                            "too late" if late else f"unusable ({entry!r:.200})")
+                worker.dealer.send(Abort(rid, 503, LOST))
+                continue
+            self._adopt(flight, entry)
+        if msg.requests:
+            log.warning("decode %s handed over %d requests", worker.endpoint, len(msg.requests))
+        self.asking.discard(worker.endpoint)
+        if not self.asking:
+            self._asked()
+
+    def _flight(self, decode: Worker, rid: str, entry: object) -> InFlight | None:
+        """The flight an Adopted entry describes (None: malformed, or a rid or prefill
+        this router does not take)."""
+        server = self.server
+        if type(entry) is not dict or rid in server.inflight or rid in server.queued:
+            return None
+        owner, prefill, output = entry.get("owner"), entry.get("prefill"), entry.get("output")
+        prefills = {w.endpoint: w for w in server.workers if w.role == "prefill"}
+        if type(owner) is not str or type(output) is not int or output < 0 \
+                or type(entry.get("tokens")) is not int or type(prefill) is not str \
+                or prefill not in prefills:
+            return None
+        try:
+            client = bytes.fromhex(owner)
+        except ValueError:
+            return None
+        return InFlight(rid, client, prefills[prefill], decode, prefilled=output > 0) if client else None
+
+    def _adopt(self, flight: InFlight, entry: dict) -> None:
+        server, rid = self.server, flight.rid
+        server.inflight[rid] = flight
+        server.shares.take(flight.client, rid, max(0, entry["tokens"]))
+        flight.decode.load += 1
+        if not flight.prefilled:
+            flight.prefill.load += 1
+        self.unclaimed[rid] = Unclaimed(flight.client, server.loop.call_later(CLAIM_S, self._expire, rid))
+
+    def hold(self, part: TokenPart) -> bool:
+        """Keep `part` for a client that has not resumed yet (False: not such a request)."""
+        entry = self.unclaimed.get(part.rid)
+        if entry is None:
+            return False
+        entry.backlog = part if entry.backlog is None else entry.backlog.then(part)
+        return True
+
+    def on_resume(self, client: bytes, msg: Resume) -> None:
+        if self.asking:
+            self.waiting.append((client, msg))
+            return
+        entry = self.unclaimed.get(msg.rid)
+        if entry is not None and entry.client == client:
+            self._claim(msg.rid, msg.have)
+        elif entry is not None or self.server.owner(msg.rid) != client:
+            self.server.to_client(client, Tokens.abort(msg.rid, 503, LOST))
+        # else: a request this router runs for this client: its tokens flow already
+
+    def _claim(self, rid: str, have: int) -> None:
+        entry = self.unclaimed.pop(rid)
+        entry.timer.cancel()
+        flight = self.server.inflight.get(rid)
+        if flight is not None:                 # tokens past `have` only, from now on too
+            flight.sent = max(flight.sent, have)
+        part = entry.backlog
+        if part is not None:
+            part = part.skip(min(have, len(part.token_ids)))
+        if part is not None and (part.token_ids or part.finished):
+            self.server.to_client(entry.client, Tokens.pack([part]))
+        log.info("rid=%r resumed by its client from token %d", rid, have)
+
+    def _expire(self, rid: str) -> None:
+        entry = self.unclaimed.pop(rid, None)
+        if entry is not None and rid in self.server.inflight:
+            log.warning("rid=%r adopted but not resumed within %g s: aborting it", rid, CLAIM_S)
+            self.server.on_abort(Abort(rid, 503, f"{LOST}: its client did not resume it"))
+
+    def _asked(self) -> None:
+        """Every decode answered, or the time to wait for them is over."""
+        self.timer.cancel()
+        self.asking.clear()
+        waiting, self.waiting = self.waiting, []
+        for client, msg in waiting:
+            self.on_resume(client, msg)

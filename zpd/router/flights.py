@@ -1,0 +1,31 @@
+"""What the router knows of each worker and of each request it routed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zpd.wire.liveness import PeerClock
+from zpd.wire.net import Dealer
+
+
+@dataclass(eq=False)
+class Worker:
+    """One prefill or decode worker as the router sees it: its link, load and liveness."""
+    role: str
+    endpoint: str
+    dealer: Dealer
+    clock: PeerClock
+    load: int = 0            # requests routed here and not done with this worker's part
+    alive: bool = True
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A routed request, until its final answer passes through."""
+    rid: str
+    client: bytes
+    prefill: Worker
+    decode: Worker | None                # None: a scoring request, answered by its prefill
+    sent: int = 0                        # output tokens passed on to the client
+    from_decode: int = 0                 # output tokens the decode has sent
+    early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
+    prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load

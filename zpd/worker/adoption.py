@@ -1,0 +1,142 @@
+"""A decode's side of a router restart: the requests of a router that fell silent go on
+running for --router-grace seconds, their pages held, and a router restarted on the
+same endpoint adopts them; what nobody adopts by then ends with 503.
+
+A router's identity on our socket is `router@{endpoint}/{boot}`
+(zpd/router/server.py). Only the process bound to that endpoint now can be its
+successor, and only once its predecessor is gone from our socket or silent: a live
+router, say another host's that prints the same endpoint, keeps its requests. Adopting
+rebinds each job to the new router and answers `Adopted` (for each rid: its client,
+prefill, share and tokens so far), then sends each streamed job's tokens from the
+first (the router keeps them until the client says how many it has). A request that
+ends once its router is known to be disconnected (a send of our tokens to it failed:
+`core.unreachable`) is kept, its whole answer, for as long and handed over the same
+way; one that ended before that, in the moment between the router's death and our
+first failed send, was answered to no one and is forgotten: its client's resume gets
+503. The prefill needs no part in this: it answers its decode, never the router,
+except a streamed request's early first token (the decode sends that token again) and
+a scoring request's answer (ended when its router falls silent; the client gets 503).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from zpd.wire.loop import Timer
+from zpd.wire.protocol import Adopt, Adopted, Ping, TokenPart
+from zpd.wire.status import UNAVAILABLE
+from zpd.worker.jobs import DecodeJob
+from zpd.worker.parts import token_part
+
+if TYPE_CHECKING:
+    from zpd.worker.decode import DecodeScheduler
+
+log = logging.getLogger("zpd.worker.adoption")
+
+ROUTER_PREFIX = b"router@"
+
+
+def router_endpoint(identity: bytes) -> bytes | None:
+    """The endpoint of a router's identity `router@{endpoint}/{boot}` (None: not one)."""
+    if not identity.startswith(ROUTER_PREFIX):
+        return None
+    endpoint, sep, boot = identity[len(ROUTER_PREFIX):].rpartition(b"/")
+    return endpoint if sep and endpoint and boot else None
+
+
+class RouterOrphans:
+    """The decode's requests whose router fell silent, until adopted or ended."""
+
+    def __init__(self, sched: DecodeScheduler) -> None:
+        self.sched, self.core = sched, sched.core
+        self.grace = self.core.cfg.deadlines.router_grace
+        self.timers: dict[bytes, Timer] = {}      # silent router -> when its requests end
+        # gone router -> rid -> (Adopted entry, whole answer) of requests ended since
+        self.kept: dict[bytes, dict[str, tuple[dict, TokenPart]]] = {}
+
+    def of(self, identity: bytes) -> list[DecodeJob]:
+        return [j for j in self.sched.jobs.values() if j.client == identity]
+
+    def on_silent(self, identity: bytes) -> None:
+        """A router stopped pinging: prompts still being tokenized for it end now (no job
+        holds them yet), its jobs after the grace unless a restarted router adopts them."""
+        tokenizing = self.core.tokenizing
+        for rid in [r for r, (client, _) in tokenizing.pending.items() if client == identity]:
+            self.sched.refuse(*tokenizing.cancel(rid), UNAVAILABLE, "router unavailable")
+        jobs = self.of(identity)
+        if not jobs or self.grace <= 0:
+            self.end(identity)
+            return
+        log.warning("router %r silent: its %d requests run on for %g s for a router "
+                    "restarted on its endpoint to adopt", identity[:64], len(jobs), self.grace)
+        old = self.timers.pop(identity, None)
+        if old is not None:
+            old.cancel()
+        self.timers[identity] = self.core.loop.call_later(self.grace, self.end, identity)
+
+    def end(self, identity: bytes) -> None:
+        self.timers.pop(identity, None)
+        orphans = self.of(identity)
+        if orphans:
+            log.error("router %r silent: ending its %d requests", identity[:64], len(orphans))
+        for job in orphans:
+            self.sched.finish(job, UNAVAILABLE, "router unavailable", tell_prefill=True)
+
+    def ended(self, job: DecodeJob, meta: dict) -> None:
+        """`job` ended just now (its answer is queued): keep the answer if its router is
+        gone, until a successor adopts it or the grace after the peer timeout passes."""
+        if job.client not in self.core.unreachable:
+            return
+        if job.client not in self.kept:
+            deadlines = self.core.cfg.deadlines
+            self.core.loop.call_later(deadlines.peer_timeout + self.grace, self.kept.pop,
+                                      job.client, None)
+        answer = token_part(job.req, 0, meta)
+        self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), answer)
+
+    def on_adopt(self, identity: bytes, msg: Adopt) -> None:
+        """Hand the requests of `identity`'s gone predecessors over to it."""
+        endpoint = router_endpoint(identity)
+        if endpoint is None:
+            log.warning("adopt from %r dropped: not a router", identity[:64])
+            return
+        routers = {j.client for j in self.sched.jobs.values()} | set(self.kept)
+        gone = {r for r in routers if r != identity and router_endpoint(r) == endpoint
+                and self._gone(r)}
+        jobs = [j for j in self.sched.jobs.values() if j.client in gone]
+        ended = [(info, part) for old in gone for info, part in self.kept.pop(old, {}).values()
+                 if part.rid not in self.sched.by_rid]     # not a rid that runs again
+        for old in gone:
+            timer = self.timers.pop(old, None)
+            if timer is not None:
+                timer.cancel()
+        for job in jobs:
+            job.client = identity
+        handed = {part.rid: info for info, part in ended} | {j.req.rid: entry(j) for j in jobs}
+        paused = self.core.paused
+        self.core.send(identity, Adopted(handed, paused.value if paused is not None else ""))
+        for _, part in ended:       # after Adopted: the router knows the rids by then
+            self.core.queue_token(identity, part)
+        for job in jobs:
+            if job.stream:
+                if job.req.output:
+                    self.core.queue_token(identity, token_part(job.req, 0))
+                job.sent = len(job.req.output)
+        if handed:
+            log.warning("router %r adopted %d requests (%d ended) of %d earlier router(s)",
+                        identity[:64], len(handed), len(ended), len(gone))
+
+    def _gone(self, identity: bytes) -> bool:
+        """Silent (we stopped expecting its pings) or no longer connected to us."""
+        if identity not in self.core.pinged_at:
+            return True
+        sock = self.core.sock
+        return not sock.send(identity, Ping(0, self.core.loop.time(), self.core.endpoint)) \
+            and sock.last_send_unreachable
+
+
+def entry(job: DecodeJob) -> dict:
+    """What the adopting router needs of one request (Adopted's fields)."""
+    req = job.req
+    return {"owner": job.owner, "prefill": job.prefill, "stream": job.stream,
+            "tokens": len(req.prompt) + req.params.max_new_tokens, "output": len(req.output)}
