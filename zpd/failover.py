@@ -10,18 +10,20 @@ router client (zpd/http/router_client.py) both follow this policy; they own the 
   round-robin (each front's tokens then came in four streams, not two).
 - A router is down once its connection drops (the socket monitor's event), once it
   leaves a request unacknowledged for the connect timeout, or once it falls silent
-  with requests in flight. Its requests in flight end with 503 (never a hang); one it
-  never acknowledged goes to the next router up instead, since it never started. A
-  router whose connection dropped, or that failed before it ever connected, is tried
-  again when it (re)connects; one down with its connection up (frozen), after RETRY_S. With every router down, requests still go to the one that
-  may be tried soonest: one router alone behaves as it always did.
-- Admin commands that act on the whole pool (pause, continue, weights, status...) go
-  to the coordinator, the first router of the list that is up, never to all: the
-  coordinator makes them atomic across the pool. Aborts (`FANNED`) concern each
-  router's own requests, so they go to every router up and their replies merge; so
-  does `status`, read-only: the coordinator's reply (the workers are the same pool
-  for every router), with the routers' own figures (requests in flight and queued,
-  the counters) summed over the routers that answered and listed under "routers".
+  with requests in flight. New requests go to the next router up, and so does one it
+  never acknowledged (it never started). Its requests in flight wait for it to come
+  back on its port (resumed: zpd/wire/resume.py) for the client's router silence,
+  then end with 503: never a hang. A router whose connection dropped, or that failed
+  before it ever connected, is tried again when it (re)connects; one down with its
+  connection up (frozen), after RETRY_S. With every router down, requests still go
+  to the one that may be tried soonest: one router alone behaves as it always did.
+- Admin commands go to one router, the first of the list that is up, never to all:
+  the routers' coordinator makes pauses and weight pushes atomic across the pool,
+  and finds an aborted rid on any router (zpd/router/peers.py); a follower passes
+  such commands on to it. `status` alone (`FANNED`) goes to every router up: the
+  first one's reply (the workers are the same pool for every router), with the
+  routers' own figures (requests in flight and queued, the counters) summed over
+  the routers that answered and each listed under "routers".
   A fanned command waits its whole timeout for the first router only, PEER_WAIT_S
   for the others: a frozen second router does not hold up /health or a status.
 """
@@ -36,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 from zpd.wire.net import INPROC, format_endpoint, parse_endpoint
 
 RETRY_S = 5.0           # a router down for silence or no acknowledgement is tried after
-FANNED = frozenset({"abort", "abort_all", "status"})   # each router's own requests, figures
+FANNED = frozenset({"status"})          # read-only, and each router counts its own
 PEER_WAIT_S = 2.0       # a FANNED command waits this long for the routers but the first
 LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
@@ -136,25 +138,8 @@ def monitor_event(frames: list[bytes]) -> int:
 
 
 def merge_replies(command: str, replies: list[dict]) -> dict:
-    """One reply for a FANNED command from every router's: an abort of one rid is done
-    where any router had it (else the most telling failure: a 404 only if all are);
-    abort_all is ok where every router's is, with their counts summed."""
-    if len(replies) == 1:
-        return replies[0]
-    if command == "status":
-        return merge_status(replies)
-    if command == "abort":
-        done = [r for r in replies if r.get("ok")]
-        if done:
-            return done[0]
-        return next((r for r in replies if _status(r) != 404), replies[0])
-    merged: dict = {"ok": all(r.get("ok") for r in replies)}
-    merged["aborted"] = sum(r.get("aborted", 0) for r in replies
-                            if type(r.get("aborted")) is int)
-    failed = [r for r in replies if not r.get("ok")]
-    if failed:
-        merged |= {k: failed[0][k] for k in ("status", "error") if k in failed[0]}
-    return merged
+    """One reply for a FANNED command from every router's, the first router's first."""
+    return replies[0] if len(replies) == 1 else merge_status(replies)
 
 
 def merge_status(replies: list[dict]) -> dict:
@@ -181,8 +166,3 @@ def _summed(counters: list[object]) -> dict:
                 out[key] = out.get(key, 0) + value
     return out
 
-
-def _status(reply: dict) -> int | None:
-    """A failed reply's status, its own or its first failed worker's."""
-    bad = [w for w in reply.get("workers", []) if isinstance(w, dict) and not w.get("ok")]
-    return (bad[0] if bad else reply).get("status")

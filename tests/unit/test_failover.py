@@ -70,27 +70,16 @@ def test_with_every_router_down_the_soonest_retry_is_tried_and_one_router_always
     r.down(1, now=1.0)
     assert r.pick(3.0) == 1                               # B's retry comes first
     assert r.next_up(3.0, avoid=()) is None
-    assert r.fanned(3.0) == [0, 1]                        # aborts still go everywhere
+    assert r.fanned(3.0) == [0, 1]                        # status still goes everywhere
 
 
-def test_admin_goes_to_the_first_router_up_and_aborts_to_every_router_up():
+def test_admin_goes_to_the_first_router_up_and_status_to_every_router_up():
     r = Routers((A, B, C), first=2)
     assert r.coordinator(0.0) == 0
     r.down(0, 0.0)
     assert r.coordinator(1.0) == 1 and r.fanned(1.0) == [1, 2]
     r.heard(0)
     assert r.coordinator(1.0) == 0
-
-
-def test_fanned_replies_merge():
-    ok, missing = {"ok": True}, {"ok": False, "status": 404, "error": "unknown rid"}
-    late = {"ok": False, "status": 504, "error": "no answer"}
-    assert merge_replies("abort", [missing, ok]) is ok
-    assert merge_replies("abort", [missing, late]) is late
-    assert merge_replies("abort", [missing, dict(missing)])["status"] == 404
-    both = merge_replies("abort_all", [{"ok": True, "aborted": 2}, {"ok": True, "aborted": 3}])
-    assert both == {"ok": True, "aborted": 5}
-    assert merge_replies("abort_all", [{"ok": True, "aborted": 1}, late])["status"] == 504
 
 
 # --- the HTTP front's router client ------------------------------------------------
@@ -190,20 +179,18 @@ def test_front_a_request_not_acknowledged_in_time_goes_to_the_next_router():
     run_front(test, connect_timeout=0.2)
 
 
-def test_front_admin_goes_to_one_router_and_aborts_to_both():
+def test_front_admin_goes_to_the_first_router_up_only():
     async def test(a, b, client):
         resume = asyncio.create_task(client.admin("continue"))
         ia, msg = await a.recv()
         assert isinstance(msg, Admin) and msg.command == "continue"
         await a.send(ia, AdminReply(msg.req_id, True, {"router": "A"}))
         assert (await resume)["router"] == "A"
-        assert not await b.sock.poll(0)           # B heard nothing of it
-        abort = asyncio.create_task(client.admin("abort", rid="q"))
-        (ia, ma), (ib, mb) = await a.recv(), await b.recv()
-        assert ma.command == mb.command == "abort"
-        await a.send(ia, AdminReply(ma.req_id, False, {"status": 404, "error": "unknown"}))
-        await b.send(ib, AdminReply(mb.req_id, True, {}))
-        assert (await abort)["ok"] is True
+        abort = asyncio.create_task(client.admin("abort_all"))   # A finds every router's
+        ia, msg = await a.recv()
+        await a.send(ia, AdminReply(msg.req_id, True, {"aborted": 3}))
+        assert (await abort)["aborted"] == 3
+        assert not await b.sock.poll(0)           # B heard nothing of either
         a.kill()
         for _ in range(200):                      # the drop reaches the client's monitor
             if not client.routers.up(0, client._now()):
@@ -360,7 +347,7 @@ def test_a_front_that_dies_soon_after_its_start_stops_them_all(tmp_path):
     assert rc == 1 and fronts.started == []
 
 
-def test_client_abort_all_goes_to_both_and_a_silent_one_costs_peer_wait_only(monkeypatch):
+def test_client_status_goes_to_both_and_a_silent_one_costs_peer_wait_only(monkeypatch):
     monkeypatch.setattr("zpd.client.PEER_WAIT_S", 0.2)
     ctx = zmq.Context()
     a, b = SyncRouter(ctx), SyncRouter(ctx)
@@ -368,15 +355,17 @@ def test_client_abort_all_goes_to_both_and_a_silent_one_costs_peer_wait_only(mon
         with Client([a.endpoint, b.endpoint], timeout=10) as client:
             def answer() -> None:
                 ia, msg = a.recv()
-                a.send(ia, AdminReply(msg.req_id, True, {"aborted": 2}))
+                a.send(ia, AdminReply(msg.req_id, True, {"router": A, "inflight": 2,
+                                                         "workers": [{"ok": True}]}))
             helper = threading.Thread(target=answer)
             helper.start()
             began = time.monotonic()
-            merged = client.admin("abort_all")
-            assert merged["ok"] is False and merged["aborted"] == 2 and merged["status"] == 504
+            merged = client.admin("status")
+            assert merged["router"] == A and merged["inflight"] == 2
+            assert [r["ok"] for r in merged["routers"]] == [True, False]   # B: 504
             assert time.monotonic() - began < 5
             helper.join(5)
-            assert b.recv()[1].command == "abort_all"     # B was asked too
+            assert b.recv()[1].command == "status"        # B was asked too
     finally:
         for r in (a, b):
             r.sock.close(linger=0)

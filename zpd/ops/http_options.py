@@ -24,9 +24,10 @@ def add_http_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default=ROUTER_ENDPOINT, help=f"router endpoint (default "
                    f"{ROUTER_ENDPOINT}), or several routers of one pool, comma-separated: "
                    "each front sends its requests to one of them (front i of --workers to "
-                   "router i), while it is up; a router that dies ends its requests in "
-                   "flight with 503 and the next ones go to the others; admin routes go to "
-                   "the first router up (docs/http.md, \"Several fronts and routers\")")
+                   "router i), while it is up; when it dies the next ones go to the others "
+                   "and those in flight end with 503 unless it comes back within 10 s "
+                   "(resumed); admin routes go to the first router up (docs/http.md, "
+                   "\"Several fronts and routers\")")
     add_http_workers_option(p, "--workers")
     p.add_argument("--model", "--model-path", dest="model", required=True,
                    help="the cluster's --model: its tokenizer and chat template turn token ids "
