@@ -5,9 +5,9 @@ router client (zpd/http/router_client.py) both follow this policy; they own the 
 - Each client sends its requests to one router, its own, while that one is up: a
   random one, or for the fronts of `zpd http --workers N` front i's is router i mod
   the routers, so 2 fronts over 2 routers split the load evenly. One router per
-  client keeps each router's token messages to it batched: on the null cluster,
-  2 fronts x 2 routers took 849 µs of router CPU per request sticking and 1035 µs
-  round-robin (each front's tokens then came in four streams, not two).
+  client keeps each router's token messages to it batched (spread request by
+  request, each front's tokens came in four streams, not two, and the routers took
+  about a fifth more CPU per request: docs/http.md).
 - A router is down once its connection drops (the socket monitor's event), once it
   leaves a request unacknowledged for the connect timeout, or once it falls silent
   with requests in flight. New requests go to the next router up, and so does one it
