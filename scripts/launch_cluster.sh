@@ -14,14 +14,16 @@ HOSTFILE has one process per line, '#' starts a comment:
     router     10.0.0.1        5757
     http       10.0.0.1        30000  --served-model-name my-model
 
-role is prefill, decode, router (exactly one) or http (any number: zpd's HTTP
-front, SGLang's and OpenAI's APIs on that port, a client of the router; optional);
+role is prefill, decode, router (one or more: the first coordinates pauses and
+weight pushes, the others follow it, each serving requests) or http (any number:
+zpd's HTTP front, SGLang's and OpenAI's APIs on that port, a client of the
+routers; optional);
 the extra options are split on whitespace. host is the address the
 process binds and announces; it is started directly when host is this node
 (127.x, localhost, this node's name or one of its addresses) and over ssh
 otherwise, or always over ssh when written user@host. Workers start first; the
-router starts once every worker is ready, with the prefill and decode
-endpoints of the file; then each http front, given the router's endpoint. A
+routers start once every worker is ready, with the prefill and decode
+endpoints of the file; then each http front, given every router's endpoint. A
 front's API keys come from ZPD_API_KEY / ZPD_ADMIN_API_KEY in its own node's
 environment (a local one inherits this shell's; they never go on a command line),
 and a front on a non-loopback host needs one, or --insecure. Each process logs to RUN_DIR/logs/ROLE-HOST-PORT.log on
@@ -128,7 +130,7 @@ wait_ready() {   # role host port
 }
 
 start_all() {
-  local lines=() https=() role target port rest prefill="" decode="" router_line="" line
+  local lines=() https=() routers=() role target port rest prefill="" decode="" line
   while IFS= read -r line || [ -n "$line" ]; do
     line=${line%%#*}
     read -r role target port rest <<<"$line" || true
@@ -137,13 +139,12 @@ start_all() {
     case "$role" in
       prefill) prefill+="${prefill:+,}${target#*@}:$port"; lines+=("$role $target $port $rest");;
       decode) decode+="${decode:+,}${target#*@}:$port"; lines+=("$role $target $port $rest");;
-      router) [ -z "$router_line" ] || { echo "launch_cluster.sh: more than one router" >&2; exit 2; }
-              router_line="$role $target $port $rest";;
+      router) routers+=("$role $target $port $rest");;
       http) https+=("$role $target $port $rest");;
       *) echo "launch_cluster.sh: unknown role '$role' (prefill, decode, router or http)" >&2; exit 2;;
     esac
   done <"$hostfile"
-  if [ -z "$prefill" ] || [ -z "$decode" ] || [ -z "$router_line" ]; then
+  if [ -z "$prefill" ] || [ -z "$decode" ] || [ ${#routers[@]} -eq 0 ]; then
     echo "launch_cluster.sh: $hostfile needs at least one prefill, one decode and one router" >&2
     exit 2
   fi
@@ -162,10 +163,14 @@ start_all() {
     read -r role target port _ <<<"$line"
     wait_ready "$role" "${target#*@}" "$port"
   done
-  read -r -a f <<<"$router_line"
-  start_one router "${f[1]}" "${f[2]}" --prefill "$prefill" --decode "$decode" "${f[@]:3}"
-  wait_ready router "${f[1]#*@}" "${f[2]}"
-  local router_ep="${f[1]#*@}:${f[2]}" fronts=""
+  local router_ep="" follow=() fronts=""
+  for line in "${routers[@]}"; do     # the first coordinates, the others follow it
+    read -r -a f <<<"$line"
+    start_one router "${f[1]}" "${f[2]}" --prefill "$prefill" --decode "$decode" "${follow[@]}" "${f[@]:3}"
+    wait_ready router "${f[1]#*@}" "${f[2]}"
+    [ ${#follow[@]} -gt 0 ] || follow=(--coordinator "${f[1]#*@}:${f[2]}")
+    router_ep+="${router_ep:+,}${f[1]#*@}:${f[2]}"
+  done
   for line in "${https[@]}"; do
     read -r -a f <<<"$line"
     start_one http "${f[1]}" "${f[2]}" --router "$router_ep" "${f[@]:3}"

@@ -52,14 +52,15 @@ def recorded_pids(run_dir: Path) -> list[int]:
 
 
 def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
-    prefill, decode, router, http = free_ports(4)
+    prefill, decode, router, router2, http = free_ports(5)
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"# a 1P1D cluster on this host\n"
                         f"prefill 127.0.0.1 {prefill} --threads 1  # direct\n"
                         f"\n"
                         f"http 127.0.0.1 {http} --served-model-name scripted\n"
                         f"decode root@127.0.0.1 {decode} --threads 1\n"
-                        f"router 127.0.0.1 {router}\n")
+                        f"router 127.0.0.1 {router}\n"
+                        f"router 127.0.0.1 {router2}  # follows the first\n")
     fake_ssh = tmp_path / "ssh"
     fake_ssh.write_text(FAKE_SSH.format(targets=tmp_path / "ssh-targets"))
     fake_ssh.chmod(0o755)
@@ -72,7 +73,7 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         started = cluster_script(hostfile, env)
         pids = recorded_pids(run_dir)
         assert started.returncode == 0, started.stdout + started.stderr
-        assert len(pids) == 4 and all(alive(p) for p in pids)
+        assert len(pids) == 5 and all(alive(p) for p in pids)
         assert f"http http://127.0.0.1:{http}" in started.stdout
         assert set((tmp_path / "ssh-targets").read_text().split()) == {"root@127.0.0.1"}
 
@@ -86,6 +87,11 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         ref = OfflineEngine(load_model("tiny")).run(
             [Request("r", prompt, SamplingParams(temperature=0, max_new_tokens=5))])[0]
         assert out["output_ids"] == ref["output_ids"]
+        with Client(f"127.0.0.1:{router2}", timeout=60) as client:   # the second router
+            status = client.admin("status")
+            assert status["coordinator"] == {"endpoint": f"127.0.0.1:{router}", "alive": True}
+            assert client.generate(input_ids=prompt, sampling_params={
+                "temperature": 0, "max_new_tokens": 5})["output_ids"] == ref["output_ids"]
         # the http line's front: a client of the file's router, with its extra options
         body = orjson.dumps({"input_ids": prompt, "sampling_params": {"temperature": 0,
                                                                       "max_new_tokens": 5}})
@@ -96,7 +102,8 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=60) as r:
             assert [m["id"] for m in orjson.loads(r.read())["data"]] == ["scripted"]
 
-        logs = {p.name.split("-")[0]: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+        logs = {p.name.split("-")[0]: p.read_text() for p in (run_dir / "logs").glob("*.log")
+                if p.name != f"router-127.0.0.1-{router2}.log"}     # the first router's
         assert set(logs) == {"prefill", "decode", "router", "http"}
         for role, text in logs.items():
             if role == "http":
@@ -107,7 +114,7 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
 
         stopped = cluster_script(hostfile, env, "stop")
         assert stopped.returncode == 0, stopped.stderr
-        assert stopped.stdout.count("stopped ") == 4
+        assert stopped.stdout.count("stopped ") == 5
         assert not any(alive(p) for p in pids), "stop left processes behind"
         assert not list((run_dir / "pids").glob("*.pid"))
         assert not list((run_dir / "ready").glob("*.json"))
