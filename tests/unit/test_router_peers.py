@@ -156,6 +156,12 @@ def test_abort_all_and_abort_reach_the_follower(pair):
     assert c.run(mine).finish["status_code"] == 499
     assert pair.run(theirs[1]).finish["status_code"] == 499
     assert c.admin("abort", rid="nobody")["status"] == 404
+    # a front names a caller's rid "<space>:rid"; any router finds it by the caller's name
+    pair.submit("anon.1f2e3d4c:mine", 200)
+    c.until(lambda: "anon.1f2e3d4c:mine" in pair.follower.inflight)
+    reply = c.admin("abort", rid="mine")
+    assert reply["ok"] and reply["rids"] == ["anon.1f2e3d4c:mine"], reply
+    assert pair.run("anon.1f2e3d4c:mine").finish["status_code"] == 499
     c.pump()
     c.check_pages()
 

@@ -118,20 +118,32 @@ class RouterAdmin:
             self.fan_out(cmd, server.workers, timeout, answer_all(reply))
 
     def abort(self, cmd: AbortRequest, timeout: float, reply: Reply) -> None:
-        """End the rid, queued or in flight here, else at a router following this one."""
+        """End the rid, queued or in flight here, else at a router following this one.
+        A rid not here by that name also ends the requests an HTTP front named
+        "<caller's space>:rid" (zpd/http/callers.py): with several fronts, the front
+        asked may not be the one that serves it, and its table does not have it."""
         server, rid = self.server, cmd.rid
-        if rid in server.queued:
-            server.end_queued(rid, 499, "aborted by admin")
-            reply(True, {"rid": rid, "state": "queued"})
-        elif rid in server.inflight:
-            server.on_abort(Abort(rid, 499, "aborted by admin"))
-            reply(True, {"rid": rid, "state": "inflight"})
-        else:
-            def found(acks: list[dict]) -> None:
-                ok = [a for a in acks if a["ok"]]
-                reply(bool(ok), ok[0] if ok else {"rid": rid, "status": 404,
-                                                  "error": f"unknown rid {rid!r}"})
-            server.followers.ask(cmd.COMMAND, cmd.args(), found, timeout)
+        here = rid in server.queued or rid in server.inflight
+        rids = [rid] if here else [r for r in (*server.queued, *server.inflight)
+                                   if r.endswith(f":{rid}")]
+        if rids:
+            states = [self._abort(r) for r in rids]
+            reply(True, {"rid": rid, "state": states[0]} | ({} if here else {"rids": rids}))
+            return
+
+        def found(acks: list[dict]) -> None:
+            ok = [a for a in acks if a["ok"]]
+            reply(bool(ok), ok[0] if ok else {"rid": rid, "status": 404,
+                                              "error": f"unknown rid {rid!r}"})
+        server.followers.ask(cmd.COMMAND, cmd.args(), found, timeout)
+
+    def _abort(self, rid: str) -> str:
+        """End `rid` (queued or in flight here) with 499; where it was."""
+        if rid in self.server.queued:
+            self.server.end_queued(rid, 499, "aborted by admin")
+            return "queued"
+        self.server.on_abort(Abort(rid, 499, "aborted by admin"))
+        return "inflight"
 
     def abort_all(self, cmd: AbortAll, timeout: float, reply: Reply) -> None:
         """End every request queued or in flight here, whoever sent it, with 499, and
