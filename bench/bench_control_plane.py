@@ -251,19 +251,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def report(out: dict) -> None:
-    print(table(out["rows"]))
-    for r in out["rows"]:
+def report_rows(rows: list[dict]) -> None:
+    print(table(rows))
+    for r in rows:
         print(f"workers {r['workers']}: router cores busy {r['router_cores_tokens']:.2f} (tokens), "
               f"{r['router_cores_reqs']:.2f} (requests); front cores {r['front_cores']:.2f}; "
               f"router us/token via the front {r['router_us_per_token_via_front']:.2f}")
-    rows = out["rows"]
     tok, req = [r["router_us_per_token"] for r in rows], [r["router_us_per_req"] for r in rows]
     print(f"targets: router <= {TARGET_TOKEN_US} us/token: max {max(tok):.2f}; "
           f"<= {TARGET_REQ_US} us/req: max {max(req):.1f}; front <= {TARGET_FRONT_US} us/token: "
           f"max {max(r['front_us_per_token'] for r in rows):.1f}")
     print(f"growth {rows[0]['workers']} -> {rows[-1]['workers']} workers: us/token x"
           f"{tok[-1] / tok[0]:.2f}, us/req x{req[-1] / req[0]:.2f}")
+
+
+def report(out: dict) -> None:
+    if out["rows"]:
+        report_rows(out["rows"])
     for v in out.get("validation", []):
         sim, real = v["sim"], v["real"]
         print(f"validation {v['workers']} decodes: router us/token (streams, all costs) sim "
@@ -327,7 +331,7 @@ def main() -> None:
     out: dict = {"args": vars(args), "machine": f"{os.cpu_count()} cpus, {os.uname().release}",
                  "rows": [], "problems": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for w in map(int, args.workers.split(",")):
+        for w in [int(w) for w in args.workers.split(",") if w]:
             (Path(tmp) / str(w)).mkdir()
             out["rows"].append(measure(w, args, Path(tmp) / str(w), out["problems"]))
             print(f"measured {w} workers", file=sys.stderr, flush=True)
