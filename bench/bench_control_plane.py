@@ -75,7 +75,7 @@ def clients(name: str, total: int, n: int, max_new: int, stream: bool) -> list[S
     return [Spec(f"{name}{i}", total // n + (i < total % n), max_new, stream) for i in range(n)]
 
 
-def hops(results: list[Result], stamps: dict[str, list[float]]) -> list[float]:
+def hops(results: list[Result], stamps: dict[str, list[float]], first: bool = False) -> list[float]:
     """Milliseconds from each token's send by the pool to its arrival at the client (the
     front prefixes the rids it passes on with its caller's name)."""
     stamps = {rid.rsplit(":", 1)[-1]: times for rid, times in stamps.items()}
@@ -83,7 +83,7 @@ def hops(results: list[Result], stamps: dict[str, list[float]]) -> list[float]:
     for res in results:
         for r in res.reqs:
             sent = stamps.get(r.rid, [])
-            out += [(got - at) * 1e3 for got, at in zip(r.times, sent)]
+            out += [(got - at) * 1e3 for got, at in zip(r.times[:1] if first else r.times, sent)]
     return out
 
 
@@ -144,9 +144,11 @@ def measure(decodes: int, args: argparse.Namespace, tmp: Path, problems: list[st
         pool.stamps()
         light = Spec("light", args.light, args.new_tokens)
         direct = zmq_run(ep, [light], args.light_s, 4)
-        hop_router = hops(direct, pool.stamps())
+        sent = pool.stamps()
+        hop_router, first_router = hops(direct, sent), hops(direct, sent, first=True)
         via = HttpLoad(front.info["endpoint"], light, 5).run(args.light_s)
-        hop_front = hops([via], pool.stamps())
+        sent = pool.stamps()
+        hop_front, first_front = hops([via], sent), hops([via], sent, first=True)
         check(direct + [via], problems, f"light {decodes}")
         wall = http.end - http.start
         return row | {
@@ -154,7 +156,9 @@ def measure(decodes: int, args: argparse.Namespace, tmp: Path, problems: list[st
             "front_tok_per_s": http.tokens() / wall, "front_cores": cpu_f / wall,
             "router_us_per_token_via_front": cpu_rt / max(1, http.tokens()) * 1e6,
             "hop_router_ms": [pct(hop_router, 50), pct(hop_router, 99)],
-            "hop_front_router_ms": [pct(hop_front, 50), pct(hop_front, 99)]}
+            "hop_front_router_ms": [pct(hop_front, 50), pct(hop_front, 99)],
+            "first_token_hop_router_ms": [pct(first_router, 50), pct(first_router, 99)],
+            "first_token_hop_front_router_ms": [pct(first_front, 50), pct(first_front, 99)]}
     except BaseException:
         for p in procs:
             print(f"--- {p.log.name}:\n{p.log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
@@ -251,12 +255,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fmt(p50_p99: list[float]) -> str:
+    return f"{p50_p99[0]:.2f}/{p50_p99[1]:.2f}"
+
+
 def report_rows(rows: list[dict]) -> None:
     print(table(rows))
     for r in rows:
         print(f"workers {r['workers']}: router cores busy {r['router_cores_tokens']:.2f} (tokens), "
               f"{r['router_cores_reqs']:.2f} (requests); front cores {r['front_cores']:.2f}; "
-              f"router us/token via the front {r['router_us_per_token_via_front']:.2f}")
+              f"router us/token via the front {r['router_us_per_token_via_front']:.2f}; first "
+              f"token's hop p50/p99 ms router {fmt(r['first_token_hop_router_ms'])}, front+router "
+              f"{fmt(r['first_token_hop_front_router_ms'])}")
     tok, req = [r["router_us_per_token"] for r in rows], [r["router_us_per_req"] for r in rows]
     print(f"targets: router <= {TARGET_TOKEN_US} us/token: max {max(tok):.2f}; "
           f"<= {TARGET_REQ_US} us/req: max {max(req):.1f}; front <= {TARGET_FRONT_US} us/token: "
