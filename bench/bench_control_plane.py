@@ -13,6 +13,8 @@ For each worker count W (and max(1, W/4) prefills) it starts the pool, the real
 - tokens: W x --per-decode streamed requests of --new-tokens straight to the router;
 - requests: as many non-streamed requests of one token each;
 - front: streamed POST /generate through `zpd http` (incremental SSE events);
+- paced: --light-rate non-streamed requests/s of one token, the router's CPU per
+  request when each wakes it alone (what polling every worker's socket costs);
 - light: a few streamed requests to the router, then to the front, for the latency
   each hop adds: a token's arrival at the client minus its send by the pool
   (CLOCK_MONOTONIC is system-wide), so router alone vs front + router.
@@ -135,6 +137,10 @@ def measure(decodes: int, args: argparse.Namespace, tmp: Path, problems: list[st
         zmq_run(ep, [Spec("warm", decodes, 4)], 0.3, 0)          # connections up, code warm
         row = {"workers": decodes, "prefills": prefills} | router_costs(
             ep, [router], decodes, args, problems, f"sim {decodes}")
+        (cpu_l,), paced = cpu_during([router], lambda: zmq_run(
+            ep, [Spec("paced", 64, 1, stream=False, rate=args.light_rate)], args.light_s * 2, 6))
+        row["router_us_per_req_light"] = cpu_l / max(1, len(paced[0].reqs)) * 1e6
+        check(paced, problems, f"paced {decodes}")
         pool.stamps()
         http_spec = Spec("http", min(decodes * args.per_decode, args.max_streams), args.new_tokens)
         (cpu_rt, cpu_f), http = cpu_during([router, front],
@@ -271,8 +277,12 @@ def report_rows(rows: list[dict]) -> None:
     print(f"targets: router <= {TARGET_TOKEN_US} us/token: max {max(tok):.2f}; "
           f"<= {TARGET_REQ_US} us/req: max {max(req):.1f}; front <= {TARGET_FRONT_US} us/token: "
           f"max {max(r['front_us_per_token'] for r in rows):.1f}")
+    light = [r["router_us_per_req_light"] for r in rows]
+    print("router us/req under the paced load (each request wakes the router alone): "
+          + ", ".join(f"{r['workers']} workers {r['router_us_per_req_light']:.0f}" for r in rows))
     print(f"growth {rows[0]['workers']} -> {rows[-1]['workers']} workers: us/token x"
-          f"{tok[-1] / tok[0]:.2f}, us/req x{req[-1] / req[0]:.2f}")
+          f"{tok[-1] / tok[0]:.2f}, us/req x{req[-1] / req[0]:.2f}, light us/req "
+          f"x{light[-1] / light[0]:.2f}")
 
 
 def report(out: dict) -> None:
@@ -309,6 +319,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=3.0, help="seconds per load")
     p.add_argument("--light", type=int, default=4, help="streams of the latency load")
     p.add_argument("--light-s", type=float, default=1.5)
+    p.add_argument("--light-rate", type=float, default=200,
+                   help="requests/s of the paced load (router CPU per request when light)")
     p.add_argument("--validate", action="store_true", help="also real null clusters of 1, 8")
     p.add_argument("--validate-per-decode", type=int, default=4,
                    help="streams per decode in the validation's tokens load")
