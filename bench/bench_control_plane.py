@@ -338,7 +338,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--json", default="", help="write the figures here too")
     args = p.parse_args()
     if args.quick:
-        args.workers, args.duration, args.light_s, args.fair_s = "1,8", 1.0, 0.7, 2.0
+        args.workers, args.duration, args.light_s, args.fair_s = "1,8", 1.0, 0.5, 2.0
         args.new_tokens, args.fairness = 16, True
     return args
 
