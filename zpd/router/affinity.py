@@ -57,7 +57,7 @@ class PrefixAffinity:
     def pick(self, msg: "Generate", candidates: Sequence["Worker"]) -> "Worker":
         """The prefill for `msg` among live `candidates` (not empty)."""
         keys, per_key = prompt_keys(msg)
-        least = min(w.load for w in candidates)
+        least, idle = least_loaded(candidates)
         chosen = None
         matched = next((i for i in range(len(keys), 0, -1) if keys[i - 1] in self.last), 0)
         share = 1.0 if per_key == 0 else matched * per_key / max(1, len(msg.input_ids))
@@ -66,10 +66,22 @@ class PrefixAffinity:
             if warm is not None and warm.load <= 2 * least + SLACK:
                 chosen = warm
         if chosen is None:
-            chosen = random.choice([w for w in candidates if w.load == least])
+            chosen = random.choice(idle)
         for key in keys:
             self.last[key] = chosen.endpoint
             self.last.move_to_end(key)
         while len(self.last) > self.max_entries:
             self.last.popitem(last=False)
         return chosen
+
+
+def least_loaded(workers: Sequence["Worker"]) -> tuple[int, list["Worker"]]:
+    """The least load among `workers` (not empty) and the workers that have it, in one
+    pass: the router does this for every request."""
+    least, best = workers[0].load, []
+    for w in workers:
+        if w.load < least:
+            least, best = w.load, [w]
+        elif w.load == least:
+            best.append(w)
+    return least, best

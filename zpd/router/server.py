@@ -16,7 +16,7 @@ from zpd.config import RouterConfig
 from zpd.router.admin import RouterAdmin
 from zpd.router.adoption import Adoption
 from zpd.router.admission import QUEUE_TIMEOUT, RETRY_AFTER_S, Admission, Waiting
-from zpd.router.affinity import PrefixAffinity
+from zpd.router.affinity import PrefixAffinity, least_loaded
 from zpd.router.flights import InFlight, Worker
 from zpd.router.peers import FOLLOW, CoordinatorLink, Followers
 from zpd.router.shares import ClientShares, request_tokens
@@ -83,11 +83,9 @@ class RouterServer:
         self.adoption = Adoption(self)      # the requests of this endpoint's last router
 
     def pick(self, role: str) -> Worker | None:
-        candidates = [w for w in self.workers if w.role == role and w.alive]
-        if not candidates:
-            return None
-        least = min(w.load for w in candidates)
-        return random.choice([w for w in candidates if w.load == least])
+        """The least loaded live worker of `role`, ties at random."""
+        live = [w for w in self.workers if w.role == role and w.alive]
+        return random.choice(least_loaded(live)[1]) if live else None
 
     def pick_prefill(self, msg: Generate) -> Worker | None:
         """A prefill whose prefix cache likely has the prompt's beginning, unless it is

@@ -113,9 +113,10 @@ class Tokens(Message):
     ids_logprobs: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
-        if len(self.counts) != len(self.rids) or any(c < 0 for c in self.counts):
+        counts = self.counts
+        if len(counts) != len(self.rids) or (counts and min(counts) < 0):
             raise ProtocolError(f"tokens: {len(self.counts)} counts for {len(self.rids)} rids")
-        if sum(self.counts) != len(self.token_ids) or len(self.token_ids) != len(self.weight_versions):
+        if sum(counts) != len(self.token_ids) or len(self.token_ids) != len(self.weight_versions):
             raise ProtocolError(f"tokens: counts sum to {sum(self.counts)} but there are "
                                 f"{len(self.token_ids)} ids and {len(self.weight_versions)} versions")
         rids = set(self.rids)
@@ -175,12 +176,20 @@ class Tokens(Message):
 
     @classmethod
     def pack(cls, parts: Sequence[TokenPart], first: bool = False) -> "Tokens":
-        """One message for many parts (distinct rids)."""
-        return cls([t.rid for t in parts], [len(t.token_ids) for t in parts],
-                   [i for t in parts for i in t.token_ids],
-                   [v for t in parts for v in t.weight_versions],
-                   {t.rid: {"finish": t.finish, "meta": t.meta} for t in parts if t.finished}, first,
-                   **_pack_logprobs(parts), **_pack_ids_logprobs(parts))
+        """One message for many parts (distinct rids). One pass over the parts: the
+        router packs one per client per decode step, so this is per-token work."""
+        rids, counts, ids, versions, ends, plain = [], [], [], [], {}, True
+        for t in parts:
+            rids.append(t.rid)
+            counts.append(len(t.token_ids))
+            ids += t.token_ids
+            versions += t.weight_versions
+            if t.finish is not None:
+                ends[t.rid] = {"finish": t.finish, "meta": t.meta}
+            if t.logprobs is not None or t.ids_logprobs is not None:
+                plain = False
+        extra = {} if plain else _pack_logprobs(parts) | _pack_ids_logprobs(parts)
+        return cls(rids, counts, ids, versions, ends, first, **extra)
 
     @classmethod
     def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "Tokens":
@@ -189,6 +198,8 @@ class Tokens(Message):
 
     def unpack(self) -> list[TokenPart]:
         """The parts, in order."""
+        if self.logprob_mode is None and self.ids_counts is None:
+            return self._unpack_plain()
         out, at = [], 0
         logprobs = _Reader(self.logprobs or [])
         counts, ids, values = (_Reader(a or []) for a in (self.top_counts, self.top_ids,
@@ -204,6 +215,20 @@ class Tokens(Message):
                                  end.get("finish"), end.get("meta", {}),
                                  logprobs.take(n) if mode else None, top,
                                  [asked.take(per) for _ in range(n)] if per else None))
+            at += n
+        return out
+
+    def _unpack_plain(self) -> list[TokenPart]:
+        """`unpack` of a message without logprobs (most are): per-token work at the
+        router, so no readers and no per-part logprob slots to fill."""
+        out, at, ends, ids, versions = [], 0, self.ends, self.token_ids, self.weight_versions
+        for rid, n in zip(self.rids, self.counts):
+            end = ends.get(rid)
+            if end is None:
+                out.append(TokenPart(rid, ids[at:at + n], versions[at:at + n]))
+            else:
+                out.append(TokenPart(rid, ids[at:at + n], versions[at:at + n], end["finish"],
+                                     end.get("meta", {})))
             at += n
         return out
 
