@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from zpd.router.flights import Fanout
 from zpd.router.peers import HOLD_SHARE
 from zpd.router.weight_sync import SYNC_COMMANDS, RouterWeightSync
 from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, UpdateWeights, parse, split_timeout)
-from zpd.wire.loop import Timer
 from zpd.wire.protocol import Abort, Admin, AdminReply
 from zpd.wire.status import StatusError
 
@@ -35,15 +34,6 @@ OWN = {Pause: "pause", Continue: "continue_", AbortRequest: "abort", AbortAll: "
 NEED_QUIET = (UpdateWeights, ReleaseMemory)
 # Refused while a weight-sync step runs: they would change weights or let requests run.
 BLOCKED = (Continue, UpdateWeights, *SYNC_COMMANDS)
-
-
-@dataclass(eq=False)
-class Fanout:
-    """One admin command sent to many workers, done once all reply or time runs out."""
-    on_done: Replies
-    waiting: set[str]
-    replies: list[dict] = field(default_factory=list)
-    timer: Timer | None = None
 
 
 class RouterAdmin:

@@ -1,9 +1,12 @@
-"""What the router knows of each worker and of each request it routed."""
+"""What the router knows of each worker and of each request it routed, and of each
+word it sent to many peers (workers, or routers following it) awaiting their replies."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 from zpd.wire.liveness import PeerClock
+from zpd.wire.loop import Timer
 from zpd.wire.net import Dealer
 
 
@@ -29,3 +32,12 @@ class InFlight:
     from_decode: int = 0                 # output tokens the decode has sent
     early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
     prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load
+
+
+@dataclass(eq=False)
+class Fanout:
+    """One message sent to many peers, done once all reply or time runs out."""
+    on_done: Callable[[list[dict]], None]
+    waiting: set[Hashable]               # who has not replied: endpoints, identities
+    replies: list[dict] = field(default_factory=list)
+    timer: Timer | None = None

@@ -28,10 +28,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from zpd.wire.admin_fields import PauseMode
+from zpd.router.flights import Fanout
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Timer
 from zpd.wire.net import Dealer
@@ -63,22 +64,13 @@ class Follower:
     inflight: int = 0          # its requests routed to the workers, as it last said
 
 
-@dataclass(eq=False)
-class Asking:
-    """One word to the followers, done once all confirm or its timer fires."""
-    on_done: Acks
-    waiting: set[bytes]
-    acks: list[dict] = field(default_factory=list)
-    timer: Timer | None = None
-
-
 class Followers:
     """The coordinator's side: who follows, and telling them its state."""
 
     def __init__(self, server: RouterServer) -> None:
         self.server = server
         self.known: dict[bytes, Follower] = {}
-        self.asking: dict[str, Asking] = {}
+        self.asking: dict[str, Fanout] = {}
         self.ids = itertools.count(1)
 
     def on_follow(self, identity: bytes, msg: Admin) -> None:
@@ -132,7 +124,7 @@ class Followers:
 
     def ask(self, command: str, args: dict, then: Acks, timeout: float) -> None:
         key = f"peers-{next(self.ids)}"
-        asking = self.asking[key] = Asking(then, set(self.known))
+        asking = self.asking[key] = Fanout(then, set(self.known))
         for identity in self.known:
             self.server.front.send(identity, Admin(command, args, key))
         if not asking.waiting:
@@ -150,7 +142,7 @@ class Followers:
         inflight = msg.result.get("inflight")
         if type(inflight) is int and inflight >= 0:
             follower.inflight = inflight
-        asking.acks.append(msg.result | {"ok": msg.ok, "endpoint": follower.endpoint})
+        asking.replies.append(msg.result | {"ok": msg.ok, "endpoint": follower.endpoint})
         if not asking.waiting:
             self._done(msg.req_id)
         return True
@@ -164,7 +156,7 @@ class Followers:
         late = [self.known[i].endpoint for i in asking.waiting if i in self.known]
         if late:
             log.error("routers %s did not confirm in time", ", ".join(late))
-        asking.on_done(asking.acks + [{"ok": False, "endpoint": ep, "status": 504,
+        asking.on_done(asking.replies + [{"ok": False, "endpoint": ep, "status": 504,
                                        "error": "no answer before the timeout"} for ep in late])
 
 
