@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from abc import ABC, abstractmethod
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -72,8 +73,9 @@ class Stamps:
             times.extend([now] * (upto - len(times)))
 
 
-class SimEndpoint:
-    """One worker's socket and its liveness and status answers."""
+class SimEndpoint(ABC):
+    """One worker's socket and its liveness and status answers; a prefill or a decode
+    says what it does with a Generate."""
     role = ""
 
     def __init__(self, pool: "SimPool", ctx: zmq.Context, host: str) -> None:
@@ -107,8 +109,9 @@ class SimEndpoint:
                 "kv_pages": {"total": 1024, "free": 1024, "held": 0, "fenced": 0, "cached": 0},
                 "queues": {"running": 0}}
 
+    @abstractmethod
     def on_generate(self, identity: bytes, msg: Generate) -> None:
-        raise NotImplementedError
+        """Take a routed request."""
 
     def on_abort(self, identity: bytes, msg: Abort) -> None:
         pass
