@@ -213,6 +213,17 @@ def test_without_its_coordinator_a_follower_serves_and_refuses_admin_with_503(pa
     assert pair.run(pair.submit("alone")).token_ids == reference(c, PROMPT, 8)
 
 
+def test_a_command_passed_on_to_a_coordinator_that_then_dies_is_answered_504(pair):
+    c = pair.c
+    c.silent.add("router")                  # alive a moment ago: the follower passes it on
+    pair.client.send(Admin("pause", {"mode": "retract", "timeout": 1.0}, "lost"))
+    c.pump(3)
+    assert "lost" not in pair.replies and pair.follower.coordinator.passed
+    c.advance(3.5)                          # its timeout + --peer-timeout
+    assert pair.replies["lost"]["status"] == 504, pair.replies["lost"]
+    assert not pair.follower.coordinator.passed and pair.follower.paused is None
+
+
 def test_a_silent_follower_is_dropped_and_not_waited_for(pair):
     c = pair.c
     pair.follower_silent = True
