@@ -99,6 +99,9 @@ def test_packed_products_equal_float64(dtype, kind, rtol, atol, rows, n, k):
     g = torch.Generator().manual_seed(n * k + rows)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
     x, b = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    if not kernel.fits(w):        # AMX tiles need K a multiple of 32: such weights stay torch's
+        assert isinstance(kernel, cp.AmxLinear) and k % 32 != 0
+        return
     packed = kernel.pack(w)
     assert packed.numel() == -(-n // kind.BLOCK) * kind.BLOCK * k
     for bias in (None, b):
