@@ -66,6 +66,10 @@ class TpGroup:
 
     def tell(self, op: str, *args: object) -> None:
         """Leader: have every other rank do `op(*args)` (engines/tp/runner.py Follower)."""
+        assert op not in word_codec.ASKED, f"{op} is answered: ask it"
+        self._send(op, args)
+
+    def _send(self, op: str, args: tuple) -> None:
         assert self.leads, "only rank 0 tells"
         data = word_codec.encode(op, args)
         self.words.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0).wait()
@@ -73,8 +77,9 @@ class TpGroup:
 
     def ask(self, op: str, *args: object) -> list[int]:
         """Leader: `tell`, then the ranks that answered that they failed it (the words
-        a rank answers: engines/tp/runner.py ASKED)."""
-        self.tell(op, *args)
+        a rank answers: engines/tp/words.py ASKED)."""
+        assert op in word_codec.ASKED, f"{op} is not answered: tell it"
+        self._send(op, args)
         flags = torch.zeros(self.size, dtype=torch.int64)
         self.words.allreduce([flags]).wait()
         return [r for r in range(1, self.size) if flags[r]]

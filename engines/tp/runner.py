@@ -13,6 +13,7 @@ from engines.kv.pool import KVLayout, KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.tp.group import TpGroup
+from engines.tp.words import ASKED
 from engines.tp.shard import apply_rows, update_part
 from engines.weight_push import Shadow
 from engines.tp.shared_pool import HandleError, open_buffer, shared_buffer
@@ -87,14 +88,14 @@ class TpRunner(ModelRunner):
                 log.error("rank %d's KV pool cannot be opened here: %s", r, e)
                 failed.append(r)
         if failed:
-            self.tp.tell("release_kv")
+            self.tp.ask("release_kv")
             raise RuntimeError(f"tensor-parallel rank(s) {sorted(failed)} could not make their "
                                "KV pool (their log says why)")
         return opened
 
     def release_kv(self) -> None:
         """Every other rank drops its pool (rank 0 drops its own and its views)."""
-        self.tp.tell("release_kv")
+        self.tp.ask("release_kv")
         self.others = []
 
     def resume_kv(self) -> None:
@@ -105,14 +106,20 @@ class TpRunner(ModelRunner):
         self.others = self._open_pools(failed)
 
     def release_weights(self) -> None:
-        self.tp.tell("release_weights")
+        """Every other rank releases its weights, or (a RuntimeError) none keeps them
+        released."""
+        failed = self.tp.ask("release_weights")
+        if failed:
+            self.tp.ask("resume_weights")
+            raise RuntimeError(f"tensor-parallel rank(s) {failed} could not release their "
+                               "weights (their log says why)")
 
     def resume_weights(self) -> None:
         """Every other rank's weights back; a RuntimeError if any rank could not, and
         then every other rank's are released again (as before)."""
         failed = self.tp.ask("resume_weights")
         if failed:
-            self.tp.tell("release_weights")
+            self.tp.ask("release_weights")
             raise RuntimeError(f"tensor-parallel rank(s) {failed} could not restore their "
                                "weights (their log says why)")
 
@@ -145,11 +152,6 @@ class TpRunner(ModelRunner):
         got = update_part(self.model, path, version)
         self.tp.tell("update_weights", path, version)
         return got
-
-
-# The words a rank answers (ok or failed): those that can fail for want of memory
-# without putting the ranks out of step.
-ASKED = frozenset({"make_pool", "resume_kv", "resume_weights"})
 
 
 def pool_key(rank: int, made: int) -> str:
@@ -193,8 +195,9 @@ class Follower:
 
     def resume_weights(self) -> None:
         from engines import weight_release
-        weight_release.resume(self.weights_held)     # on an error they stay released
-        self.weights_held = None
+        if self.weights_held is not None:
+            weight_release.resume(self.weights_held)     # on an error they stay released
+            self.weights_held = None
 
     def forward(self, name: str, args: tuple) -> None:
         getattr(ModelRunner, name)(self.runner, *args)
