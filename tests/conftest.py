@@ -26,6 +26,7 @@ SLOW_FILES = frozenset({
     "tests/unit/test_tp_workers.py",       # tensor-parallel ranks: processes joined by gloo
     "tests/unit/test_tp_security.py",      # and attacks on their group
     "tests/unit/test_tp_resume_failure.py",    # and their memory failing to come back
+    "tests/unit/test_tp_frozen.py",        # and one stopped, waited out for seconds
 })
 SLOW_TESTS = frozenset({
     # the CPU kernels compiled from scratch into a fresh cache

@@ -21,7 +21,7 @@ from typing import Sequence
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.25          # how often a rank writes its slot
-SILENT_S = 3.0         # a rank not heard from for this long is frozen
+SILENT_S = 5.0         # a rank not heard from for this long is frozen
 
 
 def beat(slots, rank: int) -> threading.Thread:
