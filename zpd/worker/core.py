@@ -284,12 +284,7 @@ class WorkerCore:
                 respond(True, self.status_fields())
 
     def resume(self, cmd: Continue, respond: Respond) -> None:
-        """Schedule again; refused (409) while memory is released, which would leave
-        every request waiting for a pool that is not there."""
-        if self.memory.released:
-            raise StatusError(CONFLICT, f"continue while memory is released (KV pool "
-                                        f"{self.memory.state}, weights {self.memory.weights_state}): "
-                                        "resume_memory first")
+        self.memory.require_resident("continue")
         was, self.paused = self.paused, None
         extra = self.scheduler.on_resume(cmd)
         respond(True, self.status_fields() | {"was_paused": was} | extra)

@@ -90,6 +90,13 @@ class WeightsAndMemory:
             raise StatusError(CONFLICT, f"{what} while the weights are released: "
                                         "resume_memory (tags weights) first")
 
+    def require_resident(self, what: str) -> None:
+        """409 while the KV pool or the weights are released: `continue` would leave every
+        request waiting for memory that is not there."""
+        if self.released:
+            raise StatusError(CONFLICT, f"{what} while memory is released (KV pool {self.state}, "
+                                        f"weights {self.weights_state}): resume_memory first")
+
     def update_weights(self, cmd: UpdateWeights, respond: Respond) -> None:
         """Allowed while paused or idle; a bad checkpoint leaves the old weights. Without
         a version the current one stays (SGLang's way)."""
