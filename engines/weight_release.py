@@ -107,15 +107,23 @@ def release(net: nn.Module, device: torch.device) -> Released:
 
 
 def resume(held: Released) -> None:
-    """Give every storage its bytes back, exactly as `release` found them."""
-    for s, n in zip(held.storages, held.sizes):
-        s.resize_(n)
-    if held.host:
-        for s, h in zip(held.storages, held.host):
-            _bytes_of(s).copy_(h)
-        held.host = []
-    elif held.path is not None:
-        _unspill(held.storages, held.path)
+    """Give every storage its bytes back, exactly as `release` found them. On an error
+    (no memory for them, an unreadable spill file) they are all emptied again and `held`
+    still has their bytes: the weights stay released, and a later resume can succeed."""
+    try:
+        for s, n in zip(held.storages, held.sizes):
+            s.resize_(n)
+        if held.host:
+            for s, h in zip(held.storages, held.host):
+                _bytes_of(s).copy_(h)
+        elif held.path is not None:
+            _unspill(held.storages, held.path)
+    except BaseException:
+        for s in held.storages:
+            s.resize_(0)
+        raise
+    held.host = []
+    if held.path is not None:
         shutil.rmtree(os.path.dirname(held.path), ignore_errors=True)
         held.path = None
 

@@ -13,9 +13,10 @@ from engines.kv.pool import KVLayout, KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.tp.group import TpGroup
+from engines.tp.words import ASKED
 from engines.tp.shard import apply_rows, update_part
 from engines.weight_push import Shadow
-from engines.tp.shared_pool import open_buffer, shared_buffer
+from engines.tp.shared_pool import HandleError, open_buffer, shared_buffer
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,9 @@ class TpRunner(ModelRunner):
         super().__init__(model, pool, tp)
         self.tp = tp
         clears = pool.allocator.on_free
-        self.pools_made = 0                 # each new set of the others' pools has its own keys
-        tp.tell("make_pool", pool.layout.page_size, pool.num_pages, clears is not None)
-        self.others = self._open_pools()
+        self.pools_made = 1                 # each new set of the others' pools has its own keys
+        failed = tp.ask("make_pool", pool.layout.page_size, pool.num_pages, clears is not None)
+        self.others = self._open_pools(failed)
         if clears is not None:         # every rank's part of a freed page is zeroed
             pool.allocator.on_free = lambda pages: self._clear_everywhere(pages, clears)
 
@@ -73,26 +74,54 @@ class TpRunner(ModelRunner):
         """Every rank's pool buffer, rank 0's first (none while released)."""
         return [] if self.pool.buffer is None else [self.pool.buffer] + self.others
 
-    def _open_pools(self) -> list[torch.Tensor]:
-        self.pools_made += 1
-        return [open_buffer(self.tp.store.get(pool_key(r, self.pools_made)))
-                for r in range(1, self.tp.size)]
+    def _open_pools(self, failed: list[int] = ()) -> list[torch.Tensor]:
+        """The other ranks' new pools (set number `pools_made`), or a RuntimeError naming
+        the ranks that made none or whose handle we refuse; the ranks that made one then
+        drop it again, so every rank is as before (released)."""
+        failed, opened = list(failed), []
+        for r in range(1, self.tp.size):
+            if r in failed:
+                continue
+            try:
+                opened.append(open_buffer(self.tp.store.get(pool_key(r, self.pools_made))))
+            except (HandleError, OSError, RuntimeError) as e:
+                log.error("rank %d's KV pool cannot be opened here: %s", r, e)
+                failed.append(r)
+        if failed:
+            self.tp.ask("release_kv")
+            raise RuntimeError(f"tensor-parallel rank(s) {sorted(failed)} could not make their "
+                               "KV pool (their log says why)")
+        return opened
 
     def release_kv(self) -> None:
         """Every other rank drops its pool (rank 0 drops its own and its views)."""
-        self.tp.tell("release_kv")
+        self.tp.ask("release_kv")
         self.others = []
 
     def resume_kv(self) -> None:
-        """Every other rank makes its pool again, at new addresses rank 0 opens."""
-        self.tp.tell("resume_kv", self.pools_made + 1)
-        self.others = self._open_pools()
+        """Every other rank makes its pool again, at new addresses rank 0 opens. A
+        RuntimeError if any rank could not: then no rank holds a pool (as before)."""
+        failed = self.tp.ask("resume_kv", self.pools_made + 1)
+        self.pools_made += 1
+        self.others = self._open_pools(failed)
 
     def release_weights(self) -> None:
-        self.tp.tell("release_weights")
+        """Every other rank releases its weights, or (a RuntimeError) none keeps them
+        released."""
+        failed = self.tp.ask("release_weights")
+        if failed:
+            self.tp.ask("resume_weights")
+            raise RuntimeError(f"tensor-parallel rank(s) {failed} could not release their "
+                               "weights (their log says why)")
 
     def resume_weights(self) -> None:
-        self.tp.tell("resume_weights")
+        """Every other rank's weights back; a RuntimeError if any rank could not, and
+        then every other rank's are released again (as before)."""
+        failed = self.tp.ask("resume_weights")
+        if failed:
+            self.tp.ask("release_weights")
+            raise RuntimeError(f"tensor-parallel rank(s) {failed} could not restore their "
+                               "weights (their log says why)")
 
     def whole_template(self) -> torch.nn.Module:
         """The whole model's parameters by name and shape, holding no memory (the meta
@@ -153,19 +182,22 @@ class Follower:
         return buffer
 
     def release_kv(self) -> None:
-        self.pool.release_memory()
+        if self.pool is not None:              # (none if making it failed)
+            self.pool.release_memory()
 
     def resume_kv(self, made: int) -> None:
         self.pool.allocate_memory(self._shared(self.pool.shape, made))
 
     def release_weights(self) -> None:
         from engines import weight_release
-        self.weights_held = weight_release.release(self.model.net, self.model.device)
+        if self.weights_held is None:          # (a rank whose resume failed still holds them)
+            self.weights_held = weight_release.release(self.model.net, self.model.device)
 
     def resume_weights(self) -> None:
         from engines import weight_release
-        held, self.weights_held = self.weights_held, None
-        weight_release.resume(held)
+        if self.weights_held is not None:
+            weight_release.resume(self.weights_held)     # on an error they stay released
+            self.weights_held = None
 
     def forward(self, name: str, args: tuple) -> None:
         getattr(ModelRunner, name)(self.runner, *args)
@@ -187,10 +219,21 @@ class Follower:
             apply_rows(params[name], name, staged, spans, whole, plan)
 
     def serve(self) -> None:
-        """Do the leader's word until it says stop."""
+        """Do the leader's word until it says stop. A word the leader asks about
+        (`TpGroup.ask`) is answered: an error there is this rank's failure to report,
+        not the group's end; any other error ends this rank (and so the worker)."""
         while True:
             op, args = self.tp.hear()
             if op == "stop":
                 log.info("rank %d: stopped by the leader", self.tp.rank)
                 return
-            getattr(self, op)(*args)
+            if op not in ASKED:
+                getattr(self, op)(*args)
+                continue
+            try:
+                getattr(self, op)(*args)
+                failed = False
+            except (OSError, RuntimeError, ValueError) as e:
+                log.error("rank %d: %s failed: %s", self.tp.rank, op, e)
+                failed = True
+            self.tp.answer(failed)

@@ -16,9 +16,11 @@ from engines.formats.overrides import ModelOverrides
 from engines.loader import LoadedModel, load_model
 from engines.models.config import ModelError
 from engines.null import is_null
-from engines.tp.group import TpGroup, free_port, join
+from engines.tp import heartbeat
+from engines.tp.group import Rendezvous, TpGroup, join
 from engines.tp.plan import TpPlan
 from engines.tp.shard import shard_model
+from engines.tp.shared_pool import remove_files
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ class RankSpec:
     version: str | None
     overrides: ModelOverrides | None
     size: int
-    port: int
+    rendezvous: str                   # the FileStore the ranks meet at (group.Rendezvous)
     threads: int | None = None        # CPU threads of the whole group (None: torch's)
     log_level: int = logging.WARNING
 
@@ -71,12 +73,13 @@ def _bound_to_leader() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _follower_main(spec: RankSpec, rank: int) -> None:
+def _follower_main(spec: RankSpec, rank: int, slots) -> None:
     from engines.tp.runner import Follower
     _bound_to_leader()
+    heartbeat.beat(slots, rank)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     _threads(spec)
-    tp = join(rank, spec.size, spec.port, rank_device(spec.device, rank).split(":")[0])
+    tp = join(rank, spec.size, spec.rendezvous, rank_device(spec.device, rank).split(":")[0])
     Follower(part_of(load_whole(spec, rank), rank, spec.size), tp).serve()
 
 
@@ -88,24 +91,44 @@ def lead(model: str, device: str, dtype: str, version: str | None,
     before any process starts."""
     if is_null(model):
         raise ModelError("the null model runs at --tp 1 only")
-    spec = RankSpec(model, device, dtype, version, overrides, size, free_port(), threads,
+    meeting = Rendezvous()
+    try:
+        return _lead(model, device, dtype, version, overrides, size, threads, meeting)
+    except BaseException:
+        meeting.close()
+        raise
+
+
+def _lead(model: str, device: str, dtype: str, version: str | None,
+          overrides: ModelOverrides | None, size: int, threads: int | None,
+          meeting: Rendezvous) -> tuple[LoadedModel, TpGroup, list[mp.Process]]:
+    spec = RankSpec(model, device, dtype, version, overrides, size, meeting.path, threads,
                     logging.getLogger().getEffectiveLevel())
     whole = load_whole(spec, 0)
     TpPlan.for_rank(whole.cfg, 0, size)               # checks the split
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower_main, args=(spec, r), daemon=True,
+    slots = ctx.RawArray("d", size)                   # each rank's last heartbeat
+    procs = [ctx.Process(target=_follower_main, args=(spec, r, slots), daemon=True,
                          name=f"zpd-tp-rank{r}") for r in range(1, size)]
     for p in procs:
         p.start()
     _threads(spec)
-    tp = join(0, size, spec.port, rank_device(device, 0).split(":")[0])
+    try:
+        tp = join(0, size, spec.rendezvous, rank_device(device, 0).split(":")[0])
+    except BaseException:
+        _kill(procs)
+        raise
+    tp.rendezvous, tp.watchdog = meeting, heartbeat.Watchdog(tp, procs, slots)
     log.info("tensor parallel over %d ranks (pids %s)", size, [os.getpid()] + [p.pid for p in procs])
     return part_of(whole, 0, size), tp, procs
 
 
 def stop(tp: TpGroup, procs: list[mp.Process], timeout_s: float = 30.0) -> None:
-    """Tell the other ranks to stop and wait for them (a broken group's are killed)."""
+    """Tell the other ranks to stop and wait for them (a broken group's are killed);
+    then remove the rendezvous and any pool file a rank left."""
     tp.stopped = True
+    if tp.watchdog is not None:
+        tp.watchdog.close()
     if tp.broken is None:
         try:
             tp.tell("stop")
@@ -114,6 +137,16 @@ def stop(tp: TpGroup, procs: list[mp.Process], timeout_s: float = 30.0) -> None:
             timeout_s = 0.0
     for p in procs:
         p.join(timeout_s if tp.broken is None else 0.0)
+    _kill(procs)
+    if tp.rendezvous is not None:
+        tp.rendezvous.close()
+
+
+def _kill(procs: list[mp.Process]) -> None:
+    """Kill what is left of the ranks and unlink the pool files they left."""
+    for p in procs:
         if p.is_alive():
             p.kill()
-            p.join()
+        p.join()
+        for path in remove_files(p.pid):
+            log.warning("removed %s, left by tensor-parallel rank process %d", path, p.pid)

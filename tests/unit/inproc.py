@@ -200,6 +200,8 @@ class InprocCluster:
                 assert p["free"] + p["cached"] == p["total"], (core.cfg.role, p)
 
     def close(self) -> None:
+        if self.ctx.closed:
+            return                                 # closed already (a test may close early)
         self.client.close()
         self.router.close()
         for core in (self.prefill, self.decode):

@@ -110,9 +110,11 @@ def test_a_refused_release_releases_nothing(cluster):
     cluster.until(lambda: rid in cluster.answers and len(cluster.answers[rid].token_ids) >= 2)
     assert cluster.admin("pause", mode="retract")["ok"]
     assert cluster.admin("release_memory", tags=["weights"])["ok"]
-    assert cluster.admin("continue")["ok"]
+    reply = cluster.admin("continue")         # nothing could run: refused, still paused
+    assert not reply["ok"] and {w.get("status") for w in reply["workers"]} == {409}, reply
     cluster.pump(40)
     assert cluster.admin("resume_memory", tags=["weights"])["ok"]
+    assert cluster.admin("continue")["ok"]
     assert cluster.run(rid).token_ids == reference(cluster, PROMPT, 40)
     cluster.check_pages()
 

@@ -161,8 +161,11 @@ class WorkerCore:
                 self.loop.call_soon_threadsafe(self._drain_backlog)   # even if the socket is quiet
 
     def _answer_while_busy(self, identity: bytes, msg: Message) -> bool:
-        """On the responder thread: answer a ping now; keep anything else."""
+        """On the responder thread: answer a ping now, unless the worker is failing (a
+        rank lost or frozen: its peers must see it silent); keep anything else."""
         if isinstance(msg, Ping):
+            if self.failure() is not None:
+                return True
             self._on_ping(identity, msg)
             return True
         if identity in self.pinged_at:
@@ -281,6 +284,7 @@ class WorkerCore:
                 respond(True, self.status_fields())
 
     def resume(self, cmd: Continue, respond: Respond) -> None:
+        self.memory.require_resident("continue")
         was, self.paused = self.paused, None
         extra = self.scheduler.on_resume(cmd)
         respond(True, self.status_fields() | {"was_paused": was} | extra)

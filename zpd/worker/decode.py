@@ -110,12 +110,12 @@ class DecodeScheduler:
             self.emit(self.by_rid[req.rid])
 
     def step_failed(self, batch: list[DecodeJob], error: Exception) -> None:
-        """The decode step of `batch` raised: end exactly those requests with 500 and
-        free their pages (their prefills are done with them); go on serving."""
+        """The decode step of `batch` raised: end exactly those requests with 500 (503
+        if the worker is lost) and free their pages (their prefills are done with them)."""
         log.error("decode step of rids %s failed", [j.req.rid for j in batch], exc_info=error)
-        reason = step_failure("decode step", error)
+        status, reason = step_failure("decode step", error, self.core.failure())
         for job in batch:
-            self.finish(job, INTERNAL, reason, tell_prefill=False)
+            self.finish(job, status, reason, tell_prefill=False)
 
     def _can_admit(self) -> bool:
         # Admitted is as good as running: kv_done moves a job into the batch unchecked.

@@ -5,7 +5,10 @@ release_memory / resume_memory take SGLang's `tags`: "kv_cache" (the KV pool),
 "weights" (the model's weights: engines/weight_release.py; resumed from a host copy
 on CUDA or a private spill file on CPU, bit for bit, never by a weight update), and
 "cuda_graph" (zpd has none: accepted, nothing to do). No tags: all of them. While
-either is released nothing is scheduled: requests wait, as while paused."""
+either is released nothing is scheduled: requests wait, as while paused, and
+`continue` is refused (zpd/worker/core.py). A resume that fails (on any
+tensor-parallel rank) leaves what it could not restore released everywhere and says
+so: it can be sent again."""
 from __future__ import annotations
 
 import logging
@@ -87,6 +90,13 @@ class WeightsAndMemory:
             raise StatusError(CONFLICT, f"{what} while the weights are released: "
                                         "resume_memory (tags weights) first")
 
+    def require_resident(self, what: str) -> None:
+        """409 while the KV pool or the weights are released: `continue` would leave every
+        request waiting for memory that is not there."""
+        if self.released:
+            raise StatusError(CONFLICT, f"{what} while memory is released (KV pool {self.state}, "
+                                        f"weights {self.weights_state}): resume_memory first")
+
     def update_weights(self, cmd: UpdateWeights, respond: Respond) -> None:
         """Allowed while paused or idle; a bad checkpoint leaves the old weights. Without
         a version the current one stays (SGLang's way)."""
@@ -140,29 +150,50 @@ class WeightsAndMemory:
         if kv:
             self._release_kv()
         if weights:
-            self.weights_held = weight_release.release(self.core.model.net, self.core.model.device)
-            if self.core.tp is not None:      # and every other rank its part
-                self.core.compute.runner.release_weights()
+            self._release_weights()
         respond(True, self._memory_fields())
+
+    def _release_weights(self) -> None:
+        """Ours, then every other rank's part; if a rank cannot, every rank keeps them."""
+        core = self.core
+        held = weight_release.release(core.model.net, core.model.device)
+        try:
+            if core.tp is not None:
+                core.compute.runner.release_weights()
+        except RuntimeError as e:
+            weight_release.resume(held)
+            raise StatusError(INTERNAL, f"could not release the weights: {e}; they stay "
+                                        "resident") from None
+        self.weights_held = held
 
     def resume_memory(self, cmd: ResumeMemory, respond: Respond) -> None:
         """Restore what `tags` name (all by default): the weights bit for bit from their
         host copy or spill file, the KV pool newly allocated (its address changes, so
-        the scheduler tells its peers before using it)."""
+        the scheduler tells its peers before using it). What cannot be restored stays
+        released, on every rank, and the error says so: resume_memory again."""
         tags = cmd.tag_set
         if WEIGHTS in tags and self.weights_held is not None:
-            held, self.weights_held = self.weights_held, None
-            try:
-                with self.core.long_call():
-                    weight_release.resume(held)
-                    if self.core.tp is not None:
-                        self.core.compute.runner.resume_weights()
-            except (OSError, RuntimeError) as e:
-                raise StatusError(INTERNAL, f"could not restore the weights: {e}") from None
-            log.warning("weights resumed (%d bytes)", held.nbytes)
+            self._resume_weights()
         if KV_CACHE in tags and self.kv_released:
             self._resume_kv()
         respond(True, self._memory_fields())
+
+    def _resume_weights(self) -> None:
+        held, core = self.weights_held, self.core
+        try:
+            with core.long_call():
+                weight_release.resume(held)          # on an error: still released
+                try:
+                    if core.tp is not None:          # every other rank, or none
+                        core.compute.runner.resume_weights()
+                except RuntimeError:
+                    self.weights_held = weight_release.release(core.model.net, core.model.device)
+                    raise
+        except (OSError, RuntimeError) as e:
+            raise StatusError(INTERNAL, f"could not restore the weights: {e}; they stay "
+                                        "released (resume_memory again)") from None
+        self.weights_held = None
+        log.warning("weights resumed (%d bytes)", held.nbytes)
 
     def _memory_fields(self) -> dict:
         return {"memory": self.state, "weights_memory": self.weights_state}
@@ -200,22 +231,30 @@ class WeightsAndMemory:
         log.warning("KV pool memory released (%d bytes)", pool.nbytes)
 
     def _resume_kv(self) -> None:
-        pool = self.core.pool
-        pool.allocate_memory()
-        if self.core.tp is not None:
-            self.core.compute.runner.resume_kv()
+        """A new pool on every rank, registered with the transport; on any failure none
+        is kept anywhere (the memory stays released) and the 500 says why."""
+        pool, core = self.core.pool, self.core
+        try:
+            pool.allocate_memory()
+            if core.tp is not None:
+                core.compute.runner.resume_kv()
+        except (OSError, RuntimeError) as e:
+            pool.release_memory()
+            raise StatusError(INTERNAL, f"could not allocate the KV pool again: {e}; the "
+                                        "memory stays released (resume_memory again)") from None
         done = []
         try:
-            for buf in self.core.rank_buffers:
-                self.core.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
+            for buf in core.rank_buffers:
+                core.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
                 done.append(buf)
         except transport.TransportError as e:
             for buf in done:
-                self.core.backend.unregister(buf.data_ptr())
-            if self.core.tp is not None:
-                self.core.compute.runner.release_kv()
+                core.backend.unregister(buf.data_ptr())
+            if core.tp is not None:
+                core.compute.runner.release_kv()
             pool.release_memory()
-            raise StatusError(INTERNAL, f"could not register the KV pool again: {e}") from None
+            raise StatusError(INTERNAL, f"could not register the KV pool again: {e}; the "
+                                        "memory stays released (resume_memory again)") from None
         self.kv_released = False
-        self.core.scheduler.on_memory_resumed()
+        core.scheduler.on_memory_resumed()
         log.warning("KV pool memory resumed at %#x", pool.data_ptr)

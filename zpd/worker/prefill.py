@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 from engines.request import Request, validate_prefix, validate_prompt_logprobs
-from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, INTERNAL, StatusError
+from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, StatusError
 from engines.sampler import SamplingParams
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
@@ -177,14 +177,14 @@ class PrefillScheduler:
         """The forward or sampling of `batch` raised: end exactly its jobs with 500 and
         free their pages; the worker goes on serving."""
         log.error("prefill of rooms %s failed", [j.room for j in batch], exc_info=error)
-        reason = step_failure("prefill step", error)
+        status, reason = step_failure("prefill step", error, self.core.failure())
         for job in batch:
             if job.decode is not None or job.answer_to is not None:
-                self.end(job, INTERNAL, reason)
+                self.end(job, status, reason)
                 continue
             # Its decode is not known until its kv_dest comes: refused, as at admission.
             self.pages.release(job.req)
-            job.failure = (INTERNAL, reason)
+            job.failure = (status, reason)
             self.move(job, JobPhase.REJECTED)
 
     def _send_first_token(self, job: PrefillJob) -> None:

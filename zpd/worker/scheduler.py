@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.protocol import Message
+from zpd.wire.status import INTERNAL, UNAVAILABLE
 
 if TYPE_CHECKING:
     from zpd.worker.pages import PageBook
@@ -20,11 +21,13 @@ Handler = Callable[[bytes, Message], None]      # (sender identity, message)
 Respond = Callable[[bool, dict], None]          # an admin command's answer: ok, result
 
 
-def step_failure(what: str, error: Exception) -> str:
-    """The message of the requests a failed model step ends (status 500): the step
-    and the error, short enough for a log line and a client's finish_reason."""
-    text = f"{what} failed: {type(error).__name__}: {error}"
-    return text if len(text) <= 300 else text[:297] + "..."
+def step_failure(what: str, error: Exception, lost: str | None = None) -> tuple[int, str]:
+    """The status and message of the requests a failed model step ends: 500, the step
+    and the error, short enough for a log line and a client's finish_reason; or 503
+    and why when the worker itself is lost (`lost`: a tensor-parallel rank died or
+    froze, WorkerCore.failure), since the request may well succeed elsewhere."""
+    text = f"{what} failed: {lost}" if lost else f"{what} failed: {type(error).__name__}: {error}"
+    return (UNAVAILABLE if lost else INTERNAL), (text if len(text) <= 300 else text[:297] + "...")
 
 
 class Scheduler(Protocol):
