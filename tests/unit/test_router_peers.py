@@ -29,7 +29,8 @@ class Pair:
         tag = c.router.endpoint.rsplit("r", 1)[-1]
         self.follower = RouterServer(RouterConfig(
             (c.prefill.endpoint,), (c.decode.endpoint,), host=f"inproc://f{tag}", heartbeat=0.5,
-            peer_timeout=2.0, coordinator=c.router.endpoint, **router_args), c.ctx,
+            peer_timeout=2.0, coordinator=c.router.endpoint, router_secret_file=c.secret_file,
+            **router_args), c.ctx,
             Loop(clock=c.clock))
         self.client = Dealer(c.ctx, self.follower.endpoint, identity=b"fclient")
         self.answers: dict[str, Answer] = {}
@@ -237,9 +238,9 @@ def test_a_silent_follower_is_dropped_and_not_waited_for(pair):
 def test_a_forged_follow_is_refused():
     c = InprocCluster()
     try:
-        c.client.send(Admin("follow", {"endpoint": 5, "inflight": -1}, "x"))
-        c.until(lambda: "x" in c.replies)
-        assert c.replies["x"]["status"] == 400 and c.admin("status")["followers"] == []
+        c.client.send(Admin("follow", {"endpoint": "inproc://x", "inflight": 10**9}, "x"))
+        c.until(lambda: "x" in c.replies)        # a client is no router (issue 43, item 7)
+        assert c.replies["x"]["status"] == 403 and c.admin("status")["followers"] == []
         c.client.send(AdminReply("peers-1", True, {"inflight": 10**9}))   # unasked: dropped
         c.pump()
         assert c.router.running() == 0

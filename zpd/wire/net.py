@@ -51,9 +51,11 @@ class SocketOptions:
     reconnect_ivl_max_ms: int = 2_000
     curve: Optional[Curve] = None
     zap_domain: str = ""  # ZAP domain of a CURVE server (zpd.wire.security)
-    # Called with each inbound message's sender rights (its ZAP User-Id) and the
-    # message; returns None to accept, or (reason, reply or None) to refuse.
-    guard: Optional[Callable[[str, Message], Optional[tuple[str, Optional[Message]]]]] = None
+    # Called with each inbound message's sender rights (its ZAP User-Id; "" without
+    # CURVE), its identity and the message; returns None to accept, or (reason, reply
+    # or None) to refuse.
+    guard: Optional[Callable[[str, bytes, Message],
+                             Optional[tuple[str, Optional[Message]]]]] = None
     # Called with each new socket before it binds or connects (handshake logging).
     monitor: Optional[Callable[[zmq.Socket], None]] = None
 
@@ -93,8 +95,12 @@ def configure_socket(sock: zmq.Socket, *, host: str, server: bool, opts: SocketO
         # Unroutable sends raise EHOSTUNREACH (caught in Router.send) instead
         # of vanishing, so the caller learns the peer is gone.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted peer reusing its identity takes over the old route.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Never hand a connected peer's identity over to a newer connection: whoever
+        # named it would take the peer's route and every message meant for it (a
+        # router's tokens). A restarted peer connects under a new identity instead
+        # (zpd/wire/router_proof.py); a second connection claiming one in use is
+        # refused by ZeroMQ until the first is gone.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if opts.curve is not None:
         _apply_curve(sock, server=server, curve=opts.curve)
         if server and opts.zap_domain:
@@ -224,12 +230,12 @@ class Router(_Endpoint):
         except zmq.Again:
             return None
         try:
-            user = frames[0].get("User-Id")
+            user = frames[0].get("User-Id") or ""
         except zmq.ZMQError:
             user = ""
         identity = frames[0].bytes
         msg = self._decode([f.bytes for f in frames[1:]], _peer_name(identity))
-        refusal = None if msg is None else self.guard(user, msg)
+        refusal = None if msg is None else self.guard(user, identity, msg)
         if refusal is None:
             return None if msg is None else (identity, msg)
         why, reply = refusal
