@@ -132,3 +132,25 @@ def test_with_a_router_secret_workers_take_requests_only_from_the_routers(cluste
     assert cluster.decode.scheduler.jobs == {}
     cluster.check_pages()
     cluster.serves_again()
+
+
+def test_a_router_secret_others_may_read_or_a_short_one_is_refused(tmp_path):
+    import os
+
+    import pytest
+
+    from zpd.wire.router_proof import RouterSecretError, write_router_secret
+    path = write_router_secret(tmp_path / "s")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with pytest.raises(RouterSecretError, match="exists already"):
+        write_router_secret(path)
+    os.chmod(path, 0o640)
+    with pytest.raises(RouterSecretError, match="chmod 600"):
+        load_router_secret(path)
+    short = tmp_path / "short"
+    short.write_text("abc")
+    os.chmod(short, 0o600)
+    with pytest.raises(RouterSecretError, match="fewer than"):
+        load_router_secret(short)
+    with pytest.raises(RouterSecretError, match="cannot read"):
+        load_router_secret(tmp_path / "none")

@@ -40,7 +40,7 @@ CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection 
 ROUTER_SECRET_HELP = (
     "without --curve-keys: a file (mode 0600, at least 16 bytes) holding the secret the "
     "cluster's routers prove themselves with, the same file for every router and worker "
-    "(`zpd launch` makes one; `zpd keys --router-secret FILE` writes one). Workers then "
+    "(`zpd launch` makes one; `zpd keys DIR --router-secret` writes DIR/router.secret). Workers then "
     "take requests only from those routers, a decode lets a restarted router adopt its "
     "predecessor's requests, and a coordinator accepts followers; without it requests "
     "stay open to anyone who reaches a worker's port and adopt and follow are refused "

@@ -69,7 +69,7 @@ def load_router_secret(path: str | Path | None) -> bytes | None:
                                 f"(mode {stat.S_IMODE(mode):o}); chmod 600 it")
     if len(secret) < MIN_SECRET_BYTES:
         raise RouterSecretError(f"--router-secret-file {path} holds fewer than "
-                                f"{MIN_SECRET_BYTES} bytes; make one with `zpd keys --router-secret`")
+                                f"{MIN_SECRET_BYTES} bytes; make one with `zpd keys DIR --router-secret`")
     return secret
 
 
