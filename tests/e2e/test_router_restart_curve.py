@@ -1,0 +1,59 @@
+"""Issue 43, item 3: the router's restart under --curve-keys. kill -9 the router of a
+keyed null cluster in the middle of its streams, start it again on its port: zpd.Client
+with a client key and with the admin key (the HTTP front's) resume their requests, which
+end complete with exactly the null model's tokens. Before the fix the router refused
+`resume` from both keys ("resume needs 'cluster' rights") and the streams never ended."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from engines.null import predict
+from tests.e2e.fault_cluster import FaultCluster
+from tests.e2e.test_router_restart_kill import read_until
+from zpd.client import Client, assemble
+from zpd.wire.security import client_curve, create_keys
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
+
+MODEL = "null:step_ms=40,prefill_us=20,kv_bytes=1024"
+N = 150           # 6 s of steps: well past the restart
+
+
+def test_a_keyed_router_killed_mid_stream_resumes_every_keyed_clients_request(tmp_path):
+    keys = tmp_path / "keys"
+    create_keys(keys)
+    flags = ("--model", MODEL, "--kv-cache-mb", "16", "--transfer-timeout", "5")
+    prompts = {f"{who}{i}": [i + 1, 2 * i + 3, 7] for who in ("client", "admin") for i in range(2)}
+    with FaultCluster(tmp_path, dtype="bfloat16", flags=flags, curve_keys=keys) as cluster, \
+            Client(cluster.router.endpoint, timeout=60, curve=client_curve(keys)) as client, \
+            Client(cluster.router.endpoint, timeout=60, curve=client_curve(keys, "admin")) as admin:
+        chunks: dict[str, list[dict]] = {rid: [] for rid in prompts}
+        for rid, prompt in prompts.items():
+            (client if rid.startswith("client") else admin).submit(
+                input_ids=prompt, rid=rid, stream=True,
+                sampling_params={"temperature": 0, "max_new_tokens": N})
+        had = lambda rid: sum(len(c["token_ids"]) for c in chunks[rid])   # noqa: E731
+        done = lambda: all(c and c[-1]["finished"] for c in chunks.values())   # noqa: E731
+        for reader in (client, admin):
+            mine = [r for r in prompts if (r.startswith("client")) == (reader is client)]
+            read_until(reader, chunks, lambda: all(had(r) >= 3 for r in mine), time.monotonic() + 30)
+        assert all(had(r) >= 3 for r in prompts), "the streams did not start"
+        cluster.router.restart()                       # kill -9, then the same port
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
+            for reader in (client, admin):
+                try:
+                    chunk = reader.receive(timeout=0.2)
+                    chunks[chunk["rid"]].append(chunk)
+                except TimeoutError:
+                    pass
+        assert done(), {r: had(r) for r, c in chunks.items() if not (c and c[-1]["finished"])}
+        for rid, prompt in prompts.items():
+            out = assemble(chunks[rid])
+            assert out["finish_reason"]["type"] == "length", (rid, out["finish_reason"])
+            assert out["output_ids"] == predict(prompt, N), rid
+        cluster.wait_all_free(timeout=30)
