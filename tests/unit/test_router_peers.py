@@ -246,3 +246,53 @@ def test_a_forged_follow_is_refused():
         assert c.router.running() == 0
     finally:
         c.close()
+
+
+def test_a_coordinator_frozen_in_a_pause_strands_nothing_at_the_follower(pair):
+    """Issue 43: the coordinator is SIGSTOPped (its loop no longer turns) while the pool
+    is paused. What waits at the follower, and what comes there meanwhile, ends 503
+    naming the coordinator within --peer-timeout and a heartbeat, not never; once the
+    coordinator is back, continue runs both routers again."""
+    c = pair.c
+    assert c.admin("pause", mode="retract")["ok"]
+    c.advance(0.6)
+    assert pair.follower.holding
+    waiting = pair.submit("f-waits")
+    c.pump(5)
+    assert waiting not in pair.answers and waiting in pair.follower.queued
+    c.silent.add("router")
+    c.advance(2.6)                         # --peer-timeout (2 s) and a heartbeat
+    late = pair.submit("f-late")
+    c.advance(0.6)
+    for rid in (waiting, late):
+        got = pair.answers[rid].finish
+        assert got["status_code"] == 503 and "coordinator" in got["message"], got
+        assert got["retry_after"] > 0
+    assert pair.admin("continue")["status"] == 503
+    c.silent.discard("router")
+    c.advance(0.6)
+    assert c.admin("continue")["ok"]
+    c.advance(0.6)
+    assert not pair.follower.holding
+    assert pair.run(pair.submit("f-after")).token_ids == reference(c, PROMPT, 8)
+
+
+def test_a_follower_that_disagrees_with_its_coordinator_mends_within_a_heartbeat(pair):
+    """Issue 43: a follower that missed a word (it holds while the pool runs, or routes
+    while the pool is paused) takes the coordinator's state from the next answer to its
+    heartbeat: nothing waits for ever, nothing runs on paused workers for long."""
+    c = pair.c
+    pair.follower.hold(PauseMode.RETRACT)           # as if it missed the continue
+    rid = pair.submit("f-held")
+    c.pump(3)
+    assert rid in pair.follower.queued
+    c.advance(0.6)
+    assert pair.follower.paused is None
+    assert pair.run(rid).token_ids == reference(c, PROMPT, 8)
+    assert c.admin("pause", mode="in_place")["ok"]
+    pair.follower.paused = None                     # as if it missed the pause
+    c.advance(0.6)
+    assert pair.follower.paused is PauseMode.IN_PLACE and pair.follower.holding
+    assert c.admin("continue")["ok"]
+    c.advance(0.6)
+    assert not pair.follower.holding

@@ -188,17 +188,36 @@ class CoordinatorLink:
         self.ids = itertools.count(1)
         self.tag = os.urandom(4).hex()         # our req_ids cannot be guessed by a client
         server.loop.add_socket(dealer, self.on_message)
-        self.heartbeat()                       # known to the coordinator before routing anything
+        self.send_follow()                     # known to the coordinator before routing anything
 
     @property
     def alive(self) -> bool:
         return not self.clock.silent(self.server.loop.time(), self.server.cfg.peer_timeout)
 
     def heartbeat(self) -> None:
+        self.send_follow()
+        if self.server.holding and not self.alive:
+            self.stranded()
+
+    def send_follow(self) -> None:
         server = self.server
         self.clock.pinged(server.loop.time())
         self.dealer.send(Admin(FOLLOW, {"endpoint": server.endpoint,
                                         "inflight": len(server.inflight)}, FOLLOW))
+
+    def stranded(self) -> None:
+        """We hold for a coordinator that fell silent (killed, frozen, cut off) in a pause
+        or a push: only it can end that, so what waits here would wait for as long as it
+        stays away, its queue clock stopped. End it (503, retry later) instead; requests
+        that come meanwhile end at the next heartbeat, and all runs again once the
+        coordinator answers and says the pool runs."""
+        waiting = list(self.server.queued)
+        if waiting:
+            log.error("coordinator %s silent while the pool is paused: ending the %d requests "
+                      "waiting here with 503", self.endpoint, len(waiting))
+        reason = f"coordinator {self.endpoint} is unavailable while the pool is paused"
+        for rid in waiting:
+            self.server.end_queued(rid, 503, reason)
 
     def on_message(self) -> None:
         msg = self.dealer.recv()
