@@ -52,6 +52,8 @@ def test_two_routers_serve_one_pool_and_a_pause_through_the_follower_holds_both(
             for p in prompts]
     coordinator, follower = cluster.info["routers"]
     got: dict[str, list] = {}
+    with Client(coordinator, timeout=60) as client:      # launch's secret proves it a router
+        assert [f["endpoint"] for f in client.admin("status")["followers"]] == [follower]
 
     def run(endpoint: str) -> None:
         with Client(endpoint, timeout=60) as client:
