@@ -14,6 +14,8 @@ from engines.null import predict
 from tests.e2e.fault_cluster import FaultCluster
 from tests.e2e.test_router_restart_kill import read_until
 from zpd.client import Client, assemble
+from zpd.wire.net import Dealer, SocketOptions
+from zpd.wire.protocol import Ping, Pong, Tokens
 from zpd.wire.security import client_curve, create_keys
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
@@ -21,6 +23,27 @@ pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built witho
 
 MODEL = "null:step_ms=40,prefill_us=20,kv_bytes=1024"
 N = 150           # 6 s of steps: well past the restart
+
+
+def steal_route(cluster: FaultCluster, keys) -> int:
+    """What a client key gets by connecting to the decode under the router's name as any
+    client learns it (endpoint and boot id, from a Pong): before issue 43 that was the
+    router's identity, and ROUTER_HANDOVER gave this connection its route. Counts the
+    token messages that reach it in 1.5 s."""
+    ctx, opts = zmq.Context(), SocketOptions(curve=client_curve(keys))
+    try:
+        probe = Dealer(ctx, cluster.router.endpoint, opts=opts)
+        probe.send(Ping(1, 0.0))
+        pong = next(m for m in iter(lambda: probe.recv(timeout=5), None) if isinstance(m, Pong))
+        name = f"router@{cluster.router.endpoint}/{pong.boot}".encode()
+        thief = Dealer(ctx, cluster.decodes[0].endpoint, identity=name, opts=opts)
+        thief.send(Ping(1, 0.0))
+        stolen, until = 0, time.monotonic() + 1.5
+        while (left := until - time.monotonic()) > 0:
+            stolen += isinstance(thief.recv(timeout=left), Tokens)
+        return stolen
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_a_keyed_router_killed_mid_stream_resumes_every_keyed_clients_request(tmp_path):
@@ -42,6 +65,7 @@ def test_a_keyed_router_killed_mid_stream_resumes_every_keyed_clients_request(tm
             mine = [r for r in prompts if (r.startswith("client")) == (reader is client)]
             read_until(reader, chunks, lambda: all(had(r) >= 3 for r in mine), time.monotonic() + 30)
         assert all(had(r) >= 3 for r in prompts), "the streams did not start"
+        assert steal_route(cluster, keys) == 0         # issue 43, item 2, with a client key
         cluster.router.restart()                       # kill -9, then the same port
         deadline = time.monotonic() + 30
         while not done() and time.monotonic() < deadline:
