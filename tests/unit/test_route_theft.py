@@ -154,3 +154,12 @@ def test_a_router_secret_others_may_read_or_a_short_one_is_refused(tmp_path):
         load_router_secret(short)
     with pytest.raises(RouterSecretError, match="cannot read"):
         load_router_secret(tmp_path / "none")
+
+
+def test_zpd_keys_writes_a_router_secret(tmp_path, capsys):
+    import argparse
+
+    from zpd.ops.keys import run_keys
+    run_keys(argparse.Namespace(dir=str(tmp_path / "k"), router_secret=True, add=None))
+    assert load_router_secret(tmp_path / "k" / "router.secret")
+    assert "--router-secret-file" in capsys.readouterr().out

@@ -31,7 +31,7 @@ def add_keys_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def run_keys(args: argparse.Namespace) -> int:
     root = Path(args.dir)
-    if args.router_secret:
+    if getattr(args, "router_secret", False):      # (callers that build args by hand)
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = write_router_secret(root / "router.secret")
         print(f"created {path}; give every router and worker --router-secret-file {path}")

@@ -202,6 +202,7 @@ class Router(_Endpoint):
             _, bound_port = parse_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             self.endpoint = format_endpoint(host, bound_port)
         self.guard = opts.guard
+        self.keyed = opts.curve is not None and opts.guard is not None  # rights to read
         self.refused = 0  # counts inbound messages the guard refused
 
     def send(self, identity: bytes, msg: Message) -> bool:
@@ -210,17 +211,32 @@ class Router(_Endpoint):
 
     def recv(self, timeout: Optional[float] = 0) -> Optional[tuple[bytes, Message]]:
         """Next (identity, message); None if none arrived within ``timeout``
-        seconds (0: don't wait, None: wait forever) or it was malformed."""
-        if self.guard is not None:
-            return self._recv_guarded(timeout)
+        seconds (0: don't wait, None: wait forever), it was malformed or the
+        guard refused it."""
+        got = self._recv_keyed(timeout) if self.keyed else self._recv_plain(timeout)
+        if got is None:
+            return None
+        user, identity, msg = got
+        refusal = None if self.guard is None else self.guard(user, identity, msg)
+        if refusal is None:
+            return identity, msg
+        why, reply = refusal
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:
+            log.warning("refused %s from %s: %s (%d refused so far)", msg.TYPE,
+                        _peer_name(identity), why, self.refused)
+        if reply is not None:
+            self.send(identity, reply)
+        return None
+
+    def _recv_plain(self, timeout: Optional[float]) -> Optional[tuple[str, bytes, Message]]:
         frames = self._recv_frames(timeout)
         if frames is None:
             return None
-        identity = frames[0]
-        msg = self._decode(frames[1:], _peer_name(identity))
-        return None if msg is None else (identity, msg)
+        msg = self._decode(frames[1:], _peer_name(frames[0]))
+        return None if msg is None else ("", frames[0], msg)
 
-    def _recv_guarded(self, timeout: Optional[float]) -> Optional[tuple[bytes, Message]]:
+    def _recv_keyed(self, timeout: Optional[float]) -> Optional[tuple[str, bytes, Message]]:
         # Zero-copy frames carry the connection's metadata, here the rights that
         # the ZAP handler gave the sender's key.
         if not _wait_readable(self.socket, timeout):
@@ -235,17 +251,7 @@ class Router(_Endpoint):
             user = ""
         identity = frames[0].bytes
         msg = self._decode([f.bytes for f in frames[1:]], _peer_name(identity))
-        refusal = None if msg is None else self.guard(user, identity, msg)
-        if refusal is None:
-            return None if msg is None else (identity, msg)
-        why, reply = refusal
-        self.refused += 1
-        if self.refused & (self.refused - 1) == 0:
-            log.warning("refused %s from %s: %s (%d refused so far)", msg.TYPE,
-                        _peer_name(identity), why, self.refused)
-        if reply is not None:
-            self.send(identity, reply)
-        return None
+        return None if msg is None else (user, identity, msg)
 
 
 class Dealer(_Endpoint):
