@@ -9,13 +9,16 @@ every node. Layout:
     client.key, client.key_secret     `zpd generate` and zpd.Client connect with it
     authorized/{client,admin,cluster}/*.key   public keys allowed in, by rights
 
-Rights nest: `client` may submit and abort requests; `admin` may also send admin
-commands; `cluster` may send everything, including the control messages between
-workers (hello, kv_dest, ...). Every bound socket runs a ZAP handler that admits
+Rights nest: `client` may submit, abort and (after a router restart) resume its
+requests; `admin` may also send admin commands; `cluster` may send everything,
+including the control messages between workers (hello, kv_dest, ...) and the
+routers' own (generate to a worker, adopt, a follower's follow). Every bound socket runs a ZAP handler that admits
 only keys found under authorized/ (re-read at each handshake, so adding or removing
 a key file takes effect for new connections without a restart) and tags each
 connection with its rights; the socket wrapper (zpd.wire.net.Router) then checks each
-inbound message's type against those rights. A plaintext peer or an unknown key
+inbound message's type against those rights (`Policy`). Without keys the same check
+asks, for router-only messages, whether the sender is a proven router
+(zpd/wire/router_proof.py). A plaintext peer or an unknown key
 never completes the handshake, so none of its messages is ever read; the refusal
 is logged by the side that has keys.
 """
@@ -25,8 +28,8 @@ import logging
 import os
 import shutil
 import threading
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Optional
 
 import zmq
@@ -36,8 +39,8 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from zpd.wire.net import Curve, SocketOptions
-from zpd.wire.router_proof import proven_router
 from zpd.wire.protocol import Admin, AdminReply, Generate, Message, Tokens
+from zpd.wire.router_proof import proven_router
 
 log = logging.getLogger("zpd.wire.security")
 
