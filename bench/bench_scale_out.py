@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds  # noqa: E402
 from cp_load import HttpLoad, Spec  # noqa: E402
 from cp_procs import Proc, SimPool, router_argv, stop_all, zpd  # noqa: E402
+from zpd.wire.router_proof import write_router_secret  # noqa: E402
 
 TARGET = 1.8
 
@@ -41,8 +42,10 @@ def topology(n: int, pool: SimPool, tmp: Path) -> tuple[list[Proc], Proc, list[i
     """n routers (the first coordinates) and `zpd http --workers n` over all of them:
     the processes, the front's parent, and the pids of the fronts that serve."""
     routers: list[Proc] = []
+    # the followers prove themselves to the coordinator with it (zpd/wire/router_proof.py)
+    secret = ["--router-secret-file", str(write_router_secret(tmp / f"router{n}.secret"))]
     for i in range(n):
-        follow = ["--coordinator", routers[0].info["endpoint"]] if routers else []
+        follow = secret + (["--coordinator", routers[0].info["endpoint"]] if routers else [])
         routers.append(Proc(router_argv(pool.info["prefill"], pool.info["decode"], follow),
                             tmp, f"router{i}"))
     eps = ",".join(r.info["endpoint"] for r in routers)

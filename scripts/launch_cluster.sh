@@ -36,6 +36,9 @@ Environment (forwarded to every process, local or remote):
   ZPD_MODEL, ZPD_DEVICE, ZPD_DTYPE, ZPD_PROTOCOL, ZPD_IB_DEVICE, ZPD_KV_CACHE_MB,
   ZPD_CURVE_KEYS, ZPD_INSECURE, ZPD_LOG_LEVEL, ZPD_PYTHON   see scripts/launch_prefill.sh --help
                        (and scripts/launch_http.sh --help)
+  ZPD_ROUTER_SECRET_FILE  the routers' secret (--router-secret-file); default: made
+                       once as RUN_DIR/router.secret (0600). On several nodes copy it to
+                       the same path on each, as the key directory of ZPD_CURVE_KEYS
   ZPD_RUN_DIR          logs and pid files (default RUN_DIR=<checkout>/run)
   ZPD_REMOTE_DIR       the checkout's path on remote nodes (default: this checkout's path)
   ZPD_SSH              ssh command (default: ssh -o BatchMode=yes)
@@ -52,7 +55,8 @@ remote_dir=${ZPD_REMOTE_DIR:-$here}
 read -r -a ssh_cmd <<<"${ZPD_SSH:-ssh -o BatchMode=yes}"
 timeout_s=${ZPD_STARTUP_TIMEOUT:-300}
 forward_vars=(ZPD_MODEL ZPD_DEVICE ZPD_DTYPE ZPD_PROTOCOL ZPD_IB_DEVICE ZPD_KV_CACHE_MB
-              ZPD_CURVE_KEYS ZPD_INSECURE ZPD_LOG_LEVEL ZPD_PYTHON MC_FORCE_TCP MC_LOG_LEVEL)
+              ZPD_CURVE_KEYS ZPD_INSECURE ZPD_LOG_LEVEL ZPD_PYTHON MC_FORCE_TCP MC_LOG_LEVEL
+              ZPD_ROUTER_SECRET_FILE)
 
 is_local() {   # host (without user@) is this node
   local h=$1
@@ -87,6 +91,17 @@ stop_all() {
     done
   done
   [ $n -gt 0 ] || echo "launch_cluster.sh: nothing to stop (no pid files in $run_dir/pids)"
+}
+
+# The routers prove themselves to the workers and to each other with a shared secret
+# (docs/operating.md, Security): made once, private, and kept for later starts.
+router_secret() {
+  if [ -z "${ZPD_ROUTER_SECRET_FILE:-}" ]; then
+    ZPD_ROUTER_SECRET_FILE=$run_dir/router.secret
+    [ -f "$ZPD_ROUTER_SECRET_FILE" ] || (umask 077; set -o noclobber
+      od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$ZPD_ROUTER_SECRET_FILE")
+  fi
+  export ZPD_ROUTER_SECRET_FILE
 }
 
 start_one() {   # role target port extra...
@@ -153,6 +168,7 @@ start_all() {
     exit 1
   fi
   mkdir -p "$run_dir/pids" "$run_dir/logs"
+  router_secret
   # A failed start stops what it started, so a retry begins from nothing.
   trap 'echo "launch_cluster.sh: start failed; stopping what was started" >&2; stop_all >&2' ERR
   for line in "${lines[@]}"; do

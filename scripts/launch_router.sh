@@ -16,6 +16,10 @@ wins over the variable.
                                      recommended: bind the cluster network's address)
   --port P           ZPD_PORT        port (default 5757)
   --curve-keys DIR   ZPD_CURVE_KEYS  CURVE key directory (zpd keys); default plaintext
+  --router-secret-file F ZPD_ROUTER_SECRET_FILE  without --curve-keys: the file (0600) whose
+                                     secret the cluster's routers prove themselves with; the
+                                     same file on every router and worker (launch_cluster.sh
+                                     makes one)
   --insecure         ZPD_INSECURE=1  serve plaintext on a non-loopback --host; without it (or
                                      --curve-keys) the router refuses to bind one
   --log-file F       ZPD_LOG_FILE    append stdout and stderr here (default: the terminal)
@@ -28,7 +32,8 @@ EOF
 }
 
 prefill=${ZPD_PREFILL:-}; decode=${ZPD_DECODE:-}; host=${ZPD_HOST:-127.0.0.1}
-port=${ZPD_PORT:-5757}; keys=${ZPD_CURVE_KEYS:-}; log_file=${ZPD_LOG_FILE:-}
+port=${ZPD_PORT:-5757}; keys=${ZPD_CURVE_KEYS:-}
+secret=${ZPD_ROUTER_SECRET_FILE:-}; log_file=${ZPD_LOG_FILE:-}
 log_level=${ZPD_LOG_LEVEL:-INFO}; python=${ZPD_PYTHON:-python3}; insecure=${ZPD_INSECURE:-}
 extra=()
 while [ $# -gt 0 ]; do
@@ -38,6 +43,7 @@ while [ $# -gt 0 ]; do
     --host) host=$2; shift 2;;
     --port) port=$2; shift 2;;
     --curve-keys) keys=$2; shift 2;;
+    --router-secret-file) secret=$2; shift 2;;
     --insecure) insecure=1; shift;;
     --log-file) log_file=$2; shift 2;;
     --log-level) log_level=$2; shift 2;;
@@ -56,6 +62,7 @@ cd "$(dirname "$0")/.."
 argv=("$python" -m zpd router --prefill "$prefill" --decode "$decode" --host "$host"
       --port "$port" --log-level "$log_level")
 [ -n "$keys" ] && argv+=(--curve-keys "$keys")
+[ -n "$secret" ] && argv+=(--router-secret-file "$secret")
 [ "$insecure" = 1 ] && argv+=(--insecure)
 argv+=("${extra[@]}")
 if [ -n "$log_file" ]; then

@@ -26,6 +26,10 @@ Each option also reads an environment variable; a flag wins over the variable.
                                      RDMA whenever RDMA NICs exist, MC_FORCE_TCP=1 forces TCP)
   --kv-cache-mb MB   ZPD_KV_CACHE_MB KV pool size in MiB (default 256)
   --curve-keys DIR   ZPD_CURVE_KEYS  CURVE key directory (zpd keys); default plaintext
+  --router-secret-file F ZPD_ROUTER_SECRET_FILE  without --curve-keys: the file (0600) whose
+                                     secret the cluster's routers prove themselves with; the
+                                     same file on every router and worker (launch_cluster.sh
+                                     makes one)
   --insecure         ZPD_INSECURE=1  serve plaintext on a non-loopback --host; without it (or
                                      --curve-keys) a worker refuses to bind one
   --log-file F       ZPD_LOG_FILE    append stdout and stderr here (default: the terminal)
@@ -41,6 +45,7 @@ EOF
 host=${ZPD_HOST:-127.0.0.1}; port=${ZPD_PORT:-$default_port}; model=${ZPD_MODEL:-tiny}
 device=${ZPD_DEVICE:-cpu}; dtype=${ZPD_DTYPE:-float32}; ib=${ZPD_IB_DEVICE:-}
 protocol=${ZPD_PROTOCOL:-tcp}; kv=${ZPD_KV_CACHE_MB:-}; keys=${ZPD_CURVE_KEYS:-}
+secret=${ZPD_ROUTER_SECRET_FILE:-}
 log_file=${ZPD_LOG_FILE:-}; log_level=${ZPD_LOG_LEVEL:-INFO}; python=${ZPD_PYTHON:-python3}
 insecure=${ZPD_INSECURE:-}
 extra=()
@@ -55,6 +60,7 @@ while [ $# -gt 0 ]; do
     --protocol) protocol=$2; shift 2;;
     --kv-cache-mb) kv=$2; shift 2;;
     --curve-keys) keys=$2; shift 2;;
+    --router-secret-file) secret=$2; shift 2;;
     --insecure) insecure=1; shift;;
     --log-file) log_file=$2; shift 2;;
     --log-level) log_level=$2; shift 2;;
@@ -72,6 +78,7 @@ argv=("$python" -m zpd "$role" --host "$host" --port "$port" --model "$model" --
 [ -n "$ib" ] && argv+=(--ib-device "$ib")
 [ -n "$kv" ] && argv+=(--kv-cache-mb "$kv")
 [ -n "$keys" ] && argv+=(--curve-keys "$keys")
+[ -n "$secret" ] && argv+=(--router-secret-file "$secret")
 [ "$insecure" = 1 ] && argv+=(--insecure)
 argv+=("${extra[@]}")
 if [ -n "$log_file" ]; then

@@ -116,6 +116,9 @@ class WorkerConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
+    # --router-secret-file: without keys, the cluster's routers prove themselves with it
+    # (zpd/wire/router_proof.py); None: requests open to anyone, adopt refused
+    router_secret_file: str | None = None
     weights_root: str | None = None  # update_weights loads only from under here; None: anywhere
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
@@ -137,6 +140,7 @@ class RouterConfig:
     peer_timeout: float = 2.0        # a worker silent this long is dead until it answers again
     ready_file: str | None = None
     curve_keys: str | None = None    # CURVE key directory (zpd.wire.security); None: plaintext
+    router_secret_file: str | None = None   # the cluster's router secret (zpd/wire/router_proof.py)
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     # Each client's share (zpd/router/shares.py): past it, its requests wait their turn.

@@ -16,6 +16,8 @@ import orjson
 
 from tests.e2e.cluster import ROOT, zpd_cmd
 from zpd.client import Client, assemble
+from zpd.wire.router_proof import write_router_secret
+from zpd.wire.security import client_curve
 
 # Short deadlines keep the fault suite fast: 504s come after KV_WAIT seconds, a fence
 # is released at the latest TRANSFER + 5 s after it was set.
@@ -107,10 +109,17 @@ class FaultCluster:
     def __init__(self, tmp: Path, *, prefill: int = 1, decode: int = 1, dtype: str = "float64",
                  flags: tuple[str, ...] = FAST, prefill_flags: tuple[str, ...] = (),
                  decode_flags: tuple[str, ...] = (), prefill_env: dict | None = None,
-                 decode_env: dict | None = None, wait: bool = True) -> None:
+                 decode_env: dict | None = None, wait: bool = True,
+                 curve_keys: Path | None = None) -> None:
         self.tmp = tmp
+        # what `zpd launch` hands its processes: the routers prove themselves with it
+        self.security_flags = ("--router-secret-file", str(write_router_secret(tmp / "router.secret")))
+        if curve_keys is not None:
+            self.security_flags += ("--curve-keys", str(curve_keys))
+        # its own clients (status, tests) connect with the admin key
+        self.curve = None if curve_keys is None else client_curve(curve_keys, "admin")
         common = ["--model", "tiny", "--dtype", dtype, "--threads", "1", "--kv-cache-mb", "4",
-                  "--log-level", "INFO", *flags]
+                  "--log-level", "INFO", *self.security_flags, *flags]
         self.prefills = [Proc("prefill", zpd_cmd("prefill", *common, *prefill_flags),
                               prefill_env or {}, tmp, f"prefill{i}") for i in range(prefill)]
         self.decodes = [Proc("decode", zpd_cmd("decode", *common, *decode_flags),
@@ -140,17 +149,17 @@ class FaultCluster:
         """A (new) router for the same workers, on a new port."""
         argv = zpd_cmd("router", "--prefill", ",".join(w.endpoint for w in self.prefills),
                        "--decode", ",".join(w.endpoint for w in self.decodes),
-                       "--log-level", "INFO")
+                       "--log-level", "INFO", *self.security_flags)
         n = len([p for p in self.tmp.glob("router*.json")])
         self.router = Proc("router", argv, {}, self.tmp, f"router{n}")
         self.router.start()
         self.router.wait_ready()
 
     def client(self, timeout: float = 60.0) -> Client:
-        return Client(self.router.endpoint, timeout=timeout)
+        return Client(self.router.endpoint, timeout=timeout, curve=self.curve)
 
     def worker_status(self, worker: Proc, timeout: float = 10.0) -> dict:
-        with Client(worker.endpoint, timeout=timeout) as c:
+        with Client(worker.endpoint, timeout=timeout, curve=self.curve) as c:
             reply = c.admin("status", timeout=timeout)
         assert reply["ok"], reply
         return reply

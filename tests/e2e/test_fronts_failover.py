@@ -18,6 +18,7 @@ import requests
 from engines.null import predict
 from tests.e2e.cluster import ROOT, Cluster, zpd_cmd
 from zpd.client import Client
+from zpd.wire.router_proof import write_router_secret
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -83,11 +84,13 @@ def routed(endpoint: str) -> int:
 
 
 def test_two_fronts_over_two_routers_share_the_load_and_survive_a_router_kill(tmp_path):
-    with Cluster(tmp_path, model="null:step_ms=2", dtype="bfloat16") as cluster:
+    secret = ("--router-secret-file", str(write_router_secret(tmp_path / "router.secret")))
+    with Cluster(tmp_path, model="null:step_ms=2", dtype="bfloat16", extra=secret) as cluster:
         workers = {w["role"]: w["endpoint"] for w in cluster.info["workers"]}
         a = cluster.router
         router_b, info_b = start(tmp_path, "router_b", "router", "--prefill", workers["prefill"],
-                                 "--decode", workers["decode"], "--port", "0", "--coordinator", a)
+                                 "--decode", workers["decode"], "--port", "0", "--coordinator", a,
+                                 *secret)          # B proves to A that it is a router
         b = info_b["endpoint"]
         http, info = start(tmp_path, "http", "http", "--workers", "2", "--router", f"{a},{b}",
                            "--model", "null", "--port", "0")

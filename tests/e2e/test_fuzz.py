@@ -20,6 +20,7 @@ from tests.e2e.fault_checks import reference
 from tests.e2e.fault_cluster import FaultCluster
 from zpd.wire import protocol as p
 from zpd.wire.net import Dealer
+from zpd.wire.router_proof import load_router_secret, router_identity
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -126,8 +127,12 @@ def cluster(tmp_path_factory):
 def test_fuzzed_messages_leave_the_cluster_serving(cluster):
     ctx = zmq.Context()
     targets = [cluster.router.endpoint] + [w.endpoint for w in cluster.workers]
-    dealers = [Dealer(ctx, ep, identity=f"fuzz{i}-{j}".encode()) for i, ep in enumerate(targets)
-               for j in range(2)]
+    # one of each pair a router of the cluster (its secret: what it sends reaches the
+    # handlers), the other a stranger (refused by the socket's guard where it must be)
+    secret = load_router_secret(cluster.security_flags[1])
+    names = [lambda i: router_identity(f"127.0.0.1:{i + 1}", "1.fuzz", secret),
+             lambda i: f"fuzz{i}".encode()]
+    dealers = [Dealer(ctx, ep, identity=name(i)) for i, ep in enumerate(targets) for name in names]
     sent, started = [0], time.monotonic()
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,

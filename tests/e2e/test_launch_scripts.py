@@ -87,6 +87,10 @@ def test_hostfile_cluster_starts_answers_and_stops(tmp_path: Path) -> None:
         ref = OfflineEngine(load_model("tiny")).run(
             [Request("r", prompt, SamplingParams(temperature=0, max_new_tokens=5))])[0]
         assert out["output_ids"] == ref["output_ids"]
+        with Client(f"127.0.0.1:{router}", timeout=60) as client:    # its follower proved
+            followers = client.admin("status")["followers"]            # it is a router
+            assert [f["endpoint"] for f in followers] == [f"127.0.0.1:{router2}"], followers
+        assert (run_dir / "router.secret").stat().st_mode & 0o077 == 0
         with Client(f"127.0.0.1:{router2}", timeout=60) as client:   # the second router
             status = client.admin("status")
             assert status["coordinator"] == {"endpoint": f"127.0.0.1:{router}", "alive": True}

@@ -3,9 +3,12 @@ Mooncake on loopback. Every token is predicted (engines/null.py), so a page the
 transport garbled would show."""
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +55,8 @@ def test_two_routers_serve_one_pool_and_a_pause_through_the_follower_holds_both(
             for p in prompts]
     coordinator, follower = cluster.info["routers"]
     got: dict[str, list] = {}
+    with Client(coordinator, timeout=60) as client:      # launch's secret proves it a router
+        assert [f["endpoint"] for f in client.admin("status")["followers"]] == [follower]
 
     def run(endpoint: str) -> None:
         with Client(endpoint, timeout=60) as client:
@@ -74,3 +79,42 @@ def test_two_routers_serve_one_pool_and_a_pause_through_the_follower_holds_both(
             # the pause came mid-stream: some of each router's requests were retracted
             assert any(g["meta"]["retractions"] for g in got[endpoint]), endpoint
         assert_all_pages_free(admin)
+
+
+def coordinator_pid(cluster) -> int:
+    """The pid of the launch's first router (the one no --coordinator names)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue                   # not a process, or gone meanwhile
+        if ppid == cluster.proc.pid and b"router" in argv and b"--coordinator" not in argv:
+            return int(proc.name)
+    raise AssertionError("no coordinator among the launch's children")
+
+
+def test_a_coordinator_stopped_in_a_pause_strands_nothing_at_its_follower(cluster):
+    """Issue 43: SIGSTOP the coordinator while the pool is paused. A request sent to the
+    follower ends 503 naming the coordinator within --peer-timeout (2 s) and a heartbeat
+    or two, instead of waiting for as long as the coordinator stays stopped; after SIGCONT
+    and continue, the follower serves again."""
+    coordinator, follower = cluster.info["routers"]
+    pid = coordinator_pid(cluster)
+    with Client(coordinator, timeout=60) as admin, Client(follower, timeout=10) as client:
+        assert admin.admin("pause", mode="retract")["ok"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            out = client.generate(input_ids=[4, 5, 6], sampling_params={"max_new_tokens": 4})
+            waited = time.monotonic() - began
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        reason = out["finish_reason"]
+        assert reason["status_code"] == 503 and coordinator in reason["message"], reason
+        assert waited < 5.0, waited
+        print(f"request at the follower of a stopped coordinator: 503 after {waited:.1f} s")
+        assert admin.admin("continue")["ok"]
+        time.sleep(1.0)                                # a heartbeat tells the follower
+        assert client.generate(input_ids=[4, 5, 6], sampling_params={
+            "temperature": 0, "max_new_tokens": 4})["output_ids"] == predict([4, 5, 6], 4)

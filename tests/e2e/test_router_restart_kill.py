@@ -11,13 +11,21 @@ the new router, unless one ended in the step before the decode saw the router go
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 
+import orjson
+
 import pytest
+import zmq
 
 from engines.null import predict
+from tests.e2e.cluster import ROOT
 from tests.e2e.fault_cluster import FaultCluster
 from zpd.client import Client, assemble
+from zpd.wire.net import Dealer
+from zpd.wire.protocol import Ping, Pong
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -33,6 +41,26 @@ def read_until(client: Client, chunks: dict, done, deadline: float) -> None:
         except TimeoutError:
             continue
         chunks[chunk["rid"]].append(chunk)
+
+
+def router_boot(endpoint: str) -> str:
+    """The router's boot id, as any client learns it (in the answer to a ping)."""
+    ctx = zmq.Context()
+    try:
+        probe = Dealer(ctx, endpoint)
+        probe.send(Ping(1, 0.0))
+        return next(m.boot for m in iter(lambda: probe.recv(timeout=10), None)
+                    if isinstance(m, Pong))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def forge(cluster, boot: str) -> dict:
+    """Run tests/e2e/forged_router.py against the decodes: what it was handed."""
+    out = subprocess.run([sys.executable, "-m", "tests.e2e.forged_router", cluster.router.endpoint,
+                          boot, *[d.endpoint for d in cluster.decodes]], cwd=ROOT,
+                         capture_output=True, timeout=30, check=True)
+    return orjson.loads(out.stdout.splitlines()[-1])
 
 
 def test_a_router_killed_mid_stream_and_restarted_loses_no_running_request(tmp_path):
@@ -53,8 +81,14 @@ def test_a_router_killed_mid_stream_and_restarted_loses_no_running_request(tmp_p
         read_until(client, chunks, lambda: all(had(r) >= 3 for r in work if work[r][2]),
                    time.monotonic() + 30)
         assert all(had(r) >= 3 for r in work if work[r][2]), "the streams did not start"
+        boot = router_boot(cluster.router.endpoint)
+        cluster.router.kill()                          # kill -9
+        # issue 43: in the gap, a process named after the router asks the decodes to adopt
+        stolen = forge(cluster, boot)
+        assert stolen == {"adopted": 0, "tokens": 0}, stolen
         began = time.monotonic()
-        cluster.router.restart()                       # kill -9, then the same port
+        cluster.router.start(cluster.router.port)      # then the same port
+        cluster.router.wait_ready()
         restarted = time.monotonic() - began
         finished = lambda: all(c and c[-1]["finished"] for c in chunks.values())   # noqa: E731
         read_until(client, chunks, finished, time.monotonic() + 45)

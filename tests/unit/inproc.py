@@ -9,7 +9,10 @@ the machine is slow. `pump` turns every loop once, without blocking.
 from __future__ import annotations
 
 import itertools
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
@@ -22,7 +25,8 @@ from zpd.config import Deadlines, RouterConfig, WorkerConfig
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Tokens
+from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens
+from zpd.wire.router_proof import write_router_secret
 from zpd.worker.core import WorkerCore
 from zpd.worker.decode import DecodeScheduler
 from zpd.worker.prefill import PrefillScheduler
@@ -73,17 +77,22 @@ class InprocCluster:
         self.fabric = transport.FakeFabric()
         tag = next(_names)
         self.clear_freed_pages, self.prefix_cache, self.tp = clear_freed_pages, prefix_cache, tp
+        # what `zpd launch` hands its routers and workers (zpd/wire/router_proof.py)
+        self.secret_dir = tempfile.mkdtemp(prefix="zpd-inproc-")
+        self.secret_file = str(write_router_secret(Path(self.secret_dir) / "router.secret"))
         self.prefill = self._worker("prefill", f"inproc://p{tag}", complete_after_polls, fault_plan,
                                     kv_cache_mb, max_batch)
         self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
         self.router = RouterServer(RouterConfig((self.prefill.endpoint,), (self.decode.endpoint,),
                                                 host=f"inproc://r{tag}", heartbeat=0.5,
-                                                peer_timeout=2.0, **(router_args or {})),
+                                                peer_timeout=2.0, router_secret_file=self.secret_file,
+                                                **(router_args or {})),
                                    self.ctx, Loop(clock=self.clock))
         self.client = Dealer(self.ctx, self.router.endpoint, identity=b"client")
         self.answers: dict[str, Answer] = {}
         self.replies: dict[str, dict] = {}
         self.accepted: set[str] = set()        # rids the router acknowledged
+        self.pong: Pong | None = None          # the router's last answer to our Ping
         self.silent: set[str] = set()          # roles whose loops are not turned
         self.rids = itertools.count()
 
@@ -91,7 +100,7 @@ class InprocCluster:
         cfg = WorkerConfig(role=role, model=self.model, host=host, dtype=self.dtype, kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
                            clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache,
-                           tp=self.tp[role == "decode"])
+                           tp=self.tp[role == "decode"], router_secret_file=self.secret_file)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
@@ -136,6 +145,9 @@ class InprocCluster:
                 continue
             if isinstance(msg, Accepted):
                 self.accepted.add(msg.rid)
+                continue
+            if isinstance(msg, Pong):
+                self.pong = msg               # the router's boot id, as a client learns it
                 continue
             for part in msg.unpack() if isinstance(msg, Tokens) else []:
                 got = self.answers.setdefault(part.rid, Answer())
@@ -208,6 +220,7 @@ class InprocCluster:
             core.scheduler.close()
             core.close()
         self.ctx.destroy(linger=0)
+        shutil.rmtree(self.secret_dir, ignore_errors=True)
 
 
 def reference(cluster: InprocCluster, prompt: list[int], max_new: int) -> list[int]:

@@ -103,7 +103,9 @@ def test_a_failing_admin_command_answers_500_and_the_router_lives(cluster, monke
 
 
 def _to_worker(c: InprocCluster, endpoint: str, command: str, **args) -> dict:
-    admin = Dealer(c.ctx, endpoint, identity=b"direct-admin")
+    # an identity of its own each time: a worker hands no identity in use (the last
+    # call's, until its close is seen) to a new connection
+    admin = Dealer(c.ctx, endpoint, identity=f"direct-admin-{next(c.rids)}".encode())
     try:
         admin.send(Admin(command, args, "w1"))
         c.until(lambda: admin.socket.poll(0))

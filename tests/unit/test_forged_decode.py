@@ -9,6 +9,7 @@ import logging
 
 
 from tests.unit.inproc import InprocCluster, reference
+from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.net import Dealer, Router
 from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Hello, HelloAck, KvDest,
                                KvDone, KvFailed, Ping, Pong, Tokens)
@@ -47,10 +48,12 @@ class FakePrefill:
 
 
 class Forger:
-    """A raw client of the decode's own socket (the router's place)."""
+    """A raw client of the decode's own socket in the router's place (with the router
+    secret: a worker that holds one takes requests only from its routers)."""
 
     def __init__(self, c: InprocCluster) -> None:
-        self.dealer = Dealer(c.ctx, c.decode.endpoint, identity=b"forger")
+        identity = router_identity("inproc://forger", "1.2", load_router_secret(c.secret_file))
+        self.dealer = Dealer(c.ctx, c.decode.endpoint, identity=identity)
         self.finish: dict[str, dict] = {}
         self.replies: list[dict] = []
 

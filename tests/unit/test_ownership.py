@@ -100,5 +100,5 @@ def test_only_cluster_keys_abort_at_a_worker():
     from zpd.wire.security import WORKER_POLICY, Guard
     guard = Guard(WORKER_POLICY)
     for user in ("client", "admin"):
-        assert guard(user, Abort("r", 499)) is not None
-    assert guard("cluster", Abort("r", 499)) is None
+        assert guard(user, b"router@x:1/2.3", Abort("r", 499)) is not None
+    assert guard("cluster", b"x", Abort("r", 499)) is None

@@ -29,7 +29,8 @@ class Pair:
         tag = c.router.endpoint.rsplit("r", 1)[-1]
         self.follower = RouterServer(RouterConfig(
             (c.prefill.endpoint,), (c.decode.endpoint,), host=f"inproc://f{tag}", heartbeat=0.5,
-            peer_timeout=2.0, coordinator=c.router.endpoint, **router_args), c.ctx,
+            peer_timeout=2.0, coordinator=c.router.endpoint, router_secret_file=c.secret_file,
+            **router_args), c.ctx,
             Loop(clock=c.clock))
         self.client = Dealer(c.ctx, self.follower.endpoint, identity=b"fclient")
         self.answers: dict[str, Answer] = {}
@@ -237,11 +238,61 @@ def test_a_silent_follower_is_dropped_and_not_waited_for(pair):
 def test_a_forged_follow_is_refused():
     c = InprocCluster()
     try:
-        c.client.send(Admin("follow", {"endpoint": 5, "inflight": -1}, "x"))
-        c.until(lambda: "x" in c.replies)
-        assert c.replies["x"]["status"] == 400 and c.admin("status")["followers"] == []
+        c.client.send(Admin("follow", {"endpoint": "inproc://x", "inflight": 10**9}, "x"))
+        c.until(lambda: "x" in c.replies)        # a client is no router (issue 43, item 7)
+        assert c.replies["x"]["status"] == 403 and c.admin("status")["followers"] == []
         c.client.send(AdminReply("peers-1", True, {"inflight": 10**9}))   # unasked: dropped
         c.pump()
         assert c.router.running() == 0
     finally:
         c.close()
+
+
+def test_a_coordinator_frozen_in_a_pause_strands_nothing_at_the_follower(pair):
+    """Issue 43: the coordinator is SIGSTOPped (its loop no longer turns) while the pool
+    is paused. What waits at the follower, and what comes there meanwhile, ends 503
+    naming the coordinator within --peer-timeout and a heartbeat, not never; once the
+    coordinator is back, continue runs both routers again."""
+    c = pair.c
+    assert c.admin("pause", mode="retract")["ok"]
+    c.advance(0.6)
+    assert pair.follower.holding
+    waiting = pair.submit("f-waits")
+    c.pump(5)
+    assert waiting not in pair.answers and waiting in pair.follower.queued
+    c.silent.add("router")
+    c.advance(2.6)                         # --peer-timeout (2 s) and a heartbeat
+    late = pair.submit("f-late")
+    c.advance(0.6)
+    for rid in (waiting, late):
+        got = pair.answers[rid].finish
+        assert got["status_code"] == 503 and "coordinator" in got["message"], got
+        assert got["retry_after"] > 0
+    assert pair.admin("continue")["status"] == 503
+    c.silent.discard("router")
+    c.advance(0.6)
+    assert c.admin("continue")["ok"]
+    c.advance(0.6)
+    assert not pair.follower.holding
+    assert pair.run(pair.submit("f-after")).token_ids == reference(c, PROMPT, 8)
+
+
+def test_a_follower_that_disagrees_with_its_coordinator_mends_within_a_heartbeat(pair):
+    """Issue 43: a follower that missed a word (it holds while the pool runs, or routes
+    while the pool is paused) takes the coordinator's state from the next answer to its
+    heartbeat: nothing waits for ever, nothing runs on paused workers for long."""
+    c = pair.c
+    pair.follower.hold(PauseMode.RETRACT)           # as if it missed the continue
+    rid = pair.submit("f-held")
+    c.pump(3)
+    assert rid in pair.follower.queued
+    c.advance(0.6)
+    assert pair.follower.paused is None
+    assert pair.run(rid).token_ids == reference(c, PROMPT, 8)
+    assert c.admin("pause", mode="in_place")["ok"]
+    pair.follower.paused = None                     # as if it missed the pause
+    c.advance(0.6)
+    assert pair.follower.paused is PauseMode.IN_PLACE and pair.follower.holding
+    assert c.admin("continue")["ok"]
+    c.advance(0.6)
+    assert not pair.follower.holding

@@ -13,7 +13,7 @@ from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Accepted, Adopt, Adopted, Ping, Pong, Resume, Tokens
 from zpd.wire.resume import PROBE_S, Resumes
-from zpd.worker.adoption import router_endpoint
+from zpd.wire.router_proof import load_router_secret, router_endpoint, router_identity
 from zpd.worker.decode import DecodePhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
@@ -239,8 +239,9 @@ def test_only_a_gone_router_of_the_same_endpoint_is_adopted_from(cluster):
     rid = cluster.submit(PROMPT, 300)
     running(cluster, 1)
     cluster.advance(0.5)                            # the router has pinged the decode
-    ours = cluster.router.endpoint.encode()
-    for identity in (b"router@elsewhere:1/9.x", b"router@" + ours + b"/9.x"):
+    secret = load_router_secret(cluster.secret_file)
+    for identity in (router_identity("elsewhere:1", "9.x", secret),
+                     router_identity(cluster.router.endpoint, "9.x", secret)):
         other = Dealer(cluster.ctx, cluster.decode.endpoint, identity=identity)
         try:
             other.send(Adopt())

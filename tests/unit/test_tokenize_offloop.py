@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.unit.inproc import InprocCluster, reference
+from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
 from zpd.worker.tokenizing import LONG_PROMPT_BYTES
@@ -123,7 +124,8 @@ def test_an_abort_pause_ends_what_is_being_tokenized(cluster, gate):
 def test_a_decode_refuses_a_rid_it_is_tokenizing(cluster, gate):
     """(The router refuses a duplicate rid itself; a second router might not.)"""
     start_long(cluster)
-    other = Dealer(cluster.ctx, cluster.decode.endpoint, identity=b"router-2")
+    second = router_identity("inproc://router-2", "1.2", load_router_secret(cluster.secret_file))
+    other = Dealer(cluster.ctx, cluster.decode.endpoint, identity=second)
     try:
         other.send(Generate("long", [1, 2], GREEDY, room=10_000, prefill=cluster.prefill.endpoint,
                             decode=cluster.decode.endpoint))

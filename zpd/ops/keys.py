@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from zpd.wire.router_proof import write_router_secret
 from zpd.wire.security import RIGHTS, SecurityError, add_authorized, create_keys, write_key_pair
 
 
@@ -18,6 +19,10 @@ def add_keys_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
                     "pair NAME.key/NAME.key_secret in DIR and authorise it with --rights.")
     p.add_argument("dir", help="key directory")
     p.add_argument("--add", default=None, metavar="NAME", help="add a key pair NAME to DIR")
+    p.add_argument("--router-secret", action="store_true",
+                   help="instead, write DIR/router.secret (0600): the secret a cluster without "
+                        "CURVE keys hands every router and worker (--router-secret-file), so "
+                        "they know the cluster's routers (`zpd launch` makes its own)")
     p.add_argument("--rights", default="client", choices=RIGHTS,
                    help="rights of the added key: client (requests), admin (also admin "
                         "commands), cluster (everything); default client")
@@ -26,6 +31,11 @@ def add_keys_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def run_keys(args: argparse.Namespace) -> int:
     root = Path(args.dir)
+    if getattr(args, "router_secret", False):      # (callers that build args by hand)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = write_router_secret(root / "router.secret")
+        print(f"created {path}; give every router and worker --router-secret-file {path}")
+        return 0
     if args.add is None:
         made = create_keys(root)
         print(f"created {len(made)} CURVE key pairs in {root}: {', '.join(p.stem for p in made)}; "

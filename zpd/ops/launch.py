@@ -24,6 +24,7 @@ from zpd.ops.exposure import given_http_keys
 from zpd.ops.http_options import HTTP_PASSTHROUGH
 from zpd.ops.options import passthrough_argv, router_argv
 from zpd.ops.ready import write_ready_file
+from zpd.wire.router_proof import write_router_secret
 
 log = logging.getLogger("zpd.ops.launch")
 
@@ -119,6 +120,7 @@ def _start_routers(args, py: list[str], eps: dict[str, str], tmp: Path,
             "--log-level", args.log_level, "--heartbeat", str(args.heartbeat),
             "--peer-timeout", str(args.peer_timeout)] + follow
             + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+            + ["--router-secret-file", args.router_secret_file]
             + (["--insecure"] if args.insecure else []) + router_argv(args),
             tmp / f"{name}.json", log_dir / f"{name}.log" if log_dir else None))
         _wait_ready(routers[-1:], args.startup_timeout)
@@ -132,6 +134,9 @@ def launch(args, worker_flags: list[str]) -> int:
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     py = [sys.executable, "-m", "zpd"]
+    if args.router_secret_file is None:      # the routers prove themselves with it
+        args.router_secret_file = str(write_router_secret(tmp / "router.secret"))
+        worker_flags = worker_flags + ["--router-secret-file", args.router_secret_file]
     children: list[Child] = []
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):

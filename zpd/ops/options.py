@@ -37,6 +37,14 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
 ROUTER_ENDPOINT = f"{default_of(RouterConfig, 'host')}:{default_of(RouterConfig, 'port')}"
 CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection and admit "
               "only authorised keys (default: plaintext)")
+ROUTER_SECRET_HELP = (
+    "without --curve-keys: a file (mode 0600, at least 16 bytes) holding the secret the "
+    "cluster's routers prove themselves with, the same file for every router and worker "
+    "(`zpd launch` makes one; `zpd keys DIR --router-secret` writes DIR/router.secret). Workers then "
+    "take requests only from those routers, a decode lets a restarted router adopt its "
+    "predecessor's requests, and a coordinator accepts followers; without it requests "
+    "stay open to anyone who reaches a worker's port and adopt and follow are refused "
+    "(docs/operating.md, Security)")
 INSECURE_HELP = ("serve without --curve-keys on a non-loopback --host (anyone who reaches the "
                  "port may send requests and admin commands); refused without this flag")
 
@@ -180,6 +188,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 type=float)
     add_liveness_options(g, Deadlines)
     add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
+    add_default(g, "--router-secret-file", WorkerConfig, ROUTER_SECRET_HELP)
     add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
                 "under this directory (relative paths are taken from it; anything else is 403); "
                 "default: any path on the worker's host")
@@ -213,6 +222,7 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     add_default(p, "--port", RouterConfig, "port to bind (default {default})", type=int)
     add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
     add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
+    add_default(p, "--router-secret-file", RouterConfig, ROUTER_SECRET_HELP)
     add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
     add_default(p, "--coordinator", RouterConfig, "run beside other routers over the same "
                 "workers: H:P of the router that coordinates pauses, continues, weight "
@@ -300,6 +310,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
+        router_secret_file=args.router_secret_file,
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
         prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args),
         weight_sync_timeout=args.weight_sync_timeout, tp=args.tp)
@@ -335,6 +346,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         peer_timeout=args.peer_timeout, busy_poll_us=args.busy_poll_us,
                         ready_file=args.ready_file,
                         curve_keys=args.curve_keys, insecure=args.insecure,
+                        router_secret_file=args.router_secret_file,
                         prompt_limits=prompt_limits(args),
                         max_client_requests=args.max_client_requests,
                         max_client_tokens=args.max_client_tokens,
@@ -352,6 +364,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
                       "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "router_grace", "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
+                      "router_secret_file",
                       "weights_root", "weight_sync_timeout",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
                       "max_text_bytes", "max_input_ids")

@@ -20,8 +20,10 @@ HOST:PORT`) follow:
 
 Router to router is the admin plane: `Admin` envelopes with two commands of their
 own, FOLLOW (follower to coordinator) and STATE (coordinator to follower), over the
-coordinator's client socket, so they carry the trust of an admin command there
-(CURVE with --curve-keys).
+coordinator's client socket. Only a proven router may send FOLLOW there: under
+CURVE a cluster key, without keys a router whose identity carries the tag of the
+cluster's --router-secret-file (zpd/wire/router_proof.py); a client that could
+follow would make every pause wait for it and every update refuse (409).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Timer
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Admin, AdminReply
+from zpd.wire.router_proof import router_endpoint
 
 if TYPE_CHECKING:
     from zpd.router.server import RouterServer
@@ -46,6 +49,7 @@ log = logging.getLogger("zpd.router.peers")
 FOLLOW = "follow"          # follower -> coordinator each heartbeat: {endpoint, inflight}
 STATE = "router_state"     # coordinator -> follower: {paused, pushing, early: bool}
 MAX_FOLLOWERS = 64         # identities that may follow at once (a flood of them is refused)
+MAX_INFLIGHT = 1 << 20     # what a follower may say it routes (its queue and shares are less)
 # A follower that does not confirm a hold within this share of the command's timeout
 # is reported in the answer and not waited for: a wedged router must not stall pauses.
 HOLD_SHARE = 0.25
@@ -77,9 +81,10 @@ class Followers:
         """A follower's heartbeat: remember it, answer with the state to follow."""
         server, now = self.server, self.server.loop.time()
         endpoint, inflight = msg.args.get("endpoint"), msg.args.get("inflight")
-        if type(endpoint) is not str or type(inflight) is not int or inflight < 0:
-            server.front.send(identity, AdminReply(msg.req_id, False, {
-                "status": 400, "error": "follow needs 'endpoint' (a string) and 'inflight' (>= 0)"}))
+        problem = follow_problem(identity, endpoint, inflight)
+        if problem is not None:
+            log.warning("follow from %r refused: %s", identity[:64], problem)
+            server.front.send(identity, AdminReply(msg.req_id, False, {"status": 400, "error": problem}))
             return
         got = self.known.get(identity)
         if got is None:
@@ -140,7 +145,7 @@ class Followers:
         asking.waiting.discard(identity)
         follower.clock.heard(self.server.loop.time())
         inflight = msg.result.get("inflight")
-        if type(inflight) is int and inflight >= 0:
+        if type(inflight) is int and 0 <= inflight <= MAX_INFLIGHT:
             follower.inflight = inflight
         asking.replies.append(msg.result | {"ok": msg.ok, "endpoint": follower.endpoint})
         if not asking.waiting:
@@ -160,6 +165,17 @@ class Followers:
                                        "error": "no answer before the timeout"} for ep in late])
 
 
+def follow_problem(identity: bytes, endpoint: object, inflight: object) -> str | None:
+    """What is wrong with a FOLLOW's fields (None: nothing). Its sender is a proven router
+    already (the socket's guard: zpd/wire/security.py ROUTER_POLICY); the endpoint it
+    reports must be the one its identity names, so one router follows only once."""
+    if type(endpoint) is not str or type(inflight) is not int or not 0 <= inflight <= MAX_INFLIGHT:
+        return f"follow needs 'endpoint' (a string) and 'inflight' (0 to {MAX_INFLIGHT})"
+    if router_endpoint(identity) != endpoint.encode():
+        return "follow's 'endpoint' is not the endpoint of the router that sends it"
+    return None
+
+
 class CoordinatorLink:
     """The follower's side: its link to the coordinator, the state it follows, and the
     admin commands it passes on."""
@@ -172,17 +188,36 @@ class CoordinatorLink:
         self.ids = itertools.count(1)
         self.tag = os.urandom(4).hex()         # our req_ids cannot be guessed by a client
         server.loop.add_socket(dealer, self.on_message)
-        self.heartbeat()                       # known to the coordinator before routing anything
+        self.send_follow()                     # known to the coordinator before routing anything
 
     @property
     def alive(self) -> bool:
         return not self.clock.silent(self.server.loop.time(), self.server.cfg.peer_timeout)
 
     def heartbeat(self) -> None:
+        self.send_follow()
+        if self.server.holding and not self.alive:
+            self.stranded()
+
+    def send_follow(self) -> None:
         server = self.server
         self.clock.pinged(server.loop.time())
         self.dealer.send(Admin(FOLLOW, {"endpoint": server.endpoint,
                                         "inflight": len(server.inflight)}, FOLLOW))
+
+    def stranded(self) -> None:
+        """We hold for a coordinator that fell silent (killed, frozen, cut off) in a pause
+        or a push: only it can end that, so what waits here would wait for as long as it
+        stays away, its queue clock stopped. End it (503, retry later) instead; requests
+        that come meanwhile end at the next heartbeat, and all runs again once the
+        coordinator answers and says the pool runs."""
+        waiting = list(self.server.queued)
+        if waiting:
+            log.error("coordinator %s silent while the pool is paused: ending the %d requests "
+                      "waiting here with 503", self.endpoint, len(waiting))
+        reason = f"coordinator {self.endpoint} is unavailable while the pool is paused"
+        for rid in waiting:
+            self.server.end_queued(rid, 503, reason)
 
     def on_message(self) -> None:
         msg = self.dealer.recv()

@@ -25,6 +25,7 @@ from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
 from zpd.wire.admin_fields import PauseMode
+from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Adopted, Generate, Ping, Pong,
@@ -50,7 +51,8 @@ class RouterServer:
             raise ValueError("--max-concurrent-requests must be at least 0 (0: 64 per decode)")
         self.max_concurrent = cfg.max_concurrent_requests or CONCURRENT_PER_DECODE * len(cfg.decode)
         self.tally = Tally()                             # what clients got, for /metrics
-        self.security = Security(cfg.curve_keys, ctx)
+        self.security = Security(cfg.curve_keys, ctx,
+                                 router_secret=load_router_secret(cfg.router_secret_file))
         self.front = Router(ctx, cfg.host, cfg.port, self.security.server_options(ROUTER_POLICY))
         # Requests belong to their client's identity, which the client names itself:
         # handing an identity over to its newest connection would let any peer that
@@ -59,9 +61,10 @@ class RouterServer:
         self.endpoint = self.front.endpoint
         # The boot id (pid and a random part) tells workers that a router restarted on
         # the same port is another process, which adopts the old one's requests
-        # (zpd/router/adoption.py); clients see it change and resume theirs.
+        # (zpd/router/adoption.py); clients see it change and resume theirs. Our
+        # identity adds a tag no client sees, so none can claim it (router_proof.py).
         self.boot = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        identity = f"router@{self.endpoint}/{self.boot}".encode()
+        identity = router_identity(self.endpoint, self.boot, self.security.router_secret)
         self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=identity,
                                                 opts=self.security.client_options()),
                                PeerClock(self.loop.time()))

@@ -51,9 +51,11 @@ class SocketOptions:
     reconnect_ivl_max_ms: int = 2_000
     curve: Optional[Curve] = None
     zap_domain: str = ""  # ZAP domain of a CURVE server (zpd.wire.security)
-    # Called with each inbound message's sender rights (its ZAP User-Id) and the
-    # message; returns None to accept, or (reason, reply or None) to refuse.
-    guard: Optional[Callable[[str, Message], Optional[tuple[str, Optional[Message]]]]] = None
+    # Called with each inbound message's sender rights (its ZAP User-Id; "" without
+    # CURVE), its identity and the message; returns None to accept, or (reason, reply
+    # or None) to refuse.
+    guard: Optional[Callable[[str, bytes, Message],
+                             Optional[tuple[str, Optional[Message]]]]] = None
     # Called with each new socket before it binds or connects (handshake logging).
     monitor: Optional[Callable[[zmq.Socket], None]] = None
 
@@ -93,8 +95,12 @@ def configure_socket(sock: zmq.Socket, *, host: str, server: bool, opts: SocketO
         # Unroutable sends raise EHOSTUNREACH (caught in Router.send) instead
         # of vanishing, so the caller learns the peer is gone.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted peer reusing its identity takes over the old route.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Never hand a connected peer's identity over to a newer connection: whoever
+        # named it would take the peer's route and every message meant for it (a
+        # router's tokens). A restarted peer connects under a new identity instead
+        # (zpd/wire/router_proof.py); a second connection claiming one in use is
+        # refused by ZeroMQ until the first is gone.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
     if opts.curve is not None:
         _apply_curve(sock, server=server, curve=opts.curve)
         if server and opts.zap_domain:
@@ -196,6 +202,7 @@ class Router(_Endpoint):
             _, bound_port = parse_endpoint(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             self.endpoint = format_endpoint(host, bound_port)
         self.guard = opts.guard
+        self.keyed = opts.curve is not None and opts.guard is not None  # rights to read
         self.refused = 0  # counts inbound messages the guard refused
 
     def send(self, identity: bytes, msg: Message) -> bool:
@@ -204,17 +211,32 @@ class Router(_Endpoint):
 
     def recv(self, timeout: Optional[float] = 0) -> Optional[tuple[bytes, Message]]:
         """Next (identity, message); None if none arrived within ``timeout``
-        seconds (0: don't wait, None: wait forever) or it was malformed."""
-        if self.guard is not None:
-            return self._recv_guarded(timeout)
+        seconds (0: don't wait, None: wait forever), it was malformed or the
+        guard refused it."""
+        got = self._recv_keyed(timeout) if self.keyed else self._recv_plain(timeout)
+        if got is None:
+            return None
+        user, identity, msg = got
+        refusal = None if self.guard is None else self.guard(user, identity, msg)
+        if refusal is None:
+            return identity, msg
+        why, reply = refusal
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:
+            log.warning("refused %s from %s: %s (%d refused so far)", msg.TYPE,
+                        _peer_name(identity), why, self.refused)
+        if reply is not None:
+            self.send(identity, reply)
+        return None
+
+    def _recv_plain(self, timeout: Optional[float]) -> Optional[tuple[str, bytes, Message]]:
         frames = self._recv_frames(timeout)
         if frames is None:
             return None
-        identity = frames[0]
-        msg = self._decode(frames[1:], _peer_name(identity))
-        return None if msg is None else (identity, msg)
+        msg = self._decode(frames[1:], _peer_name(frames[0]))
+        return None if msg is None else ("", frames[0], msg)
 
-    def _recv_guarded(self, timeout: Optional[float]) -> Optional[tuple[bytes, Message]]:
+    def _recv_keyed(self, timeout: Optional[float]) -> Optional[tuple[str, bytes, Message]]:
         # Zero-copy frames carry the connection's metadata, here the rights that
         # the ZAP handler gave the sender's key.
         if not _wait_readable(self.socket, timeout):
@@ -224,22 +246,12 @@ class Router(_Endpoint):
         except zmq.Again:
             return None
         try:
-            user = frames[0].get("User-Id")
+            user = frames[0].get("User-Id") or ""
         except zmq.ZMQError:
             user = ""
         identity = frames[0].bytes
         msg = self._decode([f.bytes for f in frames[1:]], _peer_name(identity))
-        refusal = None if msg is None else self.guard(user, msg)
-        if refusal is None:
-            return None if msg is None else (identity, msg)
-        why, reply = refusal
-        self.refused += 1
-        if self.refused & (self.refused - 1) == 0:
-            log.warning("refused %s from %s: %s (%d refused so far)", msg.TYPE,
-                        _peer_name(identity), why, self.refused)
-        if reply is not None:
-            self.send(identity, reply)
-        return None
+        return None if msg is None else (user, identity, msg)
 
 
 class Dealer(_Endpoint):

@@ -9,13 +9,16 @@ every node. Layout:
     client.key, client.key_secret     `zpd generate` and zpd.Client connect with it
     authorized/{client,admin,cluster}/*.key   public keys allowed in, by rights
 
-Rights nest: `client` may submit and abort requests; `admin` may also send admin
-commands; `cluster` may send everything, including the control messages between
-workers (hello, kv_dest, ...). Every bound socket runs a ZAP handler that admits
+Rights nest: `client` may submit, abort and (after a router restart) resume its
+requests; `admin` may also send admin commands; `cluster` may send everything,
+including the control messages between workers (hello, kv_dest, ...) and the
+routers' own (generate to a worker, adopt, a follower's follow). Every bound socket runs a ZAP handler that admits
 only keys found under authorized/ (re-read at each handshake, so adding or removing
 a key file takes effect for new connections without a restart) and tags each
 connection with its rights; the socket wrapper (zpd.wire.net.Router) then checks each
-inbound message's type against those rights. A plaintext peer or an unknown key
+inbound message's type against those rights (`Policy`). Without keys the same check
+asks, for router-only messages, whether the sender is a proven router
+(zpd/wire/router_proof.py). A plaintext peer or an unknown key
 never completes the handshake, so none of its messages is ever read; the refusal
 is logged by the side that has keys.
 """
@@ -25,6 +28,7 @@ import logging
 import os
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -36,6 +40,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from zpd.wire.net import Curve, SocketOptions
 from zpd.wire.protocol import Admin, AdminReply, Generate, Message, Tokens
+from zpd.wire.router_proof import proven_router
 
 log = logging.getLogger("zpd.wire.security")
 
@@ -43,12 +48,39 @@ RIGHTS = ("client", "admin", "cluster")          # each includes those before it
 KEY_NAMES = ("server", "cluster", "admin", "client")
 ZAP_DOMAIN = "zpd"
 
-# Least right that each inbound message type needs; anything unlisted needs "cluster".
-ROUTER_POLICY: Mapping[str, str] = {"generate": "client", "abort": "client", "ping": "client",
-                                    "admin": "admin"}
+@dataclass(frozen=True)
+class Policy:
+    """Who may send what to one bound socket.
+
+    `rights`: under CURVE, the least rights each message type needs ("admin:NAME" for
+    the admin command NAME, else "admin"); anything unlisted needs "cluster".
+    `routers_only`: without keys, only a proven router (zpd/wire/router_proof.py) may
+    send these; `open_without_secret` of them stay open to anyone on a process that
+    holds no router secret (a keyless cluster without one is open by design: loopback)."""
+
+    rights: Mapping[str, str]
+    routers_only: frozenset[str] = frozenset()
+    open_without_secret: frozenset[str] = frozenset()
+
+
+# A follower's FOLLOW is an admin envelope, but only a router may send it: a client
+# that follows could make every pause wait for it and every update refuse (409).
+ROUTER_POLICY = Policy({"generate": "client", "abort": "client", "ping": "client",
+                        "resume": "client",     # only for the caller's own rids (adoption.py)
+                        "admin": "admin", "admin:follow": "cluster"},
+                       routers_only=frozenset({"admin:follow"}))
 # Workers take requests only from the router (cluster key): a client key cannot
-# bypass the router's room assignment by writing to a worker directly.
-WORKER_POLICY: Mapping[str, str] = {"ping": "client", "admin": "admin"}
+# bypass the router's room assignment by writing to a worker directly. Without keys,
+# `adopt` hands a dead router's requests (and their tokens) over: a proven router only.
+WORKER_POLICY = Policy({"ping": "client", "admin": "admin"},
+                       routers_only=frozenset({"generate", "abort", "adopt"}),
+                       open_without_secret=frozenset({"generate", "abort"}))
+
+
+def message_kind(msg: Message) -> str:
+    """The name a Policy lists `msg` under: its type, or "admin:NAME" for an admin
+    command that the policy names."""
+    return f"admin:{msg.command}" if isinstance(msg, Admin) else msg.TYPE
 
 
 class SecurityError(ValueError):
@@ -143,23 +175,41 @@ def has_rights(user: str, needed: str) -> bool:
 
 
 class Guard:
-    """Checks each inbound message on a bound socket against its sender's rights
-    (the ZAP User-Id); answers refused requests and admin commands with 403 so the
-    sender learns why instead of waiting for a timeout."""
+    """Checks each inbound message on a bound socket against its sender: under CURVE
+    its key's rights (the ZAP User-Id), without keys whether a router-only message
+    comes from a proven router. Refused requests and admin commands are answered
+    with 403 so the sender learns why instead of waiting for a timeout."""
 
-    def __init__(self, policy: Mapping[str, str]) -> None:
-        self.policy = policy
+    def __init__(self, policy: Policy, keyed: bool = True,
+                 router_secret: Optional[bytes] = None) -> None:
+        self.policy, self.keyed, self.secret = policy, keyed, router_secret
 
-    def __call__(self, user: str, msg: Message) -> Optional[tuple[str, Optional[Message]]]:
-        needed = self.policy.get(msg.TYPE, "cluster")
-        if has_rights(user, needed):
+    def __call__(self, user: str, identity: bytes,
+                 msg: Message) -> Optional[tuple[str, Optional[Message]]]:
+        why = self.keyed_refusal(user, msg) if self.keyed else self.keyless_refusal(identity, msg)
+        if why is None:
             return None
-        why = f"{msg.TYPE} needs {needed!r} rights; this key has {user or 'none'!r}"
         if isinstance(msg, Admin):
             return why, AdminReply(msg.req_id, False, {"error": why, "status": 403})
         if isinstance(msg, Generate):
             return why, Tokens.abort(msg.rid, 403, why)
         return why, None
+
+    def keyed_refusal(self, user: str, msg: Message) -> Optional[str]:
+        kind, rights = message_kind(msg), self.policy.rights
+        needed = rights.get(kind, rights.get(msg.TYPE, "cluster"))
+        if has_rights(user, needed):
+            return None
+        return f"{kind} needs {needed!r} rights; this key has {user or 'none'!r}"
+
+    def keyless_refusal(self, identity: bytes, msg: Message) -> Optional[str]:
+        kind, policy = message_kind(msg), self.policy
+        if kind not in policy.routers_only or proven_router(identity, self.secret):
+            return None
+        if self.secret is None and kind in policy.open_without_secret:
+            return None
+        return (f"{kind} is taken only from a router of this cluster: start every router "
+                "and worker with the same --router-secret-file (or --curve-keys)")
 
 
 class _Authenticator(ThreadAuthenticator):
@@ -193,8 +243,10 @@ class Security:
     Handshake failures on either are logged with a hint. Call `close` before the
     context is destroyed."""
 
-    def __init__(self, keys_dir: Optional[str], ctx: zmq.Context, name: str = "cluster") -> None:
+    def __init__(self, keys_dir: Optional[str], ctx: zmq.Context, name: str = "cluster",
+                 router_secret: Optional[bytes] = None) -> None:
         self.root = Path(keys_dir) if keys_dir else None
+        self.router_secret = router_secret      # --router-secret-file (router_proof.py)
         self.ctx, self._auth = ctx, None
         self._server: Optional[Curve] = None
         self._client: Optional[Curve] = None
@@ -209,14 +261,21 @@ class Security:
     def enabled(self) -> bool:
         return self.root is not None
 
-    def server_options(self, policy: Mapping[str, str]) -> SocketOptions:
+    def server_options(self, policy: Policy) -> SocketOptions:
         if self.root is None:
-            return SocketOptions()
+            guard = Guard(policy, keyed=False, router_secret=self.router_secret)
+            return SocketOptions(guard=guard if policy.routers_only else None)
         if self._auth is None:
             self._auth = _Authenticator(self.ctx, self.root)
             self._auth.start()
         return SocketOptions(curve=self._server, guard=Guard(policy), zap_domain=ZAP_DOMAIN,
                              monitor=self._watch.add)
+
+    def proven_router(self, identity: bytes) -> bool:
+        """Is the peer `identity` one of the cluster's routers? Under CURVE whatever
+        passed the guard's rights check is; without keys, its identity must carry the
+        tag of this cluster's router secret (zpd/wire/router_proof.py)."""
+        return self.enabled or proven_router(identity, self.router_secret)
 
     def client_options(self) -> SocketOptions:
         if self.root is None:

@@ -2,9 +2,10 @@
 running for --router-grace seconds, their pages held, and a router restarted on the
 same endpoint adopts them; what nobody adopts by then ends with 503.
 
-A router's identity on our socket is `router@{endpoint}/{boot}`
-(zpd/router/server.py). Only the process bound to that endpoint now can be its
-successor, and only once its predecessor is gone from our socket or silent: a live
+A router's identity on our socket is `router@{endpoint}/{boot}.{tag}`
+(zpd/wire/router_proof.py). Only a proven router (a cluster key, or without keys the
+tag of the cluster's router secret: an `adopt` from anyone else is refused) that
+names the same endpoint can be its successor, and only once its predecessor is gone from our socket or silent: a live
 router, say another host's that prints the same endpoint, keeps its requests. Adopting
 rebinds each job to the new router and answers `Adopted` (for each rid: its client,
 prefill, share and tokens so far), then sends each streamed job's tokens from the
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from zpd.wire.loop import Timer
 from zpd.wire.protocol import Adopt, Adopted, Ping, TokenPart
+from zpd.wire.router_proof import router_endpoint
 from zpd.wire.status import UNAVAILABLE
 from zpd.worker.jobs import DecodeJob
 from zpd.worker.parts import token_part
@@ -32,16 +34,6 @@ if TYPE_CHECKING:
     from zpd.worker.decode import DecodeScheduler
 
 log = logging.getLogger("zpd.worker.adoption")
-
-ROUTER_PREFIX = b"router@"
-
-
-def router_endpoint(identity: bytes) -> bytes | None:
-    """The endpoint of a router's identity `router@{endpoint}/{boot}` (None: not one)."""
-    if not identity.startswith(ROUTER_PREFIX):
-        return None
-    endpoint, sep, boot = identity[len(ROUTER_PREFIX):].rpartition(b"/")
-    return endpoint if sep and endpoint and boot else None
 
 
 class RouterOrphans:
@@ -97,8 +89,10 @@ class RouterOrphans:
     def on_adopt(self, identity: bytes, msg: Adopt) -> None:
         """Hand the requests of `identity`'s gone predecessors over to it."""
         endpoint = router_endpoint(identity)
-        if endpoint is None:
-            log.warning("adopt from %r dropped: not a router", identity[:64])
+        if endpoint is None or not self.core.security.proven_router(identity):
+            # The socket's guard refuses it already (zpd/wire/security.py WORKER_POLICY):
+            # whoever it hands over to gets every token of those requests.
+            log.warning("adopt from %r dropped: not a proven router", identity[:64])
             return
         routers = {j.client for j in self.sched.jobs.values()} | set(self.kept)
         gone = {r for r in routers if r != identity and router_endpoint(r) == endpoint

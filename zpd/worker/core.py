@@ -31,6 +31,7 @@ from zpd.wire.admin_fields import PauseMode, drops
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
+from zpd.wire.router_proof import load_router_secret
 from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
@@ -71,7 +72,8 @@ class WorkerCore:
             transfer_timeout_s=cfg.deadlines.transfer * 0.75, fault_plan=knobs.fault_plan)
         for buf in self.rank_buffers:             # rank 0 writes and reads every rank's KV
             self.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
-        self.security = Security(cfg.curve_keys, ctx)
+        self.security = Security(cfg.curve_keys, ctx,
+                                 router_secret=load_router_secret(cfg.router_secret_file))
         # Our one ROUTER socket: the router process, decode peers and admins connect to it.
         self.sock = Router(ctx, cfg.host, cfg.port, self.security.server_options(WORKER_POLICY))
         self.endpoint = self.sock.endpoint

@@ -79,8 +79,9 @@ class PrefillLinks:
         self.peer_timeout = peer_timeout
         self.drops = drops or DropPlan()
         # The pid makes a restarted decode a new peer to the prefill, so a write meant
-        # for the old process can never go to the new one's pages.
-        self.identity = f"decode@{hello.decode}/{os.getpid()}".encode()
+        # for the old process can never go to the new one's pages; the nonce makes the
+        # identity one nobody else can name, so nobody claims it once we are gone.
+        self.identity = f"decode@{hello.decode}/{os.getpid()}.{os.urandom(8).hex()}".encode()
         self.links: dict[str, PrefillLink] = {}
         self.pings = 0
         loop.every(heartbeat, self.heartbeat)
