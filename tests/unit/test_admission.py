@@ -5,6 +5,7 @@ clock the test moves, and removal (abort, client gone) that leaves nothing behin
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -305,3 +306,18 @@ def test_the_heaviest_is_always_whoever_holds_most(seed):
     for rid in list(room):
         room.remove(rid)
     assert empty(room)
+
+
+def test_a_flood_of_fresh_user_names_costs_no_scan_per_request_routed():
+    """Thousands of waiting requests, each naming another user: taking the next must
+    not look at every user (with 16,384 it took 11 ms per request routed: minutes of
+    the router's loop to drain such a queue)."""
+    room, shares = Admission(1 << 14, 60), ClientShares(1 << 14, 1 << 40)
+    for i in range(4096):
+        room.add(entry(f"r{i}", b"flood", user=f"u{i}"))
+    began = time.perf_counter()
+    for _ in range(500):
+        got = room.next(shares)
+        shares.take(got.client, got.rid, got.tokens, got.user, got.call)
+    assert time.perf_counter() - began < 0.25           # ~0.03 ms each here; was ~3 ms
+    assert got.rid == "r499"                            # still in arrival order

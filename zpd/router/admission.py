@@ -41,6 +41,7 @@ QUEUE_FULL, QUEUE_TIMEOUT = 429, 503
 RETRY_AFTER_S = 5              # what a refused client is told to wait before trying again
 MEMORY = 4096                  # clients, users and calls whose last service is remembered
 LEVELS = ("connection", "user", "call")      # what a Waiting's path names, level by level
+FLOOR = (0, -1)       # the lowest rank in the fair order: nothing routed, never served
 
 
 @dataclass(eq=False)
@@ -194,12 +195,11 @@ class Admission:
         routed at once or refused."""
         if len(self.waiting) <= self.queue_size:
             return None
-        node, path, shares = self.tree, [], []
+        node, shares = self.tree, []
         for level in LEVELS:
             key = node.sizes.heaviest()
             shares.append((level, node.sizes.count[key], len(node.children)))
             node = node.children[key]
-            path.append(key)
         entry = self.remove(next(reversed(node.children)))
         return entry, QUEUE_FULL, self._full_message(shares)
 
@@ -291,10 +291,18 @@ def _unlink(node: Node, path: tuple, rid: str) -> None:
 
 
 def _in_order(keys: dict, rank: Callable) -> Iterator:
-    """`keys` by `rank`, ties in their order: the first found in one pass, the rest
-    sorted only if the first is skipped (it usually is not)."""
-    if not keys:
+    """`keys` by `rank`, ties in their order: the first found in one pass, which stops
+    at the first key of the lowest rank there can be (FLOOR: nothing routed, never
+    served; in a flood of fresh user names, the first key), the rest sorted only if
+    the first is skipped (it usually is not)."""
+    first, best = None, None
+    for key in keys:
+        r = rank(key)
+        if best is None or r < best:
+            first, best = key, r
+            if r <= FLOOR:
+                break
+    if best is None:
         return
-    first = min(keys, key=rank)
     yield first
     yield from (k for k in sorted(keys, key=rank) if k != first)
