@@ -353,15 +353,17 @@ def asks_logprobs(sampling: dict) -> Asked:
 
 
 def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_params: dict | None,
-                     rid: str, stream: bool, messages: list[dict] | None, user: str = "") -> Generate:
+                     rid: str, stream: bool, messages: list[dict] | None, user: str = "",
+                     call: str = "") -> Generate:
     """The request as the router takes it; the prompt is exactly one of `input_ids`,
     `prompt` (text) or `messages` (a conversation). `user`: who it is for, among this
-    connection's users (the router's second level of fairness; "" for the connection)."""
+    connection's users (the router's second level of fairness; "" for the connection);
+    `call`: which of that user's calls (the third level)."""
     if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
         raise ValueError("give exactly one of input_ids, prompt or messages")
     chat = {"messages": list(messages)} if messages is not None else {}
     return Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
-                    text=prompt or "", chat=chat, user=user)
+                    text=prompt or "", chat=chat, user=user, call=call)
 
 
 def chunk_of(part: TokenPart, asked: Asked = NOTHING) -> dict:

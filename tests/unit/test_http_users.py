@@ -14,7 +14,7 @@ from tests.unit.http_fake import FakeBackend, call, front
 from tests.unit.test_http_router_client import ScriptedRouter
 from zpd.http.app import build_app
 from zpd.http.records import GenRequest
-from zpd.http.router_client import USER, RouterClient
+from zpd.http.router_client import CALL, USER, RouterClient
 from zpd.wire.protocol import Accepted, TokenPart, Tokens
 
 
@@ -24,9 +24,11 @@ class UserRecorder(FakeBackend):
     def __init__(self) -> None:
         super().__init__()
         self.users: list[str] = []
+        self.calls: list[str] = []
 
     def open(self, req, sink):
         self.users.append(USER.get())
+        self.calls.append(CALL.get())
         return super().open(req, sink)
 
 
@@ -41,6 +43,18 @@ def test_each_http_caller_is_its_address_or_its_keys_hash_never_the_key():
     assert len(keyed.users) == 2 and keyed.users[0] == keyed.users[1]
     assert keyed.users[0].startswith("key:") and keyed.users[0].endswith("@127.0.0.1")
     assert "sekrit" not in keyed.users[0]
+
+
+def test_each_http_request_is_a_call_of_its_own_that_its_requests_share():
+    """The router's third level of fairness: one caller's calls take turns, so its
+    second call is not served after the whole of its first (issue 43)."""
+    backend = UserRecorder()
+    app = front(backend)
+    assert call(app, "POST", "/generate", {"input_ids": [[1], [2], [3]]})[0] == 200
+    assert call(app, "POST", "/v1/completions", {"prompt": [1], "max_tokens": 2})[0] == 200
+    assert backend.users == ["127.0.0.1"] * 4
+    first, second = backend.calls[:3], backend.calls[3]
+    assert len(set(first)) == 1 and first[0] and second and second != first[0]
 
 
 def test_another_callers_request_passes_a_flood_from_one_http_call():

@@ -27,7 +27,7 @@ def narrow():
 def settled(c: InprocCluster) -> None:
     """Nothing waits, nothing is routed, nothing is charged, every page is back."""
     c.pump()
-    assert len(c.router.queued) == 0 and not c.router.admission.rids
+    assert len(c.router.queued) == 0 and not c.router.admission.tree.children
     assert not c.router.inflight and c.router.shares.held == {}
     c.check_pages()
 

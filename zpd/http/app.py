@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -21,7 +22,7 @@ from zpd.http.callers import CALLER, CallerBackend, caller_of
 from zpd.http.connections import BOOK, ConnectionLimits, Connections, tracking
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
-from zpd.http.router_client import USER, http_user, retry_after_header
+from zpd.http.router_client import CALL, USER, http_user, retry_after_header
 
 log = logging.getLogger("zpd.http.app")
 
@@ -74,6 +75,7 @@ async def guard(request: web.Request, handler) -> web.StreamResponse:
         browser.check(request, front.allowed_hosts)        # a web page has no key to send
     CALLER.set(caller_of(token, front.api_key, front.admin_api_key))
     USER.set(http_user(request.remote, token, bool(front.api_key or front.admin_api_key)))
+    CALL.set(uuid.uuid4().hex[:16])       # its requests take turns with its caller's others
     return await handler(request)
 
 

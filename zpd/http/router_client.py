@@ -11,8 +11,10 @@ client with requests in flight, so silence means it is gone), ends with a 503
 chunk: every stream the routes read ends, whatever happens to the router.
 
 Each request names its HTTP caller (USER, set per HTTP request by the key check) as
-`Generate.user`, so the router's fair queue takes turns between callers, not only
-between connections (zpd/router/admission.py). A request is encoded before it is
+`Generate.user`, and its HTTP request (CALL) as `Generate.call`, so the router's fair
+queue takes turns between callers, and between one caller's calls, not only between
+connections (zpd/router/admission.py): a bystander is not served after a batch of
+1,024 sent from the same address. A request is encoded before it is
 sent: one whose frame the router would refuse (MAX_FRAME_BYTES) ends here with 400,
 since the router drops a connection that sends one, every caller's requests with it.
 A request the router's queue refused (429 full, 503 timeout) carries `retry_after`;
@@ -46,6 +48,8 @@ BAD_REQUEST = 400
 
 # Who the current HTTP request is for (`http_user`); "" outside one: the front itself.
 USER: ContextVar[str] = ContextVar("zpd_http_user", default="")
+# Which HTTP request of that caller (a fresh name per request); "" outside one.
+CALL: ContextVar[str] = ContextVar("zpd_http_call", default="")
 # The current HTTP request's longest retry_after from the router's queue, in a dict
 # that `retry_after_header` sets per request (None outside one).
 RETRY: ContextVar[dict | None] = ContextVar("zpd_http_retry", default=None)
@@ -202,7 +206,7 @@ class RouterClient:
 
     def _submit(self, rid: str, req: GenRequest) -> None:
         msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages,
-                               USER.get())
+                               USER.get(), CALL.get())
         frames = self._frames(rid, msg)
         if frames is not None:
             self._send_to(self.routers.pick(self._now()), rid, Unacked(msg, frames))

@@ -248,7 +248,8 @@ def add_client_limit_options(g: argparse._ActionsContainer) -> None:
     add_default(g, "--max-client-requests", RouterConfig, "one client's share: requests it may "
                 "have routed to the workers at once; more wait in the router's queue, served "
                 "fairly between clients, then between the users a client names (the HTTP front "
-                "names each caller): fewest routed first (default {default})", type=int)
+                "names each caller), then between a user's calls (each HTTP request): fewest "
+                "routed first (default {default})", type=int)
     add_default(g, "--max-client-tokens", RouterConfig, "one client's share of KV pages, in "
                 "tokens: prompt + max_new_tokens summed over its routed requests; more wait. "
                 "A single request needing more is refused with 400 (default {default})", type=int)
@@ -258,8 +259,11 @@ def add_client_limit_options(g: argparse._ActionsContainer) -> None:
                 "load). About the decodes' --max-batch times their number (default "
                 "{default}: 64 per decode)", type=int)
     add_default(g, "--queue-size", RouterConfig, "requests that may wait in the router's "
-                "queue; one more is refused with 429 'queue full' (Retry-After at the HTTP "
-                "front) (default {default})", type=int)
+                "queue. When full, the newest request of whoever holds most there (the client, "
+                "then its user, then its call) is refused with 429 'queue full' (Retry-After at "
+                "the HTTP front): the newcomer's own unless it holds less than the others, so "
+                "one caller alone may fill it but not keep others out (default {default})",
+                type=int)
     add_default(g, "--queue-timeout", RouterConfig, "seconds a request may wait in the "
                 "router's queue (paused or not) before it ends with 503 'queue timeout' "
                 "(default {default})", type=float)

@@ -8,14 +8,13 @@ import os
 import random
 import threading
 import uuid
-from dataclasses import replace
 
 import zmq
 
 from zpd.config import RouterConfig
 from zpd.router.admin import RouterAdmin
 from zpd.router.adoption import Adoption
-from zpd.router.admission import QUEUE_TIMEOUT, RETRY_AFTER_S, Admission, Waiting
+from zpd.router.admission import QUEUE_TIMEOUT, Admission, Waiting, ended
 from zpd.router.affinity import PrefixAffinity, least_loaded
 from zpd.router.flights import InFlight, Worker
 from zpd.router.peers import FOLLOW, CoordinatorLink, Followers
@@ -191,19 +190,29 @@ class RouterServer:
             return
         tokens = request_tokens(msg)
         refused = self.refusal(msg, tokens)
-        if refused is None:
-            self.admission.add(Waiting(rid, client, msg.user, msg, tokens,
-                                       self.admission.clock(self.loop.time())))
-            self.dispatch()
-            refused = self.admission.overflow(rid)
         if refused is not None:
             log.info("rid=%s from client %r refused: %d %s", rid, client[:32], *refused)
             self.to_client(client, ended(rid, *refused, msg))
+            return
+        self.admission.add(Waiting(rid, client, msg.user, msg, tokens,
+                                   self.admission.clock(self.loop.time()), msg.call))
+        self.dispatch()
+        self.refuse_overflow()
+
+    def refuse_overflow(self) -> None:
+        """The room is over --queue-size: the newest request of whoever holds most
+        there (zpd/router/admission.py) ends 429, the newcomer's or another's."""
+        over = self.admission.overflow()
+        if over is not None:
+            entry, status, why = over
+            log.info("rid=%s from client %r refused: %d %s", entry.rid, entry.client[:32],
+                     status, why)
+            self.to_client(entry.client, ended(entry.rid, status, why, entry.msg))
 
     def refusal(self, msg: Generate, tokens: int) -> tuple[int, str] | None:
         """Why the request may never run (400, message), or None."""
         problem = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat) or \
-            user_problem(msg.user)
+            user_problem(msg.user, msg.call)
         return (400, problem) if problem is not None else self.shares.too_big(tokens)
 
     def dispatch(self) -> None:
@@ -214,7 +223,7 @@ class RouterServer:
             entry = self.admission.next(self.shares)
             if entry is None:
                 return
-            self.shares.take(entry.client, entry.rid, entry.tokens, entry.user)
+            self.shares.take(entry.client, entry.rid, entry.tokens, entry.user, entry.call)
             self.route(entry.client, entry.msg, entry.rid)
 
     def expire_waiting(self, now: float) -> None:
@@ -395,17 +404,6 @@ class RouterServer:
         self.front.close()
         self.loop.close()
         self.security.close()
-
-
-def ended(rid: str, status: int, reason: str, msg: Generate) -> Tokens:
-    """The answer to a request that ends before it was routed; a refusal of the queue
-    (429, 503) says when to retry (`retry_after`, seconds, in its finish_reason)."""
-    part = TokenPart.abort(rid, status, reason, {
-        "prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "retractions": 0,
-        "cached_tokens": 0})
-    if status in (429, 503):
-        part = replace(part, finish=part.finish | {"retry_after": RETRY_AFTER_S})
-    return Tokens.pack([part])
 
 
 def client_reason(reason: str) -> str:

@@ -35,11 +35,12 @@ def request_tokens(msg: Generate) -> int:
 
 @dataclass
 class Share:
-    """What one client holds: rid -> tokens charged, and its requests per user."""
+    """What one client holds: rid -> tokens charged, and its requests routed per user
+    and per (user, call) (keys of `under`: (user,) and (user, call))."""
     rids: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
-    users: Counter = field(default_factory=Counter)     # user -> requests routed
-    user_of: dict[str, str] = field(default_factory=dict)
+    under: Counter = field(default_factory=Counter)
+    path_of: dict[str, tuple[str, str]] = field(default_factory=dict)    # rid -> (user, call)
 
 
 class ClientShares:
@@ -62,28 +63,35 @@ class ClientShares:
                              f"max_new_tokens), more than one client may hold "
                              f"(--max-client-tokens {self.max_tokens})")
 
+    def full(self, client: bytes) -> bool:
+        """Has `client` as many requests routed as it may, whatever their size?"""
+        share = self.held.get(client)
+        return share is not None and len(share.rids) >= self.max_requests
+
     def fits(self, client: bytes, tokens: int) -> bool:
         """May `client` have one more request of `tokens` routed now?"""
         share = self.held.get(client)
         return share is None or (len(share.rids) < self.max_requests
                                  and share.tokens + tokens <= self.max_tokens)
 
-    def take(self, client: bytes, rid: str, tokens: int, user: str = "") -> None:
+    def take(self, client: bytes, rid: str, tokens: int, user: str = "", call: str = "") -> None:
         """Charge `rid` to `client` (the caller checked `fits`)."""
         self.release(rid)                          # a stale charge must not count twice
         share = self.held.setdefault(client, Share())
         share.rids[rid] = tokens
         share.tokens += tokens
-        share.users[user] += 1
-        share.user_of[rid] = user
+        share.under[(user,)] += 1
+        share.under[(user, call)] += 1
+        share.path_of[rid] = (user, call)
         self.owner[rid] = client
 
-    def routed(self, client: bytes, user: str | None = None) -> int:
-        """Requests `client` (or that user of it) has routed now."""
+    def routed(self, client: bytes, *path: str) -> int:
+        """Requests `client` has routed now; with `path` (a user, or a user and one of
+        its calls), that user's or call's."""
         share = self.held.get(client)
         if share is None:
             return 0
-        return len(share.rids) if user is None else share.users.get(user, 0)
+        return share.under.get(path, 0) if path else len(share.rids)
 
     def release(self, rid: str) -> None:
         """Give back `rid`'s charge (nothing if it has none)."""
@@ -92,9 +100,10 @@ class ClientShares:
             return
         share = self.held[client]
         share.tokens -= share.rids.pop(rid)
-        user = share.user_of.pop(rid)
-        share.users[user] -= 1
-        if not share.users[user]:
-            del share.users[user]
+        user, call = share.path_of.pop(rid)
+        for key in ((user,), (user, call)):
+            share.under[key] -= 1
+            if not share.under[key]:
+                del share.under[key]
         if not share.rids:
             del self.held[client]

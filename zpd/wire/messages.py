@@ -70,6 +70,10 @@ class Generate(Message):
     # MAX_USER_CHARS printable characters (the router refuses others with 400); ""
     # is the client itself. Not passed on to the workers.
     user: str = ""
+    # Which of that user's calls it belongs to (the HTTP front names each HTTP request,
+    # so one batch of a thousand does not make the same user's next call wait behind
+    # it): the router's third level of fairness. Bounded as `user`; not passed on.
+    call: str = ""
     # The router sets it: its client's identity (hex), which a decode keeps so that a
     # router restarted on the same endpoint can give the request back to that client
     # (zpd/router/adoption.py).
@@ -86,10 +90,11 @@ class Generate(Message):
 MAX_USER_CHARS = 128
 
 
-def user_problem(user: str) -> str | None:
-    """Why `user` is no valid Generate.user (None: it is)."""
-    if len(user) > MAX_USER_CHARS or not user.isprintable():
-        return f"user must be at most {MAX_USER_CHARS} printable characters"
+def user_problem(user: str, call: str = "") -> str | None:
+    """Why `user` or `call` is no valid Generate.user or .call (None: both are)."""
+    for name, value in (("user", user), ("call", call)):
+        if len(value) > MAX_USER_CHARS or not value.isprintable():
+            return f"{name} must be at most {MAX_USER_CHARS} printable characters"
     return None
 
 
