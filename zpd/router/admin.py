@@ -225,12 +225,14 @@ class RouterAdmin:
         after([], rounds)
 
     def fan_out(self, cmd: AdminCommand | Callable[[Worker], AdminCommand], targets: list[Worker],
-                timeout: float, on_done: Replies) -> None:
+                timeout: float, on_done: Replies,
+                each: Callable[[dict, set], None] | None = None) -> None:
         """Send `cmd` (or `cmd(worker)`) to `targets`; call `on_done` with one reply per
-        target once all answered or `timeout` passed."""
+        target once all answered or `timeout` passed (and `each` with each reply as it
+        comes, and the endpoints still waiting then)."""
         key = f"{next(self.req_ids)}"
         live = [w for w in targets if w.alive]
-        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
+        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live}, each=each)
         fan.replies = [{"ok": False, "endpoint": w.endpoint, "role": w.role, "status": 503,
                         "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
         fan.timer = self.server.loop.call_later(timeout, self._done, key)
@@ -246,6 +248,8 @@ class RouterAdmin:
         fan.waiting.discard(worker.endpoint)
         fan.replies.append({"ok": msg.ok} | msg.result | {"endpoint": worker.endpoint,
                                                            "role": worker.role})
+        if fan.each is not None:
+            fan.each(fan.replies[-1], set(fan.waiting))
         if not fan.waiting:
             self._done(msg.req_id)
 

@@ -257,10 +257,10 @@ class WeightSync:
     def cancel(self, cmd: CancelWeightUpdate, respond: Respond) -> None:
         """End the join or push under way: its helper is killed, the step answers 409 and
         its group is left. A push already staged is left to the router's commit."""
-        job = self.job
+        job, why = self.job, cmd.reason or "cancelled by admin (cancel_weight_update)"
         if job is not None:
-            log.warning("weight sync: %s cancelled by admin", job.what)
-            job.cancel(CONFLICT, "cancelled by admin (cancel_weight_update)")
+            log.warning("weight sync: %s ended: %s", job.what, why)
+            job.cancel(CONFLICT, why)
         respond(True, {"cancelled": job.what if job else None})
 
     # --- helpers ---------------------------------------------------------------
@@ -347,9 +347,12 @@ class WeightSync:
                 # Cancelled, whatever the step made of it: a join's group is not kept; a
                 # push that arrived whole after all is not staged (its helper is dead); a
                 # step that broke on the killed helper (a broken pipe) says why it was.
+                # A failure the link itself reports is kept: it names the kill's reason
+                # when the kill caused it, and its own (a timeout) when it came first.
                 if isinstance(result, Group):
                     result.link.close()
-                result, error = None, SyncFailure(*job.why)
+                own = isinstance(error, SyncFailure) and error.status != 400
+                result, error = None, error if own else SyncFailure(*job.why)
             done(result, error)
 
         def run() -> None:
