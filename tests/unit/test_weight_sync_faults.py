@@ -376,7 +376,19 @@ def test_a_killed_helper_ends_the_step_everywhere_at_once(cluster, trainer, step
         bad["prefill"]["error"], bad
     cluster.pump(5)
     assert all(gone(pid) for pid in pids), pids
+    assert leftovers() == {"threads": [], "mapped": 0}
     assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
     unchanged_and_serving(cluster)
     fresh_push_works(cluster)
+    assert leftovers() == {"threads": [], "mapped": 0}
 
+
+def test_a_failed_push_frees_its_shared_memory_at_once(cluster, trainer):
+    """The memory a push is received into (as large as the push) goes when the push
+    fails, not whenever the cyclic garbage collector next runs (the step's error held
+    it through its traceback)."""
+    assert join(cluster, trainer)["ok"]
+    assert not push(cluster, trainer, W2, stop_after=3)["ok"]          # the trainer dies
+    cluster.pump(5)
+    assert leftovers() == {"threads": [], "mapped": 0}
+    unchanged_and_serving(cluster)

@@ -359,7 +359,7 @@ class WeightSync:
             try:
                 result, error = work(job), None
             except Exception as e:        # any failure must reach `finish`, or the job stays
-                result, error = None, e
+                result, error = None, untraced(e)
             try:
                 self.core.loop.call_soon_threadsafe(finish, result, error)
             except OSError:               # the worker closed meanwhile (its wake pipe)
@@ -373,3 +373,16 @@ class WeightSync:
             self.job.cancel(CONFLICT, "the worker is shutting down")
         for name in list(self.groups):
             self.groups.pop(name).link.close()
+
+
+def untraced(error: BaseException) -> BaseException:
+    """`error` without its tracebacks (its context's too): their frames hold what the
+    step had (a push's shared memory, as large as the push) in a cycle through this
+    thread's frame, which only the cyclic collector would free, at no set time."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__context__
+    return error
