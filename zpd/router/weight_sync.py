@@ -161,7 +161,8 @@ class RouterWeightSync:
         self.server.followers.tell(
             lambda _: self.admin.fan_out(push.stage, self.server.workers, push.timeout,
                                          lambda staged: self._second_phase(push, staged, reply),
-                                         self._end_early("the push", broke) if push.group else None),
+                                         self._end_early("the push", broke) if push.group
+                                         else None),
             push.timeout * HOLD_SHARE)
 
     def _end_early(self, step: str, dooms: Callable[[dict], bool]) -> Callable[[dict, set], None]:
