@@ -392,3 +392,33 @@ def test_a_failed_push_frees_its_shared_memory_at_once(cluster, trainer):
     cluster.pump(5)
     assert leftovers() == {"threads": [], "mapped": 0}
     unchanged_and_serving(cluster)
+
+
+def test_a_worker_that_dies_mid_push_ends_the_push_when_it_is_marked_dead(cluster, trainer):
+    """The decode falls silent mid-push (killed or frozen): once the router marks it dead
+    (its peer timeout, 2 s here), the push answers 503 naming it, the prefill's receive
+    is ended, and queued requests run, instead of all waiting for the push's limit."""
+    assert join(cluster, trainer)["ok"]
+    req_id = cluster.admin("update_weights_from_distributed", wait=False, group_name="g",
+                           timeout=120.0, weight_version="bad", **announce(W2))
+    cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill, cluster.decode)))
+    cluster.silent.add("decode")
+    cluster.advance(4.0)                  # past the peer timeout, far short of the push's
+    end = time.monotonic() + 10
+    while req_id not in cluster.replies:
+        assert time.monotonic() < end, "the push waited on a dead worker"
+        cluster.pump(1)
+        time.sleep(0.001)
+    reply = cluster.replies[req_id]
+    bad = {w["role"]: w for w in failures(reply)}
+    assert bad["decode"]["status"] == 503 and "ended early" in bad["prefill"]["error"], reply
+    cluster.silent.discard("decode")
+    cluster.advance(2.0)
+    assert cluster.admin("cancel_weight_update")["ok"]      # the decode, back, ends its own
+    end = time.monotonic() + 10
+    while cluster.decode.weight_sync.job is not None:
+        assert time.monotonic() < end
+        cluster.pump(1)
+        time.sleep(0.001)
+    unchanged_and_serving(cluster)
+    fresh_push_works(cluster)

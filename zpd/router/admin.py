@@ -242,16 +242,27 @@ class RouterAdmin:
             self._done(key)
 
     def on_reply(self, worker: Worker, msg: AdminReply) -> None:
-        fan = self.fanouts.get(msg.req_id)
+        self._record(msg.req_id, worker, {"ok": msg.ok} | msg.result)
+
+    def on_dead(self, worker: Worker) -> None:
+        """A worker marked dead answers no fan-out now: each waiting on it takes a 503 for
+        it at once, not a 504 at its timeout (a weight push's: every queued request
+        would wait that long)."""
+        for key, fan in list(self.fanouts.items()):
+            if worker.endpoint in fan.waiting:
+                self._record(key, worker, {"ok": False, "status": 503, "error":
+                                           "worker unavailable (no heartbeat): marked dead"})
+
+    def _record(self, key: str, worker: Worker, reply: dict) -> None:
+        fan = self.fanouts.get(key)
         if fan is None or worker.endpoint not in fan.waiting:
             return
         fan.waiting.discard(worker.endpoint)
-        fan.replies.append({"ok": msg.ok} | msg.result | {"endpoint": worker.endpoint,
-                                                           "role": worker.role})
+        fan.replies.append(reply | {"endpoint": worker.endpoint, "role": worker.role})
         if fan.each is not None:
             fan.each(fan.replies[-1], set(fan.waiting))
         if not fan.waiting:
-            self._done(msg.req_id)
+            self._done(key)
 
     def _done(self, key: str) -> None:
         fan = self.fanouts.pop(key, None)
