@@ -117,7 +117,7 @@ class RouterWeightSync:
 
         # any failure dooms the rest: the trainer's rendezvous waits for every rank
         self.admin.fan_out(lambda w: cmd.join(ranks[w.endpoint], timeout * WORKER_SHARE),
-                           workers, timeout, joined, self._end_early("the join", lambda r: True))
+                           workers, timeout, joined, self._end_early("the join", early))
 
     # --- pushes: stage everywhere, then commit everywhere or discard everywhere -------
 
@@ -161,7 +161,7 @@ class RouterWeightSync:
         self.server.followers.tell(
             lambda _: self.admin.fan_out(push.stage, self.server.workers, push.timeout,
                                          lambda staged: self._second_phase(push, staged, reply),
-                                         self._end_early("the push", broke) if push.group
+                                         self._end_early("the push", lambda r: broke(r) and early(r)) if push.group
                                          else None),
             push.timeout * HOLD_SHARE)
 
@@ -219,6 +219,12 @@ def broke(reply: dict) -> bool:
     """A worker's failed stage that leaves its group out of step (a 400 refusal drained
     every broadcast: the others go on draining theirs)."""
     return reply.get("status") != 400
+
+
+def early(reply: dict) -> bool:
+    """A failure before the worker's deadline (a 504 is at it: the others, started
+    with it, reach theirs at the same moment and say so themselves)."""
+    return reply.get("status") != 504
 
 
 def committed(push: Push, replies: list[dict]) -> bool:
