@@ -178,3 +178,24 @@ def test_two_inits_at_once_one_joins_the_other_is_409():
         first.close()
         second.close()
         c.close()
+
+
+def test_discards_naming_other_pushes_are_not_kept(joined):
+    """discard_weights passes through the router to the workers; sent 300 times during a
+    push with ids of no push, it neither ends the push nor leaves a record per call."""
+    c, t = joined
+    req_id = c.admin("update_weights_from_distributed", wait=False,
+                     **body(weight_version=lambda _: "v2"))
+    c.until(lambda: all(core.weight_sync.job for core in (c.prefill, c.decode)))
+    for i in range(300):
+        assert c.admin("discard_weights", update_id=f"forged-{i}")["ok"]
+    assert all(not core.weight_sync.abandoned for core in (c.prefill, c.decode))
+    t.push(list(W2.values()))
+    end = time.monotonic() + 30
+    while req_id not in c.replies:
+        assert time.monotonic() < end, "the push never answered"
+        c.pump(1)
+        time.sleep(0.001)
+    assert c.replies[req_id]["ok"] and t.wait() is None and versions(c) == ["v2", "v2"]
+    assert push(c, t, tiny_state_dict(0), version="tiny")["ok"]
+    untouched(c)
