@@ -359,6 +359,7 @@ class WeightSync:
             try:
                 result, error = work(job), None
             except Exception as e:        # any failure must reach `finish`, or the job stays
+                log.debug("weight sync: %s failed", job.what, exc_info=True)   # its traceback
                 result, error = None, untraced(e)
             try:
                 self.core.loop.call_soon_threadsafe(finish, result, error)
