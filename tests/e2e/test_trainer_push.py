@@ -267,7 +267,9 @@ def test_a_killed_sync_helper_ends_the_push_at_once(one_one):
         killed = time.monotonic()
         status, got = answer.result(timeout=60)
         assert status == 500 and "SIGKILL" in got["message"], got
-        assert "ended early" in got["message"] and time.monotonic() - killed < 10, got
+        took = time.monotonic() - killed
+        assert "ended early" in got["message"] and took < 10, got
+        print(f"killed helper: push answered in {took:.2f} s")
     finally:
         trainer.close()
     assert no_helpers_left(one_one) and versions(one_one) == before and generates(one_one)
