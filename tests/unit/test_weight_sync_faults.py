@@ -173,6 +173,8 @@ def test_a_stalled_push_fails_within_the_timeout(cluster, trainer):
     bad = failures(reply)
     assert {w["status"] for w in bad} == {504}, bad
     assert all(NAMES[2] in w["error"] and "timed out" in w["error"] for w in bad), bad
+    cluster.pump(5)
+    assert leftovers() == {"threads": [], "mapped": 0}       # nothing held after a stall
     unchanged_and_serving(cluster)
     fresh_push_works(cluster)
 
