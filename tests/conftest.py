@@ -105,6 +105,7 @@ SLOW_TESTS = frozenset({
     "tests/unit/test_tp.py::test_zpd_run_over_ranks_equals_one_rank",      # processes joined by gloo
     "tests/unit/test_weight_sync.py::test_retract_push_continue_is_old_then_new_weights",
     "tests/unit/test_weight_sync_faults.py::test_the_workers_weight_sync_timeout_caps_a_longer_admin_timeout",
+    "tests/unit/test_weight_sync_faults.py::test_a_worker_that_dies_mid_push_ends_the_push_when_it_is_marked_dead",
     "tests/unit/test_weight_sync_sglang.py::test_a_stuck_join_is_answered_in_real_time",
 })
 

@@ -180,6 +180,37 @@ def test_a_bad_push_is_400_and_changes_nothing(one_one, bad):
     assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
 
 
+def helpers(cluster: Cluster) -> dict[int, list[int]]:
+    """Each worker's weight-sync helpers: the children of its forkserver (a child of the
+    worker whose command line names multiprocessing's forkserver)."""
+    parent = {}
+    for stat in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{stat}/stat") as f:
+                parent[int(stat)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def forkserver(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"forkserver" in f.read()
+        except OSError:
+            return False
+    servers = {p: ppid for p, ppid in parent.items() if forkserver(p)}
+    return {w: sorted(p for p, ppid in parent.items() if servers.get(ppid) == w)
+            for w in cluster.pids()}
+
+
+def no_helpers_left(cluster: Cluster) -> bool:
+    end = time.monotonic() + 10
+    while any(helpers(cluster).values()):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_a_trainer_killed_mid_push_leaves_the_old_weights(one_one):
     before = versions(one_one)
     trainer = TrainerProc(one_one, "--sleep-after", "3", "--sleep", "600")
@@ -193,7 +224,7 @@ def test_a_trainer_killed_mid_push_leaves_the_old_weights(one_one):
         status, got = answer.result(timeout=60)
         assert not got["success"] and status in (500, 504), got
         assert time.monotonic() - killed < 30
-        assert versions(one_one) == before
+        assert versions(one_one) == before and no_helpers_left(one_one)
     finally:
         trainer.close()
     # the group is gone everywhere: a new trainer joins and pushes
@@ -216,6 +247,42 @@ def generates(cluster: Cluster) -> bool:
     status, got = post(cluster, "/generate", {"input_ids": [1, 2, 3],
                                               "sampling_params": {"max_new_tokens": 4}}, 60)
     return status == 200 and len(got["output_ids"]) == 4
+
+
+def test_a_killed_sync_helper_ends_the_push_at_once(one_one):
+    """SIGKILL of the decode's weight-sync helper while its trainer, alive, is silent
+    mid-push: the push answers 500 naming the signal within seconds (the prefill's
+    receive is ended, not left to its 300 s limit), no helper is left, the old weights
+    serve, and a new group's push lands."""
+    before = versions(one_one)
+    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "600")
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "never"})
+        trainer.push()
+        trainer.wait_for("sent 2")
+        decode = next(w["pid"] for w in one_one.info["workers"] if w["role"] == "decode")
+        (helper,) = helpers(one_one)[decode]
+        os.kill(helper, signal.SIGKILL)
+        killed = time.monotonic()
+        status, got = answer.result(timeout=60)
+        assert status == 500 and "SIGKILL" in got["message"], got
+        took = time.monotonic() - killed
+        assert "ended early" in got["message"] and took < 10, got
+        print(f"killed helper: push answered in {took:.2f} s")
+    finally:
+        trainer.close()
+    assert no_helpers_left(one_one) and versions(one_one) == before and generates(one_one)
+    again = TrainerProc(one_one)
+    try:
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(7)) | {"weight_version": "after-helper"})
+        again.push()
+        assert answer.result()[0] == 200 and versions(one_one) == {"after-helper"}
+    finally:
+        again.close()
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+    assert no_helpers_left(one_one)
 
 
 def test_an_oversized_broadcast_leaves_the_workers_serving(one_one):

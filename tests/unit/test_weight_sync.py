@@ -210,7 +210,10 @@ def test_a_push_the_model_refuses_is_400_and_changes_nothing(cluster, trainer, t
 def test_a_trainer_that_dies_mid_push_leaves_the_old_weights(cluster, trainer):
     assert join(cluster, trainer)["ok"]
     reply = push(cluster, trainer, W2, stop_after=3)
-    assert not reply["ok"] and {w["status"] for w in reply["workers"]} <= {500, 504}
+    # the first to see it answers why; the router may end the other's step before it does
+    assert not reply["ok"] and reply["workers"][0]["status"] in (500, 504), reply
+    assert all(w["status"] in (500, 504) or "ended early" in w["error"]
+               for w in reply["workers"]), reply
     assert versions(cluster) == ["tiny", "tiny"] and weights_equal(cluster, "tiny")
     cluster.pump(5)
     assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))

@@ -8,6 +8,8 @@ on a thread (tests/unit/trainer_side.py); each worker's group lives in a helper
 process (zpd/worker/sync_helper.py), which is what an oversized broadcast kills."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -171,6 +173,8 @@ def test_a_stalled_push_fails_within_the_timeout(cluster, trainer):
     bad = failures(reply)
     assert {w["status"] for w in bad} == {504}, bad
     assert all(NAMES[2] in w["error"] and "timed out" in w["error"] for w in bad), bad
+    cluster.pump(5)
+    assert leftovers() == {"threads": [], "mapped": 0}       # nothing held after a stall
     unchanged_and_serving(cluster)
     fresh_push_works(cluster)
 
@@ -300,5 +304,123 @@ def test_a_join_to_a_silent_port_is_bounded_and_a_retry_works_at_once(cluster, s
     for core in (cluster.prefill, cluster.decode):
         assert core.weight_sync.status() == {"weight_groups": [], "weights_staged": False,
                                              "weight_sync_job": None}
+    unchanged_and_serving(cluster)
+    fresh_push_works(cluster)
+
+
+# --- the worker's own helper process, killed -----------------------------------------
+
+
+def helper_pids(c: InprocCluster) -> list[int]:
+    """The helper processes of the step under way (or, with none, of the groups)."""
+    links = [core.weight_sync.job.link if core.weight_sync.job else None
+             for core in (c.prefill, c.decode)]
+    links += [g.link for core in (c.prefill, c.decode) for g in core.weight_sync.groups.values()]
+    return sorted({link.proc.pid for link in links if link is not None})
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def leftovers() -> dict:
+    """What a weight-sync step could leak in this process: its threads, its shared memory."""
+    with open("/proc/self/maps") as maps:
+        mapped = sum("zpd-weight-push" in line for line in maps)
+    return {"threads": [t.name for t in threading.enumerate() if t.name.startswith("zpd-weights")],
+            "mapped": mapped}
+
+
+@pytest.mark.parametrize("step", ["join", "push"])
+def test_a_killed_helper_ends_the_step_everywhere_at_once(cluster, trainer, step):
+    """SIGKILL of one worker's helper mid-join (the trainer waits for every rank) or
+    mid-push (the trainer, alive, sends nothing more): that worker fails at once, and the
+    router ends the step on the other at once too instead of leaving it, and every
+    request queued behind the push, to wait out its whole limit. Nothing is left behind:
+    no helper, thread or shared memory; the old weights serve; a new group works."""
+    limit = 20.0
+    if step == "push":
+        assert join(cluster, trainer)["ok"]
+        release = stall(trainer, 2)
+        req_id = cluster.admin("update_weights_from_distributed", wait=False, group_name="g",
+                               timeout=limit, weight_version="bad", **announce(W2))
+    else:                       # the trainer never comes: both workers wait in the rendezvous
+        release = threading.Event()
+        req_id = cluster.admin("init_weights_update_group", wait=False, master_address="127.0.0.1",
+                               master_port=trainer.port, rank_offset=1, world_size=3,
+                               group_name="g", backend="gloo", timeout=limit)
+    end = time.monotonic() + 30                  # cold: the helpers' forkserver imports torch
+    while not all(core.weight_sync.job and core.weight_sync.job.link
+                  for core in (cluster.prefill, cluster.decode)):
+        assert time.monotonic() < end, "the step never started"
+        cluster.pump(1)
+        time.sleep(0.001)
+    pids = helper_pids(cluster)
+    assert len(pids) == 2
+    time.sleep(0.3)                              # the step is well under way
+    os.kill(cluster.decode.weight_sync.job.link.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    end = killed + limit + 10
+    while req_id not in cluster.replies:
+        assert time.monotonic() < end, "no answer"
+        cluster.pump(1)
+        time.sleep(0.001)
+    took, reply = time.monotonic() - killed, cluster.replies[req_id]
+    release.set()
+    assert not reply["ok"] and took < 5, (took, reply)
+    bad = {w["role"]: w for w in failures(reply)}
+    assert bad["decode"]["status"] == 500 and "died of SIGKILL" in bad["decode"]["error"], bad
+    assert bad["prefill"]["status"] == 409 and f"{step} failed on decode" in \
+        bad["prefill"]["error"], bad
+    cluster.pump(5)
+    assert all(gone(pid) for pid in pids), pids
+    assert leftovers() == {"threads": [], "mapped": 0}
+    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    unchanged_and_serving(cluster)
+    fresh_push_works(cluster)
+    assert leftovers() == {"threads": [], "mapped": 0}
+
+
+def test_a_failed_push_frees_its_shared_memory_at_once(cluster, trainer):
+    """The memory a push is received into (as large as the push) goes when the push
+    fails, not whenever the cyclic garbage collector next runs (the step's error held
+    it through its traceback)."""
+    assert join(cluster, trainer)["ok"]
+    assert not push(cluster, trainer, W2, stop_after=3)["ok"]          # the trainer dies
+    cluster.pump(5)
+    assert leftovers() == {"threads": [], "mapped": 0}
+    unchanged_and_serving(cluster)
+
+
+def test_a_worker_that_dies_mid_push_ends_the_push_when_it_is_marked_dead(cluster, trainer):
+    """The decode falls silent mid-push (killed or frozen): once the router marks it dead
+    (its peer timeout, 2 s here), the push answers 503 naming it, the prefill's receive
+    is ended, and queued requests run, instead of all waiting for the push's limit."""
+    assert join(cluster, trainer)["ok"]
+    req_id = cluster.admin("update_weights_from_distributed", wait=False, group_name="g",
+                           timeout=120.0, weight_version="bad", **announce(W2))
+    cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill, cluster.decode)))
+    cluster.silent.add("decode")
+    cluster.advance(4.0)                  # past the peer timeout, far short of the push's
+    end = time.monotonic() + 10
+    while req_id not in cluster.replies:
+        assert time.monotonic() < end, "the push waited on a dead worker"
+        cluster.pump(1)
+        time.sleep(0.001)
+    reply = cluster.replies[req_id]
+    bad = {w["role"]: w for w in failures(reply)}
+    assert bad["decode"]["status"] == 503 and "ended early" in bad["prefill"]["error"], reply
+    cluster.silent.discard("decode")
+    cluster.advance(2.0)
+    assert cluster.admin("cancel_weight_update")["ok"]      # the decode, back, ends its own
+    end = time.monotonic() + 10
+    while cluster.decode.weight_sync.job is not None:
+        assert time.monotonic() < end
+        cluster.pump(1)
+        time.sleep(0.001)
     unchanged_and_serving(cluster)
     fresh_push_works(cluster)

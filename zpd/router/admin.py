@@ -225,12 +225,14 @@ class RouterAdmin:
         after([], rounds)
 
     def fan_out(self, cmd: AdminCommand | Callable[[Worker], AdminCommand], targets: list[Worker],
-                timeout: float, on_done: Replies) -> None:
+                timeout: float, on_done: Replies,
+                each: Callable[[dict, set], None] | None = None) -> None:
         """Send `cmd` (or `cmd(worker)`) to `targets`; call `on_done` with one reply per
-        target once all answered or `timeout` passed."""
+        target once all answered or `timeout` passed (and `each` with each reply as it
+        comes, and the endpoints still waiting then)."""
         key = f"{next(self.req_ids)}"
         live = [w for w in targets if w.alive]
-        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live})
+        fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live}, each=each)
         fan.replies = [{"ok": False, "endpoint": w.endpoint, "role": w.role, "status": 503,
                         "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
         fan.timer = self.server.loop.call_later(timeout, self._done, key)
@@ -240,14 +242,27 @@ class RouterAdmin:
             self._done(key)
 
     def on_reply(self, worker: Worker, msg: AdminReply) -> None:
-        fan = self.fanouts.get(msg.req_id)
+        self._record(msg.req_id, worker, {"ok": msg.ok} | msg.result)
+
+    def on_dead(self, worker: Worker) -> None:
+        """A worker marked dead answers no fan-out now: each waiting on it takes a 503 for
+        it at once, not a 504 at its timeout (a weight push's: every queued request
+        would wait that long)."""
+        for key, fan in list(self.fanouts.items()):
+            if worker.endpoint in fan.waiting:
+                self._record(key, worker, {"ok": False, "status": 503, "error":
+                                           "worker unavailable (no heartbeat): marked dead"})
+
+    def _record(self, key: str, worker: Worker, reply: dict) -> None:
+        fan = self.fanouts.get(key)
         if fan is None or worker.endpoint not in fan.waiting:
             return
         fan.waiting.discard(worker.endpoint)
-        fan.replies.append({"ok": msg.ok} | msg.result | {"endpoint": worker.endpoint,
-                                                           "role": worker.role})
+        fan.replies.append(reply | {"endpoint": worker.endpoint, "role": worker.role})
+        if fan.each is not None:
+            fan.each(fan.replies[-1], set(fan.waiting))
         if not fan.waiting:
-            self._done(msg.req_id)
+            self._done(key)
 
     def _done(self, key: str) -> None:
         fan = self.fanouts.pop(key, None)

@@ -41,3 +41,5 @@ class Fanout:
     waiting: set[Hashable]               # who has not replied: endpoints, identities
     replies: list[dict] = field(default_factory=list)
     timer: Timer | None = None
+    # called with each reply as it comes, and who is still waiting then
+    each: Callable[[dict, set[Hashable]], None] | None = None

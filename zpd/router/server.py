@@ -153,6 +153,7 @@ class RouterServer:
             for w in {flight.prefill, worker}:
                 w.dealer.send(Abort(flight.rid, 503, reason))
             self.relay([TokenPart.abort(flight.rid, 503, reason)])
+        self.admin.on_dead(worker)
 
     # --- clients ---------------------------------------------------------------
 

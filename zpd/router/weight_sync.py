@@ -8,8 +8,11 @@ zpd/worker/weight_sync.py).
   router send the commit, and the new version is then on every prefill and decode.
   If any worker fails, every worker discards the push and keeps its old weights;
   a broken group (trainer gone, timeout) is left everywhere, so the trainer's next
-  `init_weights_update_group` starts clean. New requests queue here from the first
-  phase to the last, as while paused, so no request starts between the phases.
+  `init_weights_update_group` starts clean. Once one worker's join or receive fails
+  (a refusal aside: every worker drains a refused push), the others' steps are ended
+  at once (`cancel_weight_update` with the reason), not left to their own deadlines.
+  New requests queue here from the first phase to the last, as while paused, so no
+  request starts between the phases.
 - `update_weights_from_tensor`: the same two phases, each worker staging its
   entry of SGLang's `serialized_named_tensors` (one entry: every worker takes it;
   one per worker, in the order of `status`: worker i takes entry i).
@@ -22,9 +25,9 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from zpd.wire.admin import (AdminCommand, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
+from zpd.wire.admin import (AdminCommand, CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
 from zpd.router.peers import HOLD_SHARE
-from zpd.wire.admin_fields import BadArgs, SyncStep
+from zpd.wire.admin_fields import MAX_NAME_CHARS, BadArgs, SyncStep
 
 if TYPE_CHECKING:
     from zpd.router.admin import RouterAdmin
@@ -112,8 +115,9 @@ class RouterWeightSync:
             self._end()
             reply(ok, {"workers": replies, "ranks": ranks})
 
+        # any failure dooms the rest: the trainer's rendezvous waits for every rank
         self.admin.fan_out(lambda w: cmd.join(ranks[w.endpoint], timeout * WORKER_SHARE),
-                           workers, timeout, joined)
+                           workers, timeout, joined, self._end_early("the join", early))
 
     # --- pushes: stage everywhere, then commit everywhere or discard everywhere -------
 
@@ -156,8 +160,29 @@ class RouterWeightSync:
         self._begin(SyncStep.PUSHING, f"pushing weights from {push.source}")
         self.server.followers.tell(
             lambda _: self.admin.fan_out(push.stage, self.server.workers, push.timeout,
-                                         lambda staged: self._second_phase(push, staged, reply)),
+                                         lambda staged: self._second_phase(push, staged, reply),
+                                         self._end_early("the push", lambda r: broke(r) and early(r)) if push.group
+                                         else None),
             push.timeout * HOLD_SHARE)
+
+    def _end_early(self, step: str, dooms: Callable[[dict], bool]) -> Callable[[dict, set], None]:
+        """What ends the step on the workers still at it once one worker's reply `dooms`
+        it: all or none move, so the others could only fail too, and waiting for their
+        own deadlines (a dead helper leaves the rest waiting on the trainer) would hold
+        every queued request that long. Their replies say why they ended."""
+        fired: list[bool] = []
+
+        def each(reply: dict, waiting: set) -> None:
+            if fired or reply["ok"] or not dooms(reply) or not waiting:
+                return
+            fired.append(True)
+            why = f"ended early: {step} failed on {reply['role']} {reply['endpoint']}"
+            log.warning("weight sync: %s (%s %s); ending it on %s", why, reply.get("status"),
+                        str(reply.get("error"))[:300], ", ".join(sorted(waiting)))
+            self.admin.fan_out(CancelWeightUpdate(why[:MAX_NAME_CHARS]),
+                               [w for w in self.server.workers if w.endpoint in waiting],
+                               COMMIT_TIMEOUT_S, lambda _: None)
+        return each
 
     def _second_phase(self, push: Push, staged: list[dict], reply: Reply) -> None:
         server, workers = self.server, self.server.workers
@@ -167,8 +192,7 @@ class RouterWeightSync:
                                lambda got: self._finish(push, committed(push, got), got, reply))
             return
         # A refusal (400) leaves the group usable: every worker drained the push.
-        broken = push.group is not None and any(r.get("status") != 400
-                                                for r in staged if not r["ok"])
+        broken = push.group is not None and any(broke(r) for r in staged if not r["ok"])
         log.warning("push %s not staged everywhere: discarded%s", push.update_id,
                     f"; group {push.group!r} left" if broken else "")
         self.admin.fan_out(DiscardWeights(push.update_id, push.group if broken else None),
@@ -189,6 +213,18 @@ class RouterWeightSync:
         reply(ok, {"workers": replies, "seconds": round(seconds, 6),
                    "weight_version": (push.weight_version or (got.pop() if len(got) == 1 else None))
                    if ok else None})
+
+
+def broke(reply: dict) -> bool:
+    """A worker's failed stage that leaves its group out of step (a 400 refusal drained
+    every broadcast: the others go on draining theirs)."""
+    return reply.get("status") != 400
+
+
+def early(reply: dict) -> bool:
+    """A failure before the worker's deadline (a 504 is at it: the others, started
+    with it, reach theirs at the same moment and say so themselves)."""
+    return reply.get("status") != 504
 
 
 def committed(push: Push, replies: list[dict]) -> bool:

@@ -256,8 +256,10 @@ class DestroyWeightsGroup(AdminCommand):
 
 @dataclass(frozen=True, slots=True)
 class CancelWeightUpdate(AdminCommand):
-    """End the join or push under way on every worker; never blocked."""
+    """End the join or push under way on every worker; never blocked. `reason`: what
+    the ended step answers (the router's own, when one worker's failure dooms the rest)."""
     COMMAND: ClassVar[str] = "cancel_weight_update"
+    reason: str | None = arg(NAME, None)
 
 
 COMMANDS: Mapping[str, type[AdminCommand]] = {cls.COMMAND: cls for cls in (

@@ -59,16 +59,17 @@ def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> No
         return items
 
     def done(items: list[Announced] | None, error: Exception | None) -> None:
+        abandoned = update_id in sync.abandoned
+        sync.abandoned.discard(update_id)
         if isinstance(error, (PayloadError, ModelError)):
             respond(False, {"status": 400, "error": f"{error}; nothing applied"})
         elif error is not None:
             respond(False, {"status": 500, "error": f"staging the tensors failed: {error}"})
-        elif update_id in sync.abandoned:
-            sync.abandoned.discard(update_id)
+        elif abandoned:
             respond(False, {"status": 409, "error": "discarded while receiving"})
         else:
             sync.staged = Staged(update_id, None, items, sum(a.nbytes for a in items))
             respond(True, {"staged_tensors": len(items), "staged_bytes": sync.staged.nbytes})
         sync.drop_shadow()
 
-    sync.background(SyncStep.PUSHING, None, done, work)
+    sync.background(SyncStep.PUSHING, None, done, work, update_id)

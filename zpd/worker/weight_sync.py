@@ -66,8 +66,8 @@ class Job:
     step's thread (which sets `link` once its helper exists) race safely: whichever
     comes second kills the helper."""
 
-    def __init__(self, step: SyncStep, group: str | None) -> None:
-        self.step, self.group = step, group
+    def __init__(self, step: SyncStep, group: str | None, update_id: str | None = None) -> None:
+        self.step, self.group, self.update_id = step, group, update_id
         self.link: HelperLink | None = None
         self.why: tuple[int, str] | None = None
 
@@ -100,7 +100,7 @@ class WeightSync:
         self.staged: Staged | None = None
         self.shadow: Shadow | None = None        # staging: a second copy of the weights
         self._template: torch.nn.Module | None = None    # see `template`
-        self.abandoned: set[str] = set()         # update ids discarded while receiving
+        self.abandoned: set[str] = set()         # the push's id, discarded while receiving
 
     def commands(self) -> dict[type, Callable[..., None]]:
         return {JoinWeightsGroup: self.join, StageWeights: self.stage,
@@ -189,7 +189,8 @@ class WeightSync:
                         time.monotonic() - started)
 
         def done(_: None, error: Exception | None) -> None:
-            status = getattr(error, "status", 500)
+            status, abandoned = getattr(error, "status", 500), update_id in self.abandoned
+            self.abandoned.discard(update_id)
             if error is not None and status == 400:      # drained: the group is still in step
                 respond(False, {"status": 400, "error": f"{error}; nothing applied"})
             elif error is not None:                      # the helper is gone, or wedged
@@ -197,8 +198,7 @@ class WeightSync:
                 respond(False, {"status": status, "error": f"{error}"
                                 + (f" (limit {timeout:g} s)" if status == 504 else "")
                                 + f"; group {name!r} left, weights unchanged"})
-            elif update_id in self.abandoned:
-                self.abandoned.discard(update_id)
+            elif abandoned:
                 respond(False, {"status": 409, "error": "discarded while receiving"})
             elif refusal is not None:
                 respond(False, {"status": 400, "error": f"{refusal}; nothing applied"})
@@ -206,7 +206,7 @@ class WeightSync:
                 self.staged = Staged(update_id, name, items, total)
                 respond(True, {"staged_tensors": len(items), "staged_bytes": total})
 
-        self.background(SyncStep.PUSHING, name, done, work)
+        self.background(SyncStep.PUSHING, name, done, work, update_id)
 
     def commit(self, cmd: CommitWeights, respond: Respond) -> None:
         core = self.core
@@ -241,8 +241,8 @@ class WeightSync:
         if self.staged is not None and self.staged.update_id == update_id:
             self.staged = None
             self.drop_shadow()
-        elif self.job is not None and self.job.step is SyncStep.PUSHING:
-            self.abandoned.add(update_id)
+        elif self.job is not None and self.job.update_id == update_id:
+            self.abandoned.add(update_id)     # only the push under way: a set nobody can grow
         if cmd.destroy is not None:
             self._close(cmd.destroy)
         respond(True, {"discarded": update_id})
@@ -257,10 +257,10 @@ class WeightSync:
     def cancel(self, cmd: CancelWeightUpdate, respond: Respond) -> None:
         """End the join or push under way: its helper is killed, the step answers 409 and
         its group is left. A push already staged is left to the router's commit."""
-        job = self.job
+        job, why = self.job, cmd.reason or "cancelled by admin (cancel_weight_update)"
         if job is not None:
-            log.warning("weight sync: %s cancelled by admin", job.what)
-            job.cancel(CONFLICT, "cancelled by admin (cancel_weight_update)")
+            log.warning("weight sync: %s ended: %s", job.what, why)
+            job.cancel(CONFLICT, why)
         respond(True, {"cancelled": job.what if job else None})
 
     # --- helpers ---------------------------------------------------------------
@@ -336,10 +336,10 @@ class WeightSync:
 
     def background(self, step: SyncStep, group: str | None,
                    done: Callable[[Any, Exception | None], None],
-                   work: Callable[[Job], Any]) -> None:
+                   work: Callable[[Job], Any], update_id: str | None = None) -> None:
         """Run `work(job)` on a thread; `done(result, error)` runs on the scheduler's loop,
         once. `work` waits only on its helper, with a deadline (helper_link.py)."""
-        job = self.job = Job(step, group)
+        job = self.job = Job(step, group, update_id)
 
         def finish(result: Any, error: Exception | None) -> None:
             self.job = None
@@ -347,16 +347,20 @@ class WeightSync:
                 # Cancelled, whatever the step made of it: a join's group is not kept; a
                 # push that arrived whole after all is not staged (its helper is dead); a
                 # step that broke on the killed helper (a broken pipe) says why it was.
+                # A failure the link itself reports is kept: it names the kill's reason
+                # when the kill caused it, and its own (a timeout) when it came first.
                 if isinstance(result, Group):
                     result.link.close()
-                result, error = None, SyncFailure(*job.why)
+                own = isinstance(error, SyncFailure) and error.status != 400
+                result, error = None, error if own else SyncFailure(*job.why)
             done(result, error)
 
         def run() -> None:
             try:
                 result, error = work(job), None
             except Exception as e:        # any failure must reach `finish`, or the job stays
-                result, error = None, e
+                log.debug("weight sync: %s failed", job.what, exc_info=True)   # its traceback
+                result, error = None, untraced(e)
             try:
                 self.core.loop.call_soon_threadsafe(finish, result, error)
             except OSError:               # the worker closed meanwhile (its wake pipe)
@@ -370,3 +374,16 @@ class WeightSync:
             self.job.cancel(CONFLICT, "the worker is shutting down")
         for name in list(self.groups):
             self.groups.pop(name).link.close()
+
+
+def untraced(error: BaseException) -> BaseException:
+    """`error` without its tracebacks (its context's too): their frames hold what the
+    step had (a push's shared memory, as large as the push) in a cycle through this
+    thread's frame, which only the cyclic collector would free, at no set time."""
+    seen: set[int] = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__context__
+    return error
