@@ -189,8 +189,10 @@ class HttpConfig:
     incremental_streaming_output: bool = False  # SGLang's flag: /generate events carry only news
     # a cumulative /generate stream writes about this many bytes per token: its events spaced
     cumulative_bytes_per_token: int = 8192
-    stream_write_timeout: float = 60.0  # a stream its client has not read for this long is aborted
-    stream_buffer_bytes: int = 1 << 20  # a stream's unsent bytes before its writes wait
+    stream_write_timeout: float = 10.0  # a stream its client has not read for this long is aborted
+    stream_buffer_bytes: int = 256 << 10  # a stream's unsent bytes before its writes wait
+    stream_buffer_total_bytes: int = 32 << 20  # all streams' unsent bytes before any stalled one waits
+    max_call_logprobs: int = 1 << 20  # --max-call-logprobs: prompt logprob entries one call may ask
 
 
 def default_of(cls: type, name: str) -> Any:

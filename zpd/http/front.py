@@ -13,7 +13,7 @@ from zpd.config import HttpConfig
 from zpd.http import body
 from zpd.http.records import BadRequest, error_body, json_object
 from zpd.http.sglang_fields import UnknownFields
-from zpd.http.streams import Backend
+from zpd.http.streams import Backend, EventStream, StreamBudget
 
 
 @dataclass
@@ -36,6 +36,16 @@ class Front:
     # without api_key: the host names served besides addresses and localhost (browser.py)
     allowed_hosts: frozenset[str] = frozenset()
     config: HttpConfig = field(default_factory=HttpConfig)   # caps and streaming of the routes
+    streams: StreamBudget | None = None  # what all streams hold unsent (default: from config)
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = StreamBudget(self.config.stream_buffer_total_bytes)
+
+    def event_stream(self, request: web.Request) -> EventStream:
+        """An SSE answer to `request`, bounded as the config says."""
+        cfg = self.config
+        return EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes, self.streams)
 
     def needs_text(self, what: str) -> None:
         """BadRequest unless the model has a tokenizer (to show `what` as text)."""

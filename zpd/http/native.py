@@ -30,7 +30,7 @@ from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_prompts, checked_sampling, id_list, integer, item_rids,
                               logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
-from zpd.http.streams import EventStream, Stalled, follow, run_all
+from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
@@ -279,7 +279,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> web.StreamResponse:
     cfg = front.config
-    events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
+    events = front.event_stream(request)
     cumulative = None if cfg.incremental_streaming_output else \
         CumulativeEvents(cfg.cumulative_bytes_per_token, req.text_in_logprobs)
     try:

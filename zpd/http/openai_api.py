@@ -22,7 +22,7 @@ from zpd.http.openai_format import Answer, abort_error
 from zpd.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from zpd.http.output import Output
 from zpd.http.records import BadRequest
-from zpd.http.streams import EventStream, Stalled, follow, run_all
+from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
@@ -81,8 +81,7 @@ async def _answer(request: web.Request, front: Front, req: OpenAIRequest, answer
 
 async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer: Answer,
                   echoes: list[str] | None) -> web.StreamResponse:
-    cfg = front.config
-    events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
+    events = front.event_stream(request)
     started: set[int] = set()
     finished: list[Output] = []
     whole = answer.echo and answer.logprobs is not None     # each choice waits for its end
