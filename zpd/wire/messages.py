@@ -68,7 +68,8 @@ class Generate(Message):
     # Who the client submits for, among its own users (the HTTP front names each HTTP
     # caller): the router's second level of fairness, after the client itself. At most
     # MAX_USER_CHARS printable characters (the router refuses others with 400); ""
-    # is the client itself. Not passed on to the workers.
+    # is the client itself. The router passes it on: a prefill takes turns between
+    # callers too (zpd/worker/fair.py).
     user: str = ""
     # The router sets it: its client's identity (hex), which a decode keeps so that a
     # router restarted on the same endpoint can give the request back to that client

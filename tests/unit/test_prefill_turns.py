@@ -1,0 +1,56 @@
+"""A prefill's queue takes callers in turn (zpd/worker/fair.py), and a cancelled
+deadline lets go of its request (a scoring job's prompt logprobs, ~5 MB a prompt,
+were held for the deadline's whole length: the prefill grew 334 MB over one call)."""
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass
+
+from zpd.wire.loop import Loop
+from zpd.worker.fair import FairTurns
+
+
+@dataclass(eq=False)
+class Job:
+    caller: str
+    name: str
+
+
+def names(jobs) -> list[str]:
+    return [j.name for j in jobs]
+
+
+def test_a_newcomer_goes_first_in_the_next_step_and_callers_alternate():
+    turns = FairTurns()
+    queue = [Job("a", f"a{i}") for i in range(5)]
+    assert names(turns.order(queue)) == ["a0", "a1", "a2", "a3", "a4"]
+    turns.served(queue[:2], queue[2:])                  # a step took a0 and a1
+    queue = queue[2:] + [Job("b", "b0"), Job("b", "b1"), Job("c", "c0")]
+    # b and c were never served: first (in arrival order), then round-robin with a
+    assert names(turns.order(queue)) == ["b0", "c0", "a2", "b1", "a3", "a4"]
+    assert turns.first(queue).name == "b0"
+
+
+def test_the_book_forgets_callers_with_nothing_queued():
+    turns = FairTurns()
+    done = [Job(f"c{i}", "x") for i in range(100)]
+    turns.served(done, [])
+    assert turns.last == {}
+
+
+def test_a_cancelled_timer_lets_go_of_what_its_call_would_reach():
+    loop = Loop()
+    try:
+        class Held:
+            pass
+        held = Held()
+        timer = loop.call_later(3600.0, lambda what: what, held)
+        gone = weakref.ref(held)
+        del held
+        timer.cancel()
+        gc.collect()
+        assert gone() is None
+        loop.run_once(max_wait=0)                       # the lazy heap entry is harmless
+    finally:
+        loop.close()
