@@ -26,7 +26,8 @@ from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.output import Output, meta_info
-from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
+from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
+                              check_call_logprobs, check_count,
                               check_prompts, checked_sampling, id_list, integer, item_rids,
                               logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
@@ -264,6 +265,7 @@ class Triples:
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_generate(await read_body(request), front.config)
+    check_call_logprobs(req.items, front.config.max_call_logprobs)
     front.unknown_fields.note(req.unknown, "/generate")
     if any(item.text is not None for item in req.items):
         front.needs_text("a text prompt")

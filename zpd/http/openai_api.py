@@ -21,7 +21,7 @@ from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.openai_format import Answer, abort_error
 from zpd.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from zpd.http.output import Output
-from zpd.http.records import BadRequest
+from zpd.http.records import BadRequest, check_call_logprobs
 from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
@@ -39,6 +39,7 @@ async def models(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_completion(await read_body(request), front.config)
+    check_call_logprobs(req.items, front.config.max_call_logprobs)
     front.unknown_fields.note(req.unknown, "/v1/completions")
     if any(p.get("text") is not None for p in req.prompts):
         front.needs_text("a text prompt")
