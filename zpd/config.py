@@ -110,6 +110,9 @@ class WorkerConfig:
     prefix_cache: bool = True        # a prefill keeps computed prompt pages for reuse
     max_batch: int = 64
     max_prefill_tokens: int = 8192
+    # a prefill step's tokens are also bounded by what this worker computes in this many
+    # seconds (measured), so a step does not hold other callers' requests long; 0: off
+    prefill_step_seconds: float = 1.0
     transport: str = "mooncake"
     ib_device: str = ""              # RDMA device names for Mooncake ("" = auto/TCP)
     protocol: str = "tcp"

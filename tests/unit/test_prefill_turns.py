@@ -8,7 +8,7 @@ import weakref
 from dataclasses import dataclass
 
 from zpd.wire.loop import Loop
-from zpd.worker.fair import FairTurns
+from zpd.worker.fair import FairTurns, StepBudget
 
 
 @dataclass(eq=False)
@@ -37,6 +37,21 @@ def test_the_book_forgets_callers_with_nothing_queued():
     done = [Job(f"c{i}", "x") for i in range(100)]
     turns.served(done, [])
     assert turns.last == {}
+
+
+def test_a_step_takes_what_the_worker_computes_in_its_seconds():
+    budget = StepBudget(cap=8192, seconds=1.0, floor=16)
+    assert budget.tokens() == 8192                      # nothing measured yet
+    budget.took(8000, 32.0)                             # SmolLM2 on one CPU thread
+    assert budget.tokens() == 250
+    budget.took(1, 100.0)
+    assert budget.tokens() >= 16
+    fast = StepBudget(cap=8192, seconds=1.0, floor=16)
+    fast.took(8192, 0.05)                               # a GPU: the cap stands
+    assert fast.tokens() == 8192
+    off = StepBudget(cap=8192, seconds=0.0, floor=16)
+    off.took(8000, 32.0)
+    assert off.tokens() == 8192
 
 
 def test_a_cancelled_timer_lets_go_of_what_its_call_would_reach():

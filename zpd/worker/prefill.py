@@ -29,7 +29,7 @@ from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
-from zpd.worker.fair import FairTurns
+from zpd.worker.fair import FairTurns, StepBudget
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import final_meta, token_part
@@ -59,6 +59,8 @@ class PrefillScheduler:
         self.jobs: dict[int, PrefillJob] = {}                # room -> live job
         self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
         self.turns = FairTurns()                              # taken in turns between callers
+        self.budget = StepBudget(core.cfg.max_prefill_tokens, core.cfg.prefill_step_seconds,
+                                 self.pool.layout.page_size)
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
         self.writes = KvWrites(self)                          # KV writes in flight
         self.peers = DecodePeers(model_layout(core.layout, core.rank_pools),
@@ -133,8 +135,9 @@ class PrefillScheduler:
         for job in batch:
             job.marks |= {"forward": started, "computed": done}
             self.pages.computed(job.req, self._prefix(job))
-        self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) - j.skip * self.page_size
-                                                       for j in batch)
+        computed = sum(len(j.req.prompt) - j.skip * self.page_size for j in batch)
+        self.budget.took(computed, done - started)
+        self.counters["prompt_tokens_computed"] += computed
         self.counters["prefill_forward_seconds"] += done - started
         self.after_compute(batch)
 
@@ -145,6 +148,7 @@ class PrefillScheduler:
         already in the batch waits one step, then takes it from the cache: eight samples
         of one prompt compute it once."""
         batch, tokens, entries, computing = [], 0, 0, set()
+        budget = self.budget.tokens()
         for job in self.turns.order(self.pending):
             if not self._fits(job):
                 break
@@ -155,7 +159,7 @@ class PrefillScheduler:
             # (the page of its last token is always computed)
             if hit < min(len(keys), (n - 1) // self.page_size) and keys[hit] in computing:
                 continue
-            if batch and (tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens
+            if batch and (tokens + n - hit * self.page_size > budget
                           or entries + scored > MAX_PROMPT_LOGPROB_ENTRIES):
                 break       # (a step's logprobs are held whole until its answers are sent)
             skip = self.pages.reserve(job.req, prefix, self.pool.pages_for(n))
