@@ -196,6 +196,7 @@ class HttpConfig:
     stream_buffer_bytes: int = 256 << 10  # a stream's unsent bytes before its writes wait
     stream_buffer_total_bytes: int = 32 << 20  # all streams' unsent bytes before any stalled one waits
     max_call_logprobs: int = 1 << 20  # --max-call-logprobs: prompt logprob entries one call may ask
+    max_answer_bytes: int = 512 << 20  # --max-answer-bytes: one call's unstreamed answer, about
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -271,7 +271,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         front.needs_text("a text prompt")
     if req.stream:
         return await _stream(request, front, req)
-    outs = await run_all(front.backend, req.items, front.tokenizer)
+    outs = await run_all(front.backend, req.items, front.tokenizer, front.config.max_answer_bytes)
     refused = next((e for e in map(Output.refusal, outs) if e is not None), None)
     if refused is not None:
         raise refused

@@ -72,7 +72,7 @@ async def _answer(request: web.Request, front: Front, req: OpenAIRequest, answer
                   echoes: list[str] | None = None) -> web.StreamResponse:
     if req.stream:
         return await _stream(request, front, req, answer, echoes)
-    outs = await run_all(front.backend, req.items, front.tokenizer)
+    outs = await run_all(front.backend, req.items, front.tokenizer, front.config.max_answer_bytes)
     failed = next((o for o in outs if o.aborted), None)
     if failed is not None:
         error = abort_error(failed)

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from engines.formats.tokenizer import Tokenizer
 from zpd.http.output import Output
-from zpd.http.records import GenRequest
+from zpd.http.records import BadRequest, GenRequest
 from zpd.http.router_client import abort_chunk
 
 log = logging.getLogger("zpd.http.streams")
@@ -123,12 +123,21 @@ def _open(backend: Backend, req: GenRequest, out: Output, ready: asyncio.Queue) 
         return lambda: None
 
 
-async def run_all(backend: Backend, items: list[GenRequest],
-                  tokenizer: Tokenizer | None) -> list[Output]:
-    """Every request run to its end; the Outputs in the order of `items`."""
+async def run_all(backend: Backend, items: list[GenRequest], tokenizer: Tokenizer | None,
+                  max_bytes: int | None = None) -> list[Output]:
+    """Every request run to its end; the Outputs in the order of `items`. An answer that
+    passes `max_bytes` (--max-answer-bytes, about: Output.held) is BadRequest, and every
+    request of the call still running is aborted at the router."""
     done: dict[int, Output] = {}
+    held: dict[int, int] = {}
     async with aclosing(follow(backend, items, tokenizer)) as outs:
         async for out in outs:
+            held[out.index] = out.held
+            if max_bytes is not None and sum(held.values()) > max_bytes:
+                raise BadRequest(f"the answer to this call passed the front's --max-answer-bytes "
+                                 f"({max_bytes}) at {sum(held.values())} bytes, with {len(done)} of "
+                                 f"its {len(items)} request(s) done; they were aborted: split it "
+                                 "into smaller calls or ask fewer tokens or logprobs")
             if out.finished:
                 done[out.index] = out
     return [done[i] for i in range(len(items))]
