@@ -14,7 +14,7 @@ import orjson
 
 from tests.e2e.cluster import Cluster
 
-PROMPTS, TOKENS, TOP = 24, 2000, 20
+PROMPTS, TOKENS, TOP = 48, 2000, 20
 SMALL = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
 
 
@@ -35,7 +35,7 @@ def test_a_bystander_is_served_while_a_big_scoring_call_runs(tmp_path):
     # 8192 tokens per step would make four)
     extra = ("--http-port", "0", "--max-call-logprobs", str(PROMPTS * TOKENS * (TOP + 1)),
              "--max-prefill-tokens", str(TOKENS), "--kv-cache-mb", "64")
-    with Cluster(tmp_path, dtype="float32", extra=extra) as cluster:
+    with Cluster(tmp_path, extra=extra) as cluster:
         http = cluster.info["http"]
         assert post(http, SMALL)[0] == 200                       # warm
         rng = random.Random(0)
@@ -60,6 +60,6 @@ def test_a_bystander_is_served_while_a_big_scoring_call_runs(tmp_path):
         answers = orjson.loads(body)
         assert status == 200 and len(answers) == PROMPTS
         assert all(len(a["meta_info"]["input_token_logprobs"]) == TOKENS for a in answers)
-        # before: first come, first served, the bystander waited for nearly all 24
+        # before: first come, first served, the bystander waited for nearly all 48
         # steps (0.9 of the call); now it is in the step after the one under way
         assert waited < 0.35 * got["seconds"], (waited, got["seconds"])

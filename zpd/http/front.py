@@ -2,7 +2,9 @@
 the keys), and answering JSON or an error in OpenAI's shape."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 import orjson
 from aiohttp import web
@@ -59,6 +61,14 @@ FRONT = web.AppKey("front", Front)
 
 def json_response(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def json_answer(build: Callable[[], object]) -> web.Response:
+    """`build()`'s object as a JSON answer, built and serialized off the event loop: a
+    big call's answer (an 80 MB one took seconds to format) must not hold every other
+    caller's requests meanwhile."""
+    body = await asyncio.to_thread(lambda: orjson.dumps(build()))
+    return web.Response(body=body, content_type="application/json")
 
 
 def error_response(message: str, status: int, kind: str = "invalid_request_error") -> web.Response:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig
-from zpd.http.front import FRONT, Front, json_response, read_body
+from zpd.http.front import FRONT, Front, json_answer, read_body
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_call_logprobs, check_count,
@@ -275,8 +275,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     refused = next((e for e in map(Output.refusal, outs) if e is not None), None)
     if refused is not None:
         raise refused
-    answers = [native_answer(o, req.text_in_logprobs) for o in outs]
-    return json_response(answers if req.batch else answers[0])
+    def answer() -> object:
+        answers = [native_answer(o, req.text_in_logprobs) for o in outs]
+        return answers if req.batch else answers[0]
+    return await json_answer(answer)
 
 
 async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> web.StreamResponse:

@@ -17,7 +17,7 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from zpd.http.front import FRONT, Front, json_response, read_body
+from zpd.http.front import FRONT, Front, json_answer, json_response, read_body
 from zpd.http.openai_format import Answer, abort_error
 from zpd.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from zpd.http.output import Output
@@ -77,7 +77,7 @@ async def _answer(request: web.Request, front: Front, req: OpenAIRequest, answer
     if failed is not None:
         error = abort_error(failed)
         raise BadRequest(error["message"], failed.status, error["type"])
-    return json_response(answer.whole(outs, req.n, echoes))
+    return await json_answer(lambda: answer.whole(outs, req.n, echoes))
 
 
 async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer: Answer,
