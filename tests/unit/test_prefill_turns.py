@@ -69,3 +69,28 @@ def test_a_cancelled_timer_lets_go_of_what_its_call_would_reach():
         loop.run_once(max_wait=0)                       # the lazy heap entry is harmless
     finally:
         loop.close()
+
+
+def test_a_prefill_step_holds_at_most_one_requests_prompt_logprobs(monkeypatch):
+    """Scoring requests whose prompt logprobs pass the bound together are computed in
+    steps of their own (each step's are held whole until its answers go out)."""
+    from tests.unit.inproc import InprocCluster
+    monkeypatch.setattr("zpd.worker.prefill.MAX_PROMPT_LOGPROB_ENTRIES", 1000)
+    c = InprocCluster(kv_cache_mb=4)
+    try:
+        steps: list[int] = []
+        compute = c.prefill.scheduler.core.compute
+        real = compute.prefill
+        monkeypatch.setattr(compute, "prefill", lambda reqs, starts: (steps.append(len(reqs)),
+                                                                       real(reqs, starts))[1])
+        ask = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 20}
+        rids = [c.submit(list(range(3, 43)), max_new=0, sampling=ask) for _ in range(3)]   # 39 x 21 each
+        for rid in rids:
+            assert c.run(rid).status is None
+        assert steps == [1, 1, 1], steps
+        plain = [c.submit(list(range(3, 43)), max_new=0) for _ in range(3)]     # no logprobs
+        for rid in plain:
+            c.run(rid)
+        assert len(steps) < 6, steps                    # those share steps
+    finally:
+        c.close()
