@@ -123,6 +123,15 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
                          f"{total_pages} in all")
 
 
+def prompt_logprob_entries(length: int, params: SamplingParams) -> int:
+    """The prompt logprob entries a `length`-token prompt asks for: positions x (1 +
+    top_logprobs_num + len(token_ids_logprob)); 0 when it asks none."""
+    start = params.prompt_logprobs_from
+    if start is None:
+        return 0
+    return max(0, length - max(start, 1)) * (1 + params.top_logprobs_num + len(params.token_ids_logprob))
+
+
 def validate_prompt_logprobs(length: int, params: SamplingParams, cfg: ModelConfig) -> None:
     """A prompt logprob ask the prefill can compute for a `length`-token prompt."""
     if params.prompt_logprobs_from is not None and params.prompt_logprobs_from >= length:
@@ -133,7 +142,7 @@ def validate_prompt_logprobs(length: int, params: SamplingParams, cfg: ModelConf
         raise Unservable(f"token_ids_logprob: token id {bad[0]} out of range [0, {cfg.vocab_size})")
     if params.prompt_logprobs_from is not None:
         each = 1 + params.top_logprobs_num + len(params.token_ids_logprob)
-        entries = (length - max(params.prompt_logprobs_from, 1)) * each
+        entries = prompt_logprob_entries(length, params)
         if entries > MAX_PROMPT_LOGPROB_ENTRIES:
             raise Unservable(f"prompt logprobs of {length - max(params.prompt_logprobs_from, 1)} "
                              f"positions x {each} values each are more than "

@@ -86,6 +86,7 @@ SLOW_TESTS = frozenset({
     "tests/unit/test_gguf.py::test_update_weights_from_a_gguf_file",
     "tests/unit/test_http_router_client.py::test_no_acknowledgement_or_a_silent_router_ends_requests_with_503",
     "tests/unit/test_http_slow_reader.py::test_a_client_that_stops_reading_is_aborted_and_its_buffer_stays_bounded",
+    "tests/unit/test_http_unread_streams.py::test_thirty_unread_streams_are_aborted_soon_and_hold_a_bounded_total",
     "tests/unit/test_last_tokens.py::test_generation_after_it_reads_the_last_layers_keys",
     "tests/unit/test_last_tokens.py::test_last_tokens_only_equal_every_token",
     "tests/unit/test_limits.py::test_max_batch_counts_requests_still_transferring",

@@ -110,6 +110,9 @@ class WorkerConfig:
     prefix_cache: bool = True        # a prefill keeps computed prompt pages for reuse
     max_batch: int = 64
     max_prefill_tokens: int = 8192
+    # a prefill step's tokens are also bounded by what this worker computes in this many
+    # seconds (measured), so a step does not hold other callers' requests long; 0: off
+    prefill_step_seconds: float = 1.0
     transport: str = "mooncake"
     ib_device: str = ""              # RDMA device names for Mooncake ("" = auto/TCP)
     protocol: str = "tcp"
@@ -193,8 +196,11 @@ class HttpConfig:
     incremental_streaming_output: bool = False  # SGLang's flag: /generate events carry only news
     # a cumulative /generate stream writes about this many bytes per token: its events spaced
     cumulative_bytes_per_token: int = 8192
-    stream_write_timeout: float = 60.0  # a stream its client has not read for this long is aborted
-    stream_buffer_bytes: int = 1 << 20  # a stream's unsent bytes before its writes wait
+    stream_write_timeout: float = 10.0  # a stream its client has not read for this long is aborted
+    stream_buffer_bytes: int = 256 << 10  # a stream's unsent bytes before its writes wait
+    stream_buffer_total_bytes: int = 32 << 20  # all streams' unsent bytes before any stalled one waits
+    max_call_logprobs: int = 1 << 20  # --max-call-logprobs: prompt logprob entries one call may ask
+    max_answer_bytes: int = 512 << 20  # --max-answer-bytes: one call's unstreamed answer, about
 
 
 def default_of(cls: type, name: str) -> Any:

@@ -2,7 +2,9 @@
 the keys), and answering JSON or an error in OpenAI's shape."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Callable
 
 import orjson
 from aiohttp import web
@@ -13,7 +15,7 @@ from zpd.config import HttpConfig
 from zpd.http import body
 from zpd.http.records import BadRequest, error_body, json_object
 from zpd.http.sglang_fields import UnknownFields
-from zpd.http.streams import Backend
+from zpd.http.streams import Backend, EventStream, StreamBudget
 
 
 @dataclass
@@ -36,6 +38,16 @@ class Front:
     # without api_key: the host names served besides addresses and localhost (browser.py)
     allowed_hosts: frozenset[str] = frozenset()
     config: HttpConfig = field(default_factory=HttpConfig)   # caps and streaming of the routes
+    streams: StreamBudget | None = None  # what all streams hold unsent (default: from config)
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = StreamBudget(self.config.stream_buffer_total_bytes)
+
+    def event_stream(self, request: web.Request) -> EventStream:
+        """An SSE answer to `request`, bounded as the config says."""
+        cfg = self.config
+        return EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes, self.streams)
 
     def needs_text(self, what: str) -> None:
         """BadRequest unless the model has a tokenizer (to show `what` as text)."""
@@ -49,6 +61,14 @@ FRONT = web.AppKey("front", Front)
 
 def json_response(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+async def json_answer(build: Callable[[], object]) -> web.Response:
+    """`build()`'s object as a JSON answer, built and serialized off the event loop: a
+    big call's answer (an 80 MB one took seconds to format) must not hold every other
+    caller's requests meanwhile."""
+    body = await asyncio.to_thread(lambda: orjson.dumps(build()))
+    return web.Response(body=body, content_type="application/json")
 
 
 def error_response(message: str, status: int, kind: str = "invalid_request_error") -> web.Response:

@@ -24,13 +24,14 @@ from aiohttp import web
 
 from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig
-from zpd.http.front import FRONT, Front, json_response, read_body
+from zpd.http.front import FRONT, Front, json_answer, read_body
 from zpd.http.output import Output, meta_info
-from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
+from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
+                              check_call_logprobs, check_count,
                               check_prompts, checked_sampling, id_list, integer, item_rids,
                               logprob_sampling, seeded_copies, take, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
-from zpd.http.streams import EventStream, Stalled, follow, run_all
+from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
@@ -264,22 +265,25 @@ class Triples:
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_generate(await read_body(request), front.config)
+    check_call_logprobs(req.items, front.config.max_call_logprobs)
     front.unknown_fields.note(req.unknown, "/generate")
     if any(item.text is not None for item in req.items):
         front.needs_text("a text prompt")
     if req.stream:
         return await _stream(request, front, req)
-    outs = await run_all(front.backend, req.items, front.tokenizer)
+    outs = await run_all(front.backend, req.items, front.tokenizer, front.config.max_answer_bytes)
     refused = next((e for e in map(Output.refusal, outs) if e is not None), None)
     if refused is not None:
         raise refused
-    answers = [native_answer(o, req.text_in_logprobs) for o in outs]
-    return json_response(answers if req.batch else answers[0])
+    def answer() -> object:
+        answers = [native_answer(o, req.text_in_logprobs) for o in outs]
+        return answers if req.batch else answers[0]
+    return await json_answer(answer)
 
 
 async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> web.StreamResponse:
     cfg = front.config
-    events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
+    events = front.event_stream(request)
     cumulative = None if cfg.incremental_streaming_output else \
         CumulativeEvents(cfg.cumulative_bytes_per_token, req.text_in_logprobs)
     try:

@@ -17,12 +17,12 @@ from contextlib import aclosing
 
 from aiohttp import web
 
-from zpd.http.front import FRONT, Front, json_response, read_body
+from zpd.http.front import FRONT, Front, json_answer, json_response, read_body
 from zpd.http.openai_format import Answer, abort_error
 from zpd.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from zpd.http.output import Output
-from zpd.http.records import BadRequest
-from zpd.http.streams import EventStream, Stalled, follow, run_all
+from zpd.http.records import BadRequest, check_call_logprobs
+from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
@@ -39,6 +39,7 @@ async def models(request: web.Request) -> web.Response:
 async def completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
     req = parse_completion(await read_body(request), front.config)
+    check_call_logprobs(req.items, front.config.max_call_logprobs)
     front.unknown_fields.note(req.unknown, "/v1/completions")
     if any(p.get("text") is not None for p in req.prompts):
         front.needs_text("a text prompt")
@@ -71,18 +72,17 @@ async def _answer(request: web.Request, front: Front, req: OpenAIRequest, answer
                   echoes: list[str] | None = None) -> web.StreamResponse:
     if req.stream:
         return await _stream(request, front, req, answer, echoes)
-    outs = await run_all(front.backend, req.items, front.tokenizer)
+    outs = await run_all(front.backend, req.items, front.tokenizer, front.config.max_answer_bytes)
     failed = next((o for o in outs if o.aborted), None)
     if failed is not None:
         error = abort_error(failed)
         raise BadRequest(error["message"], failed.status, error["type"])
-    return json_response(answer.whole(outs, req.n, echoes))
+    return await json_answer(lambda: answer.whole(outs, req.n, echoes))
 
 
 async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer: Answer,
                   echoes: list[str] | None) -> web.StreamResponse:
-    cfg = front.config
-    events = EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes)
+    events = front.event_stream(request)
     started: set[int] = set()
     finished: list[Output] = []
     whole = answer.echo and answer.logprobs is not None     # each choice waits for its end

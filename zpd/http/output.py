@@ -16,6 +16,10 @@ from engines.formats.tokenizer import Tokenizer
 from zpd.http.records import BadRequest, GenRequest
 
 REPLACEMENT = "\ufffd"      # what a decode shows for a token that ends mid-character
+# What one token id or logprob entry costs an answer, about, as the front holds and
+# formats it ([logprob, id, null] in JSON is ~30 bytes): what --max-answer-bytes counts.
+ENTRY_BYTES = 32
+PROMPT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
 class Detokenizer:
@@ -69,6 +73,7 @@ class Output:
         self._offsets = [0]              # where each token's text starts (logprobs)
         self.queued = False              # waiting for the route's task (streams.follow)
         self.failure: Exception | None = None   # a chunk that could not be taken
+        self.held = 0                    # the answer's size so far, about (ENTRY_BYTES)
 
     def add(self, chunk: dict) -> None:
         """Take the next chunk of this request (zpd.Client.stream's shape)."""
@@ -80,8 +85,11 @@ class Output:
         for mine, key in ((self.top_logprobs, "top_logprobs"), (self.ids_logprobs, "token_ids_logprobs")):
             mine += [[(int(t), float(lp)) for t, lp in row] for row in chunk.get(key) or []]
         self.detok.add(ids)
+        self.held += ENTRY_BYTES * (len(ids) + len(chunk.get("logprobs") or ()) + sum(
+            len(row) for key in ("top_logprobs", "token_ids_logprobs") for row in chunk.get(key) or ()))
         if chunk["finished"]:
             self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}
+            self.held += ENTRY_BYTES * _prompt_entries(self.meta)
             self.finished_at = time.monotonic()
             self._final_text = self._finished_text(chunk.get("text"))
 
@@ -225,3 +233,10 @@ def meta_info(out: Output, tokens: range | None = None) -> dict:
             "weight_versions": version_spans(versions, tokens.start),
             "output_token_weight_versions": versions,
             "retractions": int(out.meta.get("retractions", 0))}
+
+
+def _prompt_entries(meta: dict) -> int:
+    """The prompt logprob entries a finished request's meta carries."""
+    rows = meta.get("input_token_logprobs") or ()
+    alternatives = sum(len(r or ()) for key in PROMPT_KEYS[1:] for r in meta.get(key) or ())
+    return len(rows) + alternatives

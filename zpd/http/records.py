@@ -68,6 +68,30 @@ class GenRequest:
         return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+def prompt_logprob_entries(req: GenRequest) -> int:
+    """The prompt logprob entries one generation asks for: scored positions x (1 +
+    top_logprobs_num + len(token_ids_logprob)). A text prompt counts its UTF-8 bytes as
+    its tokens, which no byte-level tokenizer's count exceeds (the router's rule)."""
+    start = req.sampling.get("logprob_start_len", -1)
+    if not req.logprobs or start is None or start < 0:
+        return 0
+    length = len(req.input_ids) if req.input_ids is not None else len((req.text or "").encode())
+    return max(0, length - max(start, 1)) * (1 + req.top_logprobs + len(req.token_ids_logprob))
+
+
+def check_call_logprobs(items: list[GenRequest], limit: int) -> None:
+    """BadRequest when one call's prompt logprobs, summed over its generations, pass
+    `limit` (--max-call-logprobs): each entry is ~30 bytes of answer, held whole by the
+    front, and computed in one prefill step after another while other callers wait."""
+    asked = sum(map(prompt_logprob_entries, items))
+    if asked > limit:
+        raise BadRequest(f"this call asks for {asked} prompt logprob entries (scored positions x "
+                         f"(1 + top_logprobs_num + len(token_ids_logprob)), summed over its "
+                         f"{len(items)} prompt(s)); the front's --max-call-logprobs is {limit}: "
+                         "split it into smaller calls, raise logprob_start_len or ask fewer "
+                         "top_logprobs_num")
+
+
 # --- reading a body ---------------------------------------------------------------
 
 def json_object(raw: bytes, required: bool = True) -> dict:

@@ -15,7 +15,8 @@ from zpd.ops.options import (ROUTER_ENDPOINT, add_default, add_prompt_limit_opti
 HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template",
                     "max_text_bytes", "max_input_ids", "max_batch_requests",
                     "incremental_streaming_output", "cumulative_bytes_per_token",
-                    "stream_write_timeout", "stream_buffer_bytes",
+                    "stream_write_timeout", "stream_buffer_bytes", "stream_buffer_total_bytes",
+                    "max_call_logprobs", "max_answer_bytes",
                     "keepalive_timeout", "header_timeout", "body_timeout", "max_connections",
                     "allowed_hosts")
 
@@ -78,14 +79,27 @@ def add_http_front_options(g: argparse._ActionsContainer) -> None:
                 "for this many seconds is closed and its requests aborted (default {default})",
                 type=float)
     add_default(g, "--stream-buffer-bytes", HttpConfig, "bytes of a stream the front holds "
-                "unsent before it waits for the client (default {default})", type=int)
+                "unsent before it waits for the client; the socket's kernel send buffer is "
+                "set to it too (default {default})", type=int)
+    add_default(g, "--stream-buffer-total-bytes", HttpConfig, "bytes all streams together may "
+                "hold unsent: past it, a stream whose client is not reading waits until the "
+                "client takes what it has (else it is closed after --stream-write-timeout) "
+                "before the front holds more of it (default {default})", type=int)
+    add_default(g, "--max-call-logprobs", HttpConfig, "prompt logprob entries one call may ask "
+                "for, summed over its prompts: scored positions x (1 + top_logprobs_num + "
+                "len(token_ids_logprob)), about 30 bytes of answer each; more is refused with "
+                "400 naming this flag (default {default})", type=int)
+    add_default(g, "--max-answer-bytes", HttpConfig, "bytes a call's answer (not streamed) may "
+                "hold, about 32 per token id or logprob entry; past it the call's requests are "
+                "aborted and it is answered 400 naming this flag (default {default})", type=int)
 
 
 def check_front_options(args: argparse.Namespace) -> None:
     """ValueError naming a flag of add_http_front_options that cannot work."""
     if getattr(args, "http_workers", 1) < 1:
         raise ValueError("--workers (--http-workers) must be at least 1")
-    for name in ("max_batch_requests", "cumulative_bytes_per_token", "stream_buffer_bytes"):
+    for name in ("max_batch_requests", "cumulative_bytes_per_token", "stream_buffer_bytes",
+                 "stream_buffer_total_bytes", "max_call_logprobs", "max_answer_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if not args.stream_write_timeout > 0:
@@ -148,4 +162,7 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
                       incremental_streaming_output=args.incremental_streaming_output,
                       cumulative_bytes_per_token=args.cumulative_bytes_per_token,
                       stream_write_timeout=args.stream_write_timeout,
-                      stream_buffer_bytes=args.stream_buffer_bytes)
+                      stream_buffer_bytes=args.stream_buffer_bytes,
+                      stream_buffer_total_bytes=args.stream_buffer_total_bytes,
+                      max_call_logprobs=args.max_call_logprobs,
+                      max_answer_bytes=args.max_answer_bytes)

@@ -175,6 +175,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                 "NICs exist; MC_FORCE_TCP=1 forces TCP)", choices=["tcp", "rdma"])
     add_default(g, "--max-prefill-tokens", WorkerConfig,
                 "most prompt tokens in one prefill forward (default {default})", type=int)
+    add_default(g, "--prefill-step-seconds", WorkerConfig, "a prefill step also takes at most "
+                "the tokens this worker computes in this many seconds (measured as it runs), "
+                "so that a request from another caller waits little behind a long batch; a "
+                "single prompt is still computed in one step (0 = off; default {default})",
+                type=float)
     add_default(g, "--transfer-timeout", Deadlines, "seconds one KV write may take before the "
                 "request fails with 504 (default {default})", field="transfer", type=float)
     add_default(g, "--kv-wait-timeout", Deadlines, "seconds to wait for KV pages, kv_dest or "
@@ -306,12 +311,15 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
     check_tp(args.tp)
     if not 0 < args.weight_sync_timeout <= 86400:          # NaN fails too
         raise ValueError("--weight-sync-timeout must be a number of seconds in (0, 86400]")
+    if not 0 <= args.prefill_step_seconds <= 3600:
+        raise ValueError("--prefill-step-seconds must be a number of seconds in [0, 3600]")
     return WorkerConfig(
         role=role, model=args.model, host=args.host, port=args.port, device=args.device,
         dtype=args.dtype, weight_version=args.weight_version, page_size=args.page_size,
         kv_cache_mb=kv_cache_mb(args), mem_fraction_static=args.mem_fraction_static,
         overrides=model_overrides(args), max_batch=args.max_batch,
         max_prefill_tokens=args.max_prefill_tokens, transport=args.transport,
+        prefill_step_seconds=args.prefill_step_seconds,
         ib_device=args.ib_device, protocol=args.protocol, deadlines=deadlines(args),
         ready_file=args.ready_file, curve_keys=args.curve_keys, weights_root=args.weights_root,
         router_secret_file=args.router_secret_file,
@@ -366,7 +374,7 @@ def _endpoints(text: str) -> tuple[str, ...]:
 WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size", "kv_cache_mb",
                       "mem_fraction_static", "tokenizer_path", "chat_template", "context_length",
                       "max_batch", "threads", "transport", "ib_device", "protocol",
-                      "max_prefill_tokens", "transfer_timeout", "kv_wait_timeout", "dead_fence",
+                      "max_prefill_tokens", "prefill_step_seconds", "transfer_timeout", "kv_wait_timeout", "dead_fence",
                       "router_grace", "heartbeat", "peer_timeout", "busy_poll_us", "log_level", "curve_keys",
                       "router_secret_file",
                       "weights_root", "weight_sync_timeout",

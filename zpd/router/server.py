@@ -247,7 +247,7 @@ class RouterServer:
         self.inflight[rid] = InFlight(rid, client, prefill, decode)
         routed = Generate(rid, msg.input_ids, msg.sampling, msg.stream, room, 0,
                           prefill.endpoint, decode.endpoint if decode else "", msg.text, msg.chat,
-                          owner=client.hex())
+                          owner=client.hex(), user=msg.user)
         log.info("rid=%r room=%d -> prefill %s, %s", rid, room, prefill.endpoint,
                  f"decode {decode.endpoint}" if decode else "scored there")
         for w in (decode, prefill) if decode else (prefill,):

@@ -51,8 +51,11 @@ class Timer:
         return self._loop is not None
 
     def cancel(self) -> None:
-        """Stop the call from running; its heap entry is dropped lazily."""
+        """Stop the call from running; its heap entry is dropped lazily, but what the
+        call would have reached is let go now (a scoring job's deadline held its
+        prompt logprobs, ~5 MB a prompt, for the deadline's whole length)."""
         loop, self._loop = self._loop, None
+        self.fn, self.args = None, ()
         if loop is not None:
             loop._note_cancelled()
 

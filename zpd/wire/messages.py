@@ -68,7 +68,8 @@ class Generate(Message):
     # Who the client submits for, among its own users (the HTTP front names each HTTP
     # caller): the router's second level of fairness, after the client itself. At most
     # MAX_USER_CHARS printable characters (the router refuses others with 400); ""
-    # is the client itself. Not passed on to the workers.
+    # is the client itself. The router passes it on: a prefill takes turns between
+    # callers too (zpd/worker/fair.py).
     user: str = ""
     # Which of that user's calls it belongs to (the HTTP front names each HTTP request,
     # so one batch of a thousand does not make the same user's next call wait behind

@@ -51,6 +51,7 @@ class PrefillJob:
                                          # decode): the prefill sends it the final answer
     prefix_keys: Prefix | None = None    # its prompt's prefix-cache keys (PageBook.prefix)
     skip: int = 0                        # leading pages that came from the prefix cache
+    caller: tuple = ()                   # whose turn it takes in the queue (zpd/worker/fair.py)
 
 
 class DecodePhase(enum.Enum):

@@ -19,7 +19,8 @@ import logging
 import time
 from collections import deque
 
-from engines.request import Request, validate_prefix, validate_prompt_logprobs
+from engines.request import (MAX_PROMPT_LOGPROB_ENTRIES, Request, prompt_logprob_entries,
+                             validate_prefix, validate_prompt_logprobs)
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, StatusError
 from engines.sampler import SamplingParams
 from zpd.wire.admin import Continue
@@ -28,6 +29,7 @@ from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
 from zpd.worker.core import WorkerCore
 from zpd.worker.dests import KvDests
+from zpd.worker.fair import FairTurns, StepBudget
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import final_meta, token_part
@@ -56,6 +58,9 @@ class PrefillScheduler:
         self.deadlines = core.cfg.deadlines
         self.jobs: dict[int, PrefillJob] = {}                # room -> live job
         self.pending: deque[PrefillJob] = deque()             # QUEUED, in arrival order
+        self.turns = FairTurns()                              # taken in turns between callers
+        self.budget = StepBudget(core.cfg.max_prefill_tokens, core.cfg.prefill_step_seconds,
+                                 self.pool.layout.page_size)
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
         self.writes = KvWrites(self)                          # KV writes in flight
         self.peers = DecodePeers(model_layout(core.layout, core.rank_pools),
@@ -99,7 +104,7 @@ class PrefillScheduler:
     # --- the step ------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self._fits(self.pending[0]) if self.pending else False
+        return self._fits(self.turns.first(self.pending)) if self.pending else False
 
     def _fits(self, job: PrefillJob) -> bool:
         return self.core.schedulable() and \
@@ -130,36 +135,42 @@ class PrefillScheduler:
         for job in batch:
             job.marks |= {"forward": started, "computed": done}
             self.pages.computed(job.req, self._prefix(job))
-        self.counters["prompt_tokens_computed"] += sum(len(j.req.prompt) - j.skip * self.page_size
-                                                       for j in batch)
+        computed = sum(len(j.req.prompt) - j.skip * self.page_size for j in batch)
+        self.budget.took(computed, done - started)
+        self.counters["prompt_tokens_computed"] += computed
         self.counters["prefill_forward_seconds"] += done - started
         self.after_compute(batch)
 
     def take_batch(self) -> list[PrefillJob]:
-        """FIFO: give queued jobs their pages (the cached prefix's, then new ones) while
-        pages and the token budget allow. A job whose next page to compute is being
-        computed by a job already in the batch waits one step, then takes it from the
-        cache: eight samples of one prompt compute it once."""
-        batch, tokens, computing = [], 0, set()
-        for job in list(self.pending):
+        """Callers in turn (zpd/worker/fair.py): give queued jobs their pages (the
+        cached prefix's, then new ones) while pages, the token budget and the prompt
+        logprob budget allow. A job whose next page to compute is being computed by a job
+        already in the batch waits one step, then takes it from the cache: eight samples
+        of one prompt compute it once."""
+        batch, tokens, entries, computing = [], 0, 0, set()
+        budget = self.budget.tokens()
+        for job in self.turns.order(self.pending):
             if not self._fits(job):
                 break
             n, prefix = len(job.req.prompt), self._prefix(job)
+            scored = prompt_logprob_entries(n, job.req.params) if job.req.prompt_logprob_ask else 0
             keys, hit = prefix.usable(self.page_size), self.pages.hit(prefix)
             # wait for a batch-mate only for a page this prompt could take from the cache
             # (the page of its last token is always computed)
             if hit < min(len(keys), (n - 1) // self.page_size) and keys[hit] in computing:
                 continue
-            if batch and tokens + n - hit * self.page_size > self.core.cfg.max_prefill_tokens:
-                break
+            if batch and (tokens + n - hit * self.page_size > budget
+                          or entries + scored > MAX_PROMPT_LOGPROB_ENTRIES):
+                break       # (a step's logprobs are held whole until its answers are sent)
             skip = self.pages.reserve(job.req, prefix, self.pool.pages_for(n))
             if skip is None:                     # `_fits` said there is room: cannot happen
                 break
             job.skip = skip
             self.move(job, JobPhase.COMPUTING)
             batch.append(job)
-            tokens += n - hit * self.page_size
+            tokens, entries = tokens + n - hit * self.page_size, entries + scored
             computing.update(prefix.keys[hit:])
+        self.turns.served(batch, self.pending)
         return batch
 
     def after_compute(self, batch: list[PrefillJob]) -> None:
@@ -237,6 +248,7 @@ class PrefillScheduler:
                          answer_to=identity if scoring else None)
         if job is not None:     # (a scoring job pairs with no decode: every kv_dest is refused)
             job.early_to = identity if msg.stream else None
+            job.caller = (identity, msg.owner, msg.user)
             self.dests.pair(job, msg.decode)
 
     def on_recompute(self, identity: bytes, msg: Recompute) -> None:
@@ -256,6 +268,7 @@ class PrefillScheduler:
         job = self.admit(msg.rid, msg.room, msg.epoch, list(msg.input_ids), params, failure,
                          identity)
         if job is not None:                      # the decode that asks is the room's decode
+            job.caller = (identity,)
             self.dests.pair(job, self.peers.endpoint(identity), identity)
 
     def admit(self, rid: str, room: int, epoch: int, prompt: list[int], params: SamplingParams,
