@@ -19,7 +19,7 @@ minus TP 1 of the same round.
 Where the added time goes, each piece measured on its own and added up per step
 (rounds interleaved with the engine's):
   tell   the leader's TpGroup.tell of each decode forward, timed inside the engine
-         (the leader's own time, sending the pickled inputs to the other ranks);
+         (the leader's own time, sending the encoded inputs to the other ranks);
   word   a standalone group of the same size (engines.tp.group.join, same threads):
          the leader tells a real decode's inputs, every other rank hears it and
          does nothing with it, then all meet in an all_reduce of one float; minus
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -64,7 +63,8 @@ from engines.loader import load_model  # noqa: E402
 from engines.offline import OfflineEngine  # noqa: E402
 from engines.request import Request  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
-from engines.tp.group import TpGroup, free_port, join  # noqa: E402
+from engines.tp import words as word_codec  # noqa: E402
+from engines.tp.group import Rendezvous, TpGroup, join  # noqa: E402
 from engines.tp.spawn import lead, stop  # noqa: E402
 
 MODEL = "tiny"
@@ -130,20 +130,30 @@ class TpEngine:
 
 # --- a standalone group: the word and the all-reduce alone ---------------------------------
 
-def _micro_follower(rank: int, size: int, port: int) -> None:
-    """The other ranks' side of Micro: each leader's word says what to do next."""
+# Micro's own orders (a broadcast of 4 int64: order, rows, columns, n), apart from the
+# engine's words, which name only what a rank of a worker does (engines/tp/words.py).
+STOP, REDUCE, PING_WORD, PING_BCAST = range(4)
+
+
+def _order(tp: TpGroup, *order: int) -> tuple[int, ...]:
+    x = torch.tensor(list(order) or [0, 0, 0, 0], dtype=torch.int64)
+    tp.words.broadcast(x, 0).wait()
+    return tuple(int(v) for v in x)
+
+
+def _micro_follower(rank: int, size: int, rendezvous: str) -> None:
+    """The other ranks' side of Micro: each order of the leader says what to do next."""
     torch.set_num_threads(1)
-    tp = join(rank, size, port)
+    tp = join(rank, size, rendezvous)
     while True:
-        op, args = tp.hear()
-        if op == "stop":
+        op, rows, cols, n = _order(tp)
+        if op == STOP:
             return
-        if op == "reduce":
-            shape, n = args
+        if op == REDUCE:
             for _ in range(n):
-                tp.all_reduce(torch.zeros(shape))
-        elif op == "ping":
-            n, whole = args
+                tp.all_reduce(torch.zeros(rows, cols))
+        else:
+            whole = op == PING_WORD
             for _ in range(n):
                 if whole:
                     tp.hear()
@@ -154,7 +164,7 @@ def _micro_follower(rank: int, size: int, port: int) -> None:
 
 def one_broadcast(tp: TpGroup) -> None:
     """The smallest word there is: one broadcast of 8 bytes (`tell` makes two: the
-    pickle's length, then the pickle)."""
+    word's length, then the word)."""
     tp.words.broadcast(torch.zeros(1, dtype=torch.int64), 0).wait()
 
 
@@ -163,17 +173,17 @@ class Micro:
     the word and the all-reduce with nothing else in a step."""
 
     def __init__(self, size: int) -> None:
-        port = free_port()
+        self.meeting = Rendezvous()
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_micro_follower, args=(r, size, port), daemon=True)
-                      for r in range(1, size)]
+        self.procs = [ctx.Process(target=_micro_follower, args=(r, size, self.meeting.path),
+                                  daemon=True) for r in range(1, size)]
         for p in self.procs:
             p.start()
-        self.tp = join(0, size, port)
+        self.tp = join(0, size, self.meeting.path)
 
     def reduce(self, shape: tuple[int, ...], n: int) -> float:
-        """Median seconds of one all_reduce of a float32 tensor of `shape`."""
-        self.tp.tell("reduce", shape, n)
+        """Median seconds of one all_reduce of a float32 tensor of `shape` ([rows, cols])."""
+        _order(self.tp, REDUCE, *shape, n)
         x, times = torch.zeros(shape), []
         for _ in range(n):
             t = time.perf_counter()
@@ -184,7 +194,7 @@ class Micro:
     def ping(self, word: tuple | None, n: int) -> float:
         """Median seconds of the leader telling `word` (None: one_broadcast) and all
         ranks then meeting."""
-        self.tp.tell("ping", n, word is not None)
+        _order(self.tp, PING_WORD if word is not None else PING_BCAST, 0, 0, n)
         one, times = torch.zeros(1), []
         for _ in range(n):
             t = time.perf_counter()
@@ -197,11 +207,12 @@ class Micro:
         return med(times)
 
     def stop(self) -> None:
-        self.tp.tell("stop")
+        _order(self.tp, STOP, 0, 0, 0)
         for p in self.procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        self.meeting.close()
 
 
 # --- rounds ---------------------------------------------------------------------------
@@ -238,11 +249,11 @@ def engine_rounds(args: argparse.Namespace) -> dict:
 
 
 def standalone(micro: Micro, word: tuple, b: int, args: argparse.Namespace, put) -> None:
-    n, alone = micro.tp.size, micro.reduce((1,), args.micro_iters)
+    n, alone = micro.tp.size, micro.reduce((1, 1), args.micro_iters)
     put("late", n, b, micro.ping(word, args.micro_iters) - alone)
     put("bcast", n, b, micro.ping(None, args.micro_iters) - alone)
     put("reduce", n, b, REDUCES * micro.reduce((b, HIDDEN), args.micro_iters))
-    put("word kB", n, b, len(pickle.dumps(word, protocol=pickle.HIGHEST_PROTOCOL)), 1e-3)
+    put("word kB", n, b, len(word_codec.encode(word[0], word[1:])), 1e-3)
 
 
 ROWS = (("in the engine (the leader's clocks):", None),
@@ -255,7 +266,7 @@ ROWS = (("in the engine (the leader's clocks):", None),
         ("  word round trip - all-reduce of 1 float", "late"),
         ("  one 8-byte broadcast's, the same way", "bcast"),
         ("  4 all-reduces of [batch, 64]", "reduce"),
-        ("  word pickled, kB", "word kB"))
+        ("  word encoded, kB", "word kB"))
 
 
 def print_engine(figs: dict, args: argparse.Namespace) -> None:

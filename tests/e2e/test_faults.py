@@ -36,6 +36,7 @@ from zpd.client import Client
 from zpd.env import FAULT_ENV
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
+from zpd.wire.router_proof import load_router_secret, router_identity
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 
@@ -355,7 +356,9 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
         (holder,) = [d for d in delayed.decodes if "rid='dup' " in d.log.read_text()]
         ctx = zmq.Context()
         try:
-            raw = Dealer(ctx, holder.endpoint)
+            # a restarted router: proven by the cluster's secret, under a new boot id
+            secret = load_router_secret(delayed.security_flags[1])
+            raw = Dealer(ctx, holder.endpoint, identity=router_identity("127.0.0.1:1", "restarted", secret))
             raw.send(Generate("dup", [4, 5], {"max_new_tokens": 2}, False, 12345, 0,
                               delayed.prefills[0].endpoint, holder.endpoint))
             reply = raw.recv(timeout=5)

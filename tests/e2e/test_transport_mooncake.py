@@ -137,12 +137,24 @@ def peer_process():
     proc.wait(timeout=10)
 
 
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until /proc says `pid` is stopped (state T)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] == "T":
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s")
+
+
 def test_frozen_peer_fails_before_the_deadline_then_recovers(pair, peer_process) -> None:
     a, _, src, _ = pair
     proc, session, addr = peer_process
     a.write(10, session, [(src.ctypes.data, addr, PAGE)])
     assert wait_one(a).ok
     os.kill(proc.pid, signal.SIGSTOP)
+    _wait_stopped(proc.pid)         # kill() returns before a busy peer has stopped
     started = time.monotonic()
     a.write(11, session, [(src.ctypes.data, addr, PAGE)])
     c = wait_one(a)
