@@ -201,7 +201,7 @@ def update_weights(model: LoadedModel, path: str, version: str | None = None) ->
     without one it stays what it was (SGLang's update_weights_from_disk does the same:
     a version is only ever set by the caller). Returns the version."""
     if model.shard is not None:
-        raise ValueError("one rank's part of a model updates through engines.tp.shard.update_part")
+        raise ValueError("one rank's part of a model updates through engines.tp.runner (read_whole, swap_part)")
     path = resolve_spec(path)
     if isinstance(model.net, NullNet):
         model.net.update(path)

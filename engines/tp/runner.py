@@ -14,7 +14,7 @@ from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.tp.group import TpGroup
 from engines.tp.words import ASKED
-from engines.tp.shard import apply_rows, update_part
+from engines.tp.shard import apply_rows, read_whole, swap_part
 from engines.weight_push import Shadow
 from engines.tp.shared_pool import HandleError, open_buffer, shared_buffer
 
@@ -147,11 +147,19 @@ class TpRunner(ModelRunner):
         return sum(math.prod(a.shape) for a in written if a.where is not None)
 
     def update_weights(self, path: str, version: str | None) -> str:
-        """Every rank's part from checkpoint `path`. Rank 0 loads first: a checkpoint it
-        refuses changes nothing anywhere; the others then read the same files."""
-        got = update_part(self.model, path, version)
-        self.tp.tell("update_weights", path, version)
-        return got
+        """Every rank's part from checkpoint `path`, all or none: rank 0 reads it first
+        (a checkpoint it refuses changes nothing anywhere), then every other rank reads
+        it beside its weights and says whether it could; only when all could does every
+        rank swap its part in. A rank that could not (no memory, a file gone) leaves
+        every rank on its old weights and the group in step."""
+        whole = read_whole(self.model, path)
+        failed = self.tp.ask("stage_weights", path)
+        if failed:
+            self.tp.tell("drop_staged")
+            raise RuntimeError(f"tensor-parallel rank(s) {failed} could not read {path} "
+                               "(their log says why): every rank keeps its weights")
+        self.tp.tell("swap_staged", version)
+        return swap_part(self.model, whole, version)
 
 
 def pool_key(rank: int, made: int) -> str:
@@ -168,6 +176,7 @@ class Follower:
         self.pool: KVPool | None = None
         self.runner: ModelRunner | None = None
         self.weights_held = None                 # engines.weight_release.Released
+        self.staged = None                       # a checkpoint read, not yet swapped in
 
     def make_pool(self, page_size: int, num_pages: int, clear_on_free: bool) -> None:
         m = self.model
@@ -205,8 +214,16 @@ class Follower:
     def clear_pages(self, pages: list[int]) -> None:
         self.pool.clear_pages(pages)
 
-    def update_weights(self, path: str, version: str | None) -> None:
-        update_part(self.model, path, version)
+    def stage_weights(self, path: str) -> None:
+        self.staged = None                      # (one staged checkpoint at most in memory)
+        self.staged = read_whole(self.model, path)
+
+    def swap_staged(self, version: str | None) -> None:
+        whole, self.staged = self.staged, None
+        swap_part(self.model, whole, version)
+
+    def drop_staged(self) -> None:
+        self.staged = None
 
     def take_weights(self, items: list) -> None:
         """The rows of a trainer's push the leader says, from its broadcasts in order."""
@@ -233,7 +250,7 @@ class Follower:
             try:
                 getattr(self, op)(*args)
                 failed = False
-            except (OSError, RuntimeError, ValueError) as e:
+            except (OSError, RuntimeError, ValueError, MemoryError) as e:
                 log.error("rank %d: %s failed: %s", self.tp.rank, op, e)
                 failed = True
             self.tp.answer(failed)

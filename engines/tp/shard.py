@@ -84,10 +84,15 @@ def shard_model(model: LoadedModel, plan: TpPlan) -> LoadedModel:
     return replace(model, cfg=cfg, net=net, shard=Shard(model.cfg, plan))
 
 
-def update_part(part: LoadedModel, path: str, version: str | None = None) -> str:
-    """Replace a rank's part with its slice of checkpoint `path` (the whole model is read,
-    cut and let go; on any error the old weights stay). Returns the version."""
-    whole = whole_net(path, part.shard.whole, part.device, part.dtype)
+def read_whole(part: LoadedModel, path: str) -> torch.nn.Module:
+    """Checkpoint `path` as a whole network beside `part` (ModelError, OSError: nothing
+    changed): the first half of a rank's update (engines/tp/runner.py)."""
+    return whole_net(path, part.shard.whole, part.device, part.dtype)
+
+
+def swap_part(part: LoadedModel, whole: torch.nn.Module, version: str | None) -> str:
+    """Copy this rank's slice of `whole` into `part` (which then takes `version`, if
+    given), once every rank has read it. Returns the version."""
     copy_shards(whole, part.net, part.shard.plan)
     if version:
         part.version = version

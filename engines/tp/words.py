@@ -13,11 +13,13 @@ from engines.prompt_logprobs import PromptLogprobAsk
 
 # What a rank other than 0 may be told to do (engines/tp/runner.py Follower's methods).
 OPS = frozenset({"make_pool", "clear_pages", "forward", "release_kv", "resume_kv",
-                 "release_weights", "resume_weights", "update_weights", "take_weights", "stop"})
+                 "release_weights", "resume_weights", "stage_weights", "swap_staged",
+                 "drop_staged", "take_weights", "stop"})
 # The words a rank answers (ok or failed: TpGroup.ask): those that can fail for want of
 # memory or a file without putting the ranks out of step, and release_kv, so that
 # "released" is said once every rank has let its pool go.
-ASKED = frozenset({"make_pool", "release_kv", "resume_kv", "release_weights", "resume_weights"})
+ASKED = frozenset({"make_pool", "release_kv", "resume_kv", "release_weights", "resume_weights",
+                   "stage_weights"})
 # The forwards a word may name (engines/runner.py ModelRunner's methods).
 FORWARDS = frozenset({"prefill_with_logprobs", "decode"})
 

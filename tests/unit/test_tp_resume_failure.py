@@ -39,10 +39,11 @@ def _decode(reply: dict) -> dict:
 
 
 @contextmanager
-def _no_room(pid: int):
-    """Process `pid` can map 4 MiB more than it maps now (less than its 16 MiB pool)."""
+def _no_room(pid: int, room: int = 4 * MB):
+    """Process `pid` can map `room` more than it maps now (4 MiB: less than its 16 MiB
+    pool)."""
     limits = resource.prlimit(pid, resource.RLIMIT_AS)
-    resource.prlimit(pid, resource.RLIMIT_AS, (_mapped_bytes(pid) + 4 * MB, limits[1]))
+    resource.prlimit(pid, resource.RLIMIT_AS, (_mapped_bytes(pid) + room, limits[1]))
     try:
         yield
     finally:
@@ -92,4 +93,34 @@ def test_a_failed_resume_leaves_memory_released_and_a_retry_works(cluster, tags,
     assert got["ok"], got
     assert c.admin("continue")["ok"]
     c.serves_again()
+    c.check_pages()
+
+
+def test_a_weight_update_one_rank_cannot_read_leaves_every_rank_as_it_was(cluster, tmp_path):
+    """Rank 1 cannot hold the checkpoint it must read (its address space is full):
+    before, rank 0 had swapped its part in already and rank 1 died of the error (the
+    worker with it). Now every rank keeps its old weights, the worker says so and goes
+    on, and a retry moves every rank, in step (the answers are the new model's)."""
+    from engines.loader import load_model
+    from engines.models.tiny import save_tiny
+    from engines.offline import OfflineEngine
+    from engines.request import Request
+    from engines.sampler import SamplingParams
+    c = cluster
+    (rank1,) = c.decode.tp_procs
+    new = save_tiny(tmp_path / "tiny1", seed=1)
+    before = _decode(c.admin("status"))["weight_version"]
+    assert c.admin("pause", mode="retract")["ok"]
+    with _no_room(rank1.pid, room=0):
+        got = _decode(c.admin("update_weights", path=str(new), weight_version="v1"))
+    assert not got["ok"] and "rank(s) [1]" in got["error"] and "keeps its weights" in got["error"], got
+    assert c.decode.failure() is None and rank1.is_alive()
+    assert _decode(c.admin("status"))["weight_version"] == before
+    assert c.admin("update_weights", path=str(new), weight_version="v1")["ok"]
+    assert c.admin("continue")["ok"]
+    prompt = [5, 17, 99, 3, 42, 8]
+    answer = c.run(c.submit(prompt, 10))
+    ref = OfflineEngine(load_model(str(new), dtype="float64"), kv_cache_mb=1).run([Request(
+        "r", prompt, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))])[0]
+    assert answer.token_ids == ref["output_ids"] and set(answer.weight_versions) == {"v1"}
     c.check_pages()
