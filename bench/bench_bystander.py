@@ -19,33 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run without install
 
+from common import http_post as post  # noqa: E402
 from tests.e2e.cluster import Cluster  # noqa: E402
 
 BYSTANDER_WAIT_S = 60       # the bystander's calls give up after this long
-
-
-async def post(endpoint: str, path: str, body: dict) -> tuple[int, dict | None]:
-    """(HTTP status, JSON answer) of one POST on a connection of its own."""
-    host, port = endpoint.rsplit(":", 1)
-    raw = orjson.dumps(body)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                     % (path.encode(), host.encode(), len(raw), raw))
-        answer = await reader.read(-1)
-    finally:
-        writer.close()
-    head, _, data = answer.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
-    try:
-        return status, orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return status, None
 
 
 async def timed(endpoint: str, path: str, body: dict, limit: float) -> float:

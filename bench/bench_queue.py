@@ -36,41 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import orjson
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run without install
 
-from common import log_step  # noqa: E402
+from common import http_post, log_step  # noqa: E402
 from tests.e2e.cluster import Cluster  # noqa: E402
 from zpd.client import Client  # noqa: E402
 
 A_ADDR, B_ADDR = "127.0.0.2", "127.0.0.3"
 CONNECTING = 256           # connections being opened at once (the front's accept backlog)
-
-
-async def post(endpoint: str, body: dict, local: str = "127.0.0.1",
-               opening: asyncio.Semaphore | None = None) -> tuple[int, dict | None]:
-    """(HTTP status, JSON answer) of one POST /generate on a connection of its own."""
-    host, port = endpoint.rsplit(":", 1)
-    raw = orjson.dumps(body)
-    if opening is not None:
-        async with opening:
-            reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
-    else:
-        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
-    try:
-        writer.write(b"POST /generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                     % (host.encode(), len(raw), raw))
-        answer = await reader.read(-1)
-    finally:
-        writer.close()
-    head, _, data = answer.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
-    try:
-        return status, orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return status, None
 
 
 def body(new_tokens: int, rng: random.Random) -> dict:
@@ -89,7 +62,7 @@ def outcome(status: int, answer: dict | None) -> str:
 async def many(endpoint: str, n: int, new_tokens: int) -> tuple[collections.Counter, float]:
     rng, opening = random.Random(1), asyncio.Semaphore(CONNECTING)
     start = time.monotonic()
-    got = await asyncio.gather(*(post(endpoint, body(new_tokens, rng), opening=opening)
+    got = await asyncio.gather(*(http_post(endpoint, "/generate", body(new_tokens, rng), opening=opening)
                                  for _ in range(n)), return_exceptions=True)
     took = time.monotonic() - start
     counts = collections.Counter(f"{type(g).__name__}" if isinstance(g, BaseException)
@@ -99,7 +72,7 @@ async def many(endpoint: str, n: int, new_tokens: int) -> tuple[collections.Coun
 
 async def timed(endpoint: str, local: str, payload: dict) -> float:
     start = time.monotonic()
-    status, answer = await post(endpoint, payload, local)
+    status, answer = await http_post(endpoint, "/generate", payload, local)
     if outcome(status, answer) != "ok":
         raise RuntimeError(f"B's request failed: {status} {answer}")
     return time.monotonic() - start
@@ -144,7 +117,7 @@ async def fairness(endpoint: str, router: str, args: argparse.Namespace) -> dict
             call = {"input_ids": [body(0, arng)["input_ids"] for _ in range(8)],
                     "sampling_params": {"max_new_tokens": args.new_tokens, "ignore_eos": True,
                                         "n": args.flood // 8}}
-            status, answer = await post(endpoint, call, A_ADDR)
+            status, answer = await http_post(endpoint, "/generate", call, A_ADDR)
             if status != 200:
                 raise RuntimeError(f"A's call failed: {status} {answer}")
             done[0] += len(answer)

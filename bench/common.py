@@ -4,6 +4,8 @@ statistics helpers. Imported by bench_e2e.py and bench_retract.py (run from the
 repository root or anywhere: ROOT goes on sys.path)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import random
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -194,3 +197,26 @@ class Launch:
     def log(self, name: str) -> str:
         f = self.logs / f"{name}.log"
         return f.read_text(errors="replace") if f.exists() else ""
+
+
+async def http_post(endpoint: str, path: str, body: dict, local: str = "127.0.0.1",
+                    opening: asyncio.Semaphore | None = None) -> tuple[int, dict | None]:
+    """(HTTP status, JSON answer or None) of one POST on a connection of its own, from
+    the address `local` (`opening` bounds the connections being opened at once)."""
+    host, port = endpoint.rsplit(":", 1)
+    raw = orjson.dumps(body)
+    async with opening if opening is not None else contextlib.nullcontext():
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
+    try:
+        writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+                     % (path.encode(), host.encode(), len(raw), raw))
+        answer = await reader.read(-1)
+    finally:
+        writer.close()
+    head, _, data = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+    try:
+        return status, orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return status, None
