@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from zpd.wire.status import BAD_REQUEST
-from engines.sampler import SamplingParams
+from engines.sampling_params import SamplingParams
 from zpd.config import chat_bytes, default_of, utf8_len
 from zpd.wire.protocol import Generate
 

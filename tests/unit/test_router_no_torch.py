@@ -1,0 +1,76 @@
+"""The router process and the CLI never import torch (issue 44, item 7): the router
+only routes, so torch's ~2 s import and its libraries' resident memory are waste there.
+Each check runs in a fresh interpreter (this one has torch loaded by other tests)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.unit.test_cli_startup import run_cli, unused_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# What the router, `zpd` and `zpd admin` import before they load anything.
+TORCH_FREE = ("zpd.router.server", "zpd.router.shares", "zpd.ops.serve", "zpd.ops.cli",
+              "zpd.ops.admin", "zpd.client", "engines.sampling_params")
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": str(ROOT)}
+
+
+def test_router_cli_and_admin_modules_import_no_torch() -> None:
+    probe = ("import importlib, json, sys\n"
+             f"for m in {TORCH_FREE!r}: importlib.import_module(m)\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]]:
+    """A `zpd router` process over two addresses where no worker listens: (pid, endpoint)."""
+    ready = tmp_path_factory.mktemp("router") / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "zpd", "router", "--prefill", unused_port(),
+                             "--decode", unused_port(), "--port", "0", "--ready-file", str(ready)],
+                            env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not ready.exists():
+            proc.kill()
+            pytest.fail(f"router not ready: {proc.communicate(timeout=10)[1].decode()[-2000:]}")
+        yield proc.pid, json.loads(ready.read_text())["endpoint"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_a_running_router_maps_no_libtorch(router: tuple[int, str]) -> None:
+    pid, _ = router
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    torch_files = {line.split()[-1] for line in maps.splitlines()
+                   if "libtorch" in line or "/torch/" in line}
+    assert torch_files == set()
+
+
+def test_zpd_admin_against_a_running_router_imports_no_torch(router: tuple[int, str]) -> None:
+    _, endpoint = router
+    # 1: the router answered, naming both workers unavailable
+    assert run_cli("admin", "--endpoint", endpoint, "--timeout", "5", "status") == \
+        {"code": 1, "torch": []}
