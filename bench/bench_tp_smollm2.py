@@ -1,5 +1,5 @@
 """SmolLM2-135M (9 query heads over 3 key/value heads) at `zpd run --tp 3` against
-`--tp 1`: the same greedy tokens for the chat prompt of ../shared/FACTS.md, and what
+`--tp 1`: the same greedy tokens for the chat prompt of tests/unit/test_smollm2.py, and what
 the three ranks cost here in wall-clock time. A script, not a test: 15-45 s on 2 busy
 cores (every rank loads the whole model, then keeps its part):
 

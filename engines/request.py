@@ -183,7 +183,7 @@ class StopChecker:
 
 
 def response(req: Request, tokenizer: Tokenizer | None) -> dict:
-    """The finished request in the contract's shape (shared/DESIGN.md)."""
+    """The finished request in the contract's shape (docs/design.md, "Python client")."""
     text = None
     if tokenizer is not None:
         text = tokenizer.decode(req.output)

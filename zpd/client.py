@@ -74,7 +74,7 @@ class Client:
     def generate(self, input_ids: list[int] | None = None, prompt: str | None = None,
                  sampling_params: dict | None = None, rid: str | None = None,
                  messages: list[dict] | None = None) -> dict:
-        """Run one request to the end; returns the response dict (DESIGN.md contract).
+        """Run one request to the end; returns the response dict (docs/design.md, "Python client").
         The prompt is exactly one of `input_ids`, `prompt` (text) or `messages` (a
         conversation [{"role", "content"}, ...] that the workers render with the model's
         chat template, ready for the assistant's turn)."""

