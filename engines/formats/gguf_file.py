@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
-import torch
 
 from engines.models.config import ModelConfig, ModelError
 from engines.formats.gguf_header import BadHeader, read_header
+
+if TYPE_CHECKING:
+    import torch
 
 # GGUF architecture -> (Hugging Face architecture, q/k rows permuted by llama.cpp)
 ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -51,7 +53,9 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 # one tensor of a checkpoint: (name, shape, read it as a float32 CPU tensor)
-LazyTensor = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
+# (torch is imported only where a tensor is read: the HTTP front takes the config,
+# tokenizer and chat template from the header without it)
+LazyTensor = tuple[str, tuple[int, ...], Callable[[], "torch.Tensor"]]
 
 
 def is_gguf(spec: str) -> bool:
@@ -179,6 +183,7 @@ def hf_name(gguf_name: str) -> str | None:
 
 def _reader(t, shape: tuple[int, ...], heads: int) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
+        import torch
         from gguf import quants
 
         kind = t.tensor_type.name

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from engines.formats.tokenizer import Tokenizer, byte_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported only where weights are made: the HTTP front takes the config and
+# tokenizer from here without it (tests/unit/test_router_no_torch.py)
 
 BOS_ID, EOS_ID = 256, 257
 
@@ -54,6 +58,8 @@ def tiny_state_dict(seed: int, config: dict = TINY_CONFIG) -> dict[str, torch.Te
 
     The scale is large enough that logits are peaked, so greedy decoding has clear
     winners instead of near-ties that would make outputs fragile across dtypes."""
+    import torch
+
     c, g = config, torch.Generator().manual_seed(seed)
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     hq, hkv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -91,6 +97,8 @@ def tiny_tokenizer() -> Tokenizer:
 def save_tiny(path: str | Path, seed: int = 0, config: dict = TINY_CONFIG) -> Path:
     """Write tiny:`seed` as a Hugging Face-format directory (config, weights, tokenizer);
     with `config` (TINY_CONFIG | changes), another shape of it."""
+    from safetensors.torch import save_file
+
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,5 +1,7 @@
-"""The router process and the CLI never import torch (issue 44, item 7): the router
-only routes, so torch's ~2 s import and its libraries' resident memory are waste there.
+"""The router process, the HTTP front, `zpd launch`'s parent and the CLI never import
+torch (issue 44, item 7): none of them computes, so torch's ~2 s import and its
+libraries' resident memory are waste there. The front and launch read a model's config,
+tokenizer and chat template only (engines/text.py), never its weights.
 Each check runs in a fresh interpreter (this one has torch loaded by other tests)."""
 from __future__ import annotations
 
@@ -34,6 +36,34 @@ def test_router_cli_and_admin_modules_import_no_torch() -> None:
                           timeout=60, env=_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+# The front's start (zpd/ops/serve.py) up to its server, for each kind of model: the
+# model's text is loaded and the Front built; the server's coroutine is closed unrun.
+FRONT_PROBE = """
+import json, sys
+from zpd.config import HttpConfig
+from zpd.ops import serve
+serve.asyncio.run = lambda coro: coro.close() or 0
+for model in sys.argv[1:]:
+    assert serve.serve_one_http(HttpConfig(model=model, router="127.0.0.1:9")) == 0
+print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))
+"""
+
+
+def test_the_fronts_start_loads_tiny_null_and_gguf_text_without_torch() -> None:
+    done = subprocess.run([sys.executable, "-c", FRONT_PROBE, "tiny", "tiny:3", "null",
+                           "null:5,kv_bytes=131072", "smollm2"],
+                          capture_output=True, text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_zpd_launch_checks_the_models_text_without_torch() -> None:
+    # The override is checked against the model's own text in the parent, which stops
+    # there (2: a usage error) before starting any child.
+    assert run_cli("launch", "--model", "smollm2", "--chat-template", "{% for %}") == \
+        {"code": 2, "torch": []}
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +104,29 @@ def test_zpd_admin_against_a_running_router_imports_no_torch(router: tuple[int, 
     # 1: the router answered, naming both workers unavailable
     assert run_cli("admin", "--endpoint", endpoint, "--timeout", "5", "status") == \
         {"code": 1, "torch": []}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_a_running_http_front_maps_no_libtorch(router: tuple[int, str], tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "zpd", "http", "--model", "smollm2",
+                             "--router", router[1], "--port", "0", "--ready-file", str(ready)],
+                            env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not ready.exists():
+            proc.kill()
+            pytest.fail(f"front not ready: {proc.communicate(timeout=10)[1].decode()[-2000:]}")
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    torch_files = {line.split()[-1] for line in maps.splitlines()
+                   if "libtorch" in line or "/torch/" in line}
+    assert torch_files == set()

@@ -11,7 +11,8 @@ import torch
 
 from engines.formats.chat import ChatTemplate
 from engines.models.config import ModelError
-from engines.loader import load_model, load_text
+from engines.loader import load_model
+from engines.text import load_text
 from engines.formats.overrides import ModelOverrides
 from engines.models.tiny import TINY_CONFIG, tiny_tokenizer
 from tests.unit.gguf_files import CHATML, write_tiny_gguf

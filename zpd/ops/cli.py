@@ -133,7 +133,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     check_fraction(args.mem_fraction_static)
     overrides = model_overrides(args)
     if overrides != ModelOverrides():
-        from engines.loader import load_text
+        from engines.text import load_text
         load_text(args.model, overrides)     # one clear error now, not one per worker's log
     for flag in ("prefill_threads", "decode_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:

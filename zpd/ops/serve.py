@@ -90,7 +90,7 @@ def serve_http(cfg: HttpConfig) -> int:
 
 def serve_one_http(cfg: HttpConfig) -> int:
     """One HTTP front process."""
-    from engines.loader import load_text
+    from engines.text import load_text
     from zpd.http.browser import allowed_hosts
     from zpd.http.front import Front
     tokenizer, chat, problem = load_text(cfg.model, cfg.overrides)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import transport
 from engines import weight_release
 from engines.models.config import ModelError
-from engines.loader import SMOLLM2
+from engines.text import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.models.tiny import is_tiny
 from engines.null import is_null
