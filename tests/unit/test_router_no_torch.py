@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -66,12 +67,10 @@ def test_zpd_launch_checks_the_models_text_without_torch() -> None:
         {"code": 2, "torch": []}
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]]:
-    """A `zpd router` process over two addresses where no worker listens: (pid, endpoint)."""
-    ready = tmp_path_factory.mktemp("router") / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "zpd", "router", "--prefill", unused_port(),
-                             "--decode", unused_port(), "--port", "0", "--ready-file", str(ready)],
+@contextmanager
+def _process(what: str, *args: str, ready: Path) -> Iterator[int]:
+    """`python -m zpd *args` until its ready file is written: its pid; stopped after."""
+    proc = subprocess.Popen([sys.executable, "-m", "zpd", *args, "--ready-file", str(ready)],
                             env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -79,8 +78,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]
             time.sleep(0.05)
         if not ready.exists():
             proc.kill()
-            pytest.fail(f"router not ready: {proc.communicate(timeout=10)[1].decode()[-2000:]}")
-        yield proc.pid, json.loads(ready.read_text())["endpoint"]
+            pytest.fail(f"{what} not ready: {proc.communicate(timeout=10)[1].decode()[-2000:]}")
+        yield proc.pid
     finally:
         proc.terminate()
         try:
@@ -90,13 +89,24 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]
             proc.wait()
 
 
+def _torch_files(pid: int) -> set[str]:
+    """The files of torch that process `pid` has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {line.split()[-1] for line in maps.splitlines() if "libtorch" in line or "/torch/" in line}
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]]:
+    """A `zpd router` process over two addresses where no worker listens: (pid, endpoint)."""
+    ready = tmp_path_factory.mktemp("router") / "ready.json"
+    with _process("router", "router", "--prefill", unused_port(), "--decode", unused_port(),
+                  "--port", "0", ready=ready) as pid:
+        yield pid, json.loads(ready.read_text())["endpoint"]
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
 def test_a_running_router_maps_no_libtorch(router: tuple[int, str]) -> None:
-    pid, _ = router
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    torch_files = {line.split()[-1] for line in maps.splitlines()
-                   if "libtorch" in line or "/torch/" in line}
-    assert torch_files == set()
+    assert _torch_files(router[0]) == set()
 
 
 def test_zpd_admin_against_a_running_router_imports_no_torch(router: tuple[int, str]) -> None:
@@ -108,25 +118,6 @@ def test_zpd_admin_against_a_running_router_imports_no_torch(router: tuple[int, 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
 def test_a_running_http_front_maps_no_libtorch(router: tuple[int, str], tmp_path: Path) -> None:
-    ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "zpd", "http", "--model", "smollm2",
-                             "--router", router[1], "--port", "0", "--ready-file", str(ready)],
-                            env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not ready.exists():
-            proc.kill()
-            pytest.fail(f"front not ready: {proc.communicate(timeout=10)[1].decode()[-2000:]}")
-        maps = Path(f"/proc/{proc.pid}/maps").read_text()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    torch_files = {line.split()[-1] for line in maps.splitlines()
-                   if "libtorch" in line or "/torch/" in line}
-    assert torch_files == set()
+    with _process("front", "http", "--model", "smollm2", "--router", router[1], "--port", "0",
+                  ready=tmp_path / "ready.json") as pid:
+        assert _torch_files(pid) == set()
