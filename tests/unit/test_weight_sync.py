@@ -34,10 +34,14 @@ def trainer():
 
 def admin(c: InprocCluster, command: str, seconds: float = 60.0, **args) -> dict:
     """An admin command, pumping the cluster in real time (the trainer runs meanwhile)."""
-    req_id = c.admin(command, wait=False, **args)
+    return answer(c, c.admin(command, wait=False, **args), command, seconds)
+
+
+def answer(c: InprocCluster, req_id: str, what: str, seconds: float = 60.0) -> dict:
+    """The reply to admin command `req_id` (sent with wait=False), pumping in real time."""
     end = time.monotonic() + seconds
     while req_id not in c.replies:
-        assert time.monotonic() < end, f"no answer to {command}"
+        assert time.monotonic() < end, f"no answer to {what}"
         c.pump(1)
         time.sleep(0.001)
     return c.replies[req_id]

@@ -15,7 +15,7 @@ import pytest
 
 from engines.models.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster
-from tests.unit.test_weight_sync import admin, join, push, versions, weights_equal
+from tests.unit.test_weight_sync import admin, answer, join, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer, announce
 
 W2 = tiny_state_dict(7)
@@ -138,12 +138,7 @@ def test_steps_on_top_of_a_push_are_409_and_the_push_lands(joined):
         assert not reply["ok"] and reply["status"] == 409, (command, reply)
         assert "pushing weights from group 'g'" in reply["error"], reply
     t.push(list(W2.values()))
-    end = time.monotonic() + 30
-    while req_id not in c.replies:
-        assert time.monotonic() < end, "the push never answered"
-        c.pump(1)
-        time.sleep(0.001)
-    assert c.replies[req_id]["ok"] and t.wait() is None
+    assert answer(c, req_id, "the push", 30)["ok"] and t.wait() is None
     assert versions(c) == ["v2", "v2"] and weights_equal(c, "tiny:7")
     # back to the old weights for the other tests, through the same group
     assert push(c, t, tiny_state_dict(0), version="tiny")["ok"] and weights_equal(c, "tiny")
@@ -165,12 +160,7 @@ def test_two_inits_at_once_one_joins_the_other_is_409():
                         master_port=second.port, rank_offset=1, world_size=3,
                         group_name="second", backend="gloo")
         assert reply["status"] == 409 and "joining weight group 'first'" in reply["error"], reply
-        end = time.monotonic() + 30
-        while req_id not in c.replies:
-            assert time.monotonic() < end, "the first init never answered"
-            c.pump(1)
-            time.sleep(0.001)
-        assert c.replies[req_id]["ok"] and first.wait() is None
+        assert answer(c, req_id, "the first init", 30)["ok"] and first.wait() is None
         assert all(core.weight_sync.status()["weight_groups"] == ["first"]
                    for core in (c.prefill, c.decode))
         assert push(c, first, W2)["ok"] and weights_equal(c, "tiny:7")
@@ -191,11 +181,6 @@ def test_discards_naming_other_pushes_are_not_kept(joined):
         assert c.admin("discard_weights", update_id=f"forged-{i}")["ok"]
     assert all(not core.weight_sync.abandoned for core in (c.prefill, c.decode))
     t.push(list(W2.values()))
-    end = time.monotonic() + 30
-    while req_id not in c.replies:
-        assert time.monotonic() < end, "the push never answered"
-        c.pump(1)
-        time.sleep(0.001)
-    assert c.replies[req_id]["ok"] and t.wait() is None and versions(c) == ["v2", "v2"]
+    assert answer(c, req_id, "the push", 30)["ok"] and t.wait() is None and versions(c) == ["v2", "v2"]
     assert push(c, t, tiny_state_dict(0), version="tiny")["ok"]
     untouched(c)
