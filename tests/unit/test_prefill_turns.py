@@ -94,3 +94,16 @@ def test_a_prefill_step_holds_at_most_one_requests_prompt_logprobs(monkeypatch):
         assert len(steps) < 6, steps                    # those share steps
     finally:
         c.close()
+
+
+def test_first_is_always_the_head_of_order():
+    """`first` (asked every loop turn, stopping early) agrees with `order` step by step."""
+    import random
+    rng, turns = random.Random(7), FairTurns()
+    queue = [Job(rng.choice("abcde"), str(i)) for i in range(40)]
+    for step in range(60):
+        assert turns.first(queue) is (turns.order(queue) or [None])[0], step
+        taken = turns.order(queue)[:rng.randint(0, 3)]
+        queue = [j for j in queue if j not in taken] + \
+            [Job(rng.choice("abcdefg"), f"n{step}.{k}") for k in range(rng.randint(0, 2))]
+        turns.served(taken, queue)

@@ -39,11 +39,15 @@ class FairTurns:
         return [job for job in chain.from_iterable(turns) if job is not None]
 
     def first(self, pending: Iterable[Job]) -> Job | None:
-        """The job `order` puts first, without ordering the rest."""
-        best = None
+        """The job `order` puts first, without ordering the rest (asked on every turn of
+        the loop: it stops at the first job of a caller not served yet, whom nobody beats)."""
+        best, best_at = None, 0
         for job in pending:
-            if best is None or self.last.get(job.caller, -1) < self.last.get(best.caller, -1):
-                best = job
+            at = self.last.get(job.caller, -1)
+            if at < 0:
+                return job
+            if best is None or at < best_at:
+                best, best_at = job, at
         return best
 
     def served(self, batch: list[Job], waiting: Iterable[Job]) -> None:
