@@ -157,7 +157,7 @@ class RouterConfig:
     queue_size: int = 1 << 14        # --queue-size: past it, 429 "queue full"
     queue_timeout: float = 300.0     # --queue-timeout: past it, 503 "queue timeout"
     # --coordinator: another router over the same workers that coordinates pauses and
-    # weight pushes; this one follows it (zpd/router/peers.py). None: this one coordinates.
+    # weight pushes; this one follows it (zpd/router/ha/peers.py). None: this one coordinates.
     coordinator: str | None = None
 
 

@@ -19,7 +19,7 @@ router client (zpd/http/router_client.py) both follow this policy; they own the 
   to the one that may be tried soonest: one router alone behaves as it always did.
 - Admin commands go to one router, the first of the list that is up, never to all:
   the routers' coordinator makes pauses and weight pushes atomic across the pool,
-  and finds an aborted rid on any router (zpd/router/peers.py); a follower passes
+  and finds an aborted rid on any router (zpd/router/ha/peers.py); a follower passes
   such commands on to it. `status` alone (`FANNED`) goes to every router up: the
   first one's reply (the workers are the same pool for every router), with the
   routers' own figures (requests in flight and queued, the counters) summed over

@@ -12,7 +12,7 @@ from dataclasses import replace
 import zmq
 
 from zpd.config import RouterConfig
-from zpd.router.server import RouterServer
+from zpd.ops.router import build_router
 from zpd.wire.net import Router
 from zpd.wire.protocol import Generate, TokenPart, Tokens
 
@@ -52,7 +52,7 @@ class FakeCluster:
         self.decode = FakeDecode(self.ctx, hold)
         cfg = RouterConfig((self.prefill.endpoint,), (self.decode.endpoint,), port=0,
                            peer_timeout=600.0)
-        self.router = RouterServer(replace(cfg, **router), self.ctx)
+        self.router = build_router(replace(cfg, **router), self.ctx)
         self.endpoint = self.router.endpoint
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.router.run, args=(self.stop,), daemon=True),

@@ -22,7 +22,7 @@ from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
 from zpd.config import Deadlines, RouterConfig, WorkerConfig
-from zpd.router.server import RouterServer
+from zpd.ops.router import build_router
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens
@@ -83,7 +83,7 @@ class InprocCluster:
         self.prefill = self._worker("prefill", f"inproc://p{tag}", complete_after_polls, fault_plan,
                                     kv_cache_mb, max_batch)
         self.decode = self._worker("decode", f"inproc://d{tag}", 0, None, kv_cache_mb, max_batch)
-        self.router = RouterServer(RouterConfig((self.prefill.endpoint,), (self.decode.endpoint,),
+        self.router = build_router(RouterConfig((self.prefill.endpoint,), (self.decode.endpoint,),
                                                 host=f"inproc://r{tag}", heartbeat=0.5,
                                                 peer_timeout=2.0, router_secret_file=self.secret_file,
                                                 **(router_args or {})),

@@ -17,6 +17,7 @@ import zmq
 from tests.unit.fake_workers import FakeCluster
 from zpd.client import Client, NoAnswerError
 from zpd.config import RouterConfig
+from zpd.ops.router import build_router
 from zpd.router.server import RouterServer
 from zpd.wire import protocol as p
 from zpd.wire.net import Router
@@ -40,7 +41,7 @@ def router(ctx: zmq.Context) -> Iterator[RouterServer]:
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
         workers = (f"127.0.0.1:{a.getsockname()[1]}",), (f"127.0.0.1:{b.getsockname()[1]}",)
-    server = RouterServer(RouterConfig(*workers, port=0, peer_timeout=600.0), ctx)
+    server = build_router(RouterConfig(*workers, port=0, peer_timeout=600.0), ctx)
     stop = threading.Event()
     thread = threading.Thread(target=server.run, args=(stop,), daemon=True)
     thread.start()

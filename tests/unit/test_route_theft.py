@@ -9,7 +9,7 @@ import zmq
 
 from tests.unit.inproc import Answer, InprocCluster, reference
 from tests.unit.test_router_restart import PROMPT, resume, running
-from zpd.router.server import RouterServer
+from zpd.ops.router import build_router
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Adopt, Adopted, Ping, Tokens
@@ -86,7 +86,7 @@ def test_a_forged_adopt_between_a_routers_death_and_its_restart_gets_nothing(clu
         finally:
             attacker.close()
     assert stolen == 0
-    cluster.router = RouterServer(old.cfg, cluster.ctx, Loop(clock=cluster.clock))   # its successor
+    cluster.router = build_router(old.cfg, cluster.ctx, Loop(clock=cluster.clock))   # its successor
     cluster.silent.discard("router")
     cluster.client.close()
     cluster.client = Dealer(cluster.ctx, cluster.router.endpoint, identity=b"client")

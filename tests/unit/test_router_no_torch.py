@@ -21,8 +21,8 @@ from tests.unit.test_cli_startup import run_cli, unused_port
 ROOT = Path(__file__).resolve().parents[2]
 
 # What the router, `zpd` and `zpd admin` import before they load anything.
-TORCH_FREE = ("zpd.router.server", "zpd.router.shares", "zpd.ops.serve", "zpd.ops.cli",
-              "zpd.ops.admin", "zpd.client", "engines.sampling_params")
+TORCH_FREE = ("zpd.router.server", "zpd.router.shares", "zpd.ops.router", "zpd.ops.serve",
+              "zpd.ops.cli", "zpd.ops.admin", "zpd.client", "engines.sampling_params")
 
 
 def _env() -> dict[str, str]:

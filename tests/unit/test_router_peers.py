@@ -1,4 +1,4 @@
-"""Two routers over one pool of workers (zpd/router/peers.py): both serve, the
+"""Two routers over one pool of workers (zpd/router/ha/peers.py): both serve, the
 coordinator's pauses, continues, weight pushes and abort_all hold across both, a
 follower passes admin commands on, and neither needs the other to serve. In one
 process: the real routers and workers of tests/unit/inproc.py, plus a follower."""
@@ -11,7 +11,7 @@ from tests.unit.inproc import Answer, InprocCluster, reference
 from tests.unit.test_tensor_payload import serialize
 from tests.unit.test_weight_sync_sglang import W2
 from zpd.config import RouterConfig
-from zpd.router.server import RouterServer
+from zpd.ops.router import build_router
 from zpd.wire.admin_fields import PauseMode, SyncStep
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
@@ -27,7 +27,7 @@ class Pair:
     def __init__(self, **router_args) -> None:
         self.c = c = InprocCluster(kv_cache_mb=2.0)
         tag = c.router.endpoint.rsplit("r", 1)[-1]
-        self.follower = RouterServer(RouterConfig(
+        self.follower = build_router(RouterConfig(
             (c.prefill.endpoint,), (c.decode.endpoint,), host=f"inproc://f{tag}", heartbeat=0.5,
             peer_timeout=2.0, coordinator=c.router.endpoint, router_secret_file=c.secret_file,
             **router_args), c.ctx,

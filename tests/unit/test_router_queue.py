@@ -245,7 +245,7 @@ def test_a_dead_decode_fails_what_runs_and_what_waits_then_all_is_back(narrow):
 
 
 def test_requests_wait_through_a_weight_push_and_run_after_it(narrow):
-    """While a push is under way (zpd/router/weight_sync.py sets its `step`, then
+    """While a push is under way (zpd/router/weights/sync.py sets its `step`, then
     calls unpause) nothing new is routed; after it, the queue runs, one at a time."""
     c = narrow
     c.router.admin.sync.step = SyncStep.PUSHING

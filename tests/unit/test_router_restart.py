@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.inproc import Answer, InprocCluster, reference
-from zpd.router.adoption import CLAIM_S
+from zpd.router.ha.adoption import CLAIM_S
+from zpd.ops.router import build_router
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
@@ -31,7 +32,7 @@ def restart_router(c: InprocCluster, silent_for: float = 0.0) -> RouterServer:
         c.advance(silent_for, step=1.0)
     else:
         c.pump(3)
-    c.router = RouterServer(cfg, c.ctx, Loop(clock=c.clock))
+    c.router = build_router(cfg, c.ctx, Loop(clock=c.clock))
     c.silent.discard("router")
     c.client.close()
     c.client = Dealer(c.ctx, c.router.endpoint, identity=b"client")

@@ -12,7 +12,7 @@ import zmq
 
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_security import WAIT, _dealer, _next
-from zpd.router.peers import MAX_FOLLOWERS
+from zpd.router.ha.peers import MAX_FOLLOWERS
 from zpd.wire.net import Dealer, Router
 from zpd.wire.protocol import Admin, AdminReply, Resume
 from zpd.wire.router_proof import load_router_secret, router_identity

@@ -1,5 +1,5 @@
 """SGLang's trainer weight-sync routes, each one admin command on the router
-(zpd/router/weight_sync.py says what the router and workers do):
+(zpd/router/weights/sync.py says what the router and workers do):
 `init_weights_update_group`, `update_weights_from_distributed`,
 `update_weights_from_tensor`, `destroy_weights_update_group`, and zpd's own
 `cancel_weight_update`. Answers are {"success", "message", ...}; a failed step's

@@ -86,7 +86,7 @@ def _wait_ready(children: list[Child], timeout: float) -> None:
 
 def _weights_timeout(weight_sync_timeout: float) -> float:
     """The front's --weights-timeout: long enough that the workers' --weight-sync-timeout
-    (of which the router gives them 0.9: zpd/router/weight_sync.WORKER_SHARE) ends a
+    (of which the router gives them 0.9: zpd/router/weights/sync.WORKER_SHARE) ends a
     stalled push first, with its reason."""
     return max(default_of(HttpConfig, "weights_timeout"), weight_sync_timeout / 0.9 + 5.0)
 
@@ -108,7 +108,7 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
 def _start_routers(args, py: list[str], eps: dict[str, str], tmp: Path,
                    log_dir: Path | None) -> list[Child]:
     """--routers N: the first on --port coordinates, the others (on the ports after it,
-    or any free ones with --port 0) follow it (zpd/router/peers.py)."""
+    or any free ones with --port 0) follow it (zpd/router/ha/peers.py)."""
     routers: list[Child] = []
     for i in range(args.routers):
         port = args.port + i if args.port else 0

@@ -63,9 +63,9 @@ def serve_worker(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler],
 
 def serve_router(cfg: RouterConfig) -> int:
     """Run the router until SIGINT/SIGTERM."""
-    from zpd.router.server import RouterServer
+    from zpd.ops.router import build_router
     ctx = zmq.Context()
-    server = RouterServer(cfg, ctx)
+    server = build_router(cfg, ctx)
     stop = stop_on_signals(server.loop)
     write_role_ready(cfg.ready_file, "router", server.endpoint)
     log.warning("router ready on %s: prefill %s, decode %s", server.endpoint,

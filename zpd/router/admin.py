@@ -8,49 +8,104 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Collection, Protocol
 
-from zpd.router.flights import Fanout
-from zpd.router.peers import HOLD_SHARE
-from zpd.router.weight_sync import SYNC_COMMANDS, RouterWeightSync
+from zpd.config import RouterConfig
+from zpd.router.flights import Fanout, InFlight, Worker
+from zpd.router.hooks import HOLD_SHARE, Coordinator, Peers
+from zpd.router.tally import Tally
 from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, UpdateWeights, parse, split_timeout)
-from zpd.wire.protocol import Abort, Admin, AdminReply
+from zpd.wire.admin_fields import PauseMode
+from zpd.wire.admin_reply import WorkerReply, to_wire
+from zpd.wire.loop import Loop
+from zpd.wire.protocol import Abort, Admin, AdminReply, Message
 from zpd.wire.status import StatusError
-
-if TYPE_CHECKING:
-    from zpd.router.server import RouterServer, Worker
 
 log = logging.getLogger("zpd.router.admin")
 
 Reply = Callable[[bool, dict], None]
-Replies = Callable[[list[dict]], None]
+Replies = Callable[[list[WorkerReply]], None]
+Command = AdminCommand | Callable[[Worker], AdminCommand]     # one for all, or one per worker
 # One round of a multi-round command: from the replies so far, what to send to whom and
 # for how long (None: no further round).
-Round = Callable[[list[dict]], "tuple[AdminCommand | Callable[[Worker], AdminCommand], list[Worker], float]"]
+Round = Callable[[list[WorkerReply]], "tuple[Command, list[Worker], float]"]
 
 # The router's own handlers (method names: a test may replace one on the instance).
 OWN = {Pause: "pause", Continue: "continue_", AbortRequest: "abort", AbortAll: "abort_all"}
 # Refused while requests run unpaused: every worker must see the same weights and memory.
 NEED_QUIET = (UpdateWeights, ReleaseMemory)
-# Refused while a weight-sync step runs: they would change weights or let requests run.
-BLOCKED = (Continue, UpdateWeights, *SYNC_COMMANDS)
+# Refused while a weight-sync step runs (with the sync's own commands): they would
+# change weights or let requests run.
+BLOCKED = (Continue, UpdateWeights)
+
+
+class Front(Protocol):
+    """The router's client socket."""
+
+    def send(self, identity: bytes, msg: Message) -> bool: ...
+
+
+class Sync(Protocol):
+    """Trainer weight sync (zpd/router/weights/sync.py): the commands it runs, and the
+    join or push under way (`step`, None: none; `what`: it in words)."""
+    COMMANDS: tuple[type[AdminCommand], ...]
+    step: object | None
+    what: str
+
+    @property
+    def pushing(self) -> bool: ...
+
+    def run(self, cmd: AdminCommand, timeout: float, reply: Reply) -> None: ...
+
+
+class Router(Protocol):
+    """What the admin commands read and change on their router (RouterServer is one)."""
+    cfg: RouterConfig
+    endpoint: str
+    front: Front
+    loop: Loop
+    tally: Tally
+    workers: list[Worker]
+    inflight: dict[str, InFlight]
+    paused: PauseMode | None
+    followers: Peers
+    coordinator: Coordinator | None
+
+    @property
+    def queued(self) -> Collection[str]: ...
+
+    def running(self) -> int: ...
+
+    def hold(self, mode: PauseMode) -> None: ...
+
+    def unpause(self) -> None: ...
+
+    def end_queued(self, rid: str, status: int, reason: str) -> None: ...
+
+    def on_abort(self, msg: Abort) -> None: ...
 
 
 class RouterAdmin:
-    """Admin commands on one router; owned by its RouterServer, whose state
-    (workers, pause mode, queued and in-flight requests) it reads and changes."""
+    """Admin commands on one router, whose state (workers, pause mode, queued and
+    in-flight requests) it reads and changes through `server`; `sync`: trainer weight
+    sync, once the assembly plugs it in (zpd/ops/router.py)."""
 
-    def __init__(self, server: RouterServer) -> None:
+    def __init__(self, server: Router) -> None:
         self.server = server
-        self.fanouts: dict[str, Fanout] = {}
+        self.fanouts: dict[str, Fanout[WorkerReply]] = {}
         self.req_ids = itertools.count(1)
-        self.sync = RouterWeightSync(self)
+        self.sync: Sync | None = None
+
+    @property
+    def pushing(self) -> bool:
+        """A weight push is under way: new requests queue until its commit is out."""
+        return self.sync is not None and self.sync.pushing
 
     def on_admin(self, client: bytes, msg: Admin,
                  answer: Callable[[AdminReply], object] | None = None) -> None:
         """Parse the command (its record checks it), then run it: bad input is answered
         400 and changes nothing; a command that fails here is answered 500, never raised.
-        A follower passes most commands on to its coordinator (zpd/router/peers.py);
+        A follower passes most commands on to its coordinator (zpd/router/ha/peers.py);
         `answer`: where the reply goes instead of `client` (a command the coordinator
         sent this follower, which runs here)."""
         reply = self._replier(client, msg, answer)
@@ -92,10 +147,10 @@ class RouterAdmin:
 
     def _run(self, cmd: AdminCommand, timeout: float, reply: Reply) -> None:
         server, sync = self.server, self.sync
-        if isinstance(cmd, BLOCKED) and sync.step is not None:
+        if sync is not None and sync.step is not None and isinstance(cmd, (*BLOCKED, *sync.COMMANDS)):
             reply(False, {"status": 409, "error": f"{cmd.COMMAND} while {sync.what}: wait "
                                                   "for it", "workers": []})
-        elif isinstance(cmd, SYNC_COMMANDS):
+        elif sync is not None and isinstance(cmd, sync.COMMANDS):
             sync.run(cmd, timeout, reply)
         elif type(cmd) in OWN:
             getattr(self, OWN[type(cmd)])(cmd, timeout, reply)
@@ -180,17 +235,17 @@ class RouterAdmin:
         server = self.server
         early: dict = {}
 
-        def decodes(got: list[dict]) -> tuple[Continue, list[Worker], float]:
-            live = [r["endpoint"] for r in got if r["ok"]]
+        def decodes(got: list[WorkerReply]) -> tuple[Continue, list[Worker], float]:
+            live = [r.endpoint for r in got if r.ok]
             return (dataclasses.replace(cmd, prefills=live, early=early | self.early_tokens()),
                     self.of_role("decode"), timeout)
 
-        def done(replies: list[dict]) -> None:
-            ok = all(r["ok"] for r in replies if r["role"] == "decode") and \
-                any(r["ok"] for r in replies if r["role"] == "prefill")
+        def done(replies: list[WorkerReply]) -> None:
+            ok = all(r.ok for r in replies if r.role == "decode") and \
+                any(r.ok for r in replies if r.role == "prefill")
             if ok:
                 server.unpause()
-            reply(ok, {"workers": replies})
+            reply(ok, {"workers": to_wire(replies)})
 
         def workers(followers: list[dict]) -> None:
             for ack in followers:
@@ -215,26 +270,25 @@ class RouterAdmin:
         with every reply, in the order of the router's workers."""
         order = {w.endpoint: i for i, w in enumerate(self.server.workers)}
 
-        def after(replies: list[dict], left: tuple[Round, ...]) -> None:
+        def after(replies: list[WorkerReply], left: tuple[Round, ...]) -> None:
             if not left:
-                done(sorted(replies, key=lambda r: order.get(r["endpoint"], len(order))))
+                done(sorted(replies, key=lambda r: order.get(r.endpoint, len(order))))
                 return
             cmd, targets, timeout = left[0](replies)
             self.fan_out(cmd, targets, timeout, lambda got: after(replies + got, left[1:]))
 
         after([], rounds)
 
-    def fan_out(self, cmd: AdminCommand | Callable[[Worker], AdminCommand], targets: list[Worker],
-                timeout: float, on_done: Replies,
-                each: Callable[[dict, set], None] | None = None) -> None:
+    def fan_out(self, cmd: Command, targets: list[Worker], timeout: float, on_done: Replies,
+                each: Callable[[WorkerReply, set], None] | None = None) -> None:
         """Send `cmd` (or `cmd(worker)`) to `targets`; call `on_done` with one reply per
         target once all answered or `timeout` passed (and `each` with each reply as it
         comes, and the endpoints still waiting then)."""
         key = f"{next(self.req_ids)}"
         live = [w for w in targets if w.alive]
         fan = self.fanouts[key] = Fanout(on_done, {w.endpoint for w in live}, each=each)
-        fan.replies = [{"ok": False, "endpoint": w.endpoint, "role": w.role, "status": 503,
-                        "error": "worker unavailable (no heartbeat)"} for w in targets if not w.alive]
+        fan.replies = [WorkerReply.failed(w.endpoint, w.role, 503, "worker unavailable (no heartbeat)")
+                       for w in targets if not w.alive]
         fan.timer = self.server.loop.call_later(timeout, self._done, key)
         for w in live:
             w.dealer.send((cmd(w) if callable(cmd) else cmd).envelope(key))
@@ -242,7 +296,8 @@ class RouterAdmin:
             self._done(key)
 
     def on_reply(self, worker: Worker, msg: AdminReply) -> None:
-        self._record(msg.req_id, worker, {"ok": msg.ok} | msg.result)
+        self._record(msg.req_id, WorkerReply.from_wire(msg.ok, msg.result, worker.endpoint,
+                                                       worker.role))
 
     def on_dead(self, worker: Worker) -> None:
         """A worker marked dead answers no fan-out now: each waiting on it takes a 503 for
@@ -250,17 +305,18 @@ class RouterAdmin:
         would wait that long)."""
         for key, fan in list(self.fanouts.items()):
             if worker.endpoint in fan.waiting:
-                self._record(key, worker, {"ok": False, "status": 503, "error":
-                                           "worker unavailable (no heartbeat): marked dead"})
+                self._record(key, WorkerReply.failed(
+                    worker.endpoint, worker.role, 503,
+                    "worker unavailable (no heartbeat): marked dead"))
 
-    def _record(self, key: str, worker: Worker, reply: dict) -> None:
+    def _record(self, key: str, reply: WorkerReply) -> None:
         fan = self.fanouts.get(key)
-        if fan is None or worker.endpoint not in fan.waiting:
+        if fan is None or reply.endpoint not in fan.waiting:
             return
-        fan.waiting.discard(worker.endpoint)
-        fan.replies.append(reply | {"endpoint": worker.endpoint, "role": worker.role})
+        fan.waiting.discard(reply.endpoint)
+        fan.replies.append(reply)
         if fan.each is not None:
-            fan.each(fan.replies[-1], set(fan.waiting))
+            fan.each(reply, set(fan.waiting))
         if not fan.waiting:
             self._done(key)
 
@@ -271,8 +327,8 @@ class RouterAdmin:
         if fan.timer is not None:
             fan.timer.cancel()
         roles = {w.endpoint: w.role for w in self.server.workers}
-        fan.on_done(fan.replies + [{"ok": False, "endpoint": ep, "role": roles[ep], "status": 504,
-                                    "error": "no answer before the timeout"}
+        fan.on_done(fan.replies + [WorkerReply.failed(ep, roles[ep], 504,
+                                                      "no answer before the timeout")
                                    for ep in sorted(fan.waiting)])
 
 
@@ -280,4 +336,4 @@ def answer_all(reply: Reply, followers: list[dict] | None = None) -> Replies:
     """Answer with every worker's reply: ok when all are (and the followers' acks,
     which do not decide it: a router that did not confirm is named there)."""
     more = {} if followers is None else {"followers": followers}
-    return lambda replies: reply(all(r["ok"] for r in replies), {"workers": replies} | more)
+    return lambda replies: reply(all(r.ok for r in replies), {"workers": to_wire(replies)} | more)

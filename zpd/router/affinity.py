@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import orjson
 
 if TYPE_CHECKING:
-    from zpd.router.server import Worker
+    from zpd.router.flights import Worker
     from zpd.wire.protocol import Generate
 
 PAGE = 16                   # tokens per remembered page (the workers' default page size)

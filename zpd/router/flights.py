@@ -3,7 +3,7 @@ word it sent to many peers (workers, or routers following it) awaiting their rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable, Generic, Hashable, TypeVar
 
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Timer
@@ -34,12 +34,15 @@ class InFlight:
     prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load
 
 
+R = TypeVar("R")          # a reply: a worker's (WorkerReply), a follower's (dict)
+
+
 @dataclass(eq=False)
-class Fanout:
+class Fanout(Generic[R]):
     """One message sent to many peers, done once all reply or time runs out."""
-    on_done: Callable[[list[dict]], None]
+    on_done: Callable[[list[R]], None]
     waiting: set[Hashable]               # who has not replied: endpoints, identities
-    replies: list[dict] = field(default_factory=list)
+    replies: list[R] = field(default_factory=list)
     timer: Timer | None = None
     # called with each reply as it comes, and who is still waiting then
-    each: Callable[[dict, set[Hashable]], None] | None = None
+    each: Callable[[R, set[Hashable]], None] | None = None

@@ -13,11 +13,10 @@ import zmq
 
 from zpd.config import RouterConfig
 from zpd.router.admin import RouterAdmin
-from zpd.router.adoption import Adoption
 from zpd.router.admission import QUEUE_TIMEOUT, Admission, Waiting, ended
 from zpd.router.affinity import PrefixAffinity, least_loaded
 from zpd.router.flights import InFlight, Worker
-from zpd.router.peers import FOLLOW, CoordinatorLink, Followers
+from zpd.router.hooks import Alone, Coordinator, Peers, Restart
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.liveness import PeerClock
@@ -40,7 +39,9 @@ CONCURRENT_PER_DECODE = 64
 
 class RouterServer:
     """One router process's state and its loop: routes each request to a prefill and
-    a decode, relays their tokens to the client, fails requests of dead workers."""
+    a decode, relays their tokens to the client, fails requests of dead workers.
+    Its optional parts (zpd/router/hooks.py) are plugged in by zpd/ops/router.py:
+    `followers`, `coordinator`, `adoption` and `admin.sync`."""
 
     def __init__(self, cfg: RouterConfig, ctx: zmq.Context, loop: Loop | None = None) -> None:
         self.cfg, self.loop = cfg, loop or Loop(busy_poll=cfg.busy_poll_us / 1e6)
@@ -60,29 +61,29 @@ class RouterServer:
         self.endpoint = self.front.endpoint
         # The boot id (pid and a random part) tells workers that a router restarted on
         # the same port is another process, which adopts the old one's requests
-        # (zpd/router/adoption.py); clients see it change and resume theirs. Our
+        # (zpd/router/ha/adoption.py); clients see it change and resume theirs. Our
         # identity adds a tag no client sees, so none can claim it (router_proof.py).
         self.boot = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        identity = router_identity(self.endpoint, self.boot, self.security.router_secret)
-        self.workers = [Worker(role, ep, Dealer(ctx, ep, identity=identity,
-                                                opts=self.security.client_options()),
-                               PeerClock(self.loop.time()))
+        self.identity = router_identity(self.endpoint, self.boot, self.security.router_secret)
+        self.workers = [Worker(role, ep, self.dealer(ctx, ep), PeerClock(self.loop.time()))
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
         self.paused: PauseMode | None = None
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
-        self.followers = Followers(self)        # routers that follow this one (zpd/router/peers.py)
-        self.coordinator = None if cfg.coordinator is None else CoordinatorLink(
-            self, cfg.coordinator, Dealer(ctx, cfg.coordinator, identity=identity,
-                                          opts=self.security.client_options()))
+        self.followers: Peers = Alone()        # routers that follow this one
+        self.coordinator: Coordinator | None = None    # the router this one follows
+        self.adoption: Restart | None = None   # the requests of this endpoint's last router
         self.loop.add_socket(self.front, self.on_client)
         for w in self.workers:
             self.loop.add_socket(w.dealer, lambda w=w: self.on_worker(w))
         self.pings = itertools.count()
         self.loop.every(cfg.heartbeat, self.heartbeat)
-        self.adoption = Adoption(self)      # the requests of this endpoint's last router
+
+    def dealer(self, ctx: zmq.Context, endpoint: str) -> Dealer:
+        """A link to a worker or a router, under this router's identity."""
+        return Dealer(ctx, endpoint, identity=self.identity, opts=self.security.client_options())
 
     def pick(self, role: str) -> Worker | None:
         """The least loaded live worker of `role`, ties at random."""
@@ -126,7 +127,7 @@ class RouterServer:
     def client_gone(self, client: bytes) -> None:
         queued = self.admission.of_client(client)
         running = [rid for rid, f in self.inflight.items()       # an adopted one's client
-                   if f.client == client and rid not in self.adoption.unclaimed]   # comes back
+                   if f.client == client and not self.unclaimed(rid)]         # comes back
         if not queued and not running:
             return
         log.warning("client %r disconnected: ending its %d requests", client[:32],
@@ -166,16 +167,24 @@ class RouterServer:
             self.on_generate(identity, msg)
         elif isinstance(msg, Abort):
             self.on_client_abort(identity, msg)
-        elif isinstance(msg, Admin) and msg.command == FOLLOW:
-            self.followers.on_follow(identity, msg)
         elif isinstance(msg, Admin):
-            self.admin.on_admin(identity, msg)
-        elif isinstance(msg, Resume):
+            if not self.followers.on_admin(identity, msg):     # one router to another
+                self.admin.on_admin(identity, msg)
+        elif isinstance(msg, Resume) and self.adoption is not None:
             self.adoption.on_resume(identity, msg)
         elif isinstance(msg, Ping):        # a client that heard nothing for a while
             self.front.send(identity, Pong(msg.seq, msg.sent_at, self.endpoint, self.boot))
         elif not (isinstance(msg, AdminReply) and self.followers.on_reply(identity, msg)):
             log.warning("dropping unexpected %s from client %r", msg.TYPE, identity[:32])
+
+    def unclaimed(self, rid: str) -> bool:
+        """An adopted request whose client has not resumed it yet."""
+        return self.adoption is not None and rid in self.adoption.unclaimed
+
+    @property
+    def pushing(self) -> bool:
+        """A weight push is under way here."""
+        return self.admin.pushing
 
     @property
     def queued(self) -> Admission:
@@ -295,7 +304,7 @@ class RouterServer:
     def holding(self) -> bool:
         """New requests wait here: paused, or a weight push is under way (here, or at
         the coordinator this router follows)."""
-        return self.paused is not None or self.admin.sync.pushing or \
+        return self.paused is not None or self.pushing or \
             (self.coordinator is not None and self.coordinator.pushing)
 
     def running(self) -> int:
@@ -332,7 +341,7 @@ class RouterServer:
             self.relay(msg.unpack(), worker)
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
-        elif isinstance(msg, Adopted):
+        elif isinstance(msg, Adopted) and self.adoption is not None:
             self.adoption.on_adopted(worker, msg)
         elif not isinstance(msg, Pong):
             log.warning("dropping unexpected %s from %s", msg.TYPE, worker.endpoint)
@@ -356,7 +365,8 @@ class RouterServer:
         by_client: dict[bytes, list[TokenPart]] = {}
         for got in parts:
             flight, part = self._settle(got, sender)
-            if part is not None and not self.adoption.hold(part):     # its client is away
+            held = part is not None and self.adoption is not None and self.adoption.hold(part)
+            if part is not None and not held:           # held: its client is away
                 by_client.setdefault(flight.client, []).append(part)
         for client, mine in by_client.items():
             self.to_client(client, Tokens.pack(mine))
@@ -399,7 +409,7 @@ class RouterServer:
 
     def close(self) -> None:
         if self.coordinator is not None:
-            self.coordinator.dealer.close()
+            self.coordinator.close()
         for w in self.workers:
             w.dealer.close()
         self.front.close()

@@ -77,7 +77,7 @@ class Generate(Message):
     call: str = ""
     # The router sets it: its client's identity (hex), which a decode keeps so that a
     # router restarted on the same endpoint can give the request back to that client
-    # (zpd/router/adoption.py).
+    # (zpd/router/ha/adoption.py).
     owner: str = ""
 
     @property

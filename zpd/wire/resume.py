@@ -1,7 +1,7 @@
 """What a client of the router keeps so that its requests outlive a router restart.
 
 A router restarted on its endpoint adopts the requests its predecessor had running
-on the decodes (zpd/router/adoption.py), but only the client knows how many tokens
+on the decodes (zpd/router/ha/adoption.py), but only the client knows how many tokens
 of each it has. Every Accepted, Ping and Pong of a router carries its boot id; when a
 request's router boot changes, the client sends `Resume(rid, have)` and the router
 sends the tokens past `have`, then the rest, or ends the request with 503 where it

@@ -1,5 +1,5 @@
 """Trainer weight sync on a worker, the worker's half of a two-phase update that the
-router drives (zpd/router/weight_sync.py):
+router drives (zpd/router/weights/sync.py):
 
 - `join_weights_group`: join a trainer's torch.distributed group as the rank the
   router gives, through a helper process of its own (zpd/worker/sync_helper.py:

@@ -19,21 +19,39 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Collection, Protocol
 
+from zpd.config import RouterConfig
 from zpd.router.flights import InFlight, Worker
+from zpd.router.shares import ClientShares
 from zpd.wire.admin_fields import PauseMode
-from zpd.wire.loop import Timer
-from zpd.wire.protocol import Abort, Adopt, Adopted, Resume, TokenPart, Tokens
+from zpd.wire.loop import Loop, Timer
+from zpd.wire.protocol import Abort, Adopt, Adopted, Message, Resume, TokenPart, Tokens
 
-if TYPE_CHECKING:
-    from zpd.router.server import RouterServer
-
-log = logging.getLogger("zpd.router.adoption")
+log = logging.getLogger("zpd.router.ha.adoption")
 
 CLAIM_S = 30.0          # an adopted request's client resumes within this, or it is aborted
 LOST = "router restarted; request lost"
 PAUSE_MODES = {m.value for m in PauseMode}
+
+
+class Adopter(Protocol):
+    """What the adoption reads and changes of its router (RouterServer is one)."""
+    cfg: RouterConfig
+    loop: Loop
+    workers: list[Worker]
+    inflight: dict[str, InFlight]
+    shares: ClientShares
+    paused: PauseMode | None
+
+    @property
+    def queued(self) -> Collection[str]: ...
+
+    def owner(self, rid: str) -> bytes | None: ...
+
+    def to_client(self, client: bytes, msg: Message) -> None: ...
+
+    def on_abort(self, msg: Abort) -> None: ...
 
 
 @dataclass(eq=False)
@@ -48,7 +66,7 @@ class Adoption:
     """The restart's state on one router: the decodes not answered yet, the adopted
     requests not claimed yet and the resumes waiting for the decodes."""
 
-    def __init__(self, server: RouterServer) -> None:
+    def __init__(self, server: Adopter) -> None:
         self.server = server
         self.asking = {w.endpoint for w in server.workers if w.role == "decode"}
         self.unclaimed: dict[str, Unclaimed] = {}

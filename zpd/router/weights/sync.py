@@ -1,5 +1,5 @@
 """Trainer weight sync across the cluster: the router's half (the workers' is
-zpd/worker/weight_sync.py).
+zpd/worker/weight_sync.py). Plugged into the router's admin by zpd/ops/router.py.
 
 - `init_weights_update_group`: every worker, in the order of `status`, joins the
   trainer's group as rank `rank_offset + i`; if any cannot, all leave it again.
@@ -23,19 +23,20 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
+from zpd.config import RouterConfig
+from zpd.router.flights import Worker
+from zpd.router.hooks import HOLD_SHARE, Peers
 from zpd.wire.admin import (AdminCommand, CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
-from zpd.router.peers import HOLD_SHARE
-from zpd.wire.admin_fields import MAX_NAME_CHARS, BadArgs, SyncStep
+from zpd.wire.admin_fields import MAX_NAME_CHARS, BadArgs, PauseMode, SyncStep
+from zpd.wire.admin_reply import WorkerReply, to_wire
+from zpd.wire.loop import Loop
 
-if TYPE_CHECKING:
-    from zpd.router.admin import RouterAdmin
-    from zpd.router.server import Worker
-
-log = logging.getLogger("zpd.router.weight_sync")
+log = logging.getLogger("zpd.router.weights.sync")
 
 Reply = Callable[[bool, dict], None]
+Replies = Callable[[list[WorkerReply]], None]
 SYNC_COMMANDS = (InitWeightsGroup, UpdateFromDistributed, UpdateFromTensor, DestroyWeightsGroup)
 COMMIT_TIMEOUT_S = 60.0     # a commit is a local copy; this only bounds a wedged worker
 # Of a command's timeout, the workers' (they answer first, saying why); zpd launch gives
@@ -43,11 +44,33 @@ COMMIT_TIMEOUT_S = 60.0     # a commit is a local copy; this only bounds a wedge
 WORKER_SHARE = 0.9
 
 
+class FanOut(Protocol):
+    """The admin's fan-out (RouterAdmin.fan_out): `cmd` (or `cmd(worker)`) to `targets`,
+    `on_done` with one reply each; `each` with each as it comes, and who still waits."""
+
+    def __call__(self, cmd: AdminCommand | Callable[[Worker], AdminCommand],
+                 targets: list[Worker], timeout: float, on_done: Replies,
+                 each: Callable[[WorkerReply, set], None] | None = None) -> None: ...
+
+
+class Cluster(Protocol):
+    """What the sync reads and changes of its router (RouterServer is one)."""
+    cfg: RouterConfig
+    loop: Loop
+    workers: list[Worker]
+    paused: PauseMode | None
+    followers: Peers
+
+    def running(self) -> int: ...
+
+    def unpause(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Push:
     """One two-phase push: what each worker stages, and what it then commits to."""
     update_id: str
-    stage: Callable[["Worker"], AdminCommand]
+    stage: Callable[[Worker], AdminCommand]
     weight_version: str | None         # None: each worker keeps its own (SGLang's way)
     source: str                        # for the log: "group 'g'" or "tensors"
     group: str | None                  # the trainer group (None: tensors)
@@ -56,11 +79,12 @@ class Push:
 
 
 class RouterWeightSync:
-    """The router's weight-sync step: at most one join or push at a time (`step`)."""
+    """The router's weight-sync step: at most one join or push at a time (`step`);
+    its workers' steps go out through `fan_out`."""
+    COMMANDS = SYNC_COMMANDS
 
-    def __init__(self, admin: "RouterAdmin") -> None:
-        self.admin = admin
-        self.server = admin.server
+    def __init__(self, server: Cluster, fan_out: FanOut) -> None:
+        self.server, self.fan_out = server, fan_out
         self.step: SyncStep | None = None     # the join or push under way
         self.what = ""                        # ... in words, for a 409
 
@@ -72,8 +96,8 @@ class RouterWeightSync:
         elif isinstance(cmd, UpdateFromTensor):
             self.push_tensors(cmd, timeout, reply)
         else:
-            self.admin.fan_out(cmd, self.server.workers, timeout,
-                               lambda rs: reply(all(r["ok"] for r in rs), {"workers": rs}))
+            self.fan_out(cmd, self.server.workers, timeout,
+                         lambda rs: reply(all(r.ok for r in rs), {"workers": to_wire(rs)}))
 
     def _begin(self, step: SyncStep, what: str) -> None:
         self.step, self.what = step, what
@@ -103,21 +127,21 @@ class RouterWeightSync:
         ranks = {w.endpoint: offset + i for i, w in enumerate(workers)}
         self._begin(SyncStep.JOINING, f"joining weight group {cmd.group_name!r}")
 
-        def joined(replies: list[dict]) -> None:
-            if all(r["ok"] for r in replies):
+        def joined(replies: list[WorkerReply]) -> None:
+            if all(r.ok for r in replies):
                 answer(True, replies)
                 return
             log.warning("weight group %r: not every worker joined; all leave it", cmd.group_name)
-            self.admin.fan_out(DestroyWeightsGroup(cmd.group_name), workers, COMMIT_TIMEOUT_S,
-                               lambda _: answer(False, replies))
+            self.fan_out(DestroyWeightsGroup(cmd.group_name), workers, COMMIT_TIMEOUT_S,
+                         lambda _: answer(False, replies))
 
-        def answer(ok: bool, replies: list[dict]) -> None:
+        def answer(ok: bool, replies: list[WorkerReply]) -> None:
             self._end()
-            reply(ok, {"workers": replies, "ranks": ranks})
+            reply(ok, {"workers": to_wire(replies), "ranks": ranks})
 
         # any failure dooms the rest: the trainer's rendezvous waits for every rank
-        self.admin.fan_out(lambda w: cmd.join(ranks[w.endpoint], timeout * WORKER_SHARE),
-                           workers, timeout, joined, self._end_early("the join", early))
+        self.fan_out(lambda w: cmd.join(ranks[w.endpoint], timeout * WORKER_SHARE),
+                     workers, timeout, joined, self._end_early("the join", early))
 
     # --- pushes: stage everywhere, then commit everywhere or discard everywhere -------
 
@@ -159,47 +183,47 @@ class RouterWeightSync:
         discard everywhere; 3. route what queued, answer."""
         self._begin(SyncStep.PUSHING, f"pushing weights from {push.source}")
         self.server.followers.tell(
-            lambda _: self.admin.fan_out(push.stage, self.server.workers, push.timeout,
-                                         lambda staged: self._second_phase(push, staged, reply),
-                                         self._end_early("the push", lambda r: broke(r) and early(r)) if push.group
-                                         else None),
+            lambda _: self.fan_out(push.stage, self.server.workers, push.timeout,
+                                   lambda staged: self._second_phase(push, staged, reply),
+                                   self._end_early("the push", lambda r: broke(r) and early(r))
+                                   if push.group else None),
             push.timeout * HOLD_SHARE)
 
-    def _end_early(self, step: str, dooms: Callable[[dict], bool]) -> Callable[[dict, set], None]:
+    def _end_early(self, step: str, dooms: Callable[[WorkerReply], bool]
+                   ) -> Callable[[WorkerReply, set], None]:
         """What ends the step on the workers still at it once one worker's reply `dooms`
         it: all or none move, so the others could only fail too, and waiting for their
         own deadlines (a dead helper leaves the rest waiting on the trainer) would hold
         every queued request that long. Their replies say why they ended."""
         fired: list[bool] = []
 
-        def each(reply: dict, waiting: set) -> None:
-            if fired or reply["ok"] or not dooms(reply) or not waiting:
+        def each(reply: WorkerReply, waiting: set) -> None:
+            if fired or reply.ok or not dooms(reply) or not waiting:
                 return
             fired.append(True)
-            why = f"ended early: {step} failed on {reply['role']} {reply['endpoint']}"
-            log.warning("weight sync: %s (%s %s); ending it on %s", why, reply.get("status"),
-                        str(reply.get("error"))[:300], ", ".join(sorted(waiting)))
-            self.admin.fan_out(CancelWeightUpdate(why[:MAX_NAME_CHARS]),
-                               [w for w in self.server.workers if w.endpoint in waiting],
-                               COMMIT_TIMEOUT_S, lambda _: None)
+            why = f"ended early: {step} failed on {reply.role} {reply.endpoint}"
+            log.warning("weight sync: %s (%s %s); ending it on %s", why, reply.status,
+                        str(reply.error)[:300], ", ".join(sorted(waiting)))
+            self.fan_out(CancelWeightUpdate(why[:MAX_NAME_CHARS]),
+                         [w for w in self.server.workers if w.endpoint in waiting],
+                         COMMIT_TIMEOUT_S, lambda _: None)
         return each
 
-    def _second_phase(self, push: Push, staged: list[dict], reply: Reply) -> None:
+    def _second_phase(self, push: Push, staged: list[WorkerReply], reply: Reply) -> None:
         server, workers = self.server, self.server.workers
-        if all(r["ok"] for r in staged):
+        if all(r.ok for r in staged):
             left = max(COMMIT_TIMEOUT_S, push.timeout - (server.loop.time() - push.started))
-            self.admin.fan_out(CommitWeights(push.update_id, push.weight_version), workers, left,
-                               lambda got: self._finish(push, committed(push, got), got, reply))
+            self.fan_out(CommitWeights(push.update_id, push.weight_version), workers, left,
+                         lambda got: self._finish(push, committed(push, got), got, reply))
             return
         # A refusal (400) leaves the group usable: every worker drained the push.
-        broken = push.group is not None and any(broke(r) for r in staged if not r["ok"])
+        broken = push.group is not None and any(broke(r) for r in staged if not r.ok)
         log.warning("push %s not staged everywhere: discarded%s", push.update_id,
                     f"; group {push.group!r} left" if broken else "")
-        self.admin.fan_out(DiscardWeights(push.update_id, push.group if broken else None),
-                           workers, COMMIT_TIMEOUT_S,
-                           lambda _: self._finish(push, False, staged, reply))
+        self.fan_out(DiscardWeights(push.update_id, push.group if broken else None),
+                     workers, COMMIT_TIMEOUT_S, lambda _: self._finish(push, False, staged, reply))
 
-    def _finish(self, push: Push, ok: bool, replies: list[dict], reply: Reply) -> None:
+    def _finish(self, push: Push, ok: bool, replies: list[WorkerReply], reply: Reply) -> None:
         server = self.server
         self._end()
         if server.paused is None:
@@ -209,27 +233,27 @@ class RouterWeightSync:
         seconds = server.loop.time() - push.started
         log.warning("push %s from %s: %s in %.3f s", push.update_id, push.source,
                     f"version {push.weight_version!r} on every worker" if ok else "failed", seconds)
-        got = {r.get("weight_version") for r in replies if r.get("ok")}
-        reply(ok, {"workers": replies, "seconds": round(seconds, 6),
+        got = {r.result.get("weight_version") for r in replies if r.ok}
+        reply(ok, {"workers": to_wire(replies), "seconds": round(seconds, 6),
                    "weight_version": (push.weight_version or (got.pop() if len(got) == 1 else None))
                    if ok else None})
 
 
-def broke(reply: dict) -> bool:
+def broke(reply: WorkerReply) -> bool:
     """A worker's failed stage that leaves its group out of step (a 400 refusal drained
     every broadcast: the others go on draining theirs)."""
-    return reply.get("status") != 400
+    return reply.status != 400
 
 
-def early(reply: dict) -> bool:
+def early(reply: WorkerReply) -> bool:
     """A failure before the worker's deadline (a 504 is at it: the others, started
     with it, reach theirs at the same moment and say so themselves)."""
-    return reply.get("status") != 504
+    return reply.status != 504
 
 
-def committed(push: Push, replies: list[dict]) -> bool:
-    ok = all(r["ok"] for r in replies)
+def committed(push: Push, replies: list[WorkerReply]) -> bool:
+    ok = all(r.ok for r in replies)
     if not ok:
         log.error("push %s: commit failed on some workers: %s", push.update_id,
-                  [r for r in replies if not r["ok"]])
+                  [r.to_wire() for r in replies if not r.ok])
     return ok

@@ -31,32 +31,74 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Collection, Protocol
 
+from zpd.config import RouterConfig
+from zpd.router.flights import Fanout, InFlight
+from zpd.router.hooks import Acks
 from zpd.wire.admin_fields import PauseMode
-from zpd.router.flights import Fanout
 from zpd.wire.liveness import PeerClock
-from zpd.wire.loop import Timer
+from zpd.wire.loop import Loop, Timer
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Admin, AdminReply
+from zpd.wire.protocol import Admin, AdminReply, Message
 from zpd.wire.router_proof import router_endpoint
 
-if TYPE_CHECKING:
-    from zpd.router.server import RouterServer
-
-log = logging.getLogger("zpd.router.peers")
+log = logging.getLogger("zpd.router.ha.peers")
 
 FOLLOW = "follow"          # follower -> coordinator each heartbeat: {endpoint, inflight}
 STATE = "router_state"     # coordinator -> follower: {paused, pushing, early: bool}
 MAX_FOLLOWERS = 64         # identities that may follow at once (a flood of them is refused)
 MAX_INFLIGHT = 1 << 20     # what a follower may say it routes (its queue and shares are less)
-# A follower that does not confirm a hold within this share of the command's timeout
-# is reported in the answer and not waited for: a wedged router must not stall pauses.
-HOLD_SHARE = 0.25
 LOCAL = ("status",)        # what a follower answers itself
 RUN_FOR_COORDINATOR = ("abort", "abort_all")   # what the coordinator has its followers run
 
-Acks = Callable[[list[dict]], None]
+
+
+class Front(Protocol):
+    """The router's client socket, where followers and their coordinator's words come."""
+
+    def send(self, identity: bytes, msg: Message) -> bool: ...
+
+
+class Led(Protocol):
+    """What the coordinator's side reads of its router (RouterServer is one)."""
+    cfg: RouterConfig
+    front: Front
+    loop: Loop
+    paused: PauseMode | None
+
+    @property
+    def pushing(self) -> bool: ...
+
+
+class Runs(Protocol):
+    """The follower's admin: its clients' first tokens; what the coordinator has it run."""
+
+    def early_tokens(self) -> dict: ...
+
+    def on_admin(self, client: bytes, msg: Admin,
+                 answer: Callable[[AdminReply], object] | None = None) -> None: ...
+
+
+class Following(Led, Protocol):
+    """What the follower's side reads and changes of its router (RouterServer is one)."""
+    endpoint: str
+    inflight: dict[str, InFlight]
+    admin: Runs
+
+    @property
+    def queued(self) -> Collection[str]: ...
+
+    @property
+    def holding(self) -> bool: ...
+
+    def hold(self, mode: PauseMode) -> None: ...
+
+    def unpause(self) -> None: ...
+
+    def dispatch(self) -> None: ...
+
+    def end_queued(self, rid: str, status: int, reason: str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -71,11 +113,18 @@ class Follower:
 class Followers:
     """The coordinator's side: who follows, and telling them its state."""
 
-    def __init__(self, server: RouterServer) -> None:
+    def __init__(self, server: Led) -> None:
         self.server = server
         self.known: dict[bytes, Follower] = {}
-        self.asking: dict[str, Fanout] = {}
+        self.asking: dict[str, Fanout[dict]] = {}
         self.ids = itertools.count(1)
+
+    def on_admin(self, identity: bytes, msg: Admin) -> bool:
+        """Take a router's FOLLOW (False: not one, an admin command for this router)."""
+        if msg.command != FOLLOW:
+            return False
+        self.on_follow(identity, msg)
+        return True
 
     def on_follow(self, identity: bytes, msg: Admin) -> None:
         """A follower's heartbeat: remember it, answer with the state to follow."""
@@ -101,7 +150,7 @@ class Followers:
     def state(self) -> dict:
         server = self.server
         return {"paused": server.paused.value if server.paused else None,
-                "pushing": server.admin.sync.pushing}
+                "pushing": server.pushing}
 
     def expire(self, now: float) -> None:
         """Each heartbeat: forget a follower silent past --peer-timeout (it sends its
@@ -180,7 +229,7 @@ class CoordinatorLink:
     """The follower's side: its link to the coordinator, the state it follows, and the
     admin commands it passes on."""
 
-    def __init__(self, server: RouterServer, endpoint: str, dealer: Dealer) -> None:
+    def __init__(self, server: Following, endpoint: str, dealer: Dealer) -> None:
         self.server, self.endpoint, self.dealer = server, endpoint, dealer
         self.clock = PeerClock(server.loop.time())
         self.pushing = False                   # the coordinator pushes weights: hold
@@ -301,3 +350,6 @@ class CoordinatorLink:
 
     def fields(self) -> dict:
         return {"endpoint": self.endpoint, "alive": self.alive}
+
+    def close(self) -> None:
+        self.dealer.close()

@@ -1,0 +1,1 @@
+"""Several routers over one pool, and a restarted router adopting its predecessor's requests."""
