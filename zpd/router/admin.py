@@ -147,7 +147,8 @@ class RouterAdmin:
 
     def _run(self, cmd: AdminCommand, timeout: float, reply: Reply) -> None:
         server, sync = self.server, self.sync
-        if sync is not None and sync.step is not None and isinstance(cmd, (*BLOCKED, *sync.COMMANDS)):
+        if sync is not None and sync.step is not None and \
+                isinstance(cmd, (*BLOCKED, *sync.COMMANDS)):
             reply(False, {"status": 409, "error": f"{cmd.COMMAND} while {sync.what}: wait "
                                                   "for it", "workers": []})
         elif sync is not None and isinstance(cmd, sync.COMMANDS):
