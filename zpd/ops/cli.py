@@ -7,7 +7,7 @@ import sys
 
 import orjson
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys

@@ -19,7 +19,7 @@ from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.tp.plan import TpPlan
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.request import validate
 from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
