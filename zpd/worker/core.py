@@ -204,7 +204,7 @@ class WorkerCore:
             msg = Tokens.pack(list(parts.values()))
             if not self.drops.drops(msg) and not self.sock.send(identity, msg) \
                     and self.sock.last_send_unreachable:    # a decode keeps what ends for it
-                self.unreachable.add(identity)              # (zpd/worker/adoption.py)
+                self.unreachable.add(identity)              # (zpd/worker/ha/adoption.py)
 
     # --- receiving -----------------------------------------------------------------
 
