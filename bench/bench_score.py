@@ -61,7 +61,7 @@ import engines.prompt_logprobs as pl  # noqa: E402
 import engines.runner  # noqa: E402
 from engines.kv.pool import KVLayout, KVPool  # noqa: E402
 from engines.loader import LoadedModel, load_model  # noqa: E402
-from engines.models.config import ModelConfig  # noqa: E402
+from engines.config import ModelConfig  # noqa: E402
 from engines.models.tiny import TINY_CONFIG, save_tiny  # noqa: E402
 from engines.runner import ModelRunner  # noqa: E402
 from zpd.client import Client  # noqa: E402

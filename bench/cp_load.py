@@ -17,7 +17,7 @@ import orjson
 import zmq
 
 from bench_http import SSEConnection
-from engines.null import predict
+from engines.models.null import predict
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
 

@@ -8,7 +8,7 @@ do not fit, but their endpoints do.
 Each endpoint is its own ZeroMQ ROUTER socket speaking the real wire protocol
 (zpd.wire.net, zpd.wire.protocol): Ping -> Pong, Admin `status` -> AdminReply, Abort
 ends the request, and a Generate is answered the way a null-engine worker answers it
-(engines/null.py's `predict` gives the tokens):
+(engines/models/null.py's `predict` gives the tokens):
 
 - its prefill "computes" the prompt in prefill_us per token, one prompt after another,
   and sends a streamed request's first token to the router (`Tokens`, first=True);
@@ -39,7 +39,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.null import predict  # noqa: E402
+from engines.models.null import predict  # noqa: E402
 from zpd.wire.loop import Loop  # noqa: E402
 from zpd.wire.net import Router  # noqa: E402
 from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Ping, Pong,  # noqa: E402

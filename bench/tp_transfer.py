@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from common import Launch, log_step, med, random_prompts, wait_quiet
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.tp.plan import TpPlan
 from engines.tp.transfer import LocalPool, RankPool, TransferPlanner
 from zpd.client import Client

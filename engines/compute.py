@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
-from engines.models.config import ModelError
-from engines.null import NullNet, NullRunner
+from engines.config import ModelError
+from engines.models.null import NullNet
+from engines.null_runner import NullRunner
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
 from engines.request import Request, StopChecker
@@ -63,7 +64,7 @@ class Compute:
 
 
 def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None):
-    """The runner of `model`: the null model's (engines/null.py), else the network's,
+    """The runner of `model`: the null model's (engines/null_runner.py), else the network's,
     across the tensor-parallel group `tp` if there is one."""
     if isinstance(model.net, NullNet):
         if tp is not None:

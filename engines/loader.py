@@ -9,9 +9,9 @@ import torch
 
 from engines.cpu import products as cpu_products
 from engines.formats.chat import ChatTemplate, encode_chat
-from engines.models.config import ModelConfig, ModelError
+from engines.config import ModelConfig, ModelError
 from engines.models.llama import LlamaForCausalLM
-from engines.null import NullNet, NullSpec, is_null
+from engines.models.null import NullNet, NullSpec, is_null
 from engines.formats.overrides import ModelOverrides
 from engines.tp.plan import Shard
 from engines.models.tiny import is_tiny, tiny_seed, tiny_state_dict

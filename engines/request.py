@@ -6,7 +6,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs
 from engines.sampler import SamplingParams
 from engines.formats.tokenizer import Tokenizer

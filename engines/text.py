@@ -13,9 +13,9 @@ from engines.formats.gguf_file import GGUFFile, is_gguf
 from engines.formats.overrides import ModelOverrides
 from engines.formats.tokenizer import Tokenizer
 from engines.formats.vocab import tokenizer_from_gguf
-from engines.models.config import ModelConfig, ModelError
+from engines.config import ModelConfig, ModelError
 from engines.models.tiny import TINY_CONFIG, is_tiny, tiny_seed, tiny_tokenizer
-from engines.null_spec import NullSpec, is_null
+from engines.models.null_spec import NullSpec, is_null
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.weights import Placement, checked_placement
 
 # Names a trainer may give a dtype ("torch.bfloat16" as str(torch.bfloat16) prints too).

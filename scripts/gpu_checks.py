@@ -307,7 +307,7 @@ def speed_rows(args, s: Sizes, name: str, spec: str, emit: Emit) -> None:
 
 
 def check_speed_smollm2(args, s: Sizes, work: Path, emit: Emit) -> None:
-    from engines.models.config import ModelError
+    from engines.config import ModelError
     from engines.loader import resolve_spec
     if not s.smollm2:
         emit("smollm2 speed", None, "-", "--quick: skipped on the CPU dry run")

@@ -25,7 +25,7 @@ class Deadlines:
     peer_timeout: float = 2.0        # silent this long: the peer is dead (503 for its requests)
     dead_fence: float = 300.0        # decode: longest pages stay fenced for a silent prefill
     # decode: a silent router's requests run on this long for a router restarted on its
-    # endpoint to adopt (zpd/worker/adoption.py), then end 503
+    # endpoint to adopt (zpd/worker/ha/adoption.py), then end 503
     router_grace: float = 10.0
 
     # The schedulers name each wait by its phase; a user sets them all at once (kv_wait).

@@ -18,7 +18,7 @@ from jinja2.ext import loopcontrols
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.tokenizer import Tokenizer
 
 MAX_MESSAGES = 1024

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from engines.models.config import ModelConfig, ModelError
+from engines.config import ModelConfig, ModelError
 from engines.formats.gguf_header import BadHeader, read_header
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engines.formats.chat import ChatTemplate
-from engines.models.config import ModelConfig, ModelError
+from engines.config import ModelConfig, ModelError
 from engines.formats.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 
 
 class Tokenizer:

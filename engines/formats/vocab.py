@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.tokenizer import Tokenizer
 
 # GGUF token types (llama.cpp's llama_token_type).

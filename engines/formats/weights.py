@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.models.llama import PACKED_WEIGHTS
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -7,7 +7,7 @@ import torch
 
 from engines.kv.allocator import PageAllocator, page_runs
 from engines.kv.paged import PagedKV
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 
 DEFAULT_PAGE_SIZE = 16
 

@@ -8,7 +8,7 @@ from torch import nn
 from engines.backend import Backend, Heads
 from engines.kv.meta import DecodeMeta, LastTokens, PrefillMeta
 from engines.kv.paged import PagedKV
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.models.rope import RotaryEmbedding
 
 # checkpoint name suffix -> (our parameter suffix, shard) for fused projections

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from engines.loader import LoadedModel, new_net, whole_net
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
 from engines.tp.plan import Shard, TpPlan
 

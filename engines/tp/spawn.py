@@ -14,8 +14,8 @@ import torch
 
 from engines.formats.overrides import ModelOverrides
 from engines.loader import LoadedModel, load_model
-from engines.models.config import ModelError
-from engines.null import is_null
+from engines.config import ModelError
+from engines.models.null import is_null
 from engines.tp import heartbeat
 from engines.tp.group import Rendezvous, TpGroup, join
 from engines.tp.plan import TpPlan

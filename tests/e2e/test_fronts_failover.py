@@ -15,7 +15,7 @@ import orjson
 import pytest
 import requests
 
-from engines.null import predict
+from engines.models.null import predict
 from tests.e2e.cluster import ROOT, Cluster, zpd_cmd
 from zpd.client import Client
 from zpd.wire.router_proof import write_router_secret

@@ -1,5 +1,5 @@
 """`zpd launch --model null`: the simulation's cluster over real processes, ZeroMQ and
-Mooncake on loopback. Every token is predicted (engines/null.py), so a page the
+Mooncake on loopback. Every token is predicted (engines/models/null.py), so a page the
 transport garbled would show."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.null import predict
+from engines.models.null import predict
 from tests.e2e.cluster import Cluster, assert_all_pages_free
 from zpd.client import Client
 

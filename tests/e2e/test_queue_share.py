@@ -12,7 +12,7 @@ import orjson
 import pytest
 import zmq
 
-from engines.null import predict
+from engines.models.null import predict
 from tests.e2e.cluster import Cluster, assert_all_pages_free
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Accepted, Generate, Tokens

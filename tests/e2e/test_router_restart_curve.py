@@ -11,7 +11,7 @@ import time
 import pytest
 import zmq
 
-from engines.null import predict
+from engines.models.null import predict
 from tests.e2e.fault_cluster import FaultCluster
 from tests.e2e.test_fronts_failover import generate, start, stop
 from tests.e2e.test_router_restart_kill import read_until

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import zmq
 
-from engines.null import predict
+from engines.models.null import predict
 from tests.e2e.cluster import ROOT
 from tests.e2e.fault_cluster import FaultCluster
 from zpd.client import Client, assemble

@@ -23,12 +23,12 @@ from engines.request import Request
 from engines.sampler import SamplingParams
 from zpd.config import Deadlines, RouterConfig, WorkerConfig
 from zpd.ops.router import build_router
+from zpd.ops.serve import decode_scheduler
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens
 from zpd.wire.router_proof import write_router_secret
 from zpd.worker.core import WorkerCore
-from zpd.worker.decode import DecodeScheduler
 from zpd.worker.prefill import PrefillScheduler
 
 DEADLINES = Deadlines(transfer=20.0, heartbeat=0.5, peer_timeout=2.0)
@@ -105,7 +105,7 @@ class InprocCluster:
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
         core = WorkerCore(cfg, self.ctx, backend=backend, loop=Loop(clock=self.clock))
-        make = PrefillScheduler if role == "prefill" else DecodeScheduler
+        make = PrefillScheduler if role == "prefill" else decode_scheduler
         core.attach(make(core, self.ctx))
         return core
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engines.formats.chat import MAX_MESSAGES, ChatTemplate, encode_chat
-from engines.models.config import ModelError
+from engines.config import ModelError
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines.allocator_tuning import freeze_startup_objects, tune_allocator
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.cpu.linear import PackedWeights
 from engines.loader import load_model, update_weights
 from engines.sampler import SamplingParams

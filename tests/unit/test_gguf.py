@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.loader import load_model, resolve_spec, update_weights
 from engines.offline import OfflineEngine
 from engines.request import Request
@@ -188,7 +188,7 @@ def test_a_worker_updates_from_gguf_and_refuses_a_bad_one(cluster, tmp_path):
 
 
 def test_a_directory_stops_at_generation_config_eos_ids_too(tmp_path):
-    from engines.models.config import ModelConfig
+    from engines.config import ModelConfig
     from engines.models.tiny import save_tiny
     root = save_tiny(tmp_path / "d")
     assert ModelConfig.from_dir(root).eos_token_ids == (257,)

@@ -12,7 +12,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")   # imported now: its import is not the reader's cost
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.gguf_file import GGUFFile
 from engines.formats.gguf_header import MAX_ARRAY, MAX_DEPTH, MAX_ELEMENTS, MAX_STRING, MAX_TENSORS
 from tests.unit.gguf_files import (gguf_array, gguf_kv, gguf_string, gguf_tensor, raw_gguf,

@@ -145,13 +145,11 @@ def test_a_finished_write_is_reported_before_the_next_forward():
     first (KvWrites.settle, zpd/worker/writes.py): its kv_done goes out before that forward,
     not after it (a long prompt's forward would hold the decode, and the stream whose
     first token is out, for its whole length)."""
-    from zpd.wire.protocol import KvDone
     c = InprocCluster(complete_after_polls=5)        # a few polls: not within one loop turn
     try:
-        events, core = [], c.prefill
-        real_send, real_prefill = core.send, core.compute.prefill
-        core.send = lambda who, msg: (events.append(("kv_done", msg.room)) if isinstance(msg, KvDone)
-                                      else None, real_send(who, msg))[1]
+        events, core, writes = [], c.prefill, c.prefill.scheduler.writes
+        real_done, real_prefill = writes._done, core.compute.prefill
+        writes._done = lambda job, *a: (events.append(("kv_done", job.room)), real_done(job, *a))[1]
         core.compute.prefill = lambda reqs, *a: (events.append(("forward", [r.rid for r in reqs])),
                                                  real_prefill(reqs, *a))[1]
         first = c.submit(PROMPT, 4)

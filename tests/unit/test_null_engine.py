@@ -1,4 +1,4 @@
-"""The null engine (engines/null.py): no weights, no compute, predictable tokens, real
+"""The null engine (engines/models/null.py): no weights, no compute, predictable tokens, real
 KV pages. In one process (tests/unit/inproc.py) it runs the real router, schedulers and
 page handoff, so a test can predict every token without a model to compare with."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
-from engines.models.config import ModelError
-from engines.null import PEAK, NullSpec, predict
+from engines.config import ModelError
+from engines.models.null import PEAK, NullSpec, predict
 from engines.prompt_logprobs import PromptLogprobAsk
 from tests.unit.inproc import InprocCluster, reference
 from transport import FaultRule

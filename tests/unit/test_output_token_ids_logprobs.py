@@ -25,7 +25,8 @@ from zpd.http.native import native_delta, parse_generate
 from zpd.http.output import Output
 from zpd.wire import protocol as p
 from zpd.worker import writes
-from zpd.worker.parts import read_early_entry
+from zpd.wire.first_token import FirstToken
+from zpd.worker.parts import first_token_problem
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
 IDS = [3, 50, 101, 7]
@@ -195,7 +196,7 @@ def test_tokens_carry_them_as_one_float32_blob():
     assert got.unpack() == parts
     assert parts[0].skip(1).ids_logprobs == [[-3.0, -4.0]]
     assert parts[0].then(parts[0]).ids_logprobs == parts[0].ids_logprobs * 2
-    assert parts[0].early_entry() == [1, "v", -0.5, None, [-1.0, -2.0]]
+    assert FirstToken.of(parts[0]).to_wire() == [1, "v", -0.5, None, [-1.0, -2.0]]
     plain = p.encode(p.Tokens.pack(parts[1:2] + parts[3:]))
     assert "ids_counts" not in orjson.loads(plain[0]) and len(plain) == 5
 
@@ -250,9 +251,14 @@ def test_a_sender_refuses_rows_of_different_lengths_and_kv_done_without_a_logpro
 ])
 def test_a_malformed_early_entry_is_not_taken(entry, named):
     req = Request("r", PROMPT, SamplingParams.from_dict(SAMPLINGS["greedy"]))
-    assert named in read_early_entry(req, entry, 256)
-    assert read_early_entry(req, [50, "v", -0.5, None, [-1.0] * 4], 256) == \
-        (50, "v", -0.5, None, [-1.0] * 4)
+    try:
+        problem = first_token_problem(req, FirstToken.from_wire(entry), 256)
+    except p.ProtocolError as e:
+        problem = str(e)
+    assert named in problem
+    good = FirstToken.from_wire([50, "v", -0.5, None, [-1.0] * 4])
+    assert first_token_problem(req, good, 256) is None
+    assert good == FirstToken(50, "v", -0.5, None, [-1.0] * 4)
 
 
 # --- the client and /generate ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zpd.wire import protocol as p
+from zpd.wire.first_token import FirstToken
 from zpd.wire.protocol import ProtocolError, decode, encode
 
 LAYOUT = {"num_layers": 2, "page_size": 16, "page_bytes": 4096, "dtype": "float16",
@@ -347,8 +348,11 @@ def test_token_part_skip_and_then_keep_logprobs_aligned() -> None:
     both = a.then(b)
     assert both.logprobs == [-0.5, -0.25, -1.0] and both.finished
     assert both.skip(2) == p.TokenPart("a", [3], ["w"], {"type": "length"}, {}, [-1.0], [[(3, -1.0)]])
-    assert a.early_entry() == [1, "v", -0.5, [[1, -0.5]]]
-    assert p.TokenPart("b", [7], ["v"]).early_entry() == [7, "v"]
+    assert FirstToken.of(a).to_wire() == [1, "v", -0.5, [[1, -0.5]]]
+    assert FirstToken.of(p.TokenPart("b", [7], ["v"])).to_wire() == [7, "v"]
+    assert FirstToken.from_wire([1, "v", -0.5, [[1, -0.5]]]) == FirstToken(1, "v", -0.5, [[1, -0.5]])
+    with pytest.raises(p.ProtocolError, match="malformed"):
+        FirstToken.from_wire([1.0, "v"])
 
 
 def _tokens_frames(**fields) -> list[bytes]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.formats.chat import ChatTemplate
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.loader import load_model
 from engines.text import load_text
 from engines.formats.overrides import ModelOverrides

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines.loader import load_model
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.models.tiny import TINY_CONFIG
 from engines.tp.plan import TpPlan
 from engines.tp.shard import shard_model, weight_slice

@@ -220,7 +220,7 @@ def test_compat_hash_names_every_kv_head_whatever_the_tp():
     """A rank's model and layout hold part of the heads; given the whole model's config
     the hash is the one a TP 1 worker computes."""
     from engines.models.tiny import TINY_CONFIG
-    from engines.models.config import ModelConfig
+    from engines.config import ModelConfig
     whole = ModelConfig.from_dict(TINY_CONFIG)
     part = dataclasses.replace(whole, num_heads=1, num_kv_heads=1, intermediate_size=32)
     model = type("Model", (), {"cfg": whole, "tokenizer": None, "chat": None})()

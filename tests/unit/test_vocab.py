@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.vocab import tokenizer_from_gguf
 from tests.unit.gguf_files import gguf_meta
 

@@ -7,7 +7,7 @@ import sys
 
 import orjson
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.formats.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
@@ -97,11 +97,10 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from zpd.worker.decode import DecodeScheduler
-    from zpd.ops.serve import serve_worker
+    from zpd.ops.serve import decode_scheduler, serve_worker
     cfg = worker_config(args, "decode")
     check_bind("decode", cfg.host, cfg.curve_keys, cfg.insecure)
-    return serve_worker(DecodeScheduler, cfg)
+    return serve_worker(decode_scheduler, cfg)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

@@ -61,6 +61,18 @@ def serve_worker(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler],
     return 0
 
 
+def decode_scheduler(core: WorkerCore, ctx: zmq.Context) -> Scheduler:
+    """A decode scheduler with the router-restart wing plugged in: a silent router's
+    requests wait --router-grace seconds for its successor to adopt them."""
+    from zpd.wire.protocol import Adopt
+    from zpd.worker.decode import DecodeScheduler
+    from zpd.worker.ha.adoption import RouterOrphans
+    sched = DecodeScheduler(core, ctx)
+    orphans = RouterOrphans(sched, core, core.cfg.deadlines)
+    sched.plug(orphans, {Adopt: orphans.on_adopt})
+    return sched
+
+
 def serve_router(cfg: RouterConfig) -> int:
     """Run the router until SIGINT/SIGTERM."""
     from zpd.ops.router import build_router

@@ -258,7 +258,7 @@ class RouterAdmin:
     def early_tokens(self) -> dict:
         """First tokens the client has from a prefill but no decode confirmed: a decode
         holding such a request resumes after that token, not before it."""
-        return {f.rid: f.early for f in self.server.inflight.values()
+        return {f.rid: f.early.to_wire() for f in self.server.inflight.values()
                 if f.early is not None and f.from_decode == 0}
 
     def of_role(self, role: str) -> list[Worker]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, TypeVar
 
+from zpd.wire.first_token import FirstToken
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Timer
 from zpd.wire.net import Dealer
@@ -30,7 +31,7 @@ class InFlight:
     decode: Worker | None                # None: a scoring request, answered by its prefill
     sent: int = 0                        # output tokens passed on to the client
     from_decode: int = 0                 # output tokens the decode has sent
-    early: list | None = None    # the first token, straight from the prefill (TokenPart.early_entry)
+    early: FirstToken | None = None    # the first token, straight from the prefill
     prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load
 
 

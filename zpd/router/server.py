@@ -19,6 +19,7 @@ from zpd.router.flights import InFlight, Worker
 from zpd.router.hooks import Alone, Coordinator, Peers, Restart
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
+from zpd.wire.first_token import FirstToken
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
@@ -356,7 +357,7 @@ class RouterServer:
             flight = self.inflight.get(part.rid)
             if flight is None or flight.sent or len(part.token_ids) != 1 or part.finished:
                 continue                          # the decode's copy came first
-            flight.early, flight.sent = part.early_entry(), 1
+            flight.early, flight.sent = FirstToken.of(part), 1
             self.to_client(flight.client, Tokens.pack([part]))
 
     def relay(self, parts: list[TokenPart], sender: Worker | None = None) -> None:

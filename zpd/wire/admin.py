@@ -74,7 +74,7 @@ class Pause(AdminCommand):
 @dataclass(frozen=True, slots=True)
 class Continue(AdminCommand):
     """`prefills`: the live prefills (those that answered their continue); `early`: rid ->
-    a first token the client has from a prefill (TokenPart.early_entry). Router-set."""
+    a first token the client has from a prefill (FirstToken.to_wire). Router-set."""
     COMMAND: ClassVar[str] = "continue"
     ROUTER_SETS: ClassVar[tuple[str, ...]] = ("prefills", "early")
     prefills: list[str] | None = arg(STRINGS, None)

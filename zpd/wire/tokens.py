@@ -40,21 +40,6 @@ class TokenPart:
         top logprobs (the per-rid value of ``Tokens.logprob_mode``)."""
         return 0 if self.logprobs is None else 1 if self.top_logprobs is None else 2
 
-    def early_entry(self) -> list:
-        """The part's first token as the router's ``continue`` carries it to a decode
-        (the first token a prefill sent ahead): [token, version], then its logprob,
-        [[token id, logprob], ...] alternatives (null when it has none) and asked ids'
-        logprobs when the part has them."""
-        entry: list = [self.token_ids[0], self.weight_versions[0]]
-        if self.logprobs is not None:
-            entry.append(self.logprobs[0])
-        if self.top_logprobs is not None or self.ids_logprobs is not None:
-            entry.append(None if self.top_logprobs is None else
-                         [list(pair) for pair in self.top_logprobs[0]])
-        if self.ids_logprobs is not None:
-            entry.append(list(self.ids_logprobs[0]))
-        return entry
-
     def skip(self, n: int) -> "TokenPart":
         """The part without its first `n` tokens (and their logprobs)."""
         return TokenPart(self.rid, self.token_ids[n:], self.weight_versions[n:], self.finish,

@@ -19,7 +19,7 @@ from engines.compute import Compute
 from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.tp.plan import TpPlan
-from engines.models.config import ModelConfig
+from engines.config import ModelConfig
 from engines.request import validate
 from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
 from engines.sampler import SamplingParams
@@ -204,7 +204,7 @@ class WorkerCore:
             msg = Tokens.pack(list(parts.values()))
             if not self.drops.drops(msg) and not self.sock.send(identity, msg) \
                     and self.sock.last_send_unreachable:    # a decode keeps what ends for it
-                self.unreachable.add(identity)              # (zpd/worker/adoption.py)
+                self.unreachable.add(identity)              # (zpd/worker/ha/adoption.py)
 
     # --- receiving -----------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Mapping, Protocol
 
 import zmq
 
@@ -19,9 +20,8 @@ from zpd.wire.status import (ABORTED, BAD_REQUEST, CONFLICT, DEADLINE, INTERNAL,
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import (Abort, Adopt, Generate, Hello, KvDest, KvDone, KvFailed,
+from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed,
                                Message, Recompute, Tokens)
-from zpd.worker.adoption import RouterOrphans
 from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
@@ -31,9 +31,30 @@ from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, final_m
                               token_part)
 from zpd.worker.peers import model_layout
 from zpd.worker.retraction import Retraction
-from zpd.worker.scheduler import step_failure
+from zpd.worker.scheduler import Handler, step_failure
 
 log = logging.getLogger("zpd.worker.decode")
+
+
+class RouterLoss(Protocol):
+    """What becomes of a silent router's requests."""
+
+    def on_silent(self, identity: bytes) -> None:
+        """The router stopped pinging us."""
+
+    def ended(self, job: DecodeJob, meta: dict) -> None:
+        """`job` of some router ended just now, its answer queued (`meta` its final meta)."""
+
+
+class EndAtOnce:
+    """A silent router's requests end at once (503): the decode without the restart
+    wing (zpd/worker/ha/adoption.py), which the assembly plugs in."""
+
+    def __init__(self, sched: DecodeScheduler) -> None:
+        self.on_silent = sched.end_router
+
+    def ended(self, job: DecodeJob, meta: dict) -> None:
+        """No successor will ask for the answer."""
 
 
 class DecodeScheduler:
@@ -48,14 +69,19 @@ class DecodeScheduler:
         self.pages = PageBook.for_worker(core, self._prefill_dead)
         self.batch = DecodeBatch(core.compute, core.cfg.max_batch)
         self.transferring = 0        # jobs in TRANSFERRING: each will join the batch at kv_done
-        self.retraction = Retraction(self)                    # pause, retract, continue
+        self.retraction = Retraction(self, core.model.cfg.vocab_size)   # pause, continue
         self.links = PrefillLinks(ctx, self.loop, self._hello(), self.on_prefill_message,
                                   self.on_refused, self.on_prefill_restarted,
                                   core.security.client_options(), self.deadlines.heartbeat,
                                   self.deadlines.peer_timeout, core.drops)
-        self.orphans = RouterOrphans(self)     # a silent router's, until adopted or ended
-        self.handlers = {Generate: self.on_generate, Abort: self.on_abort,
-                         Adopt: self.orphans.on_adopt}
+        self.orphans: RouterLoss = EndAtOnce(self)      # a silent router's requests
+        self.handlers = {Generate: self.on_generate, Abort: self.on_abort}
+
+    def plug(self, orphans: RouterLoss, handlers: Mapping[type[Message], Handler]) -> None:
+        """Let `orphans` (a wing: zpd/ops/serve.py plugs it in before the core's attach)
+        keep a silent router's requests, taking `handlers`' messages (its `adopt`)."""
+        self.orphans = orphans
+        self.handlers |= handlers
 
     def _hello(self) -> Hello:
         """Our pools, one per tensor-parallel rank, and the whole model's KV layout."""
@@ -223,8 +249,23 @@ class DecodeScheduler:
 
     def on_peer_silent(self, identity: bytes) -> None:
         """A router that stopped pinging is gone: its requests end, unless a router
-        restarted on its endpoint adopts them first (zpd/worker/adoption.py)."""
+        restarted on its endpoint adopts them first (the wing plugged in, if any)."""
         self.orphans.on_silent(identity)
+
+    def refuse_tokenizing(self, identity: bytes) -> None:
+        """End the router's prompts still being tokenized (no job holds them yet)."""
+        tokenizing = self.core.tokenizing
+        for rid in [r for r, (client, _) in tokenizing.pending.items() if client == identity]:
+            self.refuse(*tokenizing.cancel(rid), UNAVAILABLE, "router unavailable")
+
+    def end_router(self, identity: bytes) -> None:
+        """End every request of the router with 503."""
+        self.refuse_tokenizing(identity)
+        orphans = [j for j in self.jobs.values() if j.client == identity]
+        if orphans:
+            log.error("router %r silent: ending its %d requests", identity[:64], len(orphans))
+        for job in orphans:
+            self.finish(job, UNAVAILABLE, "router unavailable", tell_prefill=True)
 
     # --- from prefills ---------------------------------------------------------------
 
@@ -368,7 +409,9 @@ class DecodeScheduler:
         self.retraction.on_pause(mode)
 
     def quiescent(self) -> bool:
-        return self.retraction.quiescent()
+        """pause(retract|abort) is answered once no page is fenced: then no worker
+        holds KV for any request and memory can be flushed."""
+        return not (self.pages.fenced and self.core.dropping)
 
     def on_resume(self, cmd: Continue) -> dict:
         return self.retraction.on_resume(cmd)

@@ -8,56 +8,73 @@ once the request has named the room's decode.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from zpd.wire.status import ABORTED, INTERNAL
-from zpd.wire.protocol import Hello, HelloAck, KvDest, KvFailed
+from zpd.wire.protocol import Hello, HelloAck, KvDest, KvFailed, Message
 from zpd.worker.jobs import JobPhase, PrefillJob
-from zpd.worker.peers import endpoint_key
-
-if TYPE_CHECKING:
-    from zpd.worker.prefill import PrefillScheduler
+from zpd.worker.peers import DecodePeers, endpoint_key
+from zpd.worker.tombstones import Tombstones
 
 log = logging.getLogger("zpd.worker.prefill")       # its lines are the prefill scheduler's
 
 
-class KvDests:
-    """The prefill's intake of hellos and kv_dests. The `PrefillScheduler` that owns it
-    is `sched`, an explicit reference back: its jobs, tombstones and peers are read
-    here, and its `new_job`, `move`, `end` and `writes.start` called; a job's phase is
-    never set here."""
+@dataclass(frozen=True)
+class DestPort:
+    """What the prefill scheduler lends its intake: its jobs, tombstones and decode
+    peers are read here, its `new_job`, `move`, `end` and write start called; a job's
+    phase is never set here. `compat_hash`, `serves` (what we serve, for a refusal),
+    `connect` (a decode's transport session) and `hello_ack(ok, reason)` are the
+    worker core's side of a hello."""
 
-    def __init__(self, sched: PrefillScheduler) -> None:
-        self.sched = sched
+    jobs: dict[int, PrefillJob]
+    tombstones: Tombstones
+    peers: DecodePeers
+    send: Callable[[bytes, Message], None]
+    dropping: Callable[[], bool]
+    pages_for: Callable[[int], int]
+    new_job: Callable[[int, int], PrefillJob]
+    move: Callable[[PrefillJob, JobPhase], None]
+    end: Callable[[PrefillJob, int | None, str], None]
+    start_write: Callable[[PrefillJob], None]
+    compat_hash: str
+    serves: str
+    connect: Callable[[str], None]
+    hello_ack: Callable[[bool, str], HelloAck]
+
+
+class KvDests:
+    """The prefill's intake of hellos and kv_dests, over its `DestPort`."""
+
+    def __init__(self, port: DestPort) -> None:
+        self.sched = port
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
         """A decode's pool, where its kv_dests may point (zpd/worker/peers.py): refused
         when incompatible or impossible, and then none of its kv_dests counts."""
-        core, peers = self.sched.core, self.sched.peers
-        pools = core.rank_pools
-        reason = peers.hello(identity, msg) if msg.compat_hash == core.compat_hash else (
-            f"incompatible peers: prefill {core.endpoint} serves {core.model.spec} "
+        s, peers = self.sched, self.sched.peers
+        reason = peers.hello(identity, msg) if msg.compat_hash == s.compat_hash else (
+            f"incompatible peers: prefill {s.serves} "
             f"({peers.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
-            f"(hash {msg.compat_hash} != {core.compat_hash})")
+            f"(hash {msg.compat_hash} != {s.compat_hash})")
         if reason:
             peers.forget(identity)
             log.error("hello from %r refused: %s", msg.decode[:200], reason)
         else:
-            core.backend.connect(msg.session_id)     # handshake now, not at its first write
-        core.send(identity, HelloAck(
-            not reason, peers.layout.to_dict(), core.compat_hash, core.backend.session_id,
-            [p.announced() for p in pools], core.pool.num_pages, core.model.version, reason))
+            s.connect(msg.session_id)     # handshake now, not at its first write
+        s.send(identity, s.hello_ack(not reason, reason))
 
     def on_kv_dest(self, identity: bytes, msg: KvDest) -> None:
         s = self.sched
         if identity not in s.peers:
-            s.core.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
+            s.send(identity, KvFailed(msg.room, msg.epoch, INTERNAL, "kv_dest before hello"))
             return
         job = s.jobs.get(msg.room)
-        ended = (msg.room, msg.epoch) in s.tombstones or s.core.dropping
+        ended = (msg.room, msg.epoch) in s.tombstones or s.dropping()
         if job is None and ended:
             # nothing of ours will ever write there: the decode may reuse the pages
-            s.core.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
+            s.send(identity, KvFailed(msg.room, msg.epoch, ABORTED, "ended at prefill"))
             return
         if job is None:
             job = s.new_job(msg.room, msg.epoch)
@@ -93,10 +110,10 @@ class KvDests:
         if problem:
             self.sched.end(job, INTERNAL, problem)     # fail fast; writes.start checks again
         elif job.phase is JobPhase.COMPUTED:
-            self.sched.writes.start(job)
+            self.sched.start_write(job)
 
     def problem(self, job: PrefillJob) -> str:
         """Why the job's kv_dest is no place for its KV (checked against the pool its
         decode announced last), or ""."""
-        need = self.sched.pool.pages_for(len(job.req.prompt))
+        need = self.sched.pages_for(len(job.req.prompt))
         return self.sched.peers.dest_problem(job.decode, job.dest, need)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 
 MIB = 2 ** 20
 CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")

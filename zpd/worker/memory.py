@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Callable
 
 import transport
 from engines import weight_release
-from engines.models.config import ModelError
+from engines.config import ModelError
 from engines.text import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.models.tiny import is_tiny
-from engines.null import is_null
+from engines.models.null import is_null
 from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, UpdateWeights, UpdateWeightVersion)
 from zpd.wire.admin_fields import KV_CACHE, WEIGHTS
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError

@@ -1,7 +1,7 @@
 """A request's output as it crosses the wire: its tokens with their logprobs (only for a
 request that asked), in a `TokenPart` to its client, and the first token's logprobs
 from the prefill that sampled it to the decode (on `kv_done`) or, after a retraction,
-through the router (the `early` token of `continue`).
+through the router (the `early` token of `continue`, a `FirstToken`).
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import math
 from engines.prompt_logprobs import PromptLogprobs
 from engines.formats.tokenizer import Tokenizer
 from engines.request import Request, response
+from zpd.wire.first_token import FirstToken
 from zpd.wire.protocol import KvDone, TokenPart
 
 
@@ -137,27 +138,31 @@ def cached_tokens(req: Request, msg: KvDone) -> int | str:
     return min(msg.cached_tokens, len(req.prompt))
 
 
-def read_early_entry(req: Request, got: object, vocab: int) -> tuple | str:
-    """(token, version, logprob, top, ids) from a `TokenPart.early_entry` for this request,
-    or why it cannot be taken (then the request is recomputed without it)."""
-    if not (isinstance(got, list) and 2 <= len(got) <= 5 and _id(got[0]) and isinstance(got[1], str)):
-        return f"early token {str(got)[:80]} is malformed"
-    if not 0 <= got[0] < vocab:
-        return f"early token {got[0]} out of range"
+def first_token_problem(req: Request, first: FirstToken, vocab: int) -> str | None:
+    """Why `first` (the router's early token of `req`) cannot be taken, or None (a
+    request whose token is refused is recomputed without it)."""
+    if not 0 <= first.token < vocab:
+        return f"early token {first.token} out of range"
     p = req.params
-    logprob = got[2] if len(got) > 2 else None
-    top = got[3] if len(got) > 3 else None
-    if p.wants_logprobs and not _number(logprob):
+    if p.wants_logprobs and not _number(first.logprob):
         return "early token without its logprob"
+    top = first.top
     if p.top_logprobs_num and not (isinstance(top, list) and all(
-            isinstance(t, list) and len(t) == 2 and _id(t[0]) and _number(t[1]) for t in top)):
+            isinstance(t, (list, tuple)) and len(t) == 2 and _id(t[0]) and _number(t[1])
+            for t in top)):
         return "early token without its top logprobs"
-    asked = p.output_ids_logprob
-    ids = got[4] if len(got) > 4 else None
+    asked, ids = p.output_ids_logprob, first.ids_logprobs
     if asked and not (isinstance(ids, list) and len(ids) == len(asked) and all(map(_number, ids))):
         return "early token without its token_ids_logprob logprobs"
-    return got[0], got[1], logprob, [tuple(t) for t in top] if p.top_logprobs_num else None, \
-        (ids if asked else None)
+    return None
+
+
+def take_first_token(req: Request, first: FirstToken) -> None:
+    """Emit `first` as the request's first output token, with what it asked of logprobs."""
+    p = req.params
+    req.emit(first.token, first.version, first.logprob if p.wants_logprobs else None,
+             [tuple(t) for t in first.top] if p.top_logprobs_num else None,
+             first.ids_logprobs if p.output_ids_logprob else None)
 
 
 def _id(value: object) -> bool:

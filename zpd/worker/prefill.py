@@ -26,9 +26,10 @@ from engines.sampler import SamplingParams
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
-from zpd.wire.protocol import Abort, Generate, Hello, KvDest, KvFailed, Recompute, Tokens
+from zpd.wire.protocol import (Abort, Generate, Hello, HelloAck, KvDest, KvFailed, Recompute,
+                               Tokens)
 from zpd.worker.core import WorkerCore
-from zpd.worker.dests import KvDests
+from zpd.worker.dests import DestPort, KvDests
 from zpd.worker.fair import FairTurns, StepBudget
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
@@ -36,7 +37,7 @@ from zpd.worker.parts import final_meta, token_part
 from zpd.worker.peers import DecodePeers, model_layout
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
-from zpd.worker.writes import KvWrites, prefill_timings
+from zpd.worker.writes import KvWrites, WritePort, prefill_timings
 
 log = logging.getLogger("zpd.worker.prefill")
 
@@ -62,11 +63,18 @@ class PrefillScheduler:
         self.budget = StepBudget(core.cfg.max_prefill_tokens, core.cfg.prefill_step_seconds,
                                  self.pool.layout.page_size)
         self.tombstones = Tombstones(self.loop, self.deadlines.stash)     # ended here
-        self.writes = KvWrites(self)                          # KV writes in flight
         self.peers = DecodePeers(model_layout(core.layout, core.rank_pools),
                                  core.backend.session_id, core.send)
-        self.dests = KvDests(self)                            # hellos and kv_dests
         self.page_size = self.pool.layout.page_size
+        self.dests = KvDests(DestPort(                        # hellos and kv_dests
+            self.jobs, self.tombstones, self.peers, core.send, lambda: core.dropping,
+            self.pool.pages_for, self.new_job, self.move, self.end,
+            lambda job: self.writes.start(job), core.compat_hash,
+            f"{core.endpoint} serves {core.model.spec}", core.backend.connect, self._hello_ack))
+        self.writes = KvWrites(WritePort(                     # KV writes in flight
+            core.backend, lambda: core.rank_pools, self.peers, self.page_size, core.send,
+            lambda: core.model.version, self.dests.problem, self.move, self.end,
+            self.finish_ended))
         self.pages = PageBook.for_worker(core)               # the pool's pages and prefix cache
         # cumulative, reported in status for /metrics
         self.counters = {"prompt_tokens_computed": 0, "prefill_forward_seconds": 0.0}
@@ -74,6 +82,13 @@ class PrefillScheduler:
                          Hello: self.dests.on_hello, KvDest: self.dests.on_kv_dest,
                          KvFailed: self.on_kv_failed, Abort: self.on_abort}
         self.loop.add_fd(core.backend.fileno(), self.writes.on_completions)
+
+    def _hello_ack(self, ok: bool, reason: str) -> HelloAck:
+        """Our answer to a decode's hello: our pools and model, or why we refuse it."""
+        core = self.core
+        return HelloAck(ok, self.peers.layout.to_dict(), core.compat_hash,
+                        core.backend.session_id, [p.announced() for p in core.rank_pools],
+                        core.pool.num_pages, core.model.version, reason)
 
     # --- phases --------------------------------------------------------------------
 

@@ -8,29 +8,42 @@ prefix (prompt + output so far) is recomputed by a prefill the router says is li
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
+from zpd.wire.first_token import FirstToken
+from zpd.wire.messages import ProtocolError
 from zpd.wire.status import ABORTED
 from zpd.wire.protocol import KvFailed
 from zpd.worker.jobs import DecodeJob, DecodePhase
-from zpd.worker.links import well_formed
-from zpd.worker.parts import read_early_entry
-
-if TYPE_CHECKING:
-    from zpd.worker.decode import DecodeScheduler
+from zpd.worker.links import PrefillLinks, well_formed
+from zpd.worker.parts import first_token_problem, take_first_token
 
 log = logging.getLogger("zpd.worker.decode")      # its lines are the decode scheduler's
 
 
-class Retraction:
-    """The decode's pause, retract and continue. The `DecodeScheduler` that owns it is
-    `sched`, an explicit reference back: its jobs, links and page book are read here, and
-    its `move`, `finish` and `release` called; a job's phase is never set here."""
+class HeldJobs(Protocol):
+    """What the decode scheduler lends its retraction: its jobs and prefill links are
+    read, its `move`, `finish` and `release` called; a job's phase is never set here."""
 
-    def __init__(self, sched: DecodeScheduler) -> None:
-        self.sched = sched
+    jobs: dict[int, DecodeJob]
+    links: PrefillLinks
+
+    def move(self, job: DecodeJob, phase: DecodePhase) -> None: ...
+
+    def finish(self, job: DecodeJob, status: int, reason: str, tell_prefill: bool = False,
+               may_land: bool = True) -> None: ...
+
+    def release(self, job: DecodeJob, fence: bool) -> None: ...
+
+
+class Retraction:
+    """The decode's pause, retract and continue, over `sched` (a `HeldJobs`);
+    `vocab` bounds the early tokens continue hands over."""
+
+    def __init__(self, sched: HeldJobs, vocab: int) -> None:
+        self.sched, self.vocab = sched, vocab
         self.live_prefills: list[str] | None = None            # from the router's continue
 
     def on_pause(self, mode: PauseMode) -> None:
@@ -51,11 +64,6 @@ class Retraction:
         job.req.retractions += 1
         log.info("rid=%r room=%d epoch=%d retracted after %d tokens", job.req.rid, job.room,
                  job.epoch, len(job.req.output))
-
-    def quiescent(self) -> bool:
-        """pause(retract|abort) is answered once no page is fenced: then no worker
-        holds KV for any request and memory can be flushed."""
-        return not (self.sched.pages.fenced and self.sched.core.dropping)
 
     def on_resume(self, cmd: Continue) -> dict:
         """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
@@ -85,16 +93,20 @@ class Retraction:
             return job.prefill
         return live[job.room % len(live)]
 
-    def _take_early_token(self, job: DecodeJob, got) -> None:
+    def _take_early_token(self, job: DecodeJob, got: object) -> None:
         """The client already has this request's first token (its prefill sent it to the
         router before the KV arrived here): resume after it, as after any token."""
         req = job.req
         if req.output or got is None:
             return
-        entry = read_early_entry(req, got, self.sched.core.model.cfg.vocab_size)
-        if isinstance(entry, str):
-            log.warning("rid=%r: %s; ignored", req.rid, entry)
+        try:
+            first = FirstToken.from_wire(got)
+            problem = first_token_problem(req, first, self.vocab)
+        except ProtocolError as e:
+            problem = str(e)
+        if problem:
+            log.warning("rid=%r: %s; ignored", req.rid, problem)
             return
-        req.emit(*entry)     # sent again with the next ones: the router passes it once
+        take_first_token(req, first)     # sent again with the next ones: the router passes it once
         log.info("rid=%r room=%d resumes after its first token %d (%s), which its prefill sent "
-                 "ahead", req.rid, job.room, entry[0], entry[1])
+                 "ahead", req.rid, job.room, first.token, first.version)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from zpd.wire.status import CONFLICT, StatusError
 from engines.formats.tensor_payload import PayloadError, decode_named_tensors
 from engines.weight_push import MAX_TENSORS, Announced, announce, push_limit

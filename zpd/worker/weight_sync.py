@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from engines.models.config import ModelError
+from engines.config import ModelError
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.weight_push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
 from zpd.worker.helper_link import HelperLink, Incoming, SyncFailure

@@ -12,17 +12,16 @@ import itertools
 import logging
 import select
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 import transport
-from engines.tp.transfer import PoolWrite, TransferPlanner
-from zpd.wire.protocol import KvDone
+from engines.tp.transfer import LocalPool, PoolWrite, TransferPlanner
+from zpd.wire.protocol import KvDone, Message
 from zpd.wire.status import INTERNAL
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.parts import first_logprob_fields, prompt_logprob_fields
-
-if TYPE_CHECKING:
-    from zpd.worker.prefill import PrefillScheduler
+from zpd.worker.peers import DecodePeers
 
 log = logging.getLogger("zpd.worker.prefill")       # its lines are the prefill scheduler's
 
@@ -52,17 +51,34 @@ def _timings(marks: dict, transfer_s: float) -> dict:
                                      "kv_transfer": _ms(transfer_s)}
 
 
-class KvWrites:
-    """The prefill's writes in flight. The `PrefillScheduler` that owns it is `sched`,
-    an explicit reference back: its `move`, `end` and `finish_ended` are called here;
-    a job's phase is never set here."""
+@dataclass(frozen=True)
+class WritePort:
+    """What the prefill scheduler lends its writes: the transport, our ranks' pools
+    (`rank_pools()`: their address changes when memory is resumed), the decode peers,
+    `dest_problem` (KvDests.problem), the weight `version()` a kv_done names; its
+    `move`, `end` and `finish_ended` are called here, a job's phase never set."""
 
-    def __init__(self, sched: PrefillScheduler) -> None:
-        self.sched = sched
+    backend: transport.Backend
+    rank_pools: Callable[[], list[LocalPool]]
+    peers: DecodePeers
+    page_size: int
+    send: Callable[[bytes, Message], None]
+    version: Callable[[], str]
+    dest_problem: Callable[[PrefillJob], str]
+    move: Callable[[PrefillJob, JobPhase], None]
+    end: Callable[[PrefillJob, int | None, str], None]
+    finish_ended: Callable[[PrefillJob], None]
+
+
+class KvWrites:
+    """The prefill's writes in flight, over its `WritePort`."""
+
+    def __init__(self, port: WritePort) -> None:
+        self.sched = port
         self.by_transfer: dict[int, PrefillJob] = {}          # in flight, ended jobs' too
         self.ids = itertools.count(1)
         # our ranks' pools -> the decode's, through staging where their heads differ
-        self.planner = TransferPlanner(sched.core.backend.register)
+        self.planner = TransferPlanner(port.backend.register)
         # cumulative, reported in status for /metrics
         self.counters = {"kv_bytes_written": 0, "kv_transfer_seconds": 0.0,
                          "kv_transfer_failures": 0}
@@ -79,7 +95,7 @@ class KvWrites:
         """Give the writes in flight up to WRITE_SETTLE_S to land before a forward
         blocks this loop: their kv_done, which lets the decode start (and a stream whose
         first token is out go on), would otherwise wait out the whole forward."""
-        end, fd = time.monotonic() + WRITE_SETTLE_S, self.sched.core.backend.fileno()
+        end, fd = time.monotonic() + WRITE_SETTLE_S, self.sched.backend.fileno()
         while self.by_transfer:
             left = end - time.monotonic()
             if left <= 0:
@@ -92,7 +108,7 @@ class KvWrites:
         (its hello may have changed since the kv_dest): a bad page id fails this
         request, never the loop."""
         s = self.sched
-        problem = s.dests.problem(job)
+        problem = s.dest_problem(job)
         if problem:
             s.end(job, INTERNAL, problem)
             return
@@ -100,8 +116,8 @@ class KvWrites:
         # the prefix's first `cached_pages` pages the decode holds already: not written
         ours = job.req.pages[dest.cached_pages:dest.cached_pages + len(dest.page_ids)]
         try:
-            writes = self.planner.plan(s.core.rank_pools, peer.pools, ours, dest.page_ids)
-            s.core.backend.write(tid, peer.session, transfer_runs(writes, ours, dest.page_ids))
+            writes = self.planner.plan(s.rank_pools(), peer.pools, ours, dest.page_ids)
+            s.backend.write(tid, peer.session, transfer_runs(writes, ours, dest.page_ids))
         except (transport.TransportError, ValueError) as e:
             s.end(job, INTERNAL, f"KV transfer refused: {e}")
             return
@@ -111,7 +127,7 @@ class KvWrites:
         s.move(job, JobPhase.WRITING)
 
     def on_completions(self) -> None:
-        for c in self.sched.core.backend.poll_completions():
+        for c in self.sched.backend.poll_completions():
             job = self.by_transfer.pop(c.transfer_id, None)
             if job is None:
                 continue
@@ -132,8 +148,8 @@ class KvWrites:
         log.info("rid=%r room=%d epoch=%d kv written (%d bytes, %.1f ms)", job.req.rid,
                  job.room, job.epoch, nbytes, seconds * 1e3)
         first = job.req.output[-1] if job.req.output else -1
-        s.core.send(job.decode, KvDone(job.room, job.epoch, first, s.core.model.version,
-                                       _timings(job.marks, seconds), **first_logprob_fields(job.req),
-                                       **prompt_logprob_fields(job.req),
-                                       cached_tokens=job.skip * s.page_size))
+        s.send(job.decode, KvDone(job.room, job.epoch, first, s.version(),
+                                  _timings(job.marks, seconds), **first_logprob_fields(job.req),
+                                  **prompt_logprob_fields(job.req),
+                                  cached_tokens=job.skip * s.page_size))
         s.end(job, None, "")

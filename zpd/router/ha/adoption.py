@@ -1,7 +1,7 @@
 """A router restarted on its endpoint picks up its predecessor's requests.
 
 At start the router asks every decode to `Adopt` the requests of the earlier
-processes of its endpoint (zpd/worker/adoption.py says which); each decode answers
+processes of its endpoint (zpd/worker/ha/adoption.py says which); each decode answers
 `Adopted` with, per rid, its client, prefill, share and output so far, then the
 tokens of each streamed one from the first, and the whole answer of each that ended
 while no router listened. The router rebuilds their flights (client, loads, shares)

@@ -1,11 +1,11 @@
-"""The null model's spec (`--model null[:OPTIONS]`, spelled out in engines/null.py) and
+"""The null model's spec (`--model null[:OPTIONS]`, spelled out in engines/models/null.py) and
 its config: what the HTTP front and `zpd launch` need of it, without torch."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
 
-from engines.models.config import ModelConfig, ModelError
+from engines.config import ModelConfig, ModelError
 from engines.models.tiny import BOS_ID, EOS_ID
 
 VOCAB = 258                          # the byte tokenizer's: 256 bytes, BOS, EOS

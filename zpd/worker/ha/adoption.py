@@ -21,27 +21,58 @@ a scoring request's answer (ended when its router falls silent; the client gets 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from zpd.wire.loop import Timer
-from zpd.wire.protocol import Adopt, Adopted, Ping, TokenPart
+from zpd.config import Deadlines
+from zpd.wire.admin_fields import PauseMode
+from zpd.wire.loop import Loop, Timer
+from zpd.wire.net import Router
+from zpd.wire.protocol import Adopt, Adopted, Message, Ping, TokenPart
 from zpd.wire.router_proof import router_endpoint
-from zpd.wire.status import UNAVAILABLE
+from zpd.wire.security import Security
 from zpd.worker.jobs import DecodeJob
 from zpd.worker.parts import token_part
-
-if TYPE_CHECKING:
-    from zpd.worker.decode import DecodeScheduler
 
 log = logging.getLogger("zpd.worker.adoption")
 
 
-class RouterOrphans:
-    """The decode's requests whose router fell silent, until adopted or ended."""
+class OrphanJobs(Protocol):
+    """What the decode scheduler lends: its jobs (read, and rebound to a new router)
+    and the two ways its requests of a gone router end."""
 
-    def __init__(self, sched: DecodeScheduler) -> None:
-        self.sched, self.core = sched, sched.core
-        self.grace = self.core.cfg.deadlines.router_grace
+    jobs: dict[int, DecodeJob]                 # room -> job
+    by_rid: dict[str, DecodeJob]
+
+    def refuse_tokenizing(self, identity: bytes) -> None:
+        """End the router's prompts still being tokenized (no job holds them yet)."""
+
+    def end_router(self, identity: bytes) -> None:
+        """End every request of the router with 503."""
+
+
+class RouterSocket(Protocol):
+    """What the worker core lends: its socket, loop and who pinged it when."""
+
+    loop: Loop
+    sock: Router
+    endpoint: str
+    security: Security
+    paused: PauseMode | None
+    pinged_at: dict[bytes, float]
+    unreachable: set[bytes]
+
+    def send(self, identity: bytes, msg: Message) -> None: ...
+
+    def queue_token(self, identity: bytes, part: TokenPart) -> None: ...
+
+
+class RouterOrphans:
+    """The decode's requests whose router fell silent, until adopted or ended. The
+    assembly (zpd/ops/serve.py) plugs it into the decode (`DecodeScheduler.plug`)."""
+
+    def __init__(self, sched: OrphanJobs, core: RouterSocket, deadlines: Deadlines) -> None:
+        self.sched, self.core = sched, core
+        self.grace, self.peer_timeout = deadlines.router_grace, deadlines.peer_timeout
         self.timers: dict[bytes, Timer] = {}      # silent router -> when its requests end
         # gone router -> rid -> (Adopted entry, whole answer) of requests ended since
         self.kept: dict[bytes, dict[str, tuple[dict, TokenPart]]] = {}
@@ -52,9 +83,7 @@ class RouterOrphans:
     def on_silent(self, identity: bytes) -> None:
         """A router stopped pinging: prompts still being tokenized for it end now (no job
         holds them yet), its jobs after the grace unless a restarted router adopts them."""
-        tokenizing = self.core.tokenizing
-        for rid in [r for r, (client, _) in tokenizing.pending.items() if client == identity]:
-            self.sched.refuse(*tokenizing.cancel(rid), UNAVAILABLE, "router unavailable")
+        self.sched.refuse_tokenizing(identity)
         jobs = self.of(identity)
         if not jobs or self.grace <= 0:
             self.end(identity)
@@ -68,11 +97,7 @@ class RouterOrphans:
 
     def end(self, identity: bytes) -> None:
         self.timers.pop(identity, None)
-        orphans = self.of(identity)
-        if orphans:
-            log.error("router %r silent: ending its %d requests", identity[:64], len(orphans))
-        for job in orphans:
-            self.sched.finish(job, UNAVAILABLE, "router unavailable", tell_prefill=True)
+        self.sched.end_router(identity)
 
     def ended(self, job: DecodeJob, meta: dict) -> None:
         """`job` ended just now (its answer is queued): keep the answer if its router is
@@ -80,8 +105,7 @@ class RouterOrphans:
         if job.client not in self.core.unreachable:
             return
         if job.client not in self.kept:
-            deadlines = self.core.cfg.deadlines
-            self.core.loop.call_later(deadlines.peer_timeout + self.grace, self.kept.pop,
+            self.core.loop.call_later(self.peer_timeout + self.grace, self.kept.pop,
                                       job.client, None)
         answer = token_part(job.req, 0, meta)
         self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), answer)
