@@ -12,7 +12,7 @@ from engines.models.config import ModelError
 from engines.formats.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
-from zpd.ops.flags import COMMAND_FLAGS, add_flags, apply_config_file
+from zpd.ops.flags import COMMAND_FLAGS, add_flags, apply_config_file, usage
 from zpd.ops.keys import add_keys_parser
 from zpd.env import configure_engine
 from zpd.ops.http_options import http_config
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _command(sub: argparse._SubParsersAction, name: str, func: Callable, summary: str,
              description: str) -> argparse.ArgumentParser:
     """Subcommand `name`, its flags built from their declarations (COMMAND_FLAGS)."""
-    p = sub.add_parser(name, help=summary, description=description)
+    p = sub.add_parser(name, help=summary, description=description,
+                       usage=usage(COMMAND_FLAGS[name]))
     add_flags(p, COMMAND_FLAGS[name])
     p.set_defaults(func=func)
     return p

@@ -33,29 +33,36 @@ def _text_and_process(*more: str) -> list[Declared]:
     return pick(CommandFlags, "config", "log_level", "tokenizer_path", "chat_template", *more)
 
 
-_WORKER = [*_text_and_process("threads", "context_length"), *pick(WorkerConfig),
-           *pick(Deadlines), *pick(PromptLimits)]
-# Which records' flags each subcommand takes.
+_WORKER = [*pick(WorkerConfig), *pick(Deadlines), *pick(PromptLimits),
+           *_text_and_process("threads", "context_length")]
+# Which records' flags each subcommand takes (within a --help group, in this order).
 COMMAND_FLAGS: dict[str, list[Declared]] = {
-    "run": [*_text_and_process("threads", "context_length"),
-            *pick(WorkerConfig, "model", "device", "dtype", "weight_version", "page_size",
-                  "kv_cache_mb", "mem_fraction_static", "max_batch", "tp")],
+    "run": [*pick(WorkerConfig, "model", "device", "dtype", "weight_version", "page_size",
+                  "kv_cache_mb", "mem_fraction_static", "max_batch", "tp"),
+            *_text_and_process("threads", "context_length")],
     "prefill": _WORKER,
     "decode": _WORKER,
-    "router": [*pick(CommandFlags, "config", "log_level"), *pick(RouterConfig),
-               *pick(PromptLimits)],
-    "http": [*_text_and_process("api_key_file", "admin_api_key_file"), *pick(HttpConfig),
-             *pick(PromptLimits)],
-    "launch": [*_text_and_process("threads", "context_length", "api_key_file",
-                                  "admin_api_key_file"),
-               *pick(WorkerConfig, skip=("host", "port", "ready_file")), *pick(Deadlines),
-               *pick(PromptLimits), *pick(LaunchConfig),
+    "router": [*pick(RouterConfig), *pick(PromptLimits), *pick(CommandFlags, "config", "log_level")],
+    "http": [*pick(HttpConfig), *pick(PromptLimits),
+             *_text_and_process("api_key_file", "admin_api_key_file")],
+    "launch": [*pick(LaunchConfig), *pick(WorkerConfig, skip=("host", "port", "ready_file")),
+               *pick(Deadlines), *pick(PromptLimits),
                *pick(RouterConfig, "max_client_requests", "max_client_tokens",
                      "max_concurrent_requests", "queue_size", "queue_timeout"),
                *pick(HttpConfig, skip=("router", "workers", "model", "host", "port", "insecure",
                                        "curve_keys", "ready_file", "connect_timeout",
-                                       "weights_timeout"))],
+                                       "weights_timeout")),
+               *_text_and_process("threads", "context_length", "api_key_file",
+                                  "admin_api_key_file")],
 }
+
+
+def usage(declared: list[Declared]) -> str:
+    """A short usage line, the required flags and then [FLAGS]: --help lists the rest by
+    group, which argparse's usage of seventy flags would bury."""
+    needed = [f"{f.names[0]} {f.names[0][2:].upper().replace('-', '_')}"
+              for f, _ in declared if f.required]
+    return " ".join(["%(prog)s", *needed, "[FLAGS]"])
 
 
 def add_flags(p: argparse.ArgumentParser, declared: list[Declared]) -> None:
@@ -132,13 +139,11 @@ def _read(sub: argparse.ArgumentParser, path: str) -> dict:
         text = Path(path).read_text()
     except OSError as e:
         sub.error(f"--config {path}: {e.strerror or e}")
+    yaml = Path(path).suffix in (".yaml", ".yml")
     try:
-        if Path(path).suffix in (".yaml", ".yml"):
-            table = _yaml(sub, path, text)
-        else:
-            table = tomllib.loads(text)
+        table = _yaml(sub, path, text) if yaml else tomllib.loads(text)
     except ValueError as e:                 # tomllib's and PyYAML's errors (YAMLError wrapped)
-        sub.error(f"--config {path}: not valid {Path(path).suffix.lstrip('.') or 'TOML'}: {e}")
+        sub.error(f"--config {path}: not valid {'YAML' if yaml else 'TOML'}: {e}")
     if not isinstance(table, dict):
         sub.error(f"--config {path}: want a table of flag = value")
     return table
