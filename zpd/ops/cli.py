@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Callable
 
 import orjson
 
@@ -11,15 +12,12 @@ from engines.config import ModelError
 from engines.formats.overrides import ModelOverrides
 from zpd.ops.admin import add_admin_parser
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
+from zpd.ops.flags import COMMAND_FLAGS, add_flags, apply_config_file, usage
 from zpd.ops.keys import add_keys_parser
-from zpd.config import RouterConfig
 from zpd.env import configure_engine
-from zpd.ops.http_options import (add_http_front_options, add_http_key_options,
-                                  add_http_options, add_http_workers_option,
-                                  add_served_model_name, http_config)
-from zpd.ops.options import (ROUTER_ENDPOINT, add_client_limit_options, add_default,
-                             add_model_options, add_prompt_options, add_router_options, add_sampling_options, add_worker_options,
-                             add_worker_server_options, check_fraction, check_tp, kv_cache_mb, model_overrides,
+from zpd.ops.http_options import http_config
+from zpd.ops.options import (ROUTER_ENDPOINT, add_prompt_options, add_sampling_options,
+                             check_fraction, check_tp, kv_cache_mb, model_overrides,
                              router_config, sampling_dict, worker_argv, worker_config)
 from zpd.wire.status import StatusError
 
@@ -174,83 +172,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="DEBUG, INFO (one line per request event), WARNING (default), ERROR")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", parents=[common], help="offline generation in one process (the reference path)",
-                         description="Generate offline in one process, with continuous batching "
-                                     "of all given prompts. No disaggregation.")
-    add_model_options(run)
+    run = _command(sub, "run", _cmd_run, "offline generation in one process (the reference path)",
+                   "Generate offline in one process, with continuous batching of all given "
+                   "prompts. No disaggregation.")
     add_prompt_options(run)
     add_sampling_options(run)
     run.add_argument("--json", action="store_true", help="one JSON response per line")
-    run.set_defaults(func=_cmd_run)
 
     for role, func, text in (("prefill", _cmd_prefill, "computes prompts' KV and writes it to decode"),
                              ("decode", _cmd_decode, "receives KV from prefill and generates")):
-        p = sub.add_parser(role, parents=[common], help=f"start a {role} worker ({text})",
-                           description=f"Start a {role} worker: it {text}.")
-        add_model_options(p)
-        add_worker_options(p)
-        add_worker_server_options(p)
-        p.set_defaults(func=func)
-
-    r = sub.add_parser("router", parents=[common], help="start the router",
-                       description="Start the router: clients connect here; it picks the least "
-                                   "loaded prefill and decode for each request.")
-    add_router_options(r)
-    r.set_defaults(func=_cmd_router)
-
-    la = sub.add_parser("launch", parents=[common], help="a whole cluster on this host",
-                        description="Start a router and N prefill + K decode workers on this host; "
-                                    "Ctrl-C (or SIGTERM) stops them all.")
-    add_model_options(la)
-    add_worker_options(la)
-    la.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    la.add_argument("--routers", type=int, default=1,
-                    help="routers over the workers (default 1): the first, on --port, "
-                         "coordinates pauses and weight pushes, the others (on the ports after "
-                         "it) follow it (zpd router --coordinator); each serves requests, and "
-                         "--max-concurrent-requests 0 splits the decodes' batches between them. "
-                         'The ready file gains "routers": [...]')
-    la.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    la.add_argument("--prefill-threads", type=int, default=None,
-                    help="torch threads of each prefill worker (default: --threads, else a "
-                         "share of the cores, below)")
-    la.add_argument("--decode-threads", type=int, default=None,
-                    help="torch threads of each decode worker (default: --threads, else a "
-                         "share of the cores, below)")
-    la.add_argument("--prefill-tp", type=int, default=None,
-                    help="tensor-parallel ranks of each prefill worker (default: --tp); a "
-                         "prefill and a decode of different sizes exchange KV as well")
-    la.add_argument("--decode-tp", type=int, default=None,
-                    help="tensor-parallel ranks of each decode worker (default: --tp)")
-    la.add_argument("--no-cpu-bind", dest="cpu_bind", action="store_false",
-                    help="by default the workers without a thread count split this process's "
-                         "CPUs equally (at least one thread each) and each is bound to its own "
-                         "CPUs while there are enough; this keeps the split but does not bind")
-    add_default(la, "--host", RouterConfig, "interface for every process (default {default})")
-    add_default(la, "--port", RouterConfig, "router port (default {default}; 0 = any). SGLang's "
-                "--port is its HTTP port: that is --http-port here", type=int)
-    la.add_argument("--ready-file", default=None,
-                    help='write {"router": "H:P", "workers": [...]} here once all are ready')
-    la.add_argument("--log-dir", default=None, help="one log file per process here (default: inherit stderr)")
-    la.add_argument("--startup-timeout", type=float, default=180.0)
-    add_client_limit_options(la)
-    la.add_argument("--http-port", type=int, default=None,
-                    help="also start `zpd http` on this port (0 = any free port); the ready "
-                         'file gains "http": "H:P"')
-    add_http_workers_option(la, "--http-workers")
-    add_served_model_name(la)
-    add_http_key_options(la)
-    add_http_front_options(la)
-    la.set_defaults(func=_cmd_launch)
-
-    h = sub.add_parser("http", parents=[common], help="serve SGLang's and OpenAI's HTTP APIs",
-                       description="Serve SGLang's native routes (/generate, /pause_generation, "
-                                   "/update_weights_from_disk, a trainer's /init_weights_update_group and "
-                                   "/update_weights_from_distributed, ...) and OpenAI's "
-                                   "(/v1/models, /v1/completions, /v1/chat/completions) over "
-                                   "HTTP, as a client of a running router.")
-    add_http_options(h)
-    h.set_defaults(func=_cmd_http)
+        _command(sub, role, func, f"start a {role} worker ({text})",
+                 f"Start a {role} worker: it {text}.")
+    _command(sub, "router", _cmd_router, "start the router", "Start the router: clients "
+             "connect here; it picks the least loaded prefill and decode for each request.")
+    _command(sub, "launch", _cmd_launch, "a whole cluster on this host",
+             "Start a router and N prefill + K decode workers on this host; Ctrl-C (or "
+             "SIGTERM) stops them all.")
+    _command(sub, "http", _cmd_http, "serve SGLang's and OpenAI's HTTP APIs",
+             "Serve SGLang's native routes (/generate, /pause_generation, "
+             "/update_weights_from_disk, a trainer's /init_weights_update_group and "
+             "/update_weights_from_distributed, ...) and OpenAI's (/v1/models, "
+             "/v1/completions, /v1/chat/completions) over HTTP, as a client of a running "
+             "router.")
 
     g = sub.add_parser("generate", parents=[common], help="send requests to a router",
                        description="Send requests to a running cluster and print the responses.")
@@ -273,8 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(sub: argparse._SubParsersAction, name: str, func: Callable, summary: str,
+             description: str) -> argparse.ArgumentParser:
+    """Subcommand `name`, its flags built from their declarations (COMMAND_FLAGS)."""
+    p = sub.add_parser(name, help=summary, description=description,
+                       usage=usage(COMMAND_FLAGS[name]))
+    add_flags(p, COMMAND_FLAGS[name])
+    p.set_defaults(func=func)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    apply_config_file(parser, argv)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     if getattr(args, "threads", None):

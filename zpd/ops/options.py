@@ -1,13 +1,13 @@
-"""Command-line options shared by the subcommands, and the configs they describe.
+"""What the parsed flags become: the configs they describe, and the flags `zpd
+launch` hands its children.
 
-A flag that sets a config field takes its default from that field of the
-dataclass (zpd/config.py) through `add_default`, which also shows it in --help;
-`worker_config` and `router_config` are the only places flags become a config."""
+The flags themselves are declared on the config fields (zpd/config.py) and their
+parsers built in zpd/ops/flags.py; `worker_config` and `router_config` are the
+only places flags become a config."""
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 from engines.sampling_params import SamplingParams
 from engines.formats.overrides import ModelOverrides
@@ -35,69 +35,6 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
 
 # What `zpd generate` and `zpd admin` dial unless told otherwise: the router's defaults.
 ROUTER_ENDPOINT = f"{default_of(RouterConfig, 'host')}:{default_of(RouterConfig, 'port')}"
-CURVE_HELP = ("CURVE key directory made by `zpd keys`: encrypt every connection and admit "
-              "only authorised keys (default: plaintext)")
-ROUTER_SECRET_HELP = (
-    "without --curve-keys: a file (mode 0600, at least 16 bytes) holding the secret the "
-    "cluster's routers prove themselves with, the same file for every router and worker "
-    "(`zpd launch` makes one; `zpd keys DIR --router-secret` writes DIR/router.secret). Workers then "
-    "take requests only from those routers, a decode lets a restarted router adopt its "
-    "predecessor's requests, and a coordinator accepts followers; without it requests "
-    "stay open to anyone who reaches a worker's port and adopt and follow are refused "
-    "(docs/operating.md, Security)")
-INSECURE_HELP = ("serve without --curve-keys on a non-loopback --host (anyone who reaches the "
-                 "port may send requests and admin commands); refused without this flag")
-
-
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", "--model-path", dest="model", required=True,
-                   help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3), a .gguf "
-                        "file, 'smollm2', 'tiny' (embedded default; 'tiny:SEED' for other "
-                        "weights) or 'null[:STEP_MS]' (no model: a simulation, docs/serving.md); "
-                        "--model-path is SGLang's name for it")
-    add_text_options(g)
-    g.add_argument("--context-length", type=int, default=None,
-                   help="serve at most this many tokens per request (prompt + max_new_tokens; "
-                        "SGLang's flag); at most the model's own max_position_embeddings, "
-                        "which is the default")
-    add_default(g, "--device", WorkerConfig, "cpu or cuda[:N] (default {default})")
-    add_default(g, "--dtype", WorkerConfig, "weights and KV dtype; float64 keeps near-ties out of "
-                "exactness tests", choices=["float32", "bfloat16", "float16", "float64"])
-    add_default(g, "--weight-version", WorkerConfig,
-                "version string reported with every token (default: model name)")
-    add_default(g, "--page-size", WorkerConfig, "tokens per KV page (default {default})", type=int)
-    kv = g.add_mutually_exclusive_group()
-    # None when not given, so that giving both is refused (the default lives in WorkerConfig)
-    kv.add_argument("--kv-cache-mb", type=float, default=None,
-                    help=f"KV pool size in MiB (default {default_of(WorkerConfig, 'kv_cache_mb'):g})")
-    kv.add_argument("--mem-fraction-static", type=float, default=None,
-                    help="instead of --kv-cache-mb (SGLang's flag): weights + KV pool take this "
-                         "fraction of the device's memory; the pool gets fraction x total memory "
-                         "(GPU; on cpu the RAM, within the cgroup limit) minus the loaded "
-                         "weights. Each worker takes it: N workers sharing a device give 1/N each")
-    add_default(g, "--max-batch", WorkerConfig, "most requests decoding at once, counting those "
-                "whose KV is still arriving (default {default})", type=int)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    g.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1,
-                   help="tensor parallelism: the model split over this many processes (attention "
-                        "heads and the MLP, Megatron's way; key/value heads replicated when "
-                        "fewer than the ranks); gloo on cpu, NCCL on cuda with rank r on "
-                        "cuda:r; --threads is shared among them (default 1)")
-
-
-def add_text_options(g: argparse._ActionsContainer) -> None:
-    """SGLang's tokenizer and chat template flags: every process that turns text into
-    ids (workers, `zpd http`) must be given the same."""
-    g.add_argument("--tokenizer-path", default=None,
-                   help="tokenizer instead of the model's: a tokenizer.json, a directory with "
-                        "one (its chat template comes along), or a .gguf file; hub names are "
-                        "not fetched, and a tokenizer larger than the model's vocabulary is "
-                        "refused")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template instead of the model's (or the tokenizer's): a Jinja "
-                        "file, or the template text itself; SGLang's built-in names and JSON "
-                        "templates are refused")
 
 
 def model_overrides(args: argparse.Namespace) -> ModelOverrides:
@@ -163,137 +100,6 @@ def sampling_dict(args: argparse.Namespace) -> dict:
         d["return_logprob"] = True
     SamplingParams.from_dict(d)            # fail early with a clear message
     return d
-
-
-def add_worker_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("worker")
-    add_default(g, "--transport", WorkerConfig, "KV transfer backend (default {default})",
-                choices=["mooncake"])
-    add_default(g, "--ib-device", WorkerConfig, "RDMA device name(s) for Mooncake, e.g. mlx5_0 "
-                "('' = auto; TCP without RDMA NICs)")
-    add_default(g, "--protocol", WorkerConfig, "Mooncake protocol hint (Mooncake picks RDMA when "
-                "NICs exist; MC_FORCE_TCP=1 forces TCP)", choices=["tcp", "rdma"])
-    add_default(g, "--max-prefill-tokens", WorkerConfig,
-                "most prompt tokens in one prefill forward (default {default})", type=int)
-    add_default(g, "--prefill-step-seconds", WorkerConfig, "a prefill step also takes at most "
-                "the tokens this worker computes in this many seconds (measured as it runs), "
-                "so that a request from another caller waits little behind a long batch; a "
-                "single prompt is still computed in one step (0 = off; default {default})",
-                type=float)
-    add_default(g, "--transfer-timeout", Deadlines, "seconds one KV write may take before the "
-                "request fails with 504 (default {default})", field="transfer", type=float)
-    add_default(g, "--kv-wait-timeout", Deadlines, "seconds to wait for KV pages, kv_dest or "
-                "kv_done before 504 (default {default})", field="kv_wait", type=float)
-    add_default(g, "--dead-fence", Deadlines, "decode: longest pages stay fenced for a prefill "
-                "that stopped answering in the middle of writing them (default {default})",
-                type=float)
-    add_default(g, "--router-grace", Deadlines, "decode: seconds a silent router's requests go "
-                "on running, their pages held, so that a router restarted on the same endpoint "
-                "can adopt them; then they end with 503 (0: at once; default {default})",
-                type=float)
-    add_liveness_options(g, Deadlines)
-    add_default(g, "--curve-keys", WorkerConfig, CURVE_HELP)
-    add_default(g, "--router-secret-file", WorkerConfig, ROUTER_SECRET_HELP)
-    add_default(g, "--weights-root", WorkerConfig, "update_weights loads checkpoints only from "
-                "under this directory (relative paths are taken from it; anything else is 403); "
-                "default: any path on the worker's host")
-    add_default(g, "--weight-sync-timeout", WorkerConfig, "seconds a trainer's "
-                "init_weights_update_group or weight push may take on a worker before it fails "
-                "with 504, the old weights kept (default {default}); `zpd admin "
-                "cancel-weight-update` ends one sooner", type=float)
-    add_default(g, "--clear-freed-pages", WorkerConfig, "zero every KV page when it is freed, so "
-                "no request's KV outlives it in memory (Mooncake lets any engine that reaches its "
-                "port read registered memory; docs/operating.md, Security); costs a memset per freed page",
-                action="store_true")
-    g.add_argument("--no-prefix-cache", action="store_true", help="do not keep computed prompt "
-                   "pages for reuse (by default a prefill reuses the KV of a prompt prefix it "
-                   "computed before under the same weights; docs/serving.md, Prefix cache)")
-    add_default(g, "--insecure", WorkerConfig, INSECURE_HELP, action="store_true")
-    add_prompt_limit_options(g)
-
-
-def add_worker_server_options(p: argparse.ArgumentParser) -> None:
-    """Where one worker listens (`zpd launch` picks these for its workers)."""
-    add_default(p, "--host", WorkerConfig, "interface to bind (default {default})")
-    add_default(p, "--port", WorkerConfig, "port to bind (default {default}: any free port)",
-                type=int)
-    add_default(p, "--ready-file", WorkerConfig, "write {role, endpoint, pid} here once ready")
-
-
-def add_router_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, help="prefill endpoints H:P[,H:P...]")
-    p.add_argument("--decode", required=True, help="decode endpoints H:P[,H:P...]")
-    add_default(p, "--host", RouterConfig, "interface to bind (default {default})")
-    add_default(p, "--port", RouterConfig, "port to bind (default {default})", type=int)
-    add_default(p, "--ready-file", RouterConfig, "write {role, endpoint, pid} here once ready")
-    add_default(p, "--curve-keys", RouterConfig, CURVE_HELP)
-    add_default(p, "--router-secret-file", RouterConfig, ROUTER_SECRET_HELP)
-    add_default(p, "--insecure", RouterConfig, INSECURE_HELP, action="store_true")
-    add_default(p, "--coordinator", RouterConfig, "run beside other routers over the same "
-                "workers: H:P of the router that coordinates pauses, continues, weight "
-                "pushes and abort_all across them; this one follows it, holding its new "
-                "requests while the pool is paused, and passes those admin commands on to "
-                "it. Requests are served either way (default: none, this router coordinates)")
-    add_liveness_options(p, RouterConfig)
-    add_prompt_limit_options(p)
-    add_client_limit_options(p)
-
-
-def add_prompt_limit_options(g: argparse._ActionsContainer) -> None:
-    """Router and workers: a larger prompt is refused with 400 (docs/operating.md, "Limits")."""
-    add_default(g, "--max-text-bytes", PromptLimits, "refuse a text prompt of more bytes of "
-                "UTF-8 (default {default})", type=int)
-    add_default(g, "--max-input-ids", PromptLimits, "refuse a prompt of more token ids "
-                "(default {default})", type=int)
-
-
-def add_client_limit_options(g: argparse._ActionsContainer) -> None:
-    """The router: each client's share and the queue where requests past it, or past
-    --max-concurrent-requests, wait their turn (docs/operating.md, "Limits")."""
-    add_default(g, "--max-client-requests", RouterConfig, "one client's share: requests it may "
-                "have routed to the workers at once; more wait in the router's queue, served "
-                "fairly between clients, then between the users a client names (the HTTP front "
-                "names each caller), then between a user's calls (each HTTP request): fewest "
-                "routed first (default {default})", type=int)
-    add_default(g, "--max-client-tokens", RouterConfig, "one client's share of KV pages, in "
-                "tokens: prompt + max_new_tokens summed over its routed requests; more wait. "
-                "A single request needing more is refused with 400 (default {default})", type=int)
-    add_default(g, "--max-concurrent-requests", RouterConfig, "requests routed to the workers "
-                "at once, all clients together; the rest wait in the router's queue, so the "
-                "workers' own queues stay short (their --kv-wait-timeout never fires for "
-                "load). About the decodes' --max-batch times their number (default "
-                "{default}: 64 per decode)", type=int)
-    add_default(g, "--queue-size", RouterConfig, "requests that may wait in the router's "
-                "queue. When full, the newest request of whoever holds most there (the client, "
-                "then its user, then its call) is refused with 429 'queue full' (Retry-After at "
-                "the HTTP front): the newcomer's own unless it holds less than the others, so "
-                "one caller alone may fill it but not keep others out (default {default})",
-                type=int)
-    add_default(g, "--queue-timeout", RouterConfig, "seconds a request may wait in the "
-                "router's queue (paused or not) before it ends with 503 'queue timeout' "
-                "(default {default})", type=float)
-
-
-def add_liveness_options(g: argparse._ActionsContainer, config: type) -> None:
-    """--heartbeat and --peer-timeout with the defaults of `config` (Deadlines or RouterConfig)."""
-    add_default(g, "--heartbeat", config, "seconds between pings to every peer (default {default})",
-                type=float)
-    add_default(g, "--peer-timeout", config, "a peer silent this long is dead: its requests fail "
-                "with 503 and no new ones go to it until it answers again (default {default})",
-                type=float)
-    add_default(g, "--busy-poll-us", config, "after each message the loop polls without sleeping "
-                "for this many microseconds, so the next hop of a request (usually within a "
-                "millisecond) finds it awake; costs up to that much CPU per message burst "
-                "(default {default})", type=float)
-
-
-def add_default(g: argparse._ActionsContainer, flag: str, config: type, text: str,
-                field: str | None = None, **kw: Any) -> None:
-    """Add `flag` with the default of `config`'s field `field` (default: the flag's name),
-    so the dataclass stays the one source of defaults; "{default}" in `text` shows it."""
-    value = default_of(config, field or flag.lstrip("-").replace("-", "_"))
-    shown = f"{value:g}" if isinstance(value, float) else str(value)
-    g.add_argument(flag, default=value, help=text.replace("{default}", shown), **kw)
 
 
 def check_fraction(fraction: float | None) -> None:
