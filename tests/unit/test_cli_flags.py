@@ -153,3 +153,15 @@ def test_config_file_reaches_the_command(tmp_path: Path, capsys: pytest.CaptureF
     f.write_text("tp = 0\n")
     assert main(["prefill", "--model", "tiny", "--config", str(f)]) == 2
     assert "--tp must be at least 1" in capsys.readouterr().err
+
+
+def test_file_and_command_line_exclusive_flags_refused(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "m.toml"
+    f.write_text('model = "tiny"\nkv-cache-mb = 64\n')
+    err = refusal(["decode", "--config", str(f), "--mem-fraction-static", "0.5"], capsys)
+    assert "--kv-cache-mb and --mem-fraction-static exclude each other" in err
+    f.write_text('model = "tiny"\nkv-cache-mb = 64\nmem-fraction-static = 0.5\n')
+    assert "exclude each other" in refusal(["prefill", "--config", str(f)], capsys)
+    f.write_text('model = "tiny"\nkv-cache-mb = 64\n')
+    assert parse(["decode", "--config", str(f)]).kv_cache_mb == 64

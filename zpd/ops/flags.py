@@ -109,7 +109,20 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
             sub.error(f"--config {path}: unknown key {key!r}")
         values[action.dest] = _typed(sub, path, key, action, value)
         action.required = False             # given by the file
+    _refuse_exclusive(sub, path, values, argv[1:])
     sub.set_defaults(**values)
+
+
+def _refuse_exclusive(sub: argparse.ArgumentParser, path: str, values: dict[str, Any],
+                      args: list[str]) -> None:
+    """Exit 2 when the file and the command line (or the file alone) give two flags of
+    one exclusive group: argparse sees only the command line's."""
+    for group in sub._mutually_exclusive_groups:
+        given = [a.option_strings[0] for a in group._group_actions
+                 if a.dest in values or any(arg == o or arg.startswith(o + "=")
+                                            for arg in args for o in a.option_strings)]
+        if len(given) > 1:
+            sub.error(f"--config {path}: {' and '.join(given)} exclude each other")
 
 
 def _subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser | None:
