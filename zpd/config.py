@@ -126,7 +126,7 @@ class WorkerConfig:
     insecure: bool = False           # a non-loopback host without curve_keys (zpd.ops.exposure)
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     # --weight-sync-timeout: the most seconds a trainer's join or push may take here; past it
-    # the helper receiving it is killed and the old weights stay (zpd/worker/weight_sync.py)
+    # the helper receiving it is killed and the old weights stay (zpd/worker/weights/sync.py)
     weight_sync_timeout: float = 300.0
     tp: int = 1                      # tensor-parallel ranks (engines/tp/): this process is rank 0
 

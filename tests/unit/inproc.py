@@ -22,6 +22,7 @@ from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
 from zpd.config import Deadlines, RouterConfig, WorkerConfig
+from zpd.ops.worker import build_worker
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
@@ -104,10 +105,8 @@ class InprocCluster:
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
-        core = WorkerCore(cfg, self.ctx, backend=backend, loop=Loop(clock=self.clock))
         make = PrefillScheduler if role == "prefill" else DecodeScheduler
-        core.attach(make(core, self.ctx))
-        return core
+        return build_worker(cfg, self.ctx, make, backend=backend, loop=Loop(clock=self.clock))
 
     # --- driving ---------------------------------------------------------------------
 

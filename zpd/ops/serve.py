@@ -37,11 +37,10 @@ def serve_worker(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler],
                  cfg: WorkerConfig) -> int:
     """Run a prefill or decode worker until SIGINT/SIGTERM."""
     from engines.allocator_tuning import freeze_startup_objects, tune_allocator
-    from zpd.worker.core import WorkerCore
+    from zpd.ops.worker import build_worker
     tune_allocator()
     ctx = zmq.Context()
-    core = WorkerCore(cfg, ctx)
-    core.attach(make_scheduler(core, ctx))
+    core = build_worker(cfg, ctx, make_scheduler)
     freeze_startup_objects()
     stop = stop_on_signals(core.loop)
     write_role_ready(cfg.ready_file, cfg.role, core.endpoint)
