@@ -405,10 +405,8 @@ class WorkerCore:
 
     @property
     def gate(self) -> Gate:
-        """May this worker schedule? Derived here only, from the pause and the memory."""
-        if self.paused is not None:
-            return Gate.PAUSED
-        return Gate.RELEASED if self.memory.released else Gate.OPEN
+        """May this worker schedule? Every question of it reads this."""
+        return Gate.of(self.paused, self.memory.released)
 
     def schedulable(self) -> bool:
         """A round may admit requests: the gate is open."""
