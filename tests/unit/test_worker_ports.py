@@ -118,7 +118,8 @@ def test_clear_freed_pages_leaves_the_fake_hosts_book_without_a_cache():
                            pool=KVPool(LAYOUT, 8, torch.float32, torch.device("cpu")), loop=loop,
                            model=SimpleNamespace(version="v1"))
     book = PageBook.for_worker(host)
-    assert not book.caching and book.prefix(Request("r", list(range(9)), SamplingParams()), 9).keys == ()
+    req = Request("r", list(range(9)), SamplingParams())
+    assert not book.caching and book.prefix(req, 9).keys == ()
     loop.close()
 
 
@@ -146,11 +147,13 @@ def test_weights_are_released_only_when_nothing_runs_on_them(world):
         memory.release_memory(ReleaseMemory(tags=["weights"]), lambda *a: None)
     assert memory.weights_held is None
     sched.dropping = True                              # a retract pause emptied the batch
-    assert answer(memory.release_memory, ReleaseMemory(tags=["weights"]))["weights_memory"] == "released"
+    released = answer(memory.release_memory, ReleaseMemory(tags=["weights"]))
+    assert released["weights_memory"] == "released"
     with pytest.raises(StatusError) as refused:
         memory.update_weights(UpdateWeights(path="tiny:2"), lambda *a: None)
     assert refused.value.status == 409
-    assert answer(memory.resume_memory, ResumeMemory(tags=["weights"]))["weights_memory"] == "resident"
+    resumed = answer(memory.resume_memory, ResumeMemory(tags=["weights"]))
+    assert resumed["weights_memory"] == "resident" and memory.weights_held is None
 
 
 def test_every_weight_change_goes_through_the_one_writer(world):
@@ -194,7 +197,8 @@ def test_the_cores_never_import_the_weights_wings():
     graph counts those)."""
     graph = import_graph()
     wings = ("zpd.worker.weights", "engines.weights")
-    cores = [m for m in graph if m.startswith(("zpd.worker", "engines")) and not m.startswith(wings)]
+    cores = [m for m in graph
+             if m.startswith(("zpd.worker", "engines")) and not m.startswith(wings)]
     bad = {m: sorted(t for t in graph[m] if t.startswith(wings)) for m in cores}
     assert "zpd.worker.weights.sync" in graph["zpd.ops.worker"]
     assert {m: t for m, t in bad.items() if t} == {}
