@@ -135,7 +135,8 @@ class WorkerCore:
         commands = part.commands()
         overlap = set(commands) & set(self.admin_commands)
         if overlap or name in self.parts:
-            raise ValueError(f"{name}: the core already has {sorted(c.COMMAND for c in overlap)}")
+            raise ValueError(f"part {name!r}: plugged in already, or it answers the core's "
+                             f"commands {sorted(c.COMMAND for c in overlap)}")
         self.parts[name] = part
         self.admin_commands |= commands
 
