@@ -213,7 +213,7 @@ class WorkerConfig:
     insecure: bool = flag(False, INSECURE_HELP, "security", action="store_true")
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)
     # the most seconds a trainer's join or push may take here; past it the helper receiving
-    # it is killed and the old weights stay (zpd/worker/weight_sync.py)
+    # it is killed and the old weights stay (zpd/worker/weights/sync.py)
     weight_sync_timeout: float = flag(
         300.0, "seconds a trainer's init_weights_update_group or weight push may take on a "
                "worker before it fails with 504, the old weights kept (default {default}); "

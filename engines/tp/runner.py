@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
@@ -15,10 +16,17 @@ from engines.runner import ModelRunner
 from engines.tp.group import TpGroup
 from engines.tp.words import ASKED
 from engines.tp.shard import apply_rows, read_whole, swap_part
-from engines.weight_push import Shadow
 from engines.tp.shared_pool import HandleError, open_buffer, shared_buffer
 
 log = logging.getLogger(__name__)
+
+
+class StagedPush(Protocol):
+    """A trainer's push staged whole (engines/weights/push.py's Shadow): the copies by
+    parameter name, and the rows of each that the push wrote."""
+    copy: dict[str, torch.Tensor]
+
+    def written_rows(self, written: list) -> dict[str, list[tuple[int, int]]]: ...
 
 
 class TpRunner(ModelRunner):
@@ -130,7 +138,7 @@ class TpRunner(ModelRunner):
         with torch.device("meta"):
             return LlamaForCausalLM(self.model.shard.whole).to(self.model.dtype)
 
-    def commit_weights(self, shadow: Shadow, written: list) -> int:
+    def commit_weights(self, shadow: StagedPush, written: list) -> int:
         """A trainer's push, staged whole in `shadow` on this rank: each rank takes the
         rows of its part the push wrote. The whole tensors travel to the other ranks on
         the group (one broadcast each, in the order told). Returns elements written."""

@@ -23,7 +23,7 @@ from engines.request import Request
 from engines.sampler import SamplingParams
 from zpd.config import Deadlines, RouterConfig, WorkerConfig
 from zpd.ops.router import build_router
-from zpd.ops.serve import decode_scheduler
+from zpd.ops.worker import build_worker, decode_scheduler
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens
@@ -104,10 +104,8 @@ class InprocCluster:
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
-        core = WorkerCore(cfg, self.ctx, backend=backend, loop=Loop(clock=self.clock))
         make = PrefillScheduler if role == "prefill" else decode_scheduler
-        core.attach(make(core, self.ctx))
-        return core
+        return build_worker(cfg, self.ctx, make, backend=backend, loop=Loop(clock=self.clock))
 
     # --- driving ---------------------------------------------------------------------
 

@@ -112,8 +112,8 @@ def test_a_bad_timeout_is_400_and_a_huge_one_capped(raw):
 
 def test_the_wires_limits_are_the_engines():
     from engines.formats.tensor_payload import MAX_PAYLOAD_CHARS
-    from engines.weight_push import MAX_TENSORS
-    from zpd.worker.trainer_group import BACKENDS, DEFAULT_TRAINER_INIT
+    from engines.weights.push import MAX_TENSORS
+    from zpd.worker.weights.trainer_group import BACKENDS, DEFAULT_TRAINER_INIT
     assert (af.MAX_TENSORS, af.MAX_PAYLOAD_CHARS) == (MAX_TENSORS, MAX_PAYLOAD_CHARS)
     assert DEFAULT_TRAINER_INIT in af.TRAINER_INITS and set(af.GROUP_BACKENDS) == set(BACKENDS)
 

@@ -13,7 +13,7 @@ from engines.models.tiny import tiny_state_dict
 from tests.unit.inproc import InprocCluster, reference
 from tests.unit.test_handoff import PROMPT, continuation, reference_tiny, reference_tiny_model
 from tests.unit.trainer_side import Trainer, announce
-from zpd.worker.trainer_group import TrainerGroup
+from zpd.worker.weights.trainer_group import TrainerGroup
 
 W2 = tiny_state_dict(7)
 
@@ -220,7 +220,7 @@ def test_a_trainer_that_dies_mid_push_leaves_the_old_weights(cluster, trainer):
                for w in reply["workers"]), reply
     assert versions(cluster) == ["tiny", "tiny"] and weights_equal(cluster, "tiny")
     cluster.pump(5)
-    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    assert all(not core.parts["weight_sync"].groups for core in (cluster.prefill, cluster.decode))
     # a new group works afterwards
     again = Trainer(world_size=3)
     try:
@@ -265,7 +265,7 @@ def test_destroy_then_init_again(cluster, trainer):
     assert join(cluster, trainer)["ok"]
     assert admin(cluster, "destroy_weights_update_group", group_name="g")["ok"]
     trainer.close()
-    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    assert all(not core.parts["weight_sync"].groups for core in (cluster.prefill, cluster.decode))
     again = Trainer(world_size=3)
     try:
         assert join(cluster, again)["ok"]
@@ -292,7 +292,7 @@ def test_destroy_then_init_again(cluster, trainer):
 def test_bad_arguments_are_400(cluster, command, args, why):
     reply = cluster.admin(command, **args)
     assert not reply["ok"] and reply["status"] == 400 and why in reply["error"], reply
-    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    assert all(not core.parts["weight_sync"].groups for core in (cluster.prefill, cluster.decode))
 
 
 def test_a_push_to_no_group_is_400_everywhere(cluster):
@@ -333,7 +333,7 @@ def test_hostile_worker_commands_change_nothing(cluster, command, args, status):
     reply = cluster.admin(command, **args)     # refused by the router, or by both workers
     assert not reply["ok"] and {w["status"] for w in reply.get("workers") or [reply]} == {status}
     for core in (cluster.prefill, cluster.decode):
-        assert core.weight_sync.status() == {"weight_groups": [], "weights_staged": False,
+        assert core.parts["weight_sync"].status() == {"weight_groups": [], "weights_staged": False,
                                              "weight_sync_job": None}
     assert versions(cluster) == ["tiny", "tiny"]
     cluster.serves_again()
@@ -349,5 +349,5 @@ def test_stage_with_garbage_tensors_is_400_before_any_broadcast(cluster, trainer
         # refused by the router (the record's checks) or by both workers (the model's)
         assert {w["status"] for w in reply.get("workers") or [reply]} == {400}, (spec, reply)
     for core in (cluster.prefill, cluster.decode):
-        assert core.weight_sync.job is None and core.weight_sync.groups.keys() == {"g"}
+        assert core.parts["weight_sync"].job is None and core.parts["weight_sync"].groups.keys() == {"g"}
     assert push(cluster, trainer, W2)["ok"]     # the group is still in step with the trainer

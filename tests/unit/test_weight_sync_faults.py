@@ -5,7 +5,7 @@ and version, serves, and a fresh join and push work at once.
 
 The real router and workers run in this process (tests/unit/inproc.py), the trainer
 on a thread (tests/unit/trainer_side.py); each worker's group lives in a helper
-process (zpd/worker/sync_helper.py), which is what an oversized broadcast kills."""
+process (zpd/worker/weights/helper.py), which is what an oversized broadcast kills."""
 from __future__ import annotations
 
 import os
@@ -23,7 +23,7 @@ from tests.unit.test_weight_sync import admin, join, push, versions, weights_equ
 from tests.unit.trainer_side import Trainer, announce
 from zpd.wire.admin import CancelWeightUpdate
 from zpd.wire.admin_fields import SyncStep
-from zpd.worker.sync_helper import FILL, check
+from zpd.worker.weights.helper import FILL, check
 
 W2 = tiny_state_dict(7)
 NAMES = list(W2)
@@ -55,7 +55,7 @@ def broken_push(c: InprocCluster, t: Trainer, sent: list[torch.Tensor], **extra)
 def unchanged_and_serving(c: InprocCluster) -> None:
     assert versions(c) == ["tiny", "tiny"] and weights_equal(c, "tiny")
     for core in (c.prefill, c.decode):
-        assert core.weight_sync.job is None and core.weight_sync.staged is None
+        assert core.parts["weight_sync"].job is None and core.parts["weight_sync"].staged is None
     assert c.router.admin.sync.step is None
     c.serves_again()
 
@@ -63,8 +63,8 @@ def unchanged_and_serving(c: InprocCluster) -> None:
 def fresh_push_works(c: InprocCluster) -> None:
     """A new group (the old one may be gone) and a good push, at once."""
     for core in (c.prefill, c.decode):
-        for name in list(core.weight_sync.groups):
-            core.weight_sync._close(name)
+        for name in list(core.parts["weight_sync"].groups):
+            core.parts["weight_sync"]._close(name)
     again = Trainer(world_size=3, group_name="again")
     try:
         assert join(c, again)["ok"]
@@ -114,7 +114,7 @@ def test_an_oversized_broadcast_kills_only_the_helper(cluster, trainer):
     assert bad and all(NAMES[1] in w["error"] or "died" in w["error"] for w in bad), bad
     assert any("SIGABRT" in w["error"] and NAMES[1] in w["error"] for w in bad), bad
     unchanged_and_serving(cluster)
-    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    assert all(not core.parts["weight_sync"].groups for core in (cluster.prefill, cluster.decode))
     fresh_push_works(cluster)
 
 
@@ -182,7 +182,7 @@ def test_a_stalled_push_fails_within_the_timeout(cluster, trainer):
 def test_the_workers_weight_sync_timeout_caps_a_longer_admin_timeout(cluster, trainer):
     assert join(cluster, trainer)["ok"]
     for core in (cluster.prefill, cluster.decode):
-        core.weight_sync.timeout_s = 1.5       # as --weight-sync-timeout 1.5
+        core.parts["weight_sync"].timeout_s = 1.5       # as --weight-sync-timeout 1.5
     release = stall(trainer, 1)
     started = time.monotonic()
     reply = admin(cluster, "update_weights_from_distributed", group_name="g", timeout=60.0,
@@ -199,7 +199,7 @@ def test_cancel_ends_a_stalled_push_at_once(cluster, trainer):
     release = stall(trainer, 1)
     req_id = cluster.admin("update_weights_from_distributed", wait=False, group_name="g",
                            weight_version="bad", **announce(W2))
-    cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill, cluster.decode)))
+    cluster.until(lambda: all(core.parts["weight_sync"].job for core in (cluster.prefill, cluster.decode)))
     rid = cluster.submit([1, 2, 3], 4)           # queued behind the push
     started = time.monotonic()
     cancel = admin(cluster, "cancel_weight_update")
@@ -223,7 +223,7 @@ def test_a_cancel_wins_over_whatever_the_step_made_of_it(cluster, ends):
     """A cancel that lands while a step's thread is finishing (its push arrived whole
     after all, or it broke on the killed helper, or on anything else): the step answers
     the cancel (409), and the worker is idle at once, ready for the next step."""
-    ws, outcome = cluster.decode.weight_sync, []
+    ws, outcome = cluster.decode.parts["weight_sync"], []
     go = threading.Event()
 
     def work(job) -> None:
@@ -287,7 +287,7 @@ def test_a_join_to_a_silent_port_is_bounded_and_a_retry_works_at_once(cluster, s
                            master_port=silent_port, rank_offset=1, world_size=3,
                            group_name="g", timeout=LIMIT_S)
     if cancel:
-        cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill,
+        cluster.until(lambda: all(core.parts["weight_sync"].job for core in (cluster.prefill,
                                                                     cluster.decode)))
         assert admin(cluster, "cancel_weight_update")["ok"]
     end = time.monotonic() + LIMIT_S + 10
@@ -302,7 +302,7 @@ def test_a_join_to_a_silent_port_is_bounded_and_a_retry_works_at_once(cluster, s
     assert all(want[0] in w["error"] and w["status"] == want[1]
                for w in failures(reply)), reply
     for core in (cluster.prefill, cluster.decode):
-        assert core.weight_sync.status() == {"weight_groups": [], "weights_staged": False,
+        assert core.parts["weight_sync"].status() == {"weight_groups": [], "weights_staged": False,
                                              "weight_sync_job": None}
     unchanged_and_serving(cluster)
     fresh_push_works(cluster)
@@ -313,9 +313,9 @@ def test_a_join_to_a_silent_port_is_bounded_and_a_retry_works_at_once(cluster, s
 
 def helper_pids(c: InprocCluster) -> list[int]:
     """The helper processes of the step under way (or, with none, of the groups)."""
-    links = [core.weight_sync.job.link if core.weight_sync.job else None
+    links = [core.parts["weight_sync"].job.link if core.parts["weight_sync"].job else None
              for core in (c.prefill, c.decode)]
-    links += [g.link for core in (c.prefill, c.decode) for g in core.weight_sync.groups.values()]
+    links += [g.link for core in (c.prefill, c.decode) for g in core.parts["weight_sync"].groups.values()]
     return sorted({link.proc.pid for link in links if link is not None})
 
 
@@ -354,7 +354,7 @@ def test_a_killed_helper_ends_the_step_everywhere_at_once(cluster, trainer, step
                                master_port=trainer.port, rank_offset=1, world_size=3,
                                group_name="g", backend="gloo", timeout=limit)
     end = time.monotonic() + 30                  # cold: the helpers' forkserver imports torch
-    while not all(core.weight_sync.job and core.weight_sync.job.link
+    while not all(core.parts["weight_sync"].job and core.parts["weight_sync"].job.link
                   for core in (cluster.prefill, cluster.decode)):
         assert time.monotonic() < end, "the step never started"
         cluster.pump(1)
@@ -362,7 +362,7 @@ def test_a_killed_helper_ends_the_step_everywhere_at_once(cluster, trainer, step
     pids = helper_pids(cluster)
     assert len(pids) == 2
     time.sleep(0.3)                              # the step is well under way
-    os.kill(cluster.decode.weight_sync.job.link.proc.pid, signal.SIGKILL)
+    os.kill(cluster.decode.parts["weight_sync"].job.link.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     end = killed + limit + 10
     while req_id not in cluster.replies:
@@ -379,7 +379,7 @@ def test_a_killed_helper_ends_the_step_everywhere_at_once(cluster, trainer, step
     cluster.pump(5)
     assert all(gone(pid) for pid in pids), pids
     assert leftovers() == {"threads": [], "mapped": 0}
-    assert all(not core.weight_sync.groups for core in (cluster.prefill, cluster.decode))
+    assert all(not core.parts["weight_sync"].groups for core in (cluster.prefill, cluster.decode))
     unchanged_and_serving(cluster)
     fresh_push_works(cluster)
     assert leftovers() == {"threads": [], "mapped": 0}
@@ -403,7 +403,7 @@ def test_a_worker_that_dies_mid_push_ends_the_push_when_it_is_marked_dead(cluste
     assert join(cluster, trainer)["ok"]
     req_id = cluster.admin("update_weights_from_distributed", wait=False, group_name="g",
                            timeout=120.0, weight_version="bad", **announce(W2))
-    cluster.until(lambda: all(core.weight_sync.job for core in (cluster.prefill, cluster.decode)))
+    cluster.until(lambda: all(core.parts["weight_sync"].job for core in (cluster.prefill, cluster.decode)))
     cluster.silent.add("decode")
     cluster.advance(4.0)                  # past the peer timeout, far short of the push's
     end = time.monotonic() + 10
@@ -418,7 +418,7 @@ def test_a_worker_that_dies_mid_push_ends_the_push_when_it_is_marked_dead(cluste
     cluster.advance(2.0)
     assert cluster.admin("cancel_weight_update")["ok"]      # the decode, back, ends its own
     end = time.monotonic() + 10
-    while cluster.decode.weight_sync.job is not None:
+    while cluster.decode.parts["weight_sync"].job is not None:
         assert time.monotonic() < end
         cluster.pump(1)
         time.sleep(0.001)

@@ -37,7 +37,7 @@ def joined():
 def untouched(c: InprocCluster) -> None:
     assert versions(c) == ["tiny", "tiny"] and weights_equal(c, "tiny")
     for core in (c.prefill, c.decode):
-        assert core.weight_sync.status() == {"weight_groups": ["g"], "weights_staged": False,
+        assert core.parts["weight_sync"].status() == {"weight_groups": ["g"], "weights_staged": False,
                                              "weight_sync_job": None}
     assert c.router.admin.sync.step is None
 
@@ -126,7 +126,7 @@ def test_steps_on_top_of_a_push_are_409_and_the_push_lands(joined):
     c, t = joined
     req_id = c.admin("update_weights_from_distributed", wait=False,
                      **body(weight_version=lambda _: "v2"))
-    c.until(lambda: all(core.weight_sync.job for core in (c.prefill, c.decode)))
+    c.until(lambda: all(core.parts["weight_sync"].job for core in (c.prefill, c.decode)))
     for command, args in [
             ("init_weights_update_group", {"master_address": "127.0.0.1", "master_port": t.port,
                                            "rank_offset": 1, "world_size": 3, "group_name": "g2"}),
@@ -161,7 +161,7 @@ def test_two_inits_at_once_one_joins_the_other_is_409():
                         group_name="second", backend="gloo")
         assert reply["status"] == 409 and "joining weight group 'first'" in reply["error"], reply
         assert answer(c, req_id, "the first init", 30)["ok"] and first.wait() is None
-        assert all(core.weight_sync.status()["weight_groups"] == ["first"]
+        assert all(core.parts["weight_sync"].status()["weight_groups"] == ["first"]
                    for core in (c.prefill, c.decode))
         assert push(c, first, W2)["ok"] and weights_equal(c, "tiny:7")
     finally:
@@ -176,10 +176,10 @@ def test_discards_naming_other_pushes_are_not_kept(joined):
     c, t = joined
     req_id = c.admin("update_weights_from_distributed", wait=False,
                      **body(weight_version=lambda _: "v2"))
-    c.until(lambda: all(core.weight_sync.job for core in (c.prefill, c.decode)))
+    c.until(lambda: all(core.parts["weight_sync"].job for core in (c.prefill, c.decode)))
     for i in range(300):
         assert c.admin("discard_weights", update_id=f"forged-{i}")["ok"]
-    assert all(not core.weight_sync.abandoned for core in (c.prefill, c.decode))
+    assert all(not core.parts["weight_sync"].abandoned for core in (c.prefill, c.decode))
     t.push(list(W2.values()))
     assert answer(c, req_id, "the push", 30)["ok"] and t.wait() is None and versions(c) == ["v2", "v2"]
     assert push(c, t, tiny_state_dict(0), version="tiny")["ok"]

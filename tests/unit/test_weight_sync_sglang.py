@@ -9,6 +9,7 @@ import base64
 import socket
 import threading
 import time
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,8 @@ from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
 from zpd.wire.admin import JoinWeightsGroup
 from zpd.wire.loop import Loop
-from zpd.worker.weight_sync import WeightSync
+from zpd.worker.weights.port import SyncPort
+from zpd.worker.weights.sync import WeightSync
 
 W2 = tiny_state_dict(7)
 
@@ -48,7 +50,7 @@ def file_system():
 
 
 def idle(c: InprocCluster) -> bool:
-    return all(core.weight_sync.job is None and not core.weight_sync.groups
+    return all(core.parts["weight_sync"].job is None and not core.parts["weight_sync"].groups
                for core in (c.prefill, c.decode))
 
 
@@ -123,10 +125,11 @@ def test_a_stuck_join_is_answered_in_real_time():
     to a silent port within its timeout plus the helper's start (torch alone would
     not answer)."""
     loop = Loop()
-    core = SimpleNamespace(loop=loop, model=SimpleNamespace(device=torch.device("cpu")),
-                           memory=SimpleNamespace(require_weights=lambda what: None),
-                           cfg=SimpleNamespace(weight_sync_timeout=300.0))
-    sync, answers = WeightSync(core), []
+    port = SyncPort(model=SimpleNamespace(device=torch.device("cpu")), ranks=None,
+                    timeout_s=300.0, call_soon_threadsafe=loop.call_soon_threadsafe,
+                    long_call=nullcontext, running_unpaused=lambda: False,
+                    require_weights=lambda what: None, set_weights=lambda version: "v")
+    sync, answers = WeightSync(port), []
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -162,7 +165,7 @@ def test_tensors_from_a_payload_move_every_worker(cluster, file_system):
     rid = cluster.submit(PROMPT, 8)
     assert cluster.run(rid).token_ids == reference_tiny("tiny:7", PROMPT, 8)
     assert cluster.answers[rid].weight_versions == ["t1"] * 8
-    assert all(core.weight_sync.shadow is None for core in (cluster.prefill, cluster.decode))
+    assert all(core.parts["weight_sync"].shadow is None for core in (cluster.prefill, cluster.decode))
     # without a version, the weights change and the version stays
     reply = admin(cluster, "update_weights_from_tensor",
                   serialized_named_tensors=[serialize(list(tiny_state_dict(3).items()))])

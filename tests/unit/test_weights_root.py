@@ -25,8 +25,10 @@ def tree(tmp_path: Path) -> Path:
 
 
 def rooted(c: InprocCluster, root: Path | None) -> None:
+    """As --weights-root `root`: the memory commands read it from their port."""
     for core in (c.prefill, c.decode):
-        core.cfg = dataclasses.replace(core.cfg, weights_root=None if root is None else str(root))
+        core.memory.port = dataclasses.replace(core.memory.port,
+                                               weights_root=None if root is None else str(root))
 
 
 def update(c: InprocCluster, path: str) -> list[dict]:

@@ -45,7 +45,7 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     builds its side as SGLang's init_custom_process_group does. `backend` left out:
     nccl on CUDA workers, gloo on CPU ones. `trainer_init` (zpd's own):
     "init_process_group" for a trainer that made its side with torch's
-    init_process_group (zpd/worker/trainer_group.py). `pp_rank`: 0 only (zpd has no
+    init_process_group (zpd/worker/weights/trainer_group.py). `pp_rank`: 0 only (zpd has no
     pipeline stages)."""
     body = await read_body(request)
     refuse_unknown(body, ("master_address", "master_port", "rank_offset", "world_size",

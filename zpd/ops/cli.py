@@ -95,7 +95,8 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from zpd.ops.serve import decode_scheduler, serve_worker
+    from zpd.ops.serve import serve_worker
+    from zpd.ops.worker import decode_scheduler
     cfg = worker_config(args, "decode")
     check_bind("decode", cfg.host, cfg.curve_keys, cfg.insecure)
     return serve_worker(decode_scheduler, cfg)

@@ -37,11 +37,10 @@ def serve_worker(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler],
                  cfg: WorkerConfig) -> int:
     """Run a prefill or decode worker until SIGINT/SIGTERM."""
     from engines.allocator_tuning import freeze_startup_objects, tune_allocator
-    from zpd.worker.core import WorkerCore
+    from zpd.ops.worker import build_worker
     tune_allocator()
     ctx = zmq.Context()
-    core = WorkerCore(cfg, ctx)
-    core.attach(make_scheduler(core, ctx))
+    core = build_worker(cfg, ctx, make_scheduler)
     freeze_startup_objects()
     stop = stop_on_signals(core.loop)
     write_role_ready(cfg.ready_file, cfg.role, core.endpoint)
@@ -59,18 +58,6 @@ def serve_worker(make_scheduler: Callable[[WorkerCore, zmq.Context], Scheduler],
         log.error("%s worker on %s stops: %s", cfg.role, core.endpoint, failure)
         return 1
     return 0
-
-
-def decode_scheduler(core: WorkerCore, ctx: zmq.Context) -> Scheduler:
-    """A decode scheduler with the router-restart wing plugged in: a silent router's
-    requests wait --router-grace seconds for its successor to adopt them."""
-    from zpd.wire.protocol import Adopt
-    from zpd.worker.decode import DecodeScheduler
-    from zpd.worker.ha.adoption import RouterOrphans
-    sched = DecodeScheduler(core, ctx)
-    orphans = RouterOrphans(sched, core, core.cfg.deadlines)
-    sched.plug(orphans, {Adopt: orphans.on_adopt})
-    return sched
 
 
 def serve_router(cfg: RouterConfig) -> int:

@@ -12,7 +12,7 @@ from zpd.wire.status import BAD_REQUEST, StatusError
 
 MAX_TIMEOUT_S = 3600.0     # longest a fan-out waits for its workers' answers
 MAX_RANKS = 4096           # entries of serialized_named_tensors (one per worker at most)
-# The engines' own limits (engines.weight_push.MAX_TENSORS and
+# The engines' own limits (engines.weights.push.MAX_TENSORS and
 # engines.formats.tensor_payload.MAX_PAYLOAD_CHARS), restated so that the wire stays
 # torch-free; tests/unit/test_admin_records.py checks that they agree.
 MAX_TENSORS = 100_000

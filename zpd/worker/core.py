@@ -1,6 +1,8 @@
 """What prefill and decode workers share: model, KV pool, transport, socket, loop,
 liveness, the pause state and the admin commands. The request state is the
-scheduler's (zpd/worker/scheduler.py says what the two give each other)."""
+scheduler's (zpd/worker/scheduler.py says what the two give each other). Optional
+parts (trainer weight sync, zpd/worker/weights/) are plugged in by the assembly
+(zpd/ops/worker.py) through `add_part`; the core never imports them."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Protocol
 
 import zmq
 
@@ -35,13 +37,24 @@ from zpd.wire.router_proof import load_router_secret
 from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
-from zpd.worker.memory import WeightsAndMemory
-from zpd.worker.scheduler import Respond, Scheduler
+from zpd.worker.memory import MemoryPort, WeightsAndMemory
+from zpd.worker.scheduler import Gate, Respond, Scheduler
 from zpd.worker.tokenizing import Tokenizing, is_long
-from zpd.worker.weight_sync import WeightSync
 
 log = logging.getLogger("zpd.worker.core")
 
+AdminHandler = Callable[[Any, Respond], None]     # (the parsed command, its answer)
+
+
+class AdminPart(Protocol):
+    """An optional part plugged into the core (`WorkerCore.add_part`): the admin
+    commands it answers, its fields of `status`, and what it closes with the worker."""
+
+    def commands(self) -> dict[type[AdminCommand], AdminHandler]: ...
+
+    def status(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 
 class WorkerCore:
@@ -79,8 +92,11 @@ class WorkerCore:
         self.endpoint = self.sock.endpoint
         self.loop = loop or Loop(busy_poll=cfg.deadlines.busy_poll_us / 1e6)
         self.compat_hash = compat_hash(self.model, self.layout, self.model.whole_cfg)
-        self.memory = WeightsAndMemory(self)
-        self.weight_sync = WeightSync(self)
+        # the other tensor-parallel ranks, as the memory and weight commands reach them
+        self.ranks = self.compute.runner if self.tp is not None else None
+        self.memory = WeightsAndMemory(self._memory_port())
+        self.weight_listeners: list[Callable[[], None]] = []   # told of every weight change
+        self.parts: dict[str, AdminPart] = {}     # optional parts, by name (`add_part`)
         self.paused: PauseMode | None = None
         self.drop_pauses = 0                      # pauses that drop requests begun so far
         self.pause_waiters: list[Respond] = []
@@ -94,7 +110,7 @@ class WorkerCore:
             Ping: self._on_ping, Admin: self._on_admin}
         self.admin_commands: dict[type[AdminCommand], Callable[..., None]] = {
             Pause: self.pause, Continue: self.resume, Status: self.status,
-            **self.memory.commands(), **self.weight_sync.commands()}
+            **self.memory.commands()}
         self.loop.add_socket(self.sock, self._on_socket)
         self.loop.every(cfg.deadlines.heartbeat, self._check_peers)
         if self.tp is not None:
@@ -111,6 +127,31 @@ class WorkerCore:
             raise ValueError(f"the core already handles {sorted(c.TYPE for c in overlap)}")
         self.scheduler = scheduler
         self.handlers |= scheduler.handlers
+        self.weight_listeners.append(scheduler.on_weights_changed)
+
+    def add_part(self, name: str, part: AdminPart) -> None:
+        """Plug in an optional part: its commands join the core's admin commands, its
+        status fields the core's `status`, and it closes with the worker."""
+        commands = part.commands()
+        overlap = set(commands) & set(self.admin_commands)
+        if overlap or name in self.parts:
+            raise ValueError(f"part {name!r}: plugged in already, or it answers the core's "
+                             f"commands {sorted(c.COMMAND for c in overlap)}")
+        self.parts[name] = part
+        self.admin_commands |= commands
+
+    def _memory_port(self) -> MemoryPort:
+        """What the memory commands act on; the scheduler's parts through lambdas, since
+        it is attached after the core is built."""
+        return MemoryPort(
+            model=self.model, pool=self.pool, backend=self.backend, ranks=self.ranks,
+            weights_root=self.cfg.weights_root, long_call=self.long_call,
+            rank_buffers=lambda: self.rank_buffers, running_unpaused=self.running_unpaused,
+            busy=lambda: self.scheduler.busy(), dropping=lambda: self.dropping,
+            set_weights=self.set_weights, flush_cache=lambda: self.scheduler.flush_cache(),
+            pages_in_use=lambda: self.scheduler.pages.in_use,
+            memory_released=lambda: self.scheduler.on_memory_released(),
+            memory_resumed=lambda: self.scheduler.on_memory_resumed())
 
     # --- the loop ------------------------------------------------------------------
 
@@ -141,10 +182,10 @@ class WorkerCore:
     def run_once(self, block: bool = True) -> None:
         """Poll sockets and fire due timers (waiting only when there is nothing to run),
         one scheduling round unless paused, answer a pause that has settled, emit."""
-        runnable = self.paused is None and self.scheduler.has_work()
+        runnable = self.gate is not Gate.PAUSED and self.scheduler.has_work()
         self.loop.run_once(max_wait=0 if runnable or not block else None)
         self.flush_tokens()          # e.g. first tokens from kv_done: before the step
-        if self.paused is None:
+        if self.gate is not Gate.PAUSED:     # a pause may have come with those messages
             self.scheduler.step()
         self._answer_pause_waiters()
         self.flush_tokens()
@@ -306,8 +347,8 @@ class WorkerCore:
                 "kv_pages": self.scheduler.pages.counts(),
                 # tensor-parallel ranks, and the processes of ranks 1.. (rank 0 is this one)
                 "tp_size": self.cfg.tp, "tp_pids": [p.pid for p in self.tp_procs],
-                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} | self.weight_sync.status() \
-            | fields
+                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} \
+            | {k: v for part in self.parts.values() for k, v in part.status().items()} | fields
 
     # --- requests --------------------------------------------------------------------
 
@@ -363,9 +404,30 @@ class WorkerCore:
         """A pause that drops in-flight requests (retract, abort) is in force."""
         return drops(self.paused)
 
+    @property
+    def gate(self) -> Gate:
+        """May this worker schedule? Every question of it reads this."""
+        return Gate.of(self.paused, self.memory.released)
+
     def schedulable(self) -> bool:
-        """The KV pool is there to schedule into (not released)."""
-        return not self.memory.released
+        """A round may admit requests: the gate is open."""
+        return self.gate is Gate.OPEN
+
+    def running_unpaused(self) -> bool:
+        """Requests are in flight and no pause holds them: a weight or cache change
+        now would land under their feet (409, pause first)."""
+        return self.gate is not Gate.PAUSED and self.scheduler.busy()
+
+    def set_weights(self, version: str | None) -> str:
+        """The one writer of the weight version, for every path that changes the weights
+        (a checkpoint, a push's commit) or their name: the version becomes `version`
+        (None: kept), and every listener hears of it (the scheduler drops KV computed
+        under the old weights). Returns the version now."""
+        if version is not None:
+            self.model.version = version
+        for listener in self.weight_listeners:
+            listener()
+        return self.model.version
 
     @property
     def rank_pools(self) -> list[LocalPool]:
@@ -385,7 +447,8 @@ class WorkerCore:
             from engines.tp.spawn import stop
             stop(self.tp, self.tp_procs)
         self.tokenizing.close()
-        self.weight_sync.close()
+        for part in self.parts.values():
+            part.close()
         self.responder.close()
         self.backend.close()
         self.sock.close()

@@ -6,18 +6,24 @@ release_memory / resume_memory take SGLang's `tags`: "kv_cache" (the KV pool),
 on CUDA or a private spill file on CPU, bit for bit, never by a weight update), and
 "cuda_graph" (zpd has none: accepted, nothing to do). No tags: all of them. While
 either is released nothing is scheduled: requests wait, as while paused, and
-`continue` is refused (zpd/worker/core.py). A resume that fails (on any
-tensor-parallel rank) leaves what it could not restore released everywhere and says
-so: it can be sent again."""
+`continue` is refused (the core's `gate`, zpd/worker/core.py). A resume that fails
+(on any tensor-parallel rank) leaves what it could not restore released everywhere
+and says so: it can be sent again."""
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 import transport
 from engines import weight_release
 from engines.config import ModelError
+from engines.kv.pool import KVPool
+from engines.loader import LoadedModel
 from engines.text import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.models.tiny import is_tiny
@@ -25,10 +31,8 @@ from engines.models.null import is_null
 from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, UpdateWeights, UpdateWeightVersion)
 from zpd.wire.admin_fields import KV_CACHE, WEIGHTS
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from engines.tp.runner import TpRunner
 from zpd.worker.scheduler import Respond
-
-if TYPE_CHECKING:
-    from zpd.worker.core import WorkerCore
 
 log = logging.getLogger("zpd.worker.memory")
 
@@ -52,11 +56,33 @@ def checkpoint_source(path: str, root: str | None) -> str:
     return real
 
 
+@dataclass(frozen=True)
+class MemoryPort:
+    """What the memory commands act on: the worker's model, pool and transport, and its
+    scheduler's answers as callables (the scheduler is attached after the core is built).
+    The core builds it (`WorkerCore.__init__`); a test may hand fakes."""
+    model: LoadedModel
+    pool: KVPool
+    backend: transport.Backend
+    ranks: TpRunner | None                          # the other tensor-parallel ranks, if any
+    weights_root: str | None                        # --weights-root
+    long_call: Callable[[], AbstractContextManager]  # pings answered meanwhile
+    rank_buffers: Callable[[], list[torch.Tensor]]  # every rank's KV pool, in rank order
+    running_unpaused: Callable[[], bool]            # requests run and no pause holds them
+    busy: Callable[[], bool]                        # requests are in flight, paused or not
+    dropping: Callable[[], bool]                    # a retract or abort pause is in force
+    set_weights: Callable[[str | None], str]        # the weight version's one writer
+    flush_cache: Callable[[], int]                  # cached pages no request uses dropped
+    pages_in_use: Callable[[], int]                 # held, fenced or cached
+    memory_released: Callable[[], None]             # the scheduler lets go of the pool
+    memory_resumed: Callable[[], None]              # the pool is back at a new address
+
+
 class WeightsAndMemory:
     """The commands that change what the worker holds, not its requests."""
 
-    def __init__(self, core: "WorkerCore") -> None:
-        self.core = core
+    def __init__(self, port: MemoryPort) -> None:
+        self.port = port
         self.kv_released = False            # KV pool dropped
         self.weights_held: weight_release.Released | None = None   # weights dropped
 
@@ -82,7 +108,7 @@ class WeightsAndMemory:
     @property
     def pool_addr(self) -> int:
         """The pool's address, 0 while its memory is released."""
-        return 0 if self.kv_released else self.core.pool.data_ptr
+        return 0 if self.kv_released else self.port.pool.data_ptr
 
     def require_weights(self, what: str) -> None:
         """409 while the weights are released (a copy into them would fail)."""
@@ -100,19 +126,19 @@ class WeightsAndMemory:
     def update_weights(self, cmd: UpdateWeights, respond: Respond) -> None:
         """Allowed while paused or idle; a bad checkpoint leaves the old weights. Without
         a version the current one stays (SGLang's way)."""
-        core = self.core
+        port = self.port
         path, version = cmd.path, cmd.weight_version
-        source = checkpoint_source(path, core.cfg.weights_root)
-        if core.paused is None and core.scheduler.busy():
+        source = checkpoint_source(path, port.weights_root)
+        if port.running_unpaused():
             raise StatusError(CONFLICT, "update_weights while requests are running: pause first")
         self.require_weights("update_weights")
         try:
-            with core.long_call():       # every tensor-parallel rank loads its part
-                new = core.compute.runner.update_weights(source, version) if core.tp else \
-                    load_new_weights(core.model, source, version)
+            with port.long_call():       # every tensor-parallel rank loads its part
+                new = port.ranks.update_weights(source, version) if port.ranks else \
+                    load_new_weights(port.model, source, version)
         except (ModelError, ValueError) as e:
             raise StatusError(BAD_REQUEST, str(e)) from None
-        core.scheduler.on_weights_changed()
+        port.set_weights(new)
         log.warning("weights updated from %r: version %r", path, new)
         respond(True, {"weight_version": new})
 
@@ -121,8 +147,8 @@ class WeightsAndMemory:
         /update_weight_version, after a push that named no version). The prefix cache
         is keyed by version, so its entries are dropped as after an update."""
         version = cmd.weight_version
-        old, self.core.model.version = self.core.model.version, version
-        self.core.scheduler.on_weights_changed()
+        old = self.port.model.version
+        self.port.set_weights(version)
         log.warning("weight version %r -> %r (weights unchanged)", old, version)
         respond(True, {"weight_version": version, "previous": old})
 
@@ -130,10 +156,10 @@ class WeightsAndMemory:
         """Drop the prefix cache; refused while requests run unpaused (as SGLang does).
         While paused it is allowed (a trainer's pause -> flush -> push): held requests
         keep their pages, a retracted one holds none, as for a push's invalidate."""
-        if self.core.paused is None and self.core.scheduler.busy():
+        if self.port.running_unpaused():
             raise StatusError(CONFLICT, "flush_cache while requests are running: pause or "
                                         "wait for them first")
-        freed = self.core.scheduler.flush_cache()
+        freed = self.port.flush_cache()
         log.warning("prefix cache flushed: %d pages freed", freed)
         respond(True, {"flushed_pages": freed})
 
@@ -155,11 +181,11 @@ class WeightsAndMemory:
 
     def _release_weights(self) -> None:
         """Ours, then every other rank's part; if a rank cannot, every rank keeps them."""
-        core = self.core
-        held = weight_release.release(core.model.net, core.model.device)
+        port = self.port
+        held = weight_release.release(port.model.net, port.model.device)
         try:
-            if core.tp is not None:
-                core.compute.runner.release_weights()
+            if port.ranks is not None:
+                port.ranks.release_weights()
         except RuntimeError as e:
             weight_release.resume(held)
             raise StatusError(INTERNAL, f"could not release the weights: {e}; they stay "
@@ -179,15 +205,15 @@ class WeightsAndMemory:
         respond(True, self._memory_fields())
 
     def _resume_weights(self) -> None:
-        held, core = self.weights_held, self.core
+        held, port = self.weights_held, self.port
         try:
-            with core.long_call():
+            with port.long_call():
                 weight_release.resume(held)          # on an error: still released
                 try:
-                    if core.tp is not None:          # every other rank, or none
-                        core.compute.runner.resume_weights()
+                    if port.ranks is not None:       # every other rank, or none
+                        port.ranks.resume_weights()
                 except RuntimeError:
-                    self.weights_held = weight_release.release(core.model.net, core.model.device)
+                    self.weights_held = weight_release.release(port.model.net, port.model.device)
                     raise
         except (OSError, RuntimeError) as e:
             raise StatusError(INTERNAL, f"could not restore the weights: {e}; they stay "
@@ -201,30 +227,29 @@ class WeightsAndMemory:
     def _check_weights_idle(self) -> None:
         """No request may be running on them: idle, or paused with nothing in a batch
         (retract and abort empty it; in_place keeps it)."""
-        core = self.core
-        if core.scheduler.busy() and not core.dropping:
+        if self.port.busy() and not self.port.dropping():
             raise StatusError(CONFLICT, "releasing the weights while requests are running: "
                                         "pause (retract or abort) or wait for them first")
 
     def _check_kv_unused(self) -> None:
         """Only with no page in use: pages are held or fenced exactly while some request's
         KV, or a write into it, may still be there. Cached pages no request uses go first."""
-        self.core.scheduler.flush_cache()
-        in_use = self.core.scheduler.pages.in_use
+        self.port.flush_cache()
+        in_use = self.port.pages_in_use()
         if in_use:
             raise StatusError(CONFLICT, f"{in_use} KV pages in use: pause (retract or abort) "
                                         "and wait for them first")
 
     def _release_kv(self) -> None:
         """Drop the KV pool (every tensor-parallel rank's) and its transport registration."""
-        pool = self.core.pool
-        for buf in self.core.rank_buffers:
-            self.core.backend.unregister(buf.data_ptr())
-        if self.core.tp is not None:
-            self.core.compute.runner.release_kv()
+        port, pool = self.port, self.port.pool
+        for buf in port.rank_buffers():
+            port.backend.unregister(buf.data_ptr())
+        if port.ranks is not None:
+            port.ranks.release_kv()
         pool.release_memory()
         self.kv_released = True
-        self.core.scheduler.on_memory_released()
+        port.memory_released()
         if pool.device.type == "cuda":
             import torch
             torch.cuda.empty_cache()
@@ -233,28 +258,28 @@ class WeightsAndMemory:
     def _resume_kv(self) -> None:
         """A new pool on every rank, registered with the transport; on any failure none
         is kept anywhere (the memory stays released) and the 500 says why."""
-        pool, core = self.core.pool, self.core
+        port, pool = self.port, self.port.pool
         try:
             pool.allocate_memory()
-            if core.tp is not None:
-                core.compute.runner.resume_kv()
+            if port.ranks is not None:
+                port.ranks.resume_kv()
         except (OSError, RuntimeError) as e:
             pool.release_memory()
             raise StatusError(INTERNAL, f"could not allocate the KV pool again: {e}; the "
                                         "memory stays released (resume_memory again)") from None
         done = []
         try:
-            for buf in core.rank_buffers:
-                core.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
+            for buf in port.rank_buffers():
+                port.backend.register(buf.data_ptr(), buf.numel() * buf.element_size())
                 done.append(buf)
         except transport.TransportError as e:
             for buf in done:
-                core.backend.unregister(buf.data_ptr())
-            if core.tp is not None:
-                core.compute.runner.release_kv()
+                port.backend.unregister(buf.data_ptr())
+            if port.ranks is not None:
+                port.ranks.release_kv()
             pool.release_memory()
             raise StatusError(INTERNAL, f"could not register the KV pool again: {e}; the "
                                         "memory stays released (resume_memory again)") from None
         self.kv_released = False
-        core.scheduler.on_memory_resumed()
+        port.memory_resumed()
         log.warning("KV pool memory resumed at %#x", pool.data_ptr)

@@ -20,18 +20,17 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from engines.kv.allocator import PageAllocator
 from engines.kv.pool import KVPool
 from engines.kv.prefix_cache import PrefixCache, cache_status
+from engines.loader import LoadedModel
 from engines.request import Request
+from zpd.config import WorkerConfig
 from zpd.wire.loop import Loop
 from zpd.wire.recent import Recent
 from zpd.worker.fences import Fences, Key
-
-if TYPE_CHECKING:
-    from zpd.worker.core import WorkerCore
 
 log = logging.getLogger("zpd.worker.pages")
 
@@ -92,6 +91,15 @@ class NoCache:
         return 0
 
 
+class PageHost(Protocol):
+    """What `PageBook.for_worker` reads of a worker: its settings, pool, loop and model
+    (whose version keys the prefix cache)."""
+    cfg: WorkerConfig
+    pool: KVPool
+    loop: Loop
+    model: LoadedModel
+
+
 class PageBook:
     """A worker's KV pages: who holds which, what is fenced or cached, and the room
     left. A request's pages are `req.pages` (what the model reads); the book records
@@ -108,7 +116,7 @@ class PageBook:
         self.recent = Recent(60, width=2)          # (cached, looked-up) prefix tokens
 
     @classmethod
-    def for_worker(cls, core: WorkerCore,
+    def for_worker(cls, core: PageHost,
                    is_dead: Callable[[str], bool] = lambda endpoint: False) -> PageBook:
         """The book of `core`'s pool. `is_dead(prefill)`: that prefill is silent, so a
         write of its may be frozen mid-way (a decode's fences wait longer then)."""

@@ -7,6 +7,7 @@ rewires it.
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from zpd.wire.admin import Continue
@@ -19,6 +20,24 @@ if TYPE_CHECKING:
 
 Handler = Callable[[bytes, Message], None]      # (sender identity, message)
 Respond = Callable[[bool, dict], None]          # an admin command's answer: ok, result
+
+
+class Gate(Enum):
+    """May the worker schedule? One state, derived in one place (`Gate.of`, which
+    `WorkerCore.gate` asks) from the pause and the memory: PAUSED wins over RELEASED,
+    since a paused worker runs no round at all, while a released one runs rounds
+    that admit nothing."""
+    OPEN = "open"                 # rounds run and admit requests
+    RELEASED = "released"         # KV pool or weights released: rounds admit nothing
+    PAUSED = "paused"             # an admin pause: no scheduling round
+
+    @classmethod
+    def of(cls, paused: PauseMode | None, released: bool) -> Gate:
+        """The gate of a worker paused in mode `paused` (None: not paused) whose KV pool
+        or weights are `released`."""
+        if paused is not None:
+            return cls.PAUSED
+        return cls.RELEASED if released else cls.OPEN
 
 
 def step_failure(what: str, error: Exception, lost: str | None = None) -> tuple[int, str]:

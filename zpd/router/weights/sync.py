@@ -1,5 +1,5 @@
 """Trainer weight sync across the cluster: the router's half (the workers' is
-zpd/worker/weight_sync.py). Plugged into the router's admin by zpd/ops/router.py.
+zpd/worker/weights/sync.py). Plugged into the router's admin by zpd/ops/router.py.
 
 - `init_weights_update_group`: every worker, in the order of `status`, joins the
   trainer's group as rank `rank_offset + i`; if any cannot, all leave it again.

@@ -22,7 +22,7 @@ accepted the connection but never answers (measured with torch 2.13: a listening
 socket that never speaks holds `rendezvous` past 60 s with a 3 s timeout), and gloo
 aborts the process (SIGABRT) that receives a broadcast larger than its tensor. So a
 worker never calls this module itself: its helper process does
-(zpd/worker/sync_helper.py), and the worker kills the helper at its deadline.
+(zpd/worker/weights/helper.py), and the worker kills the helper at its deadline.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("zpd.worker.trainer_group")
+log = logging.getLogger("zpd.worker.weights.trainer_group")
 
 BACKENDS = {"gloo": "cpu", "nccl": "cuda"}     # backend -> the device its keys name
 DEFAULT_TRAINER_INIT = "init_custom_process_group"     # SGLang's keying

@@ -1,5 +1,5 @@
 """The receiving side of trainer weight sync, in a helper process of its own (one
-per joined group; zpd/worker/helper_link.py starts, drives and kills it).
+per joined group; zpd/worker/weights/helper_link.py starts, drives and kills it).
 
 Why a process: gloo aborts the whole process (SIGABRT from C++, which Python cannot
 catch) when a broadcast carries more bytes than the receiving tensor holds, and torch
@@ -39,7 +39,7 @@ from multiprocessing.reduction import recv_handle
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
 
-from zpd.worker.trainer_group import GroupError, TrainerGroup
+from zpd.worker.weights.trainer_group import GroupError, TrainerGroup
 
 FILL = 0xFF
 GRACE_S = 1.0       # torch's own timeouts end this much after the worker's, which kills first

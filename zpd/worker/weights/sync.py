@@ -2,18 +2,18 @@
 router drives (zpd/router/weights/sync.py):
 
 - `join_weights_group`: join a trainer's torch.distributed group as the rank the
-  router gives, through a helper process of its own (zpd/worker/sync_helper.py:
+  router gives, through a helper process of its own (zpd/worker/weights/helper.py:
   gloo aborts the process that receives an oversized broadcast, and torch can hang
   in a rendezvous past its timeout; the helper takes both, the worker kills it).
 - `stage_weights`: check the announced names, shapes and dtypes against the model,
   then have the helper receive every broadcast into memory this worker maps; each
-  tensor must arrive whole and without NaN (sync_helper.py says how that is seen),
+  tensor must arrive whole and without NaN (helper.py says how that is seen),
   then it is copied into staging. A push the model refuses is still received (and
   dropped) so the trainer's broadcasts complete, then answered 400; the model is not
   touched either way.
 - `commit_weights` / `discard_weights`: the router commits only once every worker
   has staged everything, else discards everywhere.
-- `stage_tensors`: SGLang's update_weights_from_tensor (zpd/worker/tensor_stage.py).
+- `stage_tensors`: SGLang's update_weights_from_tensor (zpd/worker/weights/tensor_stage.py).
 - `destroy_weights_update_group`: leave the group (the helper ends).
 - `cancel_weight_update`: end the join or push under way now; its group is left.
 
@@ -22,10 +22,13 @@ router's shorter one): past it the helper is killed and the step answered 504. A
 failed step leaves the worker as it was (old weights and version, no half-joined
 group, nothing running), so a retry can start at once.
 
-The staging memory is a second copy of the weights (engines/weight_push.Shadow),
+The staging memory is a second copy of the weights (engines/weights/push.Shadow),
 made when the first group is joined and kept while any group is (a tensor push
 makes one for itself and drops it after): its commit swaps each fully pushed
 parameter with the model's.
+
+The worker core knows nothing of this wing: zpd/ops/worker.py builds a `WeightSync`
+on a `SyncPort` of the core's and plugs it in (`WorkerCore.add_part`).
 """
 from __future__ import annotations
 
@@ -33,24 +36,22 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from engines.config import ModelError
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
-from engines.weight_push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
-from zpd.worker.helper_link import HelperLink, Incoming, SyncFailure
+from engines.weights.push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
+from zpd.worker.weights.helper_link import HelperLink, Incoming, SyncFailure
 from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights)
 from zpd.wire.admin_fields import SyncStep
 from zpd.worker.scheduler import Respond
-from zpd.worker.tensor_stage import Staged, stage_tensors
-from zpd.worker.trainer_group import DEFAULT_TRAINER_INIT
+from zpd.worker.weights.port import SyncPort
+from zpd.worker.weights.tensor_stage import Staged, stage_tensors
+from zpd.worker.weights.trainer_group import DEFAULT_TRAINER_INIT
 
-if TYPE_CHECKING:
-    from zpd.worker.core import WorkerCore
-
-log = logging.getLogger("zpd.worker.weight_sync")
+log = logging.getLogger("zpd.worker.weights.sync")
 
 
 @dataclass(eq=False)
@@ -92,9 +93,9 @@ class Job:
 class WeightSync:
     """The trainer groups this worker belongs to, and at most one staged push."""
 
-    def __init__(self, core: "WorkerCore") -> None:
-        self.core = core
-        self.timeout_s = core.cfg.weight_sync_timeout     # the most a join or a push may take
+    def __init__(self, port: SyncPort) -> None:
+        self.port = port
+        self.timeout_s = port.timeout_s          # the most a join or a push may take
         self.groups: dict[str, Group] = {}
         self.job: Job | None = None              # what runs off the loop now
         self.staged: Staged | None = None
@@ -119,14 +120,14 @@ class WeightSync:
         name, address, port = cmd.group_name, cmd.master_address, cmd.master_port
         world, rank = cmd.world_size, cmd.rank
         # Left out: what the trainer would use with a worker like this one.
-        backend = cmd.backend or ("nccl" if self.core.model.device.type == "cuda" else "gloo")
+        backend = cmd.backend or ("nccl" if self.port.model.device.type == "cuda" else "gloo")
         trainer_init = cmd.trainer_init or DEFAULT_TRAINER_INIT
         timeout = min(cmd.timeout_s, self.timeout_s)
         if name in self.groups:
             raise StatusError(CONFLICT, f"already in weight group {name!r}: destroy it first")
         self.idle_or_409()
-        self.core.memory.require_weights("init_weights_update_group")   # its shadow copies them
-        device = self.core.model.device if backend == "nccl" else torch.device("cpu")
+        self.port.require_weights("init_weights_update_group")   # its shadow copies them
+        device = self.port.model.device if backend == "nccl" else torch.device("cpu")
         deadline = time.monotonic() + timeout
 
         def work(job: Job) -> Group:
@@ -159,7 +160,6 @@ class WeightSync:
 
     def stage(self, cmd: StageWeights, respond: Respond) -> None:
         """Receive one push into staging memory; answered once all of it arrived."""
-        core = self.core
         name, update_id, load_format = cmd.group_name, cmd.update_id, cmd.load_format
         timeout = min(cmd.timeout_s, self.timeout_s)
         group = self.groups.get(name)
@@ -167,7 +167,7 @@ class WeightSync:
             raise StatusError(BAD_REQUEST, f"no weight group {name!r} here: "
                                            "init_weights_update_group first")
         self.idle_or_409()
-        if core.paused is None and core.scheduler.busy():
+        if self.port.running_unpaused():
             raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
         items, refusal = self._announced(cmd)
         total = sum(a.nbytes for a in items)
@@ -209,31 +209,29 @@ class WeightSync:
         self.background(SyncStep.PUSHING, name, done, work, update_id)
 
     def commit(self, cmd: CommitWeights, respond: Respond) -> None:
-        core = self.core
+        port = self.port
         update_id, version = cmd.update_id, cmd.weight_version      # version None: kept
         staged = self.staged
         if staged is None or staged.update_id != update_id:
             raise StatusError(CONFLICT, f"no staged push {update_id!r} to commit")
-        if core.paused is None and core.scheduler.busy():
+        if port.running_unpaused():
             raise StatusError(CONFLICT, "requests started since the push was staged: pause first")
-        core.memory.require_weights("committing pushed weights")     # released since staged
+        port.require_weights("committing pushed weights")     # released since staged
         started = time.monotonic()
         try:
-            with core.long_call():       # at --tp > 1 each rank takes its part's rows
-                written = core.compute.runner.commit_weights(self.shadow, staged.written) \
-                    if core.tp is not None else self.shadow.commit(staged.written)
+            with port.long_call():       # at --tp > 1 each rank takes its part's rows
+                written = port.ranks.commit_weights(self.shadow, staged.written) \
+                    if port.ranks is not None else self.shadow.commit(staged.written)
         except RuntimeError as e:        # shapes were checked: this is a real fault
             raise StatusError(INTERNAL, f"applying the pushed weights failed: {e}") from None
         finally:
             self.staged = None
             self.drop_shadow()
-        if version is not None:
-            core.model.version = version
-        core.scheduler.on_weights_changed()
+        version = port.set_weights(version)
         log.warning("weights from %s committed: version %r (%d elements, %.3f s)",
-                    f"group {staged.group!r}" if staged.group else "tensors", core.model.version,
+                    f"group {staged.group!r}" if staged.group else "tensors", version,
                     written, time.monotonic() - started)
-        respond(True, {"weight_version": core.model.version})
+        respond(True, {"weight_version": version})
 
     def discard(self, cmd: DiscardWeights, respond: Respond) -> None:
         """Drop a staged (or still arriving) push; with `destroy`, leave its group too."""
@@ -314,16 +312,16 @@ class WeightSync:
     def template(self) -> torch.nn.Module:
         """What a push is checked against: the model's network, or at --tp > 1 a template
         of the whole model's (a trainer pushes whole tensors; each rank keeps its rows)."""
-        if self.core.tp is None:
-            return self.core.model.net
+        if self.port.ranks is None:
+            return self.port.model.net
         if self._template is None:
-            self._template = self.core.compute.runner.whole_template()
+            self._template = self.port.ranks.whole_template()
         return self._template
 
     def new_shadow(self, device: torch.device) -> Shadow:
         """Staging for pushes: a copy of the weights, or at --tp > 1 a blank of the whole
         model's shapes (only the rows a push writes are ever applied from it)."""
-        return Shadow(self.template, device, blank=self.core.tp is not None)
+        return Shadow(self.template, device, blank=self.port.ranks is not None)
 
     def drop_shadow(self) -> None:
         """The staging memory goes with the last group (a tensor push's, after it)."""
@@ -362,7 +360,7 @@ class WeightSync:
                 log.debug("weight sync: %s failed", job.what, exc_info=True)   # its traceback
                 result, error = None, untraced(e)
             try:
-                self.core.loop.call_soon_threadsafe(finish, result, error)
+                self.port.call_soon_threadsafe(finish, result, error)
             except OSError:               # the worker closed meanwhile (its wake pipe)
                 if isinstance(result, Group):
                     result.link.close()

@@ -1,4 +1,4 @@
-"""The worker's end of a weight-sync helper process (zpd/worker/sync_helper.py says
+"""The worker's end of a weight-sync helper process (zpd/worker/weights/helper.py says
 why it exists): start it, join a trainer's group through it, stage a push through
 it, and kill it, from any thread, when it overstays, is cancelled or its group is
 destroyed.
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zpd.worker import sync_helper
-from zpd.worker.trainer_group import GroupError
+from zpd.worker.weights import helper as sync_helper
+from zpd.worker.weights.trainer_group import GroupError
 
 ALIGN = 64          # each tensor of a per-tensor push starts at a multiple of this
 KILL_WAIT_S = 5.0   # a SIGKILLed helper is reaped within this
@@ -50,7 +50,7 @@ class Incoming:
 
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "zpd.worker.sync_helper"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zpd.worker.weights.helper"])
     return ctx
 
 

@@ -4,20 +4,18 @@ Committed or discarded by WeightSync like a broadcast push."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
 import torch
 
 from engines.config import ModelError
 from zpd.wire.status import CONFLICT, StatusError
 from engines.formats.tensor_payload import PayloadError, decode_named_tensors
-from engines.weight_push import MAX_TENSORS, Announced, announce, push_limit
+from engines.weights.push import MAX_TENSORS, Announced, Shadow, announce, push_limit
 from zpd.wire.admin import StageTensors
 from zpd.wire.admin_fields import SyncStep
 from zpd.worker.scheduler import Respond
-
-if TYPE_CHECKING:
-    from zpd.worker.weight_sync import WeightSync
+from zpd.worker.weights.port import SyncPort
 
 
 @dataclass(eq=False)
@@ -30,16 +28,38 @@ class Staged:
     nbytes: int
 
 
-def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> None:
+class Staging(Protocol):
+    """What a tensor push uses of WeightSync (zpd/worker/weights/sync.py): its port,
+    its one-step-at-a-time check, its staging memory and its background step."""
+    port: SyncPort
+    staged: Staged | None
+    shadow: Shadow | None
+    abandoned: set[str]                 # pushes discarded while arriving
+
+    @property
+    def template(self) -> torch.nn.Module: ...
+
+    def idle_or_409(self) -> None: ...
+
+    def new_shadow(self, device: torch.device) -> Shadow: ...
+
+    def drop_shadow(self) -> None: ...
+
+    def background(self, step: SyncStep, group: str | None,
+                   done: Callable[[Any, Exception | None], None],
+                   work: Callable[[Any], Any], update_id: str | None = None) -> None: ...
+
+
+def stage_tensors(sync: Staging, cmd: StageTensors, respond: Respond) -> None:
     """`payload` is this rank's entry of `serialized_named_tensors`. Decoded and
     checked off the loop (engines/formats/tensor_payload.py, a restricted unpickler), then
     staged; answered 400 (nothing staged) if refused."""
-    core = sync.core
+    port = sync.port
     update_id, payload, load_format = cmd.update_id, cmd.payload, cmd.load_format
     sync.idle_or_409()
-    if core.paused is None and core.scheduler.busy():
+    if port.running_unpaused():
         raise StatusError(CONFLICT, "weights pushed while requests are running: pause first")
-    core.memory.require_weights("update_weights_from_tensor")
+    port.require_weights("update_weights_from_tensor")
     net = sync.template
     limit = push_limit(net)
     sync.staged = None                # a newer push replaces one never committed
@@ -50,7 +70,7 @@ def stage_tensors(sync: "WeightSync", cmd: StageTensors, respond: Respond) -> No
         items = announce(net, [n for n, _ in named], [str(t.dtype) for _, t in named],
                          [list(t.shape) for _, t in named])
         if sync.shadow is None:       # made here, off the loop: it copies the weights
-            sync.shadow = sync.new_shadow(core.model.device)
+            sync.shadow = sync.new_shadow(port.model.device)
         with torch.no_grad():
             for a, (_, tensor) in zip(items, named):
                 target = sync.shadow.target(a)

@@ -1,0 +1,1 @@
+"""The worker half of trainer weight sync: groups joined, pushes staged and committed."""
