@@ -66,21 +66,13 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node but those under `if TYPE_CHECKING:` (imports for annotations only)."""
-    for child in ast.iter_child_nodes(tree):
-        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            continue
-        yield child
-        yield from _runtime_nodes(child)
-
-
 def _imported_names(path: Path, module: str) -> set[str]:
-    """Dotted names `path` imports at run time (in functions too), relative ones resolved;
-    `from a import b` names a.b (a module, or a name in module a)."""
+    """Dotted names `path` imports anywhere: at module level, in functions and under
+    TYPE_CHECKING (an import for annotations still ties two files together); relative
+    ones resolved; `from a import b` names a.b (a module, or a name in module a)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -145,8 +137,6 @@ def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-# Circles that predate the check, through an import inside a function; each is its
-# package's to remove (then its entry here goes).
 def test_no_import_circles():
     assert _circles(import_graph()) == []
 
@@ -181,3 +171,40 @@ def test_only_engines_cpu_reaches_the_compiled_kernels():
     wrappers = {"engines.cpu.kernels", "engines.cpu.layer_ops", "engines.cpu.products"}
     direct = {m for m, targets in graph.items() if not m.startswith("engines.cpu.") and targets & wrappers}
     assert direct <= {"engines.loader", "zpd.env"}, direct
+
+
+# The optional parts ("wings"): each may import the core; the core never imports one,
+# not even inside a function. zpd/ops/ builds each process and plugs its wings in
+# (zpd/ops/router.py, zpd/ops/worker.py, zpd/ops/serve.py).
+WINGS = ("zpd.router.ha", "zpd.router.weights", "zpd.worker.ha", "zpd.worker.weights",
+         "zpd.http.guard", "engines.weights")
+ASSEMBLY = ("zpd.ops", "scripts")
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_wings_are_packages():
+    graph = import_graph()
+    assert [w for w in WINGS if w not in graph] == []
+    assert all(any(m.startswith(w + ".") for m in graph) for w in WINGS)
+
+
+def test_the_core_never_imports_a_wing():
+    graph = import_graph()
+    reached = {m: sorted(t for t in targets if _within(t, WINGS))
+               for m, targets in graph.items() if not _within(m, WINGS + ASSEMBLY)}
+    assert {m: t for m, t in reached.items() if t} == {}
+    # the assembly does plug them in
+    assert "zpd.worker.weights.sync" in graph["zpd.ops.worker"]
+    assert "zpd.worker.ha.adoption" in graph["zpd.ops.worker"]
+
+
+def test_an_import_for_annotations_counts(tmp_path):
+    path = tmp_path / "mod.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    "    from zpd.router.server import RouterServer\n"
+                    "def f():\n    from . import admin\n")
+    names = _imported_names(path, "zpd.router.x")
+    assert {"zpd.router.server.RouterServer", "zpd.router.admin"} <= names

@@ -13,7 +13,6 @@ from engines.kv.pool import KVLayout, KVPool
 from engines.loader import load_model
 from engines.request import Request
 from engines.sampler import SamplingParams
-from tests.unit.test_layout import import_graph
 from zpd.config import WorkerConfig
 from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, StageTensors, UpdateWeights,
                             UpdateWeightVersion)
@@ -190,15 +189,3 @@ def test_a_tensor_push_is_refused_through_the_sync_port():
 def test_the_gate_is_derived_from_the_pause_and_the_memory(paused, released, gate):
     assert Gate.of(paused, released) is gate
 
-
-def test_the_cores_never_import_the_weights_wings():
-    """Trainer weight sync is plugged in by zpd/ops/worker.py; the worker and engine
-    cores do not import it, not even inside a function (tests/unit/test_layout.py's
-    graph counts those)."""
-    graph = import_graph()
-    wings = ("zpd.worker.weights", "engines.weights")
-    cores = [m for m in graph
-             if m.startswith(("zpd.worker", "engines")) and not m.startswith(wings)]
-    bad = {m: sorted(t for t in graph[m] if t.startswith(wings)) for m in cores}
-    assert "zpd.worker.weights.sync" in graph["zpd.ops.worker"]
-    assert {m: t for m, t in bad.items() if t} == {}
