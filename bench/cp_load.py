@@ -18,6 +18,7 @@ import zmq
 
 from bench_http import SSEConnection
 from engines.models.null import predict
+from engines.sampling_params import SamplingParams
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
 
@@ -91,8 +92,8 @@ class Prompts:
                 [self.rng.randrange(32, 127) for _ in range(spec.prompt_len)])
 
 
-def sampling(max_new: int) -> dict:
-    return {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+def sampling(max_new: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
 
 
 class ZmqLoad:
@@ -183,7 +184,7 @@ class HttpLoad:
             req = Req(rid, prompt, self.spec.max_new, time.monotonic())
             self.reqs.append(req)
             body = orjson.dumps({"rid": rid, "input_ids": prompt, "stream": True,
-                                 "sampling_params": sampling(self.spec.max_new)})
+                                 "sampling_params": sampling(self.spec.max_new).to_wire()})
             await conn.post("/generate", body, lambda data, r=req: self.on_event(r, data))
 
     def on_event(self, req: Req, data: bytes) -> None:

@@ -96,6 +96,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "SamplingParams":
+        """The record from the caller's or a peer's dict: the one check of sampling
+        parameters (the CLI's, the clients', the HTTP front's and the wire decode's)."""
         if raw is not None and not isinstance(raw, dict):
             raise ValueError(f"sampling parameters must be an object, got {type(raw).__name__}")
         raw = dict(raw or {})
@@ -114,6 +116,12 @@ class SamplingParams:
         d = asdict(self)
         return d | {"stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
                     "token_ids_logprob": list(self.token_ids_logprob)}
+
+    def to_wire(self) -> dict:
+        """The parameters that differ from their defaults, JSON-ready: what a generate
+        or recompute carries (the receiver's ``from_dict`` fills in the rest)."""
+        full = self.to_dict()
+        return {f.name: full[f.name] for f in fields(self) if getattr(self, f.name) != f.default}
 
     @property
     def greedy(self) -> bool:

@@ -11,11 +11,16 @@ from typing import Iterator, NamedTuple, Sequence
 
 import zmq
 
+from engines.sampling_params import SamplingParams
 from zpd.client_links import Links
 from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
 from zpd.wire.net import Curve
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, TokenPart,
                                Tokens)
+
+
+# A request's sampling parameters: the record, or a dict of its fields (None: defaults).
+Sampling = SamplingParams | dict | None
 
 
 class NoAnswerError(TimeoutError):
@@ -72,7 +77,7 @@ class Client:
     # --- generation ---------------------------------------------------------------
 
     def generate(self, input_ids: list[int] | None = None, prompt: str | None = None,
-                 sampling_params: dict | None = None, rid: str | None = None,
+                 sampling_params: Sampling = None, rid: str | None = None,
                  messages: list[dict] | None = None) -> dict:
         """Run one request to the end; returns the response dict (docs/design.md, "Python client").
         The prompt is exactly one of `input_ids`, `prompt` (text) or `messages` (a
@@ -96,7 +101,7 @@ class Client:
         return [done[rid] for rid in rids]
 
     def submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
-               sampling_params: dict | None = None, rid: str | None = None,
+               sampling_params: Sampling = None, rid: str | None = None,
                stream: bool = False, messages: list[dict] | None = None) -> str:
         """Send a request without waiting; returns its rid. Read answers with `receive`."""
         return self._submit(input_ids, prompt, sampling_params, rid, stream, messages)
@@ -106,7 +111,7 @@ class Client:
         return self._chunk(self._next(TokenPart, "a token", timeout))
 
     def stream(self, input_ids: list[int] | None = None, prompt: str | None = None,
-               sampling_params: dict | None = None, rid: str | None = None,
+               sampling_params: Sampling = None, rid: str | None = None,
                messages: list[dict] | None = None) -> Iterator[dict]:
         """Yield chunks {rid, token_ids, weight_versions, finished} as tokens are made; the
         last chunk also has finish_reason, meta and text. A request that asked for
@@ -142,10 +147,17 @@ class Client:
         self._links.send(i, Abort(rid, 499, reason))
 
     def _submit(self, input_ids: list[int] | None = None, prompt: str | None = None,
-                sampling_params: dict | None = None, rid: str | None = None,
+                sampling_params: Sampling = None, rid: str | None = None,
                 stream: bool = False, messages: list[dict] | None = None) -> str:
-        msg = generate_message(input_ids, prompt, sampling_params, rid or uuid.uuid4().hex,
-                               stream, messages)
+        rid, refused = rid or uuid.uuid4().hex, ""
+        try:
+            params = sampling_record(sampling_params)
+        except ValueError as e:
+            params, refused = SamplingParams(), str(e)
+        msg = generate_message(input_ids, prompt, params, rid, stream, messages)
+        if refused:                          # refused here, answered as the router would
+            self._parts.append(TokenPart.abort(rid, 400, refused))
+            return rid
         asked = asks_logprobs(msg.sampling)
         if asked != NOTHING:
             self._asked[msg.rid] = asked
@@ -341,18 +353,17 @@ class Asked(NamedTuple):
 NOTHING = Asked()
 
 
-def asks_logprobs(sampling: dict) -> Asked:
-    """The output logprobs as the sampling parameters ask for them (the workers refuse
-    malformed ones; these are then never read)."""
-    top = sampling.get("top_logprobs_num")
-    top = type(top) is int and top > 0
-    wants = sampling.get("return_logprob") is True or top
-    ids = sampling.get("token_ids_logprob")
-    ids = (ids,) if type(ids) is int else tuple(ids) if isinstance(ids, (list, tuple)) else ()
-    return Asked(wants, top, ids if wants and all(type(t) is int for t in ids) else ())
+def asks_logprobs(params: SamplingParams) -> Asked:
+    """The output logprobs as the sampling parameters ask for them."""
+    return Asked(params.wants_logprobs, params.top_logprobs_num > 0, params.output_ids_logprob)
 
 
-def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_params: dict | None,
+def sampling_record(sampling: Sampling) -> SamplingParams:
+    """`sampling` as the record (a dict is checked here: ValueError names a bad value)."""
+    return sampling if isinstance(sampling, SamplingParams) else SamplingParams.from_dict(sampling)
+
+
+def generate_message(input_ids: list[int] | None, prompt: str | None, sampling: SamplingParams,
                      rid: str, stream: bool, messages: list[dict] | None, user: str = "",
                      call: str = "") -> Generate:
     """The request as the router takes it; the prompt is exactly one of `input_ids`,
@@ -362,7 +373,7 @@ def generate_message(input_ids: list[int] | None, prompt: str | None, sampling_p
     if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
         raise ValueError("give exactly one of input_ids, prompt or messages")
     chat = {"messages": list(messages)} if messages is not None else {}
-    return Generate(rid, list(input_ids or []), dict(sampling_params or {}), stream,
+    return Generate(rid, list(input_ids or []), sampling, stream,
                     text=prompt or "", chat=chat, user=user, call=call)
 
 

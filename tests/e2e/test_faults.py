@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
+from engines.sampling_params import SamplingParams
 from tests.e2e.fault_checks import (DETECT, SLACK, check_correct, ended_within, prompts,
                                     queue_total, reference, router_sees, serves_correctly,
                                     status, submit, warm_up)
@@ -359,7 +360,7 @@ def test_a_rid_still_running_on_a_decode_is_refused(delayed):
             # a restarted router: proven by the cluster's secret, under a new boot id
             secret = load_router_secret(delayed.security_flags[1])
             raw = Dealer(ctx, holder.endpoint, identity=router_identity("127.0.0.1:1", "restarted", secret))
-            raw.send(Generate("dup", [4, 5], {"max_new_tokens": 2}, False, 12345, 0,
+            raw.send(Generate("dup", [4, 5], SamplingParams(max_new_tokens=2), False, 12345, 0,
                               delayed.prefills[0].endpoint, holder.endpoint))
             reply = raw.recv(timeout=5)
             raw.close()
@@ -383,8 +384,8 @@ def test_a_client_that_hangs_up_gets_its_requests_ended(delayed, stream):
     try:
         raw = Dealer(ctx, delayed.router.endpoint)
         for rid in ("gone-1", "gone-2"):
-            raw.send(Generate(f"{rid}-{stream}", [7, 8, 9], {"max_new_tokens": 3000, "ignore_eos": True,
-                                                            "temperature": 0}, stream))
+            raw.send(Generate(f"{rid}-{stream}", [7, 8, 9], SamplingParams(
+                max_new_tokens=3000, ignore_eos=True, temperature=0), stream))
         with delayed.client() as admin:
             wait_for(lambda: queue_total(delayed, delayed.decodes, "running") == 2, what="running")
             raw.close()                              # the client hangs up

@@ -16,6 +16,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engines.sampling_params import SamplingParams
 from tests.e2e.fault_checks import reference
 from tests.e2e.fault_cluster import FaultCluster
 from zpd.wire import protocol as p
@@ -62,9 +63,9 @@ def message(cls: type) -> st.SearchStrategy:
         hint = hints[f.name]
         if typing.get_origin(hint) is typing.Union:
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        fields[f.name] = KIND[hint]
+        fields[f.name] = st.just(SamplingParams()) if hint is SamplingParams else KIND[hint]
     if cls is p.Generate:
-        fields |= {"input_ids": small_ids, "sampling": sampling}
+        fields |= {"input_ids": small_ids}
     if cls is p.Admin:
         fields |= {"command": st.sampled_from(ADMIN) | st.text(max_size=12),
                    "args": st.fixed_dictionaries({}, optional={
@@ -96,6 +97,11 @@ mutation = st.sampled_from(["none", "none", "flip", "drop_blob", "extra_frame", 
 def mutated(draw) -> list[bytes]:
     cls = draw(st.sampled_from(list(p.MESSAGE_TYPES.values())))
     frames = frames_of(draw(message(cls)))
+    if cls in (p.Generate, p.Recompute) and frames != [b"{}"]:   # sampling as a peer sends it
+        try:
+            frames[0] = orjson.dumps(orjson.loads(frames[0]) | {"sampling": draw(sampling)})
+        except TypeError:                # past 64 bits: JSON cannot carry it, nor could encode
+            frames = [b"{}"]
     how = draw(mutation)
     if how == "flip" and frames[0]:
         i = draw(st.integers(0, len(frames[0]) - 1))

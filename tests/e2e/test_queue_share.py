@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from engines.models.null import predict
+from engines.sampling_params import SamplingParams
 from tests.e2e.cluster import Cluster, assert_all_pages_free
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Accepted, Generate, Tokens
@@ -56,7 +57,7 @@ class Flooder:
 
     def send(self, n: int) -> None:
         for i in range(n):
-            self.dealer.send(Generate(f"flood{i}", PROMPT, {"max_new_tokens": 2}, user=f"u{i}"))
+            self.dealer.send(Generate(f"flood{i}", PROMPT, SamplingParams(max_new_tokens=2), user=f"u{i}"))
 
     def read(self, until, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 import zmq
 
 import transport
@@ -26,7 +27,7 @@ from zpd.ops.router import build_router
 from zpd.ops.worker import build_worker, decode_scheduler
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens
+from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens, encode
 from zpd.wire.router_proof import write_router_secret
 from zpd.worker.core import WorkerCore
 from zpd.worker.prefill import PrefillScheduler
@@ -44,6 +45,14 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+
+
+def send_raw(dealer: Dealer, msg: Generate, sampling: dict) -> None:
+    """Send `msg` with `sampling` in place of its record, unchecked: what a client that
+    skips the check (or a hostile one) puts on the wire."""
+    frames = encode(msg)
+    header = orjson.loads(frames[0]) | {"sampling": sampling}
+    dealer.socket.send_multipart([orjson.dumps(header), *frames[1:]])
 
 @dataclass
 class Answer:
@@ -164,10 +173,11 @@ class InprocCluster:
 
     def submit(self, prompt: list[int], max_new: int = 8, stream: bool = True, rid: str | None = None,
                sampling: dict | None = None) -> str:
-        """Greedy, ignoring EOS, unless `sampling` says otherwise."""
+        """Greedy, ignoring EOS, unless `sampling` says otherwise (sent as it is: the
+        router's decode checks it)."""
         rid = rid or f"r{next(self.rids)}"
-        self.client.send(Generate(rid, prompt, {"temperature": 0, "max_new_tokens": max_new,
-                                                "ignore_eos": True} | (sampling or {}), stream))
+        send_raw(self.client, Generate(rid, prompt, stream=stream), {
+            "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True} | (sampling or {}))
         return rid
 
     def abort(self, rid: str) -> None:

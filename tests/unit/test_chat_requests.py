@@ -16,7 +16,7 @@ from zpd.ops.cli import main
 from zpd.router.shares import request_tokens
 from zpd.wire.protocol import Generate
 
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+GREEDY = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
 TURN = [{"role": "user", "content": "Hello there"}]
 
 
@@ -29,7 +29,7 @@ def chat_cluster(tmp_path):
 
 
 def offline(model, prompt: list[int]) -> list[int]:
-    params = SamplingParams.from_dict(GREEDY)
+    params = GREEDY
     return OfflineEngine(model, kv_cache_mb=1).run([Request("r", prompt, params)])[0]["output_ids"]
 
 
@@ -85,7 +85,7 @@ def test_conversations_are_capped_and_charged_as_json():
     big = {"messages": [{"role": "user", "content": "é" * 600}]}
     assert "max-text-bytes" in PromptLimits(max_text_bytes=1000).refusal([], "", big)
     assert PromptLimits(max_text_bytes=2000).refusal([], "", big) is None
-    charged = request_tokens(Generate("r", [], {"max_new_tokens": 10}, chat=big))
+    charged = request_tokens(Generate("r", [], SamplingParams(max_new_tokens=10), chat=big))
     assert charged >= 1200 + 10     # the UTF-8 bytes at least, and the template's allowance
 
 

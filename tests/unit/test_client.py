@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from engines.sampling_params import SamplingParams
 from tests.unit.fake_workers import FakeCluster
 from zpd.client import Client, NoAnswerError
 from zpd.config import RouterConfig
@@ -96,6 +97,34 @@ def test_an_acknowledged_request_may_take_longer(ctx: zmq.Context) -> None:
             fake.send(identity, p.Tokens.pack([p.TokenPart(rid, [5], ["v"], {"type": "length"})]))
             chunk = client.receive(timeout=5)
         assert chunk["rid"] == rid and chunk["token_ids"] == [5] and chunk["finished"]
+    finally:
+        fake.close()
+
+
+def test_bad_sampling_is_refused_at_the_client_as_the_router_would(ctx: zmq.Context) -> None:
+    """The client is the edge: it checks the parameters once and answers 400 naming
+    the bad one; nothing is sent, so no router is needed."""
+    fake = Router(ctx, "127.0.0.1", 0)
+    try:
+        with Client(fake.endpoint, timeout=5, connect_timeout=0.3) as client:
+            out = client.generate(input_ids=[1], sampling_params={"top_p": 7})
+            (chunk,) = list(client.stream(input_ids=[1], sampling_params={"bogus": 1}))
+            assert fake.recv(timeout=0.2) is None
+        assert out["finish_reason"]["status_code"] == 400 and "top_p" in out["finish_reason"]["message"]
+        assert chunk["finished"] and "bogus" in chunk["finish_reason"]["message"]
+    finally:
+        fake.close()
+
+
+def test_the_client_sends_its_record_as_given(ctx: zmq.Context) -> None:
+    fake = Router(ctx, "127.0.0.1", 0)
+    try:
+        with Client(fake.endpoint, timeout=5, connect_timeout=0.3) as client:
+            params = SamplingParams(temperature=0, max_new_tokens=3, stop=("x",))
+            client.submit(input_ids=[1], sampling_params=params, rid="r")
+            client.submit(input_ids=[1], sampling_params=params.to_dict(), rid="d")
+            got = [fake.recv(timeout=5)[1] for _ in range(2)]
+        assert [m.sampling for m in got] == [params, params] and not any(m.refused for m in got)
     finally:
         fake.close()
 

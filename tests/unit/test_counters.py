@@ -3,6 +3,7 @@
 move by exactly what was served (tests/unit/inproc.py)."""
 from __future__ import annotations
 
+from tests.unit.inproc import send_raw
 from zpd.router.tally import THROUGHPUT_SPAN_S
 from zpd.wire.protocol import Generate
 
@@ -16,7 +17,7 @@ def test_status_counts_what_was_served(cluster):
                                   "gen_throughput": 0.0}
     for prompt in ([1, 2, 3], [4, 5, 6, 7]):
         cluster.run(cluster.submit(prompt, max_new=5))
-    cluster.client.send(Generate("bad", [], GREEDY | {"top_k": -5}, True, text="x"))
+    send_raw(cluster.client, Generate("bad", [], stream=True, text="x"), GREEDY | {"top_k": -5})
     assert cluster.run("bad").status == 400
     after = cluster.admin("status")
     c = after["counters"]

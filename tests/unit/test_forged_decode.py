@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 
+from engines.sampling_params import SamplingParams
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.net import Dealer, Router
@@ -16,7 +17,7 @@ from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Hello, HelloA
 from zpd.worker.decode import DecodePhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
-SAMPLING = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+SAMPLING = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
 
 class FakePrefill:

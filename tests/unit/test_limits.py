@@ -9,7 +9,7 @@ import pytest
 
 from zpd.wire.status import StatusError
 from engines.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-from tests.unit.inproc import InprocCluster, reference
+from tests.unit.inproc import InprocCluster, reference, send_raw
 from zpd.config import PromptLimits
 from zpd.router.shares import ClientShares
 from zpd.wire.net import Dealer
@@ -18,7 +18,7 @@ from zpd.worker.decode import DecodePhase
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
 CAPS = PromptLimits()
-GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
 
 def router_alone(c: InprocCluster) -> InprocCluster:
@@ -47,7 +47,7 @@ def test_stop_conditions_at_their_caps_are_accepted():
 
 def test_too_many_stops_get_400_from_the_workers(cluster):
     rid = "stops"
-    cluster.client.send(Generate(rid, PROMPT, GREEDY | {"stop": ["s"] * 100_000}))
+    send_raw(cluster.client, Generate(rid, PROMPT), GREEDY.to_wire() | {"stop": ["s"] * 100_000})
     got = cluster.run(rid)
     assert got.status == 400 and got.finish["message"].startswith("stop must be at most")
     cluster.pump()

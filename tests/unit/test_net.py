@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from engines.sampling_params import SamplingParams
 from zpd.wire import protocol as p
 from zpd.wire.net import Curve, Dealer, Router, SocketOptions, format_endpoint, parse_endpoint
 
@@ -59,7 +60,7 @@ def test_binds_only_the_given_interface(ctx: zmq.Context) -> None:
 
 def test_round_trip_both_directions(pair: tuple[Router, Dealer]) -> None:
     router, dealer = pair
-    sent = p.Generate(rid="r1", input_ids=[1, 2, 3], sampling={"temperature": 0.0})
+    sent = p.Generate(rid="r1", input_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0))
     assert dealer.send(sent)
     got = router.recv(timeout=WAIT)
     assert got == (b"decode-0", sent)

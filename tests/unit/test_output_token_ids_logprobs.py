@@ -20,7 +20,7 @@ from tests.unit.http_fake import FakeBackend, call, front
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_logprobs import reference_distributions
 from transport import FaultRule
-from zpd.client import asks_logprobs, assemble, chunk_of
+from zpd.client import asks_logprobs, assemble, chunk_of, sampling_record
 from zpd.http.native import native_delta, parse_generate
 from zpd.http.output import Output
 from zpd.wire import protocol as p
@@ -265,8 +265,8 @@ def test_a_malformed_early_entry_is_not_taken(entry, named):
 
 
 def test_the_clients_chunks_pair_them_with_the_ids_asked():
-    asked = asks_logprobs({"return_logprob": True, "token_ids_logprob": [3, 9]})
-    assert asks_logprobs({"token_ids_logprob": [3, 9]}).ids == ()      # no logprobs: none
+    asked = asks_logprobs(sampling_record({"return_logprob": True, "token_ids_logprob": [3, 9]}))
+    assert asks_logprobs(sampling_record({"token_ids_logprob": [3, 9]})).ids == ()      # no logprobs: none
     first = chunk_of(p.TokenPart("r", [4, 5], ["v", "v"], None, {}, [-0.5, -1.0], None,
                                  [[-1.0, -2.0], [-3.0, -4.0]]), asked)
     assert first["token_ids_logprobs"] == [[[3, -1.0], [9, -2.0]], [[3, -3.0], [9, -4.0]]]
@@ -274,7 +274,7 @@ def test_the_clients_chunks_pair_them_with_the_ids_asked():
     assert end["token_ids_logprobs"] == []
     whole = assemble([first, end])
     assert whole["output_token_ids_logprobs"] == first["token_ids_logprobs"]
-    assert "token_ids_logprobs" not in chunk_of(p.TokenPart("r", [4], ["v"]), asks_logprobs({}))
+    assert "token_ids_logprobs" not in chunk_of(p.TokenPart("r", [4], ["v"]), asks_logprobs(sampling_record({})))
 
 
 def cluster_backend(c: InprocCluster) -> FakeBackend:
@@ -285,7 +285,7 @@ def cluster_backend(c: InprocCluster) -> FakeBackend:
         whole = p.TokenPart(rid, got.token_ids, got.weight_versions, got.finish, got.meta,
                             got.logprobs, got.top_logprobs, got.ids_logprobs)
         parts = [_head(whole.skip(i)) for i in range(len(got.token_ids) - 1)] + [whole.skip(len(got.token_ids) - 1)]
-        return [chunk_of(part, asks_logprobs(req.sampling)) for part in parts]
+        return [chunk_of(part, asks_logprobs(sampling_record(req.sampling))) for part in parts]
     return FakeBackend(script)
 
 
@@ -329,7 +329,7 @@ def test_generate_takes_them_per_prompt_and_without_text():
         {"input_ids": [1], "token_ids_logprob": [4]}).items[0].sampling     # no logprobs: none
     backend = FakeBackend(lambda req, rid: [chunk_of(
         p.TokenPart(rid, [72], ["v"], {"type": "length"}, {}, [-0.5], None, [[-1.5]]),
-        asks_logprobs(req.sampling))])
+        asks_logprobs(sampling_record(req.sampling)))])
     status, got = call(front(backend), "POST", "/generate",
                        {"input_ids": [1], "return_logprob": True, "token_ids_logprob": [9]})
     assert status == 200 and got["meta_info"]["output_token_ids_logprobs"] == [[[-1.5, 9, None]]]
@@ -340,7 +340,7 @@ def test_incremental_events_carry_only_the_new_positions():
     (item,) = parse_generate({"input_ids": [1], "return_logprob": True,
                               "token_ids_logprob": [9, 72]}).items
     out = Output(0, item, tiny_tokenizer())
-    asked = asks_logprobs(item.sampling)
+    asked = asks_logprobs(sampling_record(item.sampling))
     rows = []
     for part in (p.TokenPart("r", [72, 105], ["v", "v"], None, {}, [-0.5, -1.0], None,
                              [[-2.0, -0.5], [-3.0, -4.0]]),

@@ -276,21 +276,21 @@ def test_requests_that_begin_alike_go_to_the_same_prefill_unless_it_is_much_busi
     a, b = W(endpoint="a", load=0), W(endpoint="b", load=0)
     aff = PrefixAffinity(max_entries=40)
     prompt = SYSTEM + [1, 2, 3]
-    first = aff.pick(Generate("r", prompt, {}), [a, b])
+    first = aff.pick(Generate("r", prompt), [a, b])
     other = b if first is a else a
     for _ in range(SLACK):                      # GRPO: the samples follow the first
         first.load += 1
-        assert aff.pick(Generate("r", prompt, {}), [a, b]) is first
+        assert aff.pick(Generate("r", prompt), [a, b]) is first
     first.load += 1                             # SLACK + 1 > 2 * 0 + SLACK: too busy now
-    assert aff.pick(Generate("r", prompt, {}), [a, b]) is other
+    assert aff.pick(Generate("r", prompt), [a, b]) is other
     first.load = other.load = 0
-    turn = aff.pick(Generate("r", SYSTEM + [1, 2, 3, 50, 51, 52], {}), [a, b])
+    turn = aff.pick(Generate("r", SYSTEM + [1, 2, 3, 50, 51, 52]), [a, b])
     assert turn is other                        # the next turn: where the prompt went last
-    stranger = Generate("r", [9] * 40 + SYSTEM, {})
+    stranger = Generate("r", [9] * 40 + SYSTEM)
     picks = {aff.pick(stranger, [a, b]).endpoint for _ in range(20)}
     assert picks <= {"a", "b"}                  # nothing shared: by load
     assert len(aff.last) <= 40
-    assert aff.pick(Generate("r", [], {}, text="hello"), [a]) is a
+    assert aff.pick(Generate("r", [], text="hello"), [a]) is a
 
 
 # --- the decode's side: pages it holds are not sent again --------------------------------

@@ -222,7 +222,7 @@ def test_a_recompute_asking_what_cannot_be_computed_is_refused_alone(cluster, mo
     to its decode, never a prefill step that fails its batch-mates."""
     sent = []
     monkeypatch.setattr(cluster.prefill, "send", lambda to, msg: sent.append(msg))
-    sampling = SamplingParams.from_dict({"max_new_tokens": 4} | ASK).to_dict() | bad
+    sampling = SamplingParams.from_dict({"max_new_tokens": 4} | ASK | bad)
     cluster.prefill.scheduler.on_recompute(b"decode", p.Recompute("x", 77, 1, PROMPT, sampling))
     (failed,) = [m for m in sent if isinstance(m, p.KvFailed)]
     assert (failed.room, failed.epoch, failed.status) == (77, 1, 400)

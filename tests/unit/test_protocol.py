@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engines.sampling_params import SamplingParams
 from zpd.wire import protocol as p
 from zpd.wire.first_token import FirstToken
 from zpd.wire.protocol import ProtocolError, decode, encode
@@ -17,7 +18,7 @@ LAYOUT = {"num_layers": 2, "page_size": 16, "page_bytes": 4096, "dtype": "float1
           "num_kv_heads": 2, "head_dim": 64}
 
 SAMPLES: list[p.Message] = [
-    p.Generate(rid="r1", input_ids=[1, 2, 3], sampling={"temperature": 0.0, "stop": ["x"]},
+    p.Generate(rid="r1", input_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0, stop=("x",)),
                stream=True, room=(1 << 62) + 5, epoch=2, prefill="127.0.0.1:5000",
                decode="127.0.0.1:5001"),
     p.Generate(rid="r0", input_ids=[]),
@@ -31,7 +32,8 @@ SAMPLES: list[p.Message] = [
     p.KvDone(room=7, epoch=0, first_token=42, weight_version="v2", logprob=[-0.25],
              top_ids=[42, 7], top_logprobs=[-0.25, -1.5]),
     p.KvFailed(room=7, epoch=1, status=504, reason="deadline"),
-    p.Recompute(rid="r1", room=7, epoch=2, input_ids=[-(2**31), 0, 9], sampling={"seed": 1}),
+    p.Recompute(rid="r1", room=7, epoch=2, input_ids=[-(2**31), 0, 9],
+                sampling=SamplingParams(seed=1)),
     p.Tokens(rids=["r1"], counts=[2], token_ids=[4, 5], weight_versions=["v1", "v2"],
              ends={"r1": {"finish": {"type": "length"}, "meta": {"prompt_tokens": 3}}}),
     p.Tokens(rids=["r1"], counts=[1], token_ids=[4], weight_versions=["v1"], first=True),
@@ -165,11 +167,42 @@ def test_unknown_header_keys_are_ignored() -> None:
     assert decode(with_header(GOOD, future_field=1)) == SAMPLES[0]
 
 
+def test_sampling_travels_as_the_parameters_set() -> None:
+    assert header(GOOD)["sampling"] == {"temperature": 0.0, "stop": ["x"]}
+    assert header(encode(SAMPLES[1]))["sampling"] == {}
+
+
+def test_an_old_peer_is_refused_by_its_version() -> None:
+    with pytest.raises(ProtocolError, match=rf"version 4 \(want {p.PROTOCOL_VERSION}\)"):
+        decode(with_header(GOOD, v=4))
+
+
+@pytest.mark.parametrize("sampling,named", [({"temperature": -1}, "temperature"),
+                                            ({"top_k": 2**63}, "top_k"),
+                                            ({"bogus": 1}, "bogus"),
+                                            ({"stop": [1]}, "stop"),
+                                            ({"max_new_tokens": 0, "seed": "x"}, "seed")])
+@pytest.mark.parametrize("sample", [0, 8], ids=["generate", "recompute"])
+def test_refused_sampling_keeps_the_request_with_the_reason(sampling, named, sample) -> None:
+    """Checked once, by the decode; the receiver answers the request with the reason."""
+    msg = decode(with_header(encode(SAMPLES[sample]), sampling=sampling))
+    assert named in msg.refused and msg.sampling == SamplingParams()
+    assert msg.rid == SAMPLES[sample].rid and msg.input_ids == SAMPLES[sample].input_ids
+    assert decode(encode(msg)).refused == ""          # the reason is never sent on
+
+
+def test_a_refused_scoring_request_is_no_scoring_request() -> None:
+    msg = decode(with_header(GOOD, sampling={"max_new_tokens": 0, "top_p": 0}))
+    assert msg.refused.startswith("top_p") and not msg.scores_only
+    assert decode(with_header(GOOD, sampling={"max_new_tokens": 0})).scores_only
+
+
 @pytest.mark.parametrize("bad", [
     p.Generate(rid=1, input_ids=[1]),  # type: ignore[arg-type]
     p.Generate(rid="r", input_ids=[2**31]),
     p.Generate(rid="r", input_ids=["a"]),  # type: ignore[list-item]
     p.Abort(rid="r", status=True),
+    p.Generate(rid="r", input_ids=[1], sampling={"temperature": 0}),  # type: ignore[arg-type]
     p.Ping(seq=1, sent_at=float("nan")),
     p.Admin(command="c", args={"x": object()}),
     p.Tokens(rids=["r"], counts=[1], token_ids=[5], weight_versions=[1]),  # type: ignore[list-item]
@@ -192,7 +225,7 @@ VALID_BY_KIND = {
     "str": st.text(max_size=8), "bool": st.booleans(),
     "dict": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
     "strs": st.lists(st.text(max_size=8), max_size=3), "blob": st.integers(0, 6),
-    "f32blob": st.integers(0, 6),
+    "f32blob": st.integers(0, 6), "record": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
     "intlists": st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=3), max_size=3),
 }
 

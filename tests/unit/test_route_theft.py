@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import zmq
 
+from engines.sampling_params import SamplingParams
 from tests.unit.inproc import Answer, InprocCluster, reference
 from tests.unit.test_router_restart import PROMPT, resume, running
 from zpd.ops.router import build_router
@@ -119,7 +120,7 @@ def test_with_a_router_secret_workers_take_requests_only_from_the_routers(cluste
     for worker in (cluster.prefill, cluster.decode):
         intruder = Dealer(cluster.ctx, worker.endpoint, identity=b"router@x:1/2.3")
         try:
-            intruder.send(Generate("mine", PROMPT, {"max_new_tokens": 4}, False, 7, 0,
+            intruder.send(Generate("mine", PROMPT, SamplingParams(max_new_tokens=4), False, 7, 0,
                                    cluster.prefill.endpoint, cluster.decode.endpoint))
             for _ in range(50):
                 cluster.pump(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.multiprocessing as mp
 
+from engines.sampling_params import SamplingParams
 from tests.unit.inproc import Answer, InprocCluster, reference
 from tests.unit.test_tensor_payload import serialize
 from tests.unit.test_weight_sync_sglang import W2
@@ -57,8 +58,8 @@ class Pair:
                         got.finish = part.finish
 
     def submit(self, rid: str, max_new: int = 8) -> str:
-        self.client.send(Generate(rid, PROMPT, {"temperature": 0, "max_new_tokens": max_new,
-                                                "ignore_eos": True}, True))
+        self.client.send(Generate(rid, PROMPT, SamplingParams(temperature=0, max_new_tokens=max_new,
+                                                              ignore_eos=True), True))
         return rid
 
     def run(self, rid: str) -> Answer:

@@ -5,15 +5,18 @@ request stays abortable, ends with its client, with pause(abort), and when no wo
 is left; every charge comes back. Cluster scenarios in one process (inproc.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from engines.sampling_params import SamplingParams
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.admin_fields import SyncStep
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Tokens
 
 PROMPT = [5, 17, 99, 3, 42, 7, 250, 1, 64, 31, 8, 200, 13, 77, 150, 9, 21]
-GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture
@@ -33,7 +36,7 @@ def settled(c: InprocCluster) -> None:
 
 
 def send(c: InprocCluster, rid: str, user: str = "", max_new: int = 4, **fields) -> str:
-    c.client.send(Generate(rid, PROMPT, GREEDY | {"max_new_tokens": max_new}, True,
+    c.client.send(Generate(rid, PROMPT, replace(GREEDY, max_new_tokens=max_new), True,
                            user=user, **fields))
     return rid
 

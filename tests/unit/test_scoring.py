@@ -197,7 +197,7 @@ def test_what_no_router_sends_is_refused(cluster, monkeypatch):
     400 each, nothing computed, nothing held."""
     sent = []
     monkeypatch.setattr(cluster.prefill, "queue_token", lambda to, part: sent.append(part))
-    cluster.prefill.scheduler.on_generate(b"router", p.Generate("x", PROMPT, {"max_new_tokens": 3}, room=5))
+    cluster.prefill.scheduler.on_generate(b"router", p.Generate("x", PROMPT, SamplingParams(max_new_tokens=3), room=5))
     (part,) = sent
     assert part.finish["status_code"] == 400 and "names no decode" in part.finish["message"]
     assert not cluster.prefill.scheduler.jobs
@@ -205,7 +205,7 @@ def test_what_no_router_sends_is_refused(cluster, monkeypatch):
     told = []
     monkeypatch.setattr(cluster.decode, "queue_token", lambda to, part: told.append(part))
     cluster.decode.scheduler.on_generate(b"router", p.Generate(
-        "y", PROMPT, {"max_new_tokens": 0}, room=6, prefill=cluster.prefill.endpoint,
+        "y", PROMPT, SamplingParams(max_new_tokens=0), room=6, prefill=cluster.prefill.endpoint,
         decode=cluster.decode.endpoint))
     (part,) = told
     assert part.finish["status_code"] == 400 and "prefill alone" in part.finish["message"]

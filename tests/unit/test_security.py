@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from engines.sampling_params import SamplingParams
 from zpd.wire.net import Curve, Dealer, Router, SocketOptions
 from zpd.wire.protocol import Admin, AdminReply, Generate, Hello, TokenPart, Tokens
 from zpd.wire.security import (ROUTER_POLICY, WORKER_POLICY, Security, SecurityError, client_curve,
@@ -77,7 +78,7 @@ def test_key_layout_and_no_overwrite(keys: Path) -> None:
 def test_authorised_client_submits_but_cannot_administer(server, ctx, keys) -> None:
     router, _ = server
     client = _dealer(ctx, router.endpoint, client_curve(keys, "client"))
-    client.send(Generate("r1", [1, 2, 3], {}, False))
+    client.send(Generate("r1", [1, 2, 3], SamplingParams(), False))
     identity, msg = _next(router, WAIT)
     assert isinstance(msg, Generate) and msg.rid == "r1"
     router.send(identity, Tokens.pack([TokenPart("r1", [7], ["v"], {"type": "stop"})]))
@@ -105,7 +106,7 @@ def test_unknown_key_and_plaintext_are_refused(server, ctx, keys, caplog) -> Non
     plain = _dealer(ctx, router.endpoint, None)
     with caplog.at_level(logging.WARNING, logger="zpd.wire.security"):
         for i, peer in enumerate((stranger, plain)):
-            peer.send(Generate(f"bad{i}", [1], {}, False))
+            peer.send(Generate(f"bad{i}", [1], SamplingParams(), False))
             peer.send(Admin("status", {}, f"bad{i}"))
         assert _next(router, REFUSED) is None
         assert stranger.recv(timeout=0.1) is None and plain.recv(timeout=0.1) is None
@@ -120,7 +121,7 @@ def test_worker_takes_requests_and_control_only_from_the_cluster_key(keys, ctx) 
     worker = Router(ctx, "127.0.0.1", 0, sec.server_options(WORKER_POLICY))
     try:
         client = _dealer(ctx, worker.endpoint, client_curve(keys, "client"))
-        client.send(Generate("direct", [1], {}, False))
+        client.send(Generate("direct", [1], SamplingParams(), False))
         client.send(Hello("x", {}, "h", "s", [], 0, "v"))
         assert _next(worker, REFUSED) is None
         token = client.recv(timeout=WAIT)
@@ -184,7 +185,7 @@ def test_bytes_on_the_wire(keys, ctx, encrypted: bool) -> None:
     try:
         tap = _Tap(router.endpoint)
         client = _dealer(ctx, tap.endpoint, client_curve(keys) if encrypted else None)
-        client.send(Generate("secret-rid", [1], {}, False, text="attack at dawn"))
+        client.send(Generate("secret-rid", [1], SamplingParams(), False, text="attack at dawn"))
         assert _next(router, WAIT)[1].text == "attack at dawn"
         assert (b"attack at dawn" in tap.seen) is not encrypted
     finally:

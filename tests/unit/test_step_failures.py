@@ -10,7 +10,7 @@ import pytest
 from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampler import SamplingParams
-from tests.unit.inproc import reference
+from tests.unit.inproc import reference, send_raw
 from zpd.wire.protocol import Generate
 from zpd.worker.decode import DecodePhase
 from zpd.worker.prefill import JobPhase
@@ -39,7 +39,7 @@ def fail_once(monkeypatch, compute, name: str) -> list[int]:
 @pytest.mark.parametrize("name,value", [("top_k", 2**63), ("temperature", 1e-300),
                                         ("top_p", 1e-320), ("repetition_penalty", 1e-300)])
 def test_out_of_bounds_parameter_is_a_400_naming_it(cluster, name, value):
-    cluster.client.send(Generate("bad", PROMPT, {name: value, "max_new_tokens": 4}, True))
+    send_raw(cluster.client, Generate("bad", PROMPT, stream=True), {name: value, "max_new_tokens": 4})
     got = cluster.run("bad")
     assert got.status == 400 and name in got.finish["message"], got.finish
     cluster.pump()
@@ -52,7 +52,7 @@ def test_penalties_are_served(cluster):
     the runner's inference tensor, which raised and killed the prefill."""
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True,
               "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}
-    cluster.client.send(Generate("pen", PROMPT, params, True))
+    cluster.client.send(Generate("pen", PROMPT, SamplingParams.from_dict(params), True))
     got = cluster.run("pen")
     engine = OfflineEngine(cluster.prefill.model, kv_cache_mb=1)
     want = engine.run([Request("ref", PROMPT, SamplingParams.from_dict(params))])[0]["output_ids"]

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from engines.sampling_params import SamplingParams
 from tests.unit.inproc import InprocCluster, reference
 from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.net import Dealer
@@ -18,7 +19,7 @@ from zpd.worker.tokenizing import LONG_PROMPT_BYTES
 
 PROMPT = [5, 17, 99, 3, 42, 7]          # what the gated tokenizer returns for the long text
 LONG_TEXT = "x" * LONG_PROMPT_BYTES
-GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 WAIT_S = 30.0
 
 

@@ -18,19 +18,18 @@ from zpd.env import configure_engine
 from zpd.ops.http_options import http_config
 from zpd.ops.options import (ROUTER_ENDPOINT, add_prompt_options, add_sampling_options,
                              check_fraction, check_tp, kv_cache_mb, model_overrides,
-                             router_config, sampling_dict, worker_argv, worker_config)
+                             router_config, sampling_params, worker_argv, worker_config)
 from zpd.wire.status import StatusError
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from engines.allocator_tuning import freeze_startup_objects, tune_allocator
     from engines.loader import load_model
-    from engines.sampling_params import SamplingParams
     from engines.offline import OfflineEngine
     from engines.request import Request
     from zpd.worker.mem_fraction import kv_cache_mb as kv_budget_mb
 
-    params = SamplingParams.from_dict(sampling_dict(args))
+    params = sampling_params(args)
     check_fraction(args.mem_fraction_static)
     tune_allocator()
     configure_engine()
@@ -147,7 +146,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     inputs = texts + [{"input_ids": i} for i in args.input_ids]
     if not inputs:
         raise StatusError(400, "give at least one --prompt or --input-ids")
-    sampling = sampling_dict(args)
+    sampling = sampling_params(args)
     from zpd.wire.security import client_curve
     curve = client_curve(args.curve_keys, "client") if args.curve_keys else None
     with Client(args.router, timeout=args.timeout, curve=curve,

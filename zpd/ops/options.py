@@ -85,8 +85,9 @@ def parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def sampling_dict(args: argparse.Namespace) -> dict:
-    """Only what the user set, so defaults live in one place (SamplingParams)."""
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as the record, checked once here (ValueError names a bad one);
+    a flag left unset takes SamplingParams' default, their one place."""
     d = {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
     if args.stop:
         d["stop"] = list(args.stop)
@@ -98,8 +99,7 @@ def sampling_dict(args: argparse.Namespace) -> dict:
         d["ignore_eos"] = True
     if args.return_logprob:
         d["return_logprob"] = True
-    SamplingParams.from_dict(d)            # fail early with a clear message
-    return d
+    return SamplingParams.from_dict(d)
 
 
 def check_fraction(fraction: float | None) -> None:

@@ -222,7 +222,7 @@ class RouterServer:
 
     def refusal(self, msg: Generate, tokens: int) -> tuple[int, str] | None:
         """Why the request may never run (400, message), or None."""
-        problem = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat) or \
+        problem = msg.refused or self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat) or \
             user_problem(msg.user, msg.call)
         return (400, problem) if problem is not None else self.shares.too_big(tokens)
 

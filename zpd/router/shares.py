@@ -13,11 +13,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from zpd.wire.status import BAD_REQUEST
-from engines.sampling_params import SamplingParams
-from zpd.config import chat_bytes, default_of, utf8_len
+from zpd.config import chat_bytes, utf8_len
 from zpd.wire.protocol import Generate
 
-DEFAULT_MAX_NEW = default_of(SamplingParams, "max_new_tokens")
 # tokens a chat template may add (role markers, a default system prompt)
 CHAT_TEMPLATE_ALLOWANCE = 1024
 
@@ -25,12 +23,11 @@ CHAT_TEMPLATE_ALLOWANCE = 1024
 def request_tokens(msg: Generate) -> int:
     """prompt + max_new_tokens. The router has no tokenizer: a text is charged its UTF-8
     bytes, which no byte-level tokenizer's token count exceeds, and a conversation its
-    JSON plus what a chat template may add around it. A bad max_new_tokens is
-    charged the default; the workers refuse it anyway."""
+    JSON plus what a chat template may add around it. A request whose sampling the
+    decode refused is charged its defaults' (the router refuses it before charging)."""
     prompt = len(msg.input_ids) or utf8_len(msg.text) or \
         (chat_bytes(msg.chat) + CHAT_TEMPLATE_ALLOWANCE if msg.chat else 0)
-    new = msg.sampling.get("max_new_tokens")
-    return prompt + (new if type(new) is int and new > 0 else DEFAULT_MAX_NEW)
+    return prompt + msg.sampling.max_new_tokens
 
 
 @dataclass

@@ -14,6 +14,11 @@ import random
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from engines.sampling_params import SamplingParams
+
+# Field metadata of a record field the codec never sends: what the decode itself found.
+LOCAL = {"wire": False}
+
 
 def new_room() -> int:
     """A fresh room. A room is the id of one request across its prefill/decode pair: the
@@ -55,7 +60,7 @@ class Generate(Message):
     TYPE: ClassVar[str] = "generate"
     rid: str
     input_ids: list[int]
-    sampling: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
     room: int = 0
     epoch: int = 0
@@ -79,13 +84,15 @@ class Generate(Message):
     # router restarted on the same endpoint can give the request back to that client
     # (zpd/router/ha/adoption.py).
     owner: str = ""
+    # Why the decode refused the sender's sampling parameters ("": it did not; then
+    # `sampling` holds them, else the defaults). Never sent: its receiver answers the
+    # request with 400 and this reason (the router before routing it).
+    refused: str = field(default="", metadata=LOCAL)
 
     @property
     def scores_only(self) -> bool:
-        """max_new_tokens 0: the prompt is scored, nothing generated (the workers check
-        every field; a bad one goes the usual way, to a decode too)."""
-        value = self.sampling.get("max_new_tokens")
-        return type(value) is int and value == 0
+        """max_new_tokens 0: the prompt is scored, nothing generated."""
+        return not self.refused and self.sampling.scores_only
 
 
 MAX_USER_CHARS = 128
@@ -226,7 +233,8 @@ class Recompute(Message):
     room: int
     epoch: int
     input_ids: list[int]
-    sampling: dict = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    refused: str = field(default="", metadata=LOCAL)    # as Generate.refused
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,10 @@ __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Adopt", "Adopted", "Erro
 # announce one pool per tensor-parallel rank (`pools`) instead of one `base_addr`.
 # 4: a restarted router adopts its predecessor's requests (adopt, adopted; generate's
 # owner) and clients resume them (resume; the router's boot id in accepted, ping, pong).
-PROTOCOL_VERSION = 4
+# 5: records in place of free dicts: generate's and recompute's sampling (only the
+# parameters that differ from their defaults), hello's layout, kv_done's timings,
+# adopted's requests; each is checked once, by the decode.
+PROTOCOL_VERSION = 5
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
@@ -81,6 +84,7 @@ class _Field(NamedTuple):
     optional: bool
     required: bool
     omit_none: bool              # optional with a None default: None is not sent at all
+    record: Any = None           # kind "record": the class (its to_wire, from_dict)
 
 
 def _field_of(f: dataclasses.Field, hint: Any) -> _Field:
@@ -90,12 +94,15 @@ def _field_of(f: dataclasses.Field, hint: Any) -> _Field:
         (hint,) = [a for a in args if a is not type(None)]
         optional = True
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    if hasattr(hint, "to_wire"):
+        return _Field(f.name, "record", optional, required, optional and f.default is None, hint)
     return _Field(f.name, _KINDS[hint], optional, required, optional and f.default is None)
 
 
 def _spec(cls: type[Message]) -> tuple[_Field, ...]:
     hints = typing.get_type_hints(cls)
-    fields = tuple(_field_of(f, hints[f.name]) for f in dataclasses.fields(cls))
+    fields = tuple(_field_of(f, hints[f.name]) for f in dataclasses.fields(cls)
+                   if f.metadata.get("wire", True))
     assert not {"v", "type"} & {f.name for f in fields}, "reserved header key"
     return fields
 
@@ -126,6 +133,7 @@ _TYPE_OK: Mapping[str, Callable[[Any], bool]] = types.MappingProxyType({
         type(row) is list and all(type(x) is int for x in row) for row in v),
     "blob": lambda v: True,
     "f32blob": lambda v: True,
+    "record": lambda v: type(v) is dict,   # and then by the record's own from_dict
 })
 
 
@@ -171,6 +179,11 @@ def encode(msg: Message) -> list[bytes]:
         elif f.kind in _BLOBS:
             header[f.name] = len(blobs)
             blobs.append(_pack_blob(f.name, f.kind, value))
+        elif f.kind == "record":
+            if not isinstance(value, f.record):
+                raise ProtocolError(f"field {f.name!r}: expected {f.record.__name__}, "
+                                    f"got {type(value).__name__}")
+            header[f.name] = value.to_wire()
         elif _TYPE_OK[f.kind](value):
             header[f.name] = value
         else:
@@ -209,6 +222,8 @@ def _field_value(f: _Field, raw: Any, frames: Sequence[bytes]) -> Any:
         return _unpack_blob(f.name, f.kind, frames[raw + 1])
     if not _TYPE_OK[f.kind](raw):
         raise ProtocolError(f"field {f.name!r}: expected {f.kind}, got {type(raw).__name__}")
+    if f.kind == "record":
+        return f.record.from_dict(raw)
     return float(raw) if f.kind == "float" else raw
 
 
@@ -222,7 +237,24 @@ def decode(frames: Sequence[bytes]) -> Message:
     kwargs: dict[str, Any] = {}
     for f in _SPECS[cls]:
         if f.name in header:
-            kwargs[f.name] = _field_value(f, header[f.name], frames)
+            kwargs[f.name] = _checked_value(cls, f, header[f.name], frames, kwargs)
         elif f.required:
             raise ProtocolError(f"{type_name}: missing field {f.name!r}")
     return cls(**kwargs)
+
+
+def _checked_value(cls: type[Message], f: _Field, raw: Any, frames: Sequence[bytes],
+                  kwargs: dict[str, Any]) -> Any:
+    """One field's value. A record the field's own check refuses makes the message
+    malformed, except in a message with a ``refused`` field (a generate, a recompute):
+    that one is kept, with the reason there and the record's defaults, so that its
+    receiver answers the request (400) instead of leaving its sender waiting."""
+    try:
+        return _field_value(f, raw, frames)
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        if "refused" not in cls.__dataclass_fields__:
+            raise ProtocolError(f"field {f.name!r}: {e}") from None
+        kwargs["refused"] = str(e)
+        return f.record()

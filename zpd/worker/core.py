@@ -372,9 +372,10 @@ class WorkerCore:
         """A generate's prompt and sampling parameters, checked against this worker's
         model and pool; the error (400 unless it says otherwise) instead of raising.
         `tokenized`: the prompt's ids (or why there are none) from the tokenizing thread."""
-        prompt, params = [], SamplingParams()
+        prompt, params = [], msg.sampling
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            if msg.refused:
+                raise ValueError(msg.refused)
             if isinstance(tokenized, Exception):
                 raise tokenized
             prompt = self.prompt_ids(msg) if tokenized is None else tokenized

@@ -6,10 +6,12 @@ through the router (the `early` token of `continue`, a `FirstToken`).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from engines.prompt_logprobs import PromptLogprobs
 from engines.formats.tokenizer import Tokenizer
 from engines.request import Request, response
+from engines.sampling_params import SamplingParams
 from zpd.wire.first_token import FirstToken
 from zpd.wire.protocol import KvDone, TokenPart
 
@@ -59,17 +61,17 @@ def prompt_logprob_fields(req: Request) -> dict:
     return out
 
 
-def recompute_sampling(req: Request) -> dict:
-    """A recompute's sampling dict, asking only what the decode still needs: the prompt's
+def recompute_sampling(req: Request) -> SamplingParams:
+    """A recompute's sampling, asking only what the decode still needs: the prompt's
     logprobs only where it never got them (a retraction caught the KV before it came;
     the prefix is then the prompt itself), else the first answer stays; the sampled
     token's only where it has no first token yet (the recompute's is then its first)."""
-    sampling = req.params.to_dict()
+    params = req.params
     if not asks_prompt_logprobs_again(req):
-        sampling["logprob_start_len"] = -1
+        params = replace(params, logprob_start_len=-1)
         if req.output:
-            sampling |= {"return_logprob": False, "top_logprobs_num": 0, "token_ids_logprob": []}
-    return sampling
+            params = replace(params, return_logprob=False, top_logprobs_num=0, token_ids_logprob=())
+    return params
 
 
 def asks_prompt_logprobs_again(req: Request) -> bool:

@@ -270,9 +270,10 @@ class PrefillScheduler:
         """KV for prompt + output[:-1] again, under the current weights, as a new epoch.
         The decode asks only the logprobs it still needs (parts.recompute_sampling): the
         first token's where it has none yet, the prompt's where it never got them."""
-        failure, params = None, SamplingParams()
+        failure, params = None, msg.sampling
         try:
-            params = SamplingParams.from_dict(msg.sampling)
+            if msg.refused:
+                raise ValueError(msg.refused)
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
             validate_prompt_logprobs(len(msg.input_ids), params, self.core.model.cfg)
         except (StatusError, ValueError) as e:
