@@ -183,7 +183,7 @@ class HttpConfig:
     admin_timeout: float = 30.0      # seconds an admin command may take (update: weights_timeout)
     weights_timeout: float = 600.0   # seconds a weight update (disk or a trainer's push) may take
     max_body_bytes: int = 64 << 20   # a request body larger than this is refused (413)
-    # Connections and bodies (zpd/http/connections.py, body.py): slow or idle ones are closed.
+    # Connections and bodies (zpd/http/guard/connections.py, body.py): slow or idle ones are closed.
     keepalive_timeout: float = 75.0  # --keepalive-timeout: idle between requests
     header_timeout: float = 10.0     # --header-timeout: a request's headers, from its first byte
     body_timeout: float = 60.0       # --body-timeout: a request's body, once its route reads it (408)

@@ -109,7 +109,7 @@ def test_n_fans_out_copy_major_with_seeds_and_rids():
         "n": 3, "sampling_seed": 5, "max_new_tokens": 3}})
     assert status == 200 and type(body) is list and len(body) == 3
     assert [r.sampling["seed"] for r in f.backend.requests] == [5, 6, 7]
-    # the router sees each rid under its caller's name (zpd/http/callers.py)
+    # the router sees each rid under its caller's name (zpd/http/guard/callers.py)
     assert [r.rid.rpartition(":")[2] for r in f.backend.requests] == ["q_0", "q_1", "q_2"]
     assert [b["meta_info"]["id"] for b in body] == ["q_0", "q_1", "q_2"]
     req = parse_generate({"text": ["a", "b"], "rid": ["x", "y"], "sampling_params": {"n": 2}})
