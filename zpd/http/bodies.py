@@ -27,9 +27,11 @@ class Body(msgspec.Struct):
     """A body whose null fields take their defaults (null counts as absent)."""
 
     def __post_init__(self) -> None:
-        for f in msgspec.structs.fields(self):
-            if getattr(self, f.name) is None and f.default is not msgspec.NODEFAULT:
-                setattr(self, f.name, f.default)
+        cls = type(self)
+        names = cls.__struct_fields__[len(cls.__struct_fields__) - len(cls.__struct_defaults__):]
+        for name, default in zip(names, cls.__struct_defaults__):
+            if default is not None and getattr(self, name) is None:
+                setattr(self, name, default)
 
 
 class Sampling(Body):
@@ -125,12 +127,19 @@ def decode(body: dict, model: type[Model], where: str = "") -> Model:
 
 
 def _named(error: str, where: str) -> str:
-    """msgspec's "Expected `int`, got `str` - at `$.sampling_params.n`" as
-    "'n' (sampling_params.n) must be int, got str"."""
+    """msgspec's "Expected `int | null`, got `str` - at `$.sampling_params.n`" in the
+    words of records.py's checks: "'n' (sampling_params.n) must be an integer, not a
+    string"."""
     found = _WHERE.search(error)
     what = error[:found.start()] if found else error
     path = f"{where}{found.group(1)}" if found else where.rstrip(".")
     expected, _, got = what.removeprefix("Expected ").replace("`", "").partition(", got ")
+    kinds = [_WORDS.get(k, k) for k in expected.split(" | ") if k != "null"]
     leaf = path.rsplit(".", 1)[-1]
     name = f"'{leaf}'" + (f" ({path})" if path != leaf else "")
-    return f"{name} must be {expected}" + (f", got {got}" if got else "")
+    return f"{name} must be {' or '.join(kinds)}" + (f", not {_KINDS.get(got, got)}" if got else "")
+
+
+_WORDS = {"int": "an integer", "bool": "true or false", "str": "a string", "float": "a number",
+          "array": "a list", "object": "an object"}
+_KINDS = _WORDS | {"bool": "a boolean", "null": "null"}
