@@ -13,8 +13,9 @@ from zpd.http.native import parse_generate
 from zpd.http.openai_protocol import parse_chat, parse_completion
 from zpd.http.output import version_spans
 from zpd.http.records import BadRequest
-from zpd.http.sglang_fields import (CHAT, COMPLETION, GENERATE, IGNORED, REFUSED, SAMPLING,
-                                    UnknownFields)
+from zpd.http import bodies
+from zpd.http.sglang_fields import (CHAT, COMPLETION, GENERATE, IGNORED, IMPLEMENTED, REFUSED,
+                                    SAMPLING, UnknownFields)
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 BASES = {"generate": ({"input_ids": [1, 2]}, GENERATE, parse_generate),
@@ -215,3 +216,10 @@ def test_a_matched_stop_token_leaves_the_text_unless_no_stop_trim():
                                                         "sampling_params": {"no_stop_trim": not trim}})
             last = got[-2] if stream else got
             assert status == 200 and last["text"] == text and last["output_ids"] == [72, 105, 33]
+
+
+@pytest.mark.parametrize("table, model", [(GENERATE, bodies.Generate), (SAMPLING, bodies.Sampling),
+                                          (COMPLETION, bodies.Completion), (CHAT, bodies.Chat)])
+def test_the_implemented_fields_are_the_models_fields(table, model):
+    implemented = {name for name, rule in table.items() if rule.kind == IMPLEMENTED}
+    assert implemented == set(model.__struct_fields__)
