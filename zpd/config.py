@@ -346,7 +346,7 @@ class HttpConfig:
                "push from its first broadcast to the commit (a stalled trainer fails the push "
                "after this; default {default})", "timeouts", type=float)
     max_body_bytes: int = 64 << 20   # a request body larger than this is refused (413)
-    # Connections and bodies (zpd/http/connections.py, body.py): slow or idle ones are closed.
+    # Connections and bodies (zpd/http/guard/connections.py, zpd/http/body.py): slow or idle ones are closed.
     keepalive_timeout: float = flag(75.0, "seconds an HTTP connection may stay idle between "
                                     "requests (default {default})", "timeouts", type=float)
     header_timeout: float = flag(10.0, "seconds a request's headers may take from its first "

@@ -10,8 +10,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from engines.models.tiny import tiny_tokenizer
-from zpd.http.app import build_app
-from zpd.http.connections import ConnectionLimits, server_options
+from zpd.http.guard.plug import guarded_app
+from zpd.http.guard.connections import ConnectionLimits, server_options
 from zpd.http.front import Front
 from zpd.http.records import GenRequest
 
@@ -97,7 +97,7 @@ def call(f: Front, method: str, path: str, body: Any = None, raw: bytes | None =
          headers: dict | None = None, read: str = "json") -> tuple[int, Any]:
     """(status, JSON body or SSE events or text) of one request to an app around `f`."""
     async def go():
-        async with TestClient(FrontServer(build_app(f, max_body_bytes=1 << 16))) as client:
+        async with TestClient(FrontServer(guarded_app(f, max_body_bytes=1 << 16))) as client:
             kw = {"data": raw} if raw is not None else ({"json": body} if body is not None else {})
             sent = headers
             if raw is not None:      # as SGLang's and OpenAI's clients send bodies

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.unit.http_fake import front
 from tests.unit.test_http_hygiene import serving
-from zpd.http.connections import ConnectionLimits
+from zpd.http.guard.connections import ConnectionLimits
 
 ANSWER_S = 10.0                 # a generous bound on one answer: past it, the front hung
 EXAMPLES = 200                  # a few seconds; 3,000 (96 s) found nothing more
@@ -153,5 +153,5 @@ def test_random_requests_get_4xx_or_2xx_never_5xx_nor_a_hang(caplog):
 
 
 async def _app_of(started) -> object:
-    from zpd.http.app import build_app
-    return build_app(front())
+    from zpd.http.guard.plug import guarded_app
+    return guarded_app(front())

@@ -16,9 +16,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from tests.unit.http_fake import FakeBackend, FrontServer, call, front, tiny_answer
-from zpd.http.app import build_app
-from zpd.http.browser import allowed_hosts
-from zpd.http.connections import BOOK, ConnectionLimits, WatchedSite, server_options
+from zpd.http.guard.plug import guarded_app
+from zpd.http.guard.browser import allowed_hosts
+from zpd.http.guard.connections import BOOK, ConnectionLimits, WatchedSite, server_options
 from zpd.http.router_client import abort_chunk
 
 JSON = {"Content-Type": "application/json"}
@@ -28,7 +28,7 @@ BOUND_S = 10.0                     # generous: what "closed within the bound" ma
 @asynccontextmanager
 async def serving(f, limits: ConnectionLimits):
     """`f` served on a free loopback port as `zpd http` serves it: (base URL, book)."""
-    app = build_app(f, limits=limits)
+    app = guarded_app(f, limits=limits)
     runner = web.AppRunner(app, **server_options(limits))
     await runner.setup()
     site = WatchedSite(runner, "127.0.0.1", 0, app[BOOK])
@@ -180,7 +180,7 @@ def test_bad_content_encoding_is_a_4xx_logged_without_traceback(coding, raw, sta
 ])
 def test_keyless_front_refuses_what_only_a_browser_sends(headers, status):
     async def go(f, key: str | None = None):
-        async with TestClient(FrontServer(build_app(f))) as c:
+        async with TestClient(FrontServer(guarded_app(f))) as c:
             host = f"{c.host}:{c.port}"
             sent = JSON | {k: v.replace("{host}", host) for k, v in headers.items()}
             sent |= {"Authorization": f"Bearer {key}"} if key else {}
@@ -200,7 +200,7 @@ def test_a_page_from_another_port_of_an_allowed_host_is_another_site():
     async def go(origin: str) -> int:
         f = front()
         f.allowed_hosts = allowed_hosts("127.0.0.1", ("zpd.internal",))
-        async with TestClient(FrontServer(build_app(f))) as c:
+        async with TestClient(FrontServer(guarded_app(f))) as c:
             sent = JSON | {"Origin": origin.replace("{host}", f"{c.host}:{c.port}")}
             async with c.post("/pause_generation", data=b"{}", headers=sent) as r:
                 return r.status
@@ -261,7 +261,7 @@ class GlobalRids(FakeBackend):
 def test_another_callers_rid_is_neither_refused_nor_named():
     async def go():
         f = front(GlobalRids(), api_key="user", admin_api_key="admin")
-        async with TestClient(FrontServer(build_app(f))) as c:
+        async with TestClient(FrontServer(guarded_app(f))) as c:
             body = {"input_ids": [1], "rid": "mine", "stream": True}
             first = await c.post("/generate", json=body, headers={"Authorization": "Bearer admin"})
             await first.content.readuntil(b"\n\n")                  # in flight, blocked

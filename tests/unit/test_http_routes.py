@@ -8,7 +8,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.unit.http_fake import FakeBackend, call, chunk, front, sse_events, tiny_answer
-from zpd.http.app import build_app
+from zpd.http.guard.plug import guarded_app
 
 ABORT = {"type": "abort", "status_code": 503, "message": "decode 1.2.3.4:5 is unavailable"}
 
@@ -167,7 +167,7 @@ def test_a_client_that_disconnects_mid_stream_closes_its_requests():
     f = front(backend)
 
     async def go():
-        async with TestClient(TestServer(build_app(f))) as client:
+        async with TestClient(TestServer(guarded_app(f))) as client:
             resp = await client.post("/v1/completions", json={"prompt": [1], "n": 2,
                                                               "stream": True})
             assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")

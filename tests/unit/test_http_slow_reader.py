@@ -13,7 +13,7 @@ from aiohttp import web
 
 from tests.unit.http_fake import FakeBackend, front, tiny_answer
 from zpd.config import HttpConfig
-from zpd.http.app import build_app
+from zpd.http.guard.plug import guarded_app
 
 BUFFER = 16 << 10
 TIMEOUT = 0.5
@@ -40,7 +40,7 @@ async def never_read(backend: FakeBackend, path: str, body: bytes) -> tuple[int,
     bytes the front held unsent for that connection, and whether it closed it."""
     f = front(backend, config=HttpConfig(stream_write_timeout=TIMEOUT,
                                          stream_buffer_bytes=BUFFER))
-    runner = web.AppRunner(build_app(f), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(guarded_app(f), handler_cancellation=True, access_log=None)
     await runner.setup()
     listener = small_socket(True)
     listener.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from tests.unit.http_fake import FakeBackend, chunk, front
 from zpd.config import HttpConfig
-from zpd.http.app import build_app
+from zpd.http.guard.plug import guarded_app
 
 CLIENTS = 30
 TIMEOUT = 1.0                       # --stream-write-timeout, short for the test
@@ -39,7 +39,7 @@ def request(body: bytes) -> bytes:
 async def unread(backend: FakeBackend, config: HttpConfig) -> dict:
     """Serve the app, open CLIENTS streams that are never read, and watch (bounded)
     until the front has aborted all their requests and closed their connections."""
-    runner = web.AppRunner(build_app(front(backend, config=config)), handler_cancellation=True,
+    runner = web.AppRunner(guarded_app(front(backend, config=config)), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from tests.unit.fake_workers import FakeCluster
 from tests.unit.http_fake import FakeBackend, call, front
 from tests.unit.test_http_router_client import ScriptedRouter
-from zpd.http.app import build_app
+from zpd.http.guard.plug import guarded_app
 from zpd.http.records import GenRequest
 from zpd.http.router_client import CALL, USER, RouterClient
 from zpd.wire.protocol import Accepted, TokenPart, Tokens
@@ -117,7 +117,7 @@ def test_a_queue_refusal_answers_its_status_with_retry_after(path, stream, statu
         await client.start()
         f = front(client)
         try:
-            async with TestClient(TestServer(build_app(f))) as http:
+            async with TestClient(TestServer(guarded_app(f))) as http:
                 refused = asyncio.create_task(http.post(path, json=REFUSABLE[path](stream)))
                 who, msg = await router.recv()
                 await router.send(who, Accepted(msg.rid))

@@ -13,7 +13,7 @@ import pytest
 from engines.models.tiny import tiny_tokenizer
 from tests.unit.http_fake import FakeBackend, FrontServer, call, chunk, front
 from tests.unit.inproc import InprocCluster
-from zpd.http.app import build_app
+from zpd.http.guard.plug import guarded_app
 from zpd.http.openai_protocol import parse_completion
 from zpd.http.records import GenRequest
 
@@ -236,7 +236,7 @@ def with_openai(f, use):
     """`use(client)`'s result: openai's own AsyncOpenAI client, over HTTP, against the
     front `f`."""
     async def go():
-        async with FrontServer(build_app(f, max_body_bytes=1 << 16)) as server:
+        async with FrontServer(guarded_app(f, max_body_bytes=1 << 16)) as server:
             client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="none",
                                         max_retries=0)
             try:

@@ -13,8 +13,9 @@ from zpd.http.native import parse_generate
 from zpd.http.openai_protocol import parse_chat, parse_completion
 from zpd.http.output import version_spans
 from zpd.http.records import BadRequest
-from zpd.http.sglang_fields import (CHAT, COMPLETION, GENERATE, IGNORED, REFUSED, SAMPLING,
-                                    UnknownFields)
+from zpd.http import bodies
+from zpd.http.sglang_fields import (CHAT, COMPLETION, GENERATE, IGNORED, IMPLEMENTED, REFUSED,
+                                    SAMPLING, UnknownFields)
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 BASES = {"generate": ({"input_ids": [1, 2]}, GENERATE, parse_generate),
@@ -109,7 +110,7 @@ def test_n_fans_out_copy_major_with_seeds_and_rids():
         "n": 3, "sampling_seed": 5, "max_new_tokens": 3}})
     assert status == 200 and type(body) is list and len(body) == 3
     assert [r.sampling["seed"] for r in f.backend.requests] == [5, 6, 7]
-    # the router sees each rid under its caller's name (zpd/http/callers.py)
+    # the router sees each rid under its caller's name (zpd/http/guard/callers.py)
     assert [r.rid.rpartition(":")[2] for r in f.backend.requests] == ["q_0", "q_1", "q_2"]
     assert [b["meta_info"]["id"] for b in body] == ["q_0", "q_1", "q_2"]
     req = parse_generate({"text": ["a", "b"], "rid": ["x", "y"], "sampling_params": {"n": 2}})
@@ -215,3 +216,10 @@ def test_a_matched_stop_token_leaves_the_text_unless_no_stop_trim():
                                                         "sampling_params": {"no_stop_trim": not trim}})
             last = got[-2] if stream else got
             assert status == 200 and last["text"] == text and last["output_ids"] == [72, 105, 33]
+
+
+@pytest.mark.parametrize("table, model", [(GENERATE, bodies.Generate), (SAMPLING, bodies.Sampling),
+                                          (COMPLETION, bodies.Completion), (CHAT, bodies.Chat)])
+def test_the_implemented_fields_are_the_models_fields(table, model):
+    implemented = {name for name, rule in table.items() if rule.kind == IMPLEMENTED}
+    assert implemented == set(model.__struct_fields__)

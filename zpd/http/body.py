@@ -2,7 +2,7 @@
 
 aiohttp would inflate a gzip body as it arrives, on the event loop, before any route
 or key is checked: a 509 KB bomb stalled the front 1.2 s even when answered 401. The
-server runs with auto_decompress=False (zpd/http/connections.py) and a route's body
+server runs with auto_decompress=False (zpd/http/guard/connections.py) and a route's body
 is read here, after the key is checked: raw bytes and inflated bytes are both capped
 by --max-body-bytes (413 as soon as either passes it, without inflating the rest), the
 whole read by --body-timeout (408), and inflating yields to the loop every step."""

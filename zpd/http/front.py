@@ -35,10 +35,13 @@ class Front:
     tokenizer_path: str = ""             # --tokenizer-path (default: model_path)
     max_body_bytes: int = 64 << 20       # a body larger than this, raw or inflated: 413
     body_timeout: float = 60.0           # seconds a body may take to arrive (408)
-    # without api_key: the host names served besides addresses and localhost (browser.py)
+    # without api_key: the host names served besides addresses and localhost (guard/browser.py)
     allowed_hosts: frozenset[str] = frozenset()
     config: HttpConfig = field(default_factory=HttpConfig)   # caps and streaming of the routes
     streams: StreamBudget | None = None  # what all streams hold unsent (default: from config)
+    # whether this request's caller may see addresses (the guard's callers.py decides;
+    # without it there are no keys, so no caller to hide them from)
+    sees_internals: Callable[[], bool] = field(default=lambda: True)
 
     def __post_init__(self) -> None:
         if self.streams is None:

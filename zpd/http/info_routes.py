@@ -21,7 +21,6 @@ from aiohttp import web
 
 import zpd
 from zpd.http.admin_routes import failure
-from zpd.http.callers import CALLER
 from zpd.http.front import FRONT, Front, error_response, json_response
 from zpd.http.records import BadRequest, GenRequest
 from zpd.http.streams import run_all
@@ -154,7 +153,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     return json_response(server_args(front, request, reply) | {
         "internal_states": [_internal_state(w) for w in live(reply)],
         "version": zpd.__version__,
-        "zpd": {"router": front.router if CALLER.get().sees_internals else "[address]",
+        "zpd": {"router": front.router if front.sees_internals() else "[address]",
                 "router_ok": bool(reply.get("ok")), "front_pid": os.getpid(),
                 "paused": reply.get("paused"), "queued": reply.get("queued"),
                 "inflight": reply.get("inflight"),

@@ -25,18 +25,20 @@ from aiohttp import web
 from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_answer, read_body
+from zpd.http.bodies import Generate, Sampling, decode
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_call_logprobs, check_count,
                               check_prompts, checked_sampling, id_list, integer, item_rids,
-                              logprob_sampling, seeded_copies, take, text_field, token_ids)
-from zpd.http.sglang_fields import GENERATE, SAMPLING, known, screen
+                              logprob_sampling, seeded_copies, text_field, token_ids)
+from zpd.http.sglang_fields import GENERATE, SAMPLING, screen
 from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 
-ENGINE_SAMPLING = frozenset(f.name for f in fields(SamplingParams))
-PROMPT = ("text", "input_ids")
+# the engine's fields among sampling_params', in their order
+ENGINE_SAMPLING = tuple(name for name in Sampling.__struct_fields__
+                        if name in {f.name for f in fields(SamplingParams)})
 DEFAULTS = HttpConfig()
 
 
@@ -51,7 +53,7 @@ class NativeGenerate:
 
 
 @dataclass(frozen=True)
-class Sampling:
+class Options:
     """One prompt's sampling_params: what goes to the engine, and what the front does."""
     engine: dict
     trim: bool = True                # cut the text before a matched stop (not no_stop_trim)
@@ -62,37 +64,39 @@ class Sampling:
 
 def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     unknown = screen(body, GENERATE)
-    prompts, batch = _prompts(body)
+    gen = decode(body, Generate)
+    prompts, batch = _prompts(gen)
     check_count(len(prompts), 1, cfg.max_batch_requests)
     check_prompts(prompts, cfg.prompt_limits, next(iter(prompts[0])))
-    raws = _per_prompt(body, "sampling_params", len(prompts), dict, batch)
-    samplings = [engine_sampling(raw or {}) for raw in raws]
+    raws = _per_prompt(body.get("sampling_params"), len(prompts), batch)
+    models = _per_prompt(gen.sampling_params, len(prompts), batch)
+    samplings = [engine_options(raw or {}, model) for raw, model in zip(raws, models)]
     n = _parallel(samplings)
     check_count(len(prompts), n, cfg.max_batch_requests)
     listed = n == 1 and batch           # per-prompt lists of logprob fields (SGLang's rule)
-    wants = _per_item(body, "return_logprob", len(prompts), listed, boolean, False)
-    tops = _per_item(body, "top_logprobs_num", len(prompts), listed,
+    count = len(prompts)
+    wants = _per_item("return_logprob", gen.return_logprob, count, listed, boolean, False)
+    tops = _per_item("top_logprobs_num", gen.top_logprobs_num, count, listed,
                      integer(0, MAX_TOP_LOGPROBS), 0)
-    starts = _prompt_logprob_starts(body, prompts, wants, listed)
-    ids = _per_item(body, "token_ids_logprob", len(prompts), listed and _nested(body), id_list, [])
-    rids = item_rids(body.get("rid"), len(prompts), n, batch)
-    stream = take(body, "stream", boolean, False)
+    starts = _prompt_logprob_starts(gen, prompts, wants, listed)
+    ids = _per_item("token_ids_logprob", gen.token_ids_logprob, count,
+                    listed and _nested(gen.token_ids_logprob), id_list, [])
+    rids = item_rids(gen.rid, count, n, batch)
     copies = [seeded_copies(checked_sampling(
         sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p])), n)
               for p, sp in enumerate(samplings)]
     items = []
     for j in range(n):
         for p, prompt in enumerate(prompts):
-            items.append(GenRequest(copies[p][j], rid=rids[len(items)], stream=stream,
+            items.append(GenRequest(copies[p][j], rid=rids[len(items)], stream=gen.stream,
                                     trim_stop=samplings[p].trim,
                                     skip_special=samplings[p].skip_special, **prompt))
     names = tuple(unknown) + tuple(f"sampling_params.{u}" for sp in samplings for u in sp.unknown)
-    return NativeGenerate(items, batch or n > 1, stream,
-                          take(body, "return_text_in_logprobs", boolean, False),
+    return NativeGenerate(items, batch or n > 1, gen.stream, gen.return_text_in_logprobs,
                           tuple(dict.fromkeys(names)))
 
 
-def _parallel(samplings: list[Sampling]) -> int:
+def _parallel(samplings: list[Options]) -> int:
     """The n every prompt's sampling_params agree on (SGLang requires one)."""
     ns = {s.n for s in samplings}
     if len(ns) != 1:
@@ -100,22 +104,21 @@ def _parallel(samplings: list[Sampling]) -> int:
     return ns.pop()
 
 
-def _per_item(body: dict, name: str, count: int, listed: bool, check: Any, default: Any) -> list:
+def _per_item(name: str, value: Any, count: int, listed: bool, check: Any, default: Any) -> list:
     """One value for every prompt: a single value, or (`listed`: a batch with n = 1)
     a list of one per prompt."""
-    value = body.get(name)
     if type(value) is list and listed:
         if len(value) != count:
             raise BadRequest(f"{name!r} has {len(value)} entries for {count} prompts")
         return [default if v is None else check(f"{name}[{i}]", v) for i, v in enumerate(value)]
-    return [take(body, name, check, default)] * count
+    return [default if value is None else check(name, value)] * count
 
 
-def _prompt_logprob_starts(body: dict, prompts: list[dict], wants: list[bool],
+def _prompt_logprob_starts(gen: Generate, prompts: list[dict], wants: list[bool],
                            listed: bool) -> list[int]:
     """Each prompt's logprob_start_len (-1: no prompt logprobs); one at or past the end
     of a prompt given as ids is refused here (a text's, by the worker once tokenized)."""
-    starts = _per_item(body, "logprob_start_len", len(wants), listed,
+    starts = _per_item("logprob_start_len", gen.logprob_start_len, len(wants), listed,
                        integer(-1, INT32_MAX), -1)
     for i, (prompt, want, start) in enumerate(zip(prompts, wants, starts)):
         ids = prompt.get("input_ids")
@@ -125,65 +128,62 @@ def _prompt_logprob_starts(body: dict, prompts: list[dict], wants: list[bool],
     return starts
 
 
-def _nested(body: dict) -> bool:
+def _nested(value: list | None) -> bool:
     """token_ids_logprob is a list per prompt (a list of lists), not one for all."""
-    value = body.get("token_ids_logprob")
-    return type(value) is list and bool(value) and all(type(v) is list for v in value)
+    return bool(value) and all(type(v) is list for v in value)
 
 
-def _prompts(body: dict) -> tuple[list[dict], bool]:
+def _prompts(gen: Generate) -> tuple[list[dict], bool]:
     """[{"text": ...} or {"input_ids": ...}, ...] and whether the body was a batch."""
-    given = [k for k in PROMPT if body.get(k) is not None]
-    if len(given) != 1:
+    if (gen.text is None) == (gen.input_ids is None):
         raise BadRequest("give exactly one of 'text' or 'input_ids'")
-    value = body[given[0]]
-    if given[0] == "text":
-        if isinstance(value, list):
-            _non_empty(value, "text")
-            return [{"text": text_field(f"text[{i}]", t)} for i, t in enumerate(value)], True
-        return [{"text": text_field("text", value)}], False
-    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+    if gen.text is not None:
+        if isinstance(gen.text, list):
+            _non_empty(gen.text, "text")
+            return [{"text": text_field(f"text[{i}]", t)} for i, t in enumerate(gen.text)], True
+        return [{"text": text_field("text", gen.text)}], False
+    value = gen.input_ids
+    if value and all(isinstance(v, list) for v in value):
         return [{"input_ids": token_ids(f"input_ids[{i}]", ids)} for i, ids in enumerate(value)], True
     return [{"input_ids": token_ids("input_ids", value)}], False
 
 
-def _per_prompt(body: dict, name: str, n: int, kind: type, batch: bool) -> list[Any]:
-    """One object for every prompt: one for all, or (in a batch) a list of them."""
-    value = body.get(name)
+def _per_prompt(value: Any, n: int, batch: bool) -> list[Any]:
+    """One sampling_params for every prompt: one for all, or (in a batch) a list of them."""
     if value is None:
         return [None] * n
     if batch and isinstance(value, list):
         if len(value) != n:
-            raise BadRequest(f"{name!r} has {len(value)} entries for {n} prompts")
-        for i, v in enumerate(value):
-            if v is not None and type(v) is not kind:
-                raise BadRequest(f"{name}[{i}] must be an object")
+            raise BadRequest(f"'sampling_params' has {len(value)} entries for {n} prompts")
         return value
-    if type(value) is not kind:
-        raise BadRequest(f"{name!r} must be an object"
-                         + (" or a list of them, one per prompt" if batch else ""))
+    if isinstance(value, list):
+        raise BadRequest("'sampling_params' must be an object")
     return [value] * n
 
 
-def engine_sampling(raw: dict) -> Sampling:
-    """SGLang's sampling_params -> the engine's sampling dict and the front's options.
-    Nulls count as absent; names neither SGLang nor zpd has are dropped (and named)."""
+def engine_options(raw: dict, sampling: Sampling | None) -> Options:
+    """SGLang's sampling_params (`raw`, decoded as `sampling`) -> the engine's sampling
+    dict (the fields given) and the front's options; names neither SGLang nor zpd has
+    are dropped (and named)."""
     unknown = tuple(screen(raw, SAMPLING, "sampling_params."))
-    raw = {k: v for k, v in known(SAMPLING, raw).items() if v is not None}
-    n = take(raw, "n", integer(1, INT32_MAX), 1)      # prompts x n is capped by the caller
-    if "sampling_seed" in raw:
-        raw.setdefault("seed", raw.pop("sampling_seed"))
-    trim = not take(raw, "no_stop_trim", boolean, False)
-    skip = take(raw, "skip_special_tokens", boolean, True)
-    if raw.get("min_new_tokens") == 0 and type(raw["min_new_tokens"]) is int:
-        del raw["min_new_tokens"]       # the default: engines that predate it take the rest
-    engine = {k: v for k, v in raw.items() if k in ENGINE_SAMPLING}
-    return Sampling(engine, trim, skip, n, unknown)
+    sampling = sampling or Sampling()
+    n = integer(1, INT32_MAX)("n", sampling.n)        # prompts x n is capped by the caller
+    engine = {k: v for k in ENGINE_SAMPLING if (v := getattr(sampling, k)) is not None}
+    if sampling.sampling_seed is not None:
+        engine.setdefault("seed", sampling.sampling_seed)
+    if engine.get("min_new_tokens") == 0:
+        del engine["min_new_tokens"]    # the default: engines that predate it take the rest
+    return Options(engine, not sampling.no_stop_trim, sampling.skip_special_tokens, n, unknown)
 
 
 def _non_empty(value: list, name: str) -> None:
     if not value:
         raise BadRequest(f"{name!r} must not be an empty list")
+
+
+def engine_sampling(raw: dict) -> Options:
+    """engine_options of one sampling_params object as a body carries it."""
+    return engine_options(raw, decode(raw, Sampling, "sampling_params."))
 
 
 def native_answer(out: Output, text_in_logprobs: bool = False,

@@ -18,9 +18,10 @@ from typing import Any
 from engines.formats.chat import check_messages
 from engines.sampling_params import INT32_MAX
 from zpd.config import HttpConfig
+from zpd.http.bodies import Chat, Completion, OpenAIBody, decode
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean, check_count,
                               check_prompts, checked_sampling, integer, item_rids,
-                              logprob_sampling, seeded_copies, stop_strings, take, token_ids)
+                              logprob_sampling, seeded_copies, take, token_ids)
 from zpd.http.sglang_fields import CHAT, COMPLETION, screen
 
 MAX_N = 128
@@ -48,68 +49,70 @@ class OpenAIRequest:
 
 def parse_completion(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
     unknown = screen(body, COMPLETION)
-    n = take(body, "n", integer(1, MAX_N), 1)
-    if take(body, "best_of", integer(1, MAX_N), n) != n:
+    req = decode(body, Completion)
+    n = integer(1, MAX_N)("n", req.n)
+    if req.best_of is not None and integer(1, MAX_N)("best_of", req.best_of) != n:
         raise BadRequest("'best_of' must equal n (every copy generated is returned)")
-    if "prompt" not in body or body["prompt"] is None:
+    if req.prompt is None:
         raise BadRequest("'prompt' is required")
-    top = take(body, "logprobs", integer(0, MAX_TOP_LOGPROBS))
-    echo = take(body, "echo", boolean, False)
-    prompts = completion_prompts(body["prompt"])
+    top = None if req.logprobs is None else integer(0, MAX_TOP_LOGPROBS)("logprobs", req.logprobs)
+    prompts = completion_prompts(req.prompt)
     check_prompts(prompts, cfg.prompt_limits, "prompt")
-    max_tokens = take(body, "max_tokens", integer(0, INT32_MAX), COMPLETION_MAX_TOKENS)
-    if max_tokens == 0 and not echo:
+    max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else \
+        integer(0, INT32_MAX)("max_tokens", req.max_tokens)
+    if max_tokens == 0 and not req.echo:
         raise BadRequest("'max_tokens' must be at least 1 unless \"echo\": true "
                          "('max_tokens': 0 with echo scores the prompt, as vLLM's)")
     # echo with logprobs covers the prompt's tokens too: the prefill's, from position 0
-    asks = logprob_sampling(top is not None, top or 0, 0 if echo else -1)
-    return _request(body, prompts, n, _sampling(body, max_tokens) | asks, top, unknown, cfg, echo)
+    asks = logprob_sampling(top is not None, top or 0, 0 if req.echo else -1)
+    return _request(req, prompts, n, _sampling(req, max_tokens) | asks, top, unknown, cfg,
+                    req.echo)
 
 
 def parse_chat(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
     unknown = screen(body, CHAT)
-    n = take(body, "n", integer(1, MAX_N), 1)
-    want = take(body, "logprobs", boolean, False)
-    top = take(body, "top_logprobs", integer(0, MAX_TOP_LOGPROBS))
-    if top is not None and not want:
+    req = decode(body, Chat)
+    n = integer(1, MAX_N)("n", req.n)
+    top = None if req.top_logprobs is None else \
+        integer(0, MAX_TOP_LOGPROBS)("top_logprobs", req.top_logprobs)
+    if top is not None and not req.logprobs:
         raise BadRequest("'top_logprobs' needs \"logprobs\": true")
-    max_tokens = take(body, "max_completion_tokens", integer(1, INT32_MAX))
-    if max_tokens is None:
-        max_tokens = take(body, "max_tokens", integer(1, INT32_MAX))
-    prompts = [{"messages": chat_messages(body.get("messages"))}]
+    max_tokens = next(((name, v) for name, v in (("max_completion_tokens", req.max_completion_tokens),
+                                                 ("max_tokens", req.max_tokens)) if v is not None),
+                      None)
+    if max_tokens is not None:
+        max_tokens = integer(1, INT32_MAX)(*max_tokens)
+    prompts = [{"messages": chat_messages(req.messages)}]
     check_prompts(prompts, cfg.prompt_limits, "messages")
-    sampling = _sampling(body, max_tokens) | logprob_sampling(want, top or 0)
-    return _request(body, prompts, n, sampling, (top or 0) if want else None, unknown, cfg)
+    sampling = _sampling(req, max_tokens) | logprob_sampling(req.logprobs, top or 0)
+    return _request(req, prompts, n, sampling, (top or 0) if req.logprobs else None, unknown, cfg)
 
 
-def _sampling(body: dict, max_tokens: int | None) -> dict:
-    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
-    stop = take(body, "stop", stop_strings)
+def _sampling(req: OpenAIBody, max_tokens: int | None) -> dict:
+    sampling = {k: v for k in SAMPLING if (v := getattr(req, k)) is not None}
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
     if stop:
         sampling["stop"] = stop
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
-    min_tokens = take(body, "min_tokens", integer(0, INT32_MAX), 0)
-    if min_tokens:
-        sampling["min_new_tokens"] = min_tokens
+    if integer(0, INT32_MAX)("min_tokens", req.min_tokens):
+        sampling["min_new_tokens"] = req.min_tokens
     return sampling
 
 
-def _request(body: dict, prompts: list[dict], n: int, sampling: dict, top: int | None,
+def _request(req: OpenAIBody, prompts: list[dict], n: int, sampling: dict, top: int | None,
              unknown: list[str], cfg: HttpConfig, echo: bool = False) -> OpenAIRequest:
-    stream = take(body, "stream", boolean, False)
-    options = take(body, "stream_options", _object, {})
+    options = req.stream_options or {}
     unknown += [f"stream_options.{k}" for k in options if k not in STREAM_OPTIONS]
     include_usage = take(options, "include_usage", boolean, False)
     check_count(len(prompts), n, cfg.max_batch_requests)
     copies = seeded_copies(checked_sampling(sampling), n)
-    rids = _prompt_major(item_rids(body.get("rid"), len(prompts), n, len(prompts) > 1),
+    rids = _prompt_major(item_rids(req.rid, len(prompts), n, len(prompts) > 1),
                          len(prompts), n)
-    output = {"trim_stop": not take(body, "no_stop_trim", boolean, False),
-              "skip_special": take(body, "skip_special_tokens", boolean, True)}
-    items = [GenRequest(copy, stream=stream, rid=rids[p * n + j], **output, **prompt)
+    output = {"trim_stop": not req.no_stop_trim, "skip_special": req.skip_special_tokens}
+    items = [GenRequest(copy, stream=req.stream, rid=rids[p * n + j], **output, **prompt)
              for p, prompt in enumerate(prompts) for j, copy in enumerate(copies)]
-    return OpenAIRequest(items, prompts, n, stream, stream and include_usage, top, echo,
+    return OpenAIRequest(items, prompts, n, req.stream, req.stream and include_usage, top, echo,
                          tuple(unknown))
 
 
@@ -176,9 +179,3 @@ def _content(i: int, content: Any) -> Any:
                              "({\"type\": \"text\", \"text\": ...}) are supported")
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-def _object(name: str, value: Any) -> dict:
-    if type(value) is not dict:
-        raise BadRequest(f"{name!r} must be an object")
-    return value

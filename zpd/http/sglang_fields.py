@@ -5,7 +5,7 @@ sources: `GenerateReqInput` in managers/io_struct.py, `SamplingParams` in
 sampling/sampling_params.py, `CompletionRequest` and `ChatCompletionRequest` in
 entrypoints/openai/protocol.py), plus OpenAI's own names. Each field is
 
-- IMPLEMENTED: a parser in native.py or openai_protocol.py reads and checks it;
+- IMPLEMENTED: a field of bodies.py's models, read by native.py or openai_protocol.py;
 - IGNORED: accepted whatever its value, because no value asks for anything zpd
   lacks (bookkeeping, routing hints, observability, defaults sglang-router sends);
 - REFUSED: accepted only while its value asks for nothing (null, false, "", [], {},
@@ -15,13 +15,9 @@ entrypoints/openai/protocol.py), plus OpenAI's own names. Each field is
 A name on none of the lists is accepted, logged once at WARNING (UnknownFields), and
 never reaches the engine, as SGLang's dataclass bodies drop what they do not declare.
 
-Why checker functions and tables rather than pydantic models: the bodies are checked
-by records.py's checkers (`take`, exact type checks: `True` is not an integer, `1.0`
-is not a token id) with the bounds and messages the hardening and fuzz tests pin
-(MAX_REQUESTS, token id ranges, rid length, text limits); pydantic's lax mode would
-coerce what those tests require refused, its strict mode words every error its own
-way, and it would be a new dependency of the HTTP front. The tables below give what
-a model would have given: SGLang's field list, readable in one place.
+The IMPLEMENTED fields are declared with their types in bodies.py's models; the
+IGNORED and REFUSED ones are screened here on the raw body, so a refused field is
+named whatever its type.
 """
 from __future__ import annotations
 
@@ -194,11 +190,6 @@ def screen(body: dict, table: dict[str, Rule], where: str = "") -> list[str]:
         elif rule.kind == REFUSED and asks(value, rule.idle):
             raise BadRequest(f"'{where}{name}' is not supported by this server ({rule.why})")
     return sorted(unknown, key=str)
-
-
-def known(table: dict[str, Rule], body: dict) -> dict:
-    """`body` without the names `table` does not know."""
-    return {k: v for k, v in body.items() if k in table}
 
 
 class UnknownFields:

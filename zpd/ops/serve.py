@@ -90,7 +90,7 @@ def serve_http(cfg: HttpConfig) -> int:
 def serve_one_http(cfg: HttpConfig) -> int:
     """One HTTP front process."""
     from engines.text import load_text
-    from zpd.http.browser import allowed_hosts
+    from zpd.http.guard.browser import allowed_hosts
     from zpd.http.front import Front
     tokenizer, chat, problem = load_text(cfg.model, cfg.overrides)
     if problem:
@@ -108,8 +108,8 @@ async def _serve_http(cfg: HttpConfig, front: Front) -> int:
     from aiohttp import web
 
     from engines.allocator_tuning import freeze_startup_objects
-    from zpd.http.app import build_app
-    from zpd.http.connections import BOOK, ConnectionLimits, WatchedSite, server_options
+    from zpd.http.guard.plug import guarded_app
+    from zpd.http.guard.connections import BOOK, ConnectionLimits, WatchedSite, server_options
     from zpd.http.router_client import RouterClient
     from zpd.wire.net import format_endpoint
     curve = None
@@ -120,7 +120,7 @@ async def _serve_http(cfg: HttpConfig, front: Front) -> int:
                                  cfg.admin_timeout, cfg.front_index)
     await front.backend.start()
     limits = ConnectionLimits(cfg.keepalive_timeout, cfg.header_timeout, cfg.max_connections)
-    app = build_app(front, limits=limits)
+    app = guarded_app(front, limits=limits)
     runner = web.AppRunner(app, **server_options(limits))
     await runner.setup()
     try:

@@ -166,7 +166,7 @@ class RouterAdmin:
     def abort(self, cmd: AbortRequest, timeout: float, reply: Reply) -> None:
         """End the rid, queued or in flight here, else at a router following this one.
         A rid not here by that name also ends the requests an HTTP front named
-        "<caller's space>:rid" (zpd/http/callers.py): with several fronts, the front
+        "<caller's space>:rid" (zpd/http/guard/callers.py): with several fronts, the front
         asked may not be the one that serves it, and its table does not have it."""
         server, rid = self.server, cmd.rid
         here = rid in server.queued or rid in server.inflight

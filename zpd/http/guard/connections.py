@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-log = logging.getLogger("zpd.http.connections")
+log = logging.getLogger("zpd.http.guard.connections")
 
 WARN_EVERY_S = 10.0
 

@@ -1,0 +1,1 @@
+"""HTTP hardening: API keys and callers, the browser guard, connection limits."""
