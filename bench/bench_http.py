@@ -44,6 +44,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines.sampling_params import SamplingParams
 from tests.e2e.cluster import Cluster  # noqa: E402
 from zpd.http.records import GenRequest  # noqa: E402
 from zpd.http.router_client import RouterClient  # noqa: E402
@@ -105,7 +106,7 @@ async def run(cluster: Cluster, args: argparse.Namespace) -> dict[str, list[floa
             t0 = time.perf_counter()
             client.generate(input_ids=ids, sampling_params=sampling)
             t1 = time.perf_counter()
-            async for _ in router.stream(GenRequest(sampling, input_ids=ids)):
+            async for _ in router.stream(GenRequest(SamplingParams.from_dict(sampling), input_ids=ids)):
                 pass
             t1b = time.perf_counter()
             await http.post(path, orjson.dumps({"input_ids": ids, "sampling_params": sampling}))

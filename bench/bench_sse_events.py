@@ -29,6 +29,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the repository
 
 from engines.models.tiny import tiny_tokenizer  # noqa: E402
+from engines.sampling_params import SamplingParams
 from zpd.http.native import CumulativeEvents, native_answer, native_delta  # noqa: E402
 from zpd.http.output import Output  # noqa: E402
 from zpd.http.records import GenRequest  # noqa: E402
@@ -45,7 +46,7 @@ def chunk(i: int, token: int, top: int, last: bool) -> dict:
 
 def one_request(tokens: int, top: int, mode: str, budget: int) -> tuple[list[float], list[int]]:
     """Seconds and bytes of each event written (formatting and serializing only)."""
-    req = GenRequest({"return_logprob": True, "top_logprobs_num": top}, input_ids=[1],
+    req = GenRequest(SamplingParams.from_dict({"return_logprob": True, "top_logprobs_num": top}), input_ids=[1],
                      stream=True)
     out = Output(0, req, tiny_tokenizer())
     # every-token: the route's cumulative events with a budget that makes each due

@@ -46,7 +46,6 @@ from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Ping, Pong,  
                                TokenPart, Tokens)
 
 VERSION = "null"                 # a null model's weight version with seed 0
-DEFAULT_NEW = 16                 # max_new_tokens when a request names none
 
 
 @dataclass(eq=False)
@@ -239,7 +238,7 @@ class SimPool:
         self.decodes = [SimDecode(self, self.ctx, host) for _ in range(decodes)]
 
     def tokens(self, msg: Generate) -> list[int]:
-        return predict(msg.input_ids, int(msg.sampling.get("max_new_tokens", DEFAULT_NEW)),
+        return predict(msg.input_ids, msg.sampling.max_new_tokens,
                        self.seed)
 
     def endpoints(self) -> dict:

@@ -172,10 +172,12 @@ class InprocCluster:
     # --- client side -------------------------------------------------------------------
 
     def submit(self, prompt: list[int], max_new: int = 8, stream: bool = True, rid: str | None = None,
-               sampling: dict | None = None) -> str:
+               sampling: dict | SamplingParams | None = None) -> str:
         """Greedy, ignoring EOS, unless `sampling` says otherwise (sent as it is: the
         router's decode checks it)."""
         rid = rid or f"r{next(self.rids)}"
+        if isinstance(sampling, SamplingParams):
+            sampling = sampling.to_wire()
         send_raw(self.client, Generate(rid, prompt, stream=stream), {
             "temperature": 0, "max_new_tokens": max_new, "ignore_eos": True} | (sampling or {}))
         return rid

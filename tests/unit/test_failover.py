@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from engines.sampling_params import SamplingParams
 from zpd.client import Client
 from zpd.config import HttpConfig
 from zpd.failover import Routers, merge_replies, parse_routers
@@ -133,7 +134,7 @@ def finished(rid: str) -> Tokens:
 def test_front_requests_go_to_its_router_and_a_dead_routers_requests_end_or_move():
     async def test(a, b, client):
         def start(rid: str) -> asyncio.Task:
-            return asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid=rid))))
+            return asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid=rid))))
         r1, r2 = start("r1"), start("r2")
         (ia, ga), (_, g2) = await a.recv(), await a.recv()
         assert (ga.rid, g2.rid) == ("r1", "r2")
@@ -164,7 +165,7 @@ def test_front_requests_go_to_its_router_and_a_dead_routers_requests_end_or_move
 
 def test_front_a_request_not_acknowledged_in_time_goes_to_the_next_router():
     async def test(a, b, client):
-        task = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="x"))))
+        task = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="x"))))
         assert (await a.recv())[1].rid == "x"     # A says nothing
         ia, dropped = await a.recv()              # A is told to drop it
         assert isinstance(dropped, Abort) and dropped.rid == "x"

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engines.models.tiny import tiny_tokenizer
+from engines.sampling_params import SamplingParams
 from tests.unit.http_fake import chunk
 from zpd.http.native import engine_sampling, native_answer, parse_generate
 from zpd.http.openai_format import Answer, usage
@@ -33,7 +34,7 @@ def test_incremental_text_equals_a_whole_decode_and_never_shows_half_a_character
 
 
 def test_stop_strings_hold_back_text_until_they_cannot_match_and_the_final_text_wins():
-    req = GenRequest({"stop": ["END"]}, input_ids=[1])
+    req = GenRequest(SamplingParams.from_dict({"stop": ["END"]}), input_ids=[1])
     out = Output(0, req, TOK)
     shown = ""
     for piece in "abcdEN":
@@ -50,7 +51,7 @@ def test_no_stop_trim_keeps_the_matched_stop_string():
     sp = engine_sampling({"stop": ["b"], "no_stop_trim": True, "n": 1,
                           "skip_special_tokens": True, "top_k": None})
     assert sp.engine == {"stop": ["b"]} and not sp.trim
-    out = Output(0, GenRequest(sp.engine, input_ids=[1], trim_stop=sp.trim), TOK)
+    out = Output(0, GenRequest(SamplingParams.from_dict(sp.engine), input_ids=[1], trim_stop=sp.trim), TOK)
     out.add(chunk("r", [97, 98], {"type": "stop", "matched": "b"}, {}, "a"))
     assert out.text == "ab"
 
@@ -64,7 +65,7 @@ def logprob_chunks() -> list[dict]:
 
 
 def test_native_answer_has_sglang_logprob_triples_and_weight_versions():
-    req = GenRequest({"return_logprob": True, "top_logprobs_num": 2}, input_ids=[1, 2])
+    req = GenRequest(SamplingParams.from_dict({"return_logprob": True, "top_logprobs_num": 2}), input_ids=[1, 2])
     out = Output(0, req, TOK)
     for c in logprob_chunks():
         out.add(c)
@@ -85,13 +86,13 @@ def test_native_answer_has_sglang_logprob_triples_and_weight_versions():
                       "output_top_logprobs"}
     assert native_answer(out, text_in_logprobs=True)["meta_info"]["output_token_logprobs"][0] == \
         [-0.5, 72, "H"]
-    plain = Output(0, GenRequest({}, input_ids=[1]), TOK)
+    plain = Output(0, GenRequest(SamplingParams(), input_ids=[1]), TOK)
     plain.add(logprob_chunks()[1])
     assert "output_token_logprobs" not in native_answer(plain)["meta_info"]
 
 
 def test_openai_logprobs_completion_and_chat_shapes():
-    req = GenRequest({"return_logprob": True, "top_logprobs_num": 1}, input_ids=[1, 2])
+    req = GenRequest(SamplingParams.from_dict({"return_logprob": True, "top_logprobs_num": 1}), input_ids=[1, 2])
     out = Output(0, req, TOK)
     for c in logprob_chunks():
         out.add(c)
@@ -109,7 +110,7 @@ def test_openai_logprobs_completion_and_chat_shapes():
 
 
 def test_stream_chunk_logprobs_cover_only_the_new_tokens():
-    req = GenRequest({"return_logprob": True, "top_logprobs_num": 0}, input_ids=[1, 2])
+    req = GenRequest(SamplingParams.from_dict({"return_logprob": True, "top_logprobs_num": 0}), input_ids=[1, 2])
     out, answer = Output(0, req, TOK), Answer("tiny", False, 0)
     offsets = []
     for c in logprob_chunks():
@@ -123,7 +124,7 @@ def test_stream_chunk_logprobs_cover_only_the_new_tokens():
 def test_usage_counts_each_prompt_once_and_every_completion():
     outs = []
     for i in range(4):                              # 2 prompts x n=2
-        o = Output(i, GenRequest({}, input_ids=[1] * (3 + i // 2)), TOK)
+        o = Output(i, GenRequest(SamplingParams(), input_ids=[1] * (3 + i // 2)), TOK)
         o.add(chunk(f"r{i}", [72] * (i + 1), {"type": "length"},
                     {"prompt_tokens": 3 + i // 2, "completion_tokens": i + 1}, "H"))
         outs.append(o)
@@ -132,11 +133,11 @@ def test_usage_counts_each_prompt_once_and_every_completion():
 
 def test_n_copies_are_prompt_major_and_seeds_differ():
     req = parse_completion({"prompt": ["a", "b"], "n": 3, "seed": 7, "max_tokens": 2})
-    assert [(i.text, i.sampling["seed"]) for i in req.items] == \
+    assert [(i.text, i.sampling.to_wire()["seed"]) for i in req.items] == \
         [("a", 7), ("a", 8), ("a", 9), ("b", 7), ("b", 8), ("b", 9)]
-    assert all(i.sampling["max_new_tokens"] == 2 for i in req.items)
-    assert "seed" not in parse_completion({"prompt": "a", "n": 2}).items[0].sampling
-    assert parse_completion({"prompt": "a"}).items[0].sampling == {"max_new_tokens": 16}
+    assert all(i.sampling.to_wire()["max_new_tokens"] == 2 for i in req.items)
+    assert "seed" not in parse_completion({"prompt": "a", "n": 2}).items[0].sampling.to_wire()
+    assert parse_completion({"prompt": "a"}).items[0].sampling.to_wire() == {"max_new_tokens": 16}
 
 
 @pytest.mark.parametrize("body, words", [
@@ -179,7 +180,7 @@ def test_chat_messages_take_text_parts_and_refuse_the_rest():
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                       "top_logprobs": 3, "max_completion_tokens": 5, "n": 2})
     assert req.logprobs == 3 and len(req.items) == 2
-    assert req.items[0].sampling == {"max_new_tokens": 5, "return_logprob": True,
+    assert req.items[0].sampling.to_wire() == {"max_new_tokens": 5, "return_logprob": True,
                                      "top_logprobs_num": 3}
     with pytest.raises(BadRequest):
         parse_chat({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2})
@@ -201,17 +202,16 @@ def test_native_bodies_as_slime_and_areal_send_them():
         "spaces_between_special_tokens": False}})
     item = slime.items[0]
     assert not slime.batch and item.logprobs and not item.trim_stop
-    assert item.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8,
-                             "return_logprob": True, "top_logprobs_num": 0}
+    assert item.sampling == SamplingParams(max_new_tokens=8, return_logprob=True)
     areal = parse_generate({"input_ids": [5, 6], "sampling_params": {
         "top_p": 1.0, "top_k": 100000000, "max_new_tokens": 4, "temperature": 0.0,
         "stop_token_ids": [257], "frequency_penalty": 0.0}, "return_logprob": True,
         "stream": False})
-    assert areal.items[0].sampling["stop_token_ids"] == [257]
+    assert areal.items[0].sampling.to_wire()["stop_token_ids"] == [257]
     batch = parse_generate({"text": ["a", "b"], "rid": ["x", "y"],
                             "sampling_params": [{"max_new_tokens": 1}, None]})
     assert batch.batch and [i.rid for i in batch.items] == ["x", "y"]
-    assert batch.items[1].sampling == {}
+    assert batch.items[1].sampling.to_wire() == {}
 
 
 @pytest.mark.parametrize("body, words", [

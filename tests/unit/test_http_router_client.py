@@ -9,6 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from engines.sampling_params import SamplingParams
 from zpd.http.records import GenRequest
 from zpd.http.router_client import USER, RouterClient, http_user
 from zpd.wire.messages import MAX_USER_CHARS
@@ -56,8 +57,8 @@ async def collect(stream) -> list[dict]:
 
 def test_tokens_go_to_their_request_and_admin_replies_to_their_caller():
     async def test(router, client):
-        a = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="a"))))
-        b = asyncio.create_task(collect(client.stream(GenRequest({}, text="hi", rid="b"))))
+        a = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="a"))))
+        b = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), text="hi", rid="b"))))
         got = {}
         for _ in range(2):
             who, msg = await router.recv()
@@ -84,7 +85,7 @@ def test_tokens_go_to_their_request_and_admin_replies_to_their_caller():
 def test_a_closed_stream_aborts_its_request():
     async def test(router, client):
         async def read_one():
-            async for chunk in client.stream(GenRequest({}, input_ids=[1], rid="x")):
+            async for chunk in client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="x")):
                 return chunk
         task = asyncio.create_task(read_one())
         who, _ = await router.recv()
@@ -98,10 +99,10 @@ def test_a_closed_stream_aborts_its_request():
 
 def test_no_acknowledgement_or_a_silent_router_ends_requests_with_503():
     async def test(router, client):
-        chunks = await asyncio.wait_for(collect(client.stream(GenRequest({}, input_ids=[1]))), 5)
+        chunks = await asyncio.wait_for(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1]))), 5)
         assert chunks[-1]["finish_reason"]["status_code"] == 503
         assert "no answer from the router" in chunks[-1]["finish_reason"]["message"]
-        task = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="s"))))
+        task = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="s"))))
         who, _ = await router.recv()
         await router.send(who, Accepted("s"))     # then silence
         chunks = await asyncio.wait_for(task, 5)
@@ -114,9 +115,9 @@ def test_no_acknowledgement_or_a_silent_router_ends_requests_with_503():
 
 def test_a_rid_already_in_flight_is_refused_409():
     async def test(router, client):
-        first = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="d"))))
+        first = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="d"))))
         await router.recv()
-        again = await collect(client.stream(GenRequest({}, input_ids=[1], rid="d")))
+        again = await collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="d")))
         assert again[-1]["finish_reason"]["status_code"] == 409
         first.cancel()
     run(test)
@@ -130,8 +131,8 @@ def test_a_sink_that_fails_ends_its_request_with_500_and_the_others_go_on():
             bad.append(chunk)
             if len(bad) == 1:
                 raise RuntimeError("broken sink")
-        client.open(GenRequest({}, input_ids=[1], rid="bad"), fragile)
-        good = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[2], rid="ok"))))
+        client.open(GenRequest(SamplingParams(), input_ids=[1], rid="bad"), fragile)
+        good = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[2], rid="ok"))))
         who, _ = await router.recv()
         await router.recv()
         await router.send(who, Tokens.pack([TokenPart("bad", [5], ["v"]), TokenPart("ok", [6], ["v"])]))
@@ -147,7 +148,7 @@ def test_a_sink_that_fails_ends_its_request_with_500_and_the_others_go_on():
 def test_open_hands_every_chunk_to_its_sink_and_close_after_the_end_sends_nothing():
     async def test(router, client):
         got: list[dict] = []
-        close = client.open(GenRequest({}, input_ids=[1], rid="s"), got.append)
+        close = client.open(GenRequest(SamplingParams(), input_ids=[1], rid="s"), got.append)
         who, _ = await router.recv()
         await router.send(who, Tokens.pack([TokenPart("s", [5], ["v"])]))
         await router.send(who, Tokens.pack([TokenPart("s", [], [], {"type": "stop"}, {})]))
@@ -172,10 +173,10 @@ def test_each_request_names_its_http_caller_as_the_routers_user():
     async def test(router, client):
         async def as_user(user: str, rid: str) -> None:
             USER.set(user)                       # what the key check does per HTTP request
-            client.open(GenRequest({}, input_ids=[1], rid=rid), lambda chunk: None)
+            client.open(GenRequest(SamplingParams(), input_ids=[1], rid=rid), lambda chunk: None)
         await asyncio.create_task(as_user("key:abc@10.0.0.7", "a"))
         await asyncio.create_task(as_user("10.0.0.8", "b"))
-        client.open(GenRequest({}, input_ids=[1], rid="c"), lambda chunk: None)
+        client.open(GenRequest(SamplingParams(), input_ids=[1], rid="c"), lambda chunk: None)
         got = {}
         for _ in range(3):
             _, msg = await router.recv()
@@ -200,13 +201,13 @@ def test_a_request_too_large_for_one_router_frame_is_400_here_and_the_link_lives
     at the front, for its caller only."""
     async def test(router, client):
         big = await asyncio.wait_for(collect(client.stream(
-            GenRequest({}, text="a" * (MAX_FRAME_BYTES + 1), rid="big"))), 5)
+            GenRequest(SamplingParams(), text="a" * (MAX_FRAME_BYTES + 1), rid="big"))), 5)
         assert big[-1]["finish_reason"]["status_code"] == 400
         assert "too large" in big[-1]["finish_reason"]["message"]
         ids = await asyncio.wait_for(collect(client.stream(
-            GenRequest({}, input_ids=[1] * (MAX_FRAME_BYTES // 4 + 1), rid="ids"))), 5)
+            GenRequest(SamplingParams(), input_ids=[1] * (MAX_FRAME_BYTES // 4 + 1), rid="ids"))), 5)
         assert ids[-1]["finish_reason"]["status_code"] == 400
-        small = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="ok"))))
+        small = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="ok"))))
         who, msg = await router.recv()
         assert isinstance(msg, Generate) and msg.rid == "ok"     # nothing big went out
         await router.send(who, Tokens.pack([TokenPart("ok", [5], ["v"], {"type": "length"}, {})]))
@@ -225,10 +226,10 @@ def test_a_request_whose_send_raises_leaves_its_rid_free():
             raise zmq.ZMQError(zmq.EFSM, "injected")
         client._send = broken
         with pytest.raises(zmq.ZMQError):
-            client.open(GenRequest({}, input_ids=[1], rid="r"), lambda chunk: None)
+            client.open(GenRequest(SamplingParams(), input_ids=[1], rid="r"), lambda chunk: None)
         assert sends and "r" not in client._sinks
         client._send = real
-        again = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="r"))))
+        again = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="r"))))
         who, msg = await router.recv()
         assert msg.rid == "r"
         await router.send(who, Tokens.pack([TokenPart("r", [5], ["v"], {"type": "length"}, {})]))
@@ -240,7 +241,7 @@ def test_a_restarted_router_gets_the_open_requests_resumed_from_the_same_identit
     """The router's boot id changes (zpd/wire/resume.py): the front resumes each open
     request with the tokens it has, from the identity that sent it, and takes the rest."""
     async def test(router, client):
-        a = asyncio.create_task(collect(client.stream(GenRequest({}, input_ids=[1], rid="a", stream=True))))
+        a = asyncio.create_task(collect(client.stream(GenRequest(SamplingParams(), input_ids=[1], rid="a", stream=True))))
         who, msg = await router.recv()
         assert isinstance(msg, Generate)
         await router.send(who, Accepted("a", "boot1"))

@@ -21,7 +21,7 @@ def test_generate_single_batch_and_stream():
     status, body = call(f, "POST", "/generate", {"text": ["a", "b"], "sampling_params": {
         "max_new_tokens": 3}})
     assert status == 200 and [b["text"] for b in body] == ["Hi!", "Hi!"]
-    assert f.backend.requests[-1].text == "b" and f.backend.requests[-1].sampling == \
+    assert f.backend.requests[-1].text == "b" and f.backend.requests[-1].sampling.to_wire() == \
         {"max_new_tokens": 3}
     status, events = call(f, "POST", "/generate", {"input_ids": [1], "stream": True})
     assert status == 200 and events[-1] == "[DONE]"
@@ -107,7 +107,7 @@ def test_streamed_completion_text_equals_the_whole_answer_with_usage_last():
 def test_seeds_differ_between_copies():
     f = front()
     call(f, "POST", "/v1/completions", {"prompt": "a", "n": 3, "seed": 11})
-    assert [r.sampling["seed"] for r in f.backend.requests] == [11, 12, 13]
+    assert [r.sampling.to_wire()["seed"] for r in f.backend.requests] == [11, 12, 13]
 
 
 def test_admin_routes_make_one_router_call_each():

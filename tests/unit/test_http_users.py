@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from engines.sampling_params import SamplingParams
 from tests.unit.fake_workers import FakeCluster
 from tests.unit.http_fake import FakeBackend, call, front
 from tests.unit.test_http_router_client import ScriptedRouter
@@ -76,7 +77,7 @@ def test_another_callers_request_passes_a_flood_from_one_http_call():
         async def submit(user: str, rids: list[str]) -> None:
             USER.set(user)                      # what the key check does per HTTP request
             for rid in rids:
-                client.open(GenRequest({}, input_ids=[1], rid=rid), sink)
+                client.open(GenRequest(SamplingParams(), input_ids=[1], rid=rid), sink)
         try:
             await asyncio.create_task(submit("10.0.0.1", [f"a{i}" for i in range(200)]))
             await asyncio.sleep(0.05)           # the flood is at the router first

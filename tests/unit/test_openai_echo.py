@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from engines.models.tiny import tiny_tokenizer
+from engines.sampling_params import SamplingParams
 from tests.unit.http_fake import FakeBackend, FrontServer, call, chunk, front
 from tests.unit.inproc import InprocCluster
 from zpd.http.guard.plug import guarded_app
@@ -38,18 +39,18 @@ def scored_answer(req: GenRequest, rid: str) -> list[dict]:
 
 def test_echo_with_logprobs_asks_the_workers_for_the_prompts_from_position_0():
     (item,) = parse_completion({"prompt": [1, 2], "echo": True, "logprobs": 3}).items
-    assert item.sampling == {"max_new_tokens": 16, "return_logprob": True,
+    assert item.sampling.to_wire() == {"max_new_tokens": 16, "return_logprob": True,
                              "top_logprobs_num": 3, "logprob_start_len": 0}
     (plain,) = parse_completion({"prompt": [1, 2], "logprobs": 3}).items
-    assert "logprob_start_len" not in plain.sampling and plain.sampling["top_logprobs_num"] == 3
+    assert "logprob_start_len" not in plain.sampling.to_wire() and plain.sampling.to_wire()["top_logprobs_num"] == 3
     (echo,) = parse_completion({"prompt": [1, 2], "echo": True}).items
-    assert echo.sampling == {"max_new_tokens": 16}          # no logprobs: none asked
+    assert echo.sampling.to_wire() == {"max_new_tokens": 16}          # no logprobs: none asked
 
 
 def test_max_tokens_0_with_echo_is_a_scoring_request():
     req = parse_completion({"prompt": ["a", "b"], "echo": True, "max_tokens": 0, "logprobs": 0})
-    assert [i.sampling for i in req.items] == [{"max_new_tokens": 0, "return_logprob": True,
-                                                "top_logprobs_num": 0, "logprob_start_len": 0}] * 2
+    assert [i.sampling for i in req.items] == [SamplingParams(
+        max_new_tokens=0, return_logprob=True, top_logprobs_num=0, logprob_start_len=0)] * 2
     assert req.echo and req.logprobs == 0
 
 

@@ -281,7 +281,7 @@ def cluster_backend(c: InprocCluster) -> FakeBackend:
     """The HTTP front's router client, answered by the in-process cluster: each token
     a chunk, as the router client makes them (zpd.client.chunk_of)."""
     def script(req, rid):
-        got = c.run(c.submit(req.input_ids, req.sampling["max_new_tokens"], sampling=req.sampling))
+        got = c.run(c.submit(req.input_ids, req.sampling.to_wire()["max_new_tokens"], sampling=req.sampling))
         whole = p.TokenPart(rid, got.token_ids, got.weight_versions, got.finish, got.meta,
                             got.logprobs, got.top_logprobs, got.ids_logprobs)
         parts = [_head(whole.skip(i)) for i in range(len(got.token_ids) - 1)] + [whole.skip(len(got.token_ids) - 1)]
@@ -324,9 +324,9 @@ def test_generate_takes_them_per_prompt_and_without_text():
                              "token_ids_logprob": [[4], []]})
     assert [item.token_ids_logprob for item in parsed.items] == [(4,), ()]
     one = parse_generate({"input_ids": [1, 2], "return_logprob": True, "token_ids_logprob": [4, 5]})
-    assert one.items[0].sampling["token_ids_logprob"] == [4, 5]
+    assert one.items[0].sampling.to_wire()["token_ids_logprob"] == [4, 5]
     assert "token_ids_logprob" not in parse_generate(
-        {"input_ids": [1], "token_ids_logprob": [4]}).items[0].sampling     # no logprobs: none
+        {"input_ids": [1], "token_ids_logprob": [4]}).items[0].sampling.to_wire()     # no logprobs: none
     backend = FakeBackend(lambda req, rid: [chunk_of(
         p.TokenPart(rid, [72], ["v"], {"type": "length"}, {}, [-0.5], None, [[-1.5]]),
         asks_logprobs(sampling_record(req.sampling)))])

@@ -155,7 +155,7 @@ def test_generate_refuses_a_start_past_the_prompt():
         parse_generate({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2})
     assert "'logprob_start_len' 2 must be less than the prompt's length (2 tokens)" in e.value.message
     plain = parse_generate({"input_ids": [1, 2], "logprob_start_len": 5})   # no logprobs: ignored
-    assert "logprob_start_len" not in plain.items[0].sampling
+    assert "logprob_start_len" not in plain.items[0].sampling.to_wire()
 
 
 @pytest.mark.parametrize("forged, named", [

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from engines.sampling_params import SamplingParams
 from tests.unit.http_fake import FakeBackend, call, chunk, front, tiny_answer
 from zpd.http.native import parse_generate
 from zpd.http.openai_protocol import parse_chat, parse_completion
@@ -44,7 +45,7 @@ def test_every_ignored_field_is_accepted_and_not_forwarded(where, name):
     for value in (None, False, True, "x", 0, {"k": "v"}, ["a"]):
         body, parse = _body(where, name, value)
         req = parse(body)
-        assert all(name not in item.sampling for item in req.items), (name, value)
+        assert all(name not in item.sampling.to_wire() for item in req.items), (name, value)
 
 
 @pytest.mark.parametrize("where, name", _cases(REFUSED))
@@ -60,7 +61,7 @@ def test_every_refused_field_asking_for_a_feature_is_a_400_naming_it(where, name
         assert f"{name}' is not supported" in e.value.message and e.value.status == 400, value
     for value in (None, False, "", [], {}, [None, None]) + rule.idle:
         body, parse = _body(where, name, value)
-        assert all(name not in item.sampling for item in parse(body).items)
+        assert all(name not in item.sampling.to_wire() for item in parse(body).items)
 
 
 def test_the_defaults_sglang_router_sends_are_accepted():
@@ -76,8 +77,8 @@ def test_the_defaults_sglang_router_sends_are_accepted():
                         "stream_reasoning": True, "skip_special_tokens": True,
                         "tool_choice": "none", "chat_template_kwargs": None}
     assert len(parse_chat(chat).items) == 1
-    assert f.backend.requests[0].sampling == {}
-    assert f.backend.requests[1].sampling == {"max_new_tokens": 16, "ignore_eos": False}
+    assert f.backend.requests[0].sampling.to_wire() == {}
+    assert f.backend.requests[1].sampling == SamplingParams(max_new_tokens=16, ignore_eos=False)
 
 
 def test_unknown_names_are_warned_once_and_never_reach_the_router(caplog):
@@ -90,7 +91,7 @@ def test_unknown_names_are_warned_once_and_never_reach_the_router(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "zpd.http.fields"]
     assert sum("'mystery'" in m for m in lines) == 2         # once per route
     assert sum("'sampling_params.odd'" in m for m in lines) == 1
-    assert all(r.sampling == {"max_new_tokens": 2} for r in f.backend.requests[:3])
+    assert all(r.sampling.to_wire() == {"max_new_tokens": 2} for r in f.backend.requests[:3])
     assert parse_completion({"prompt": "a", "stream_options": {"nope": 1}, "zz": 2}).unknown == \
         ("zz", "stream_options.nope")
     assert parse_chat(CHAT_BODY | {"zz": 1}).unknown == ("zz",)
@@ -109,7 +110,7 @@ def test_n_fans_out_copy_major_with_seeds_and_rids():
     status, body = call(f, "POST", "/generate", {"input_ids": [1, 2], "rid": "q", "sampling_params": {
         "n": 3, "sampling_seed": 5, "max_new_tokens": 3}})
     assert status == 200 and type(body) is list and len(body) == 3
-    assert [r.sampling["seed"] for r in f.backend.requests] == [5, 6, 7]
+    assert [r.sampling.to_wire()["seed"] for r in f.backend.requests] == [5, 6, 7]
     # the router sees each rid under its caller's name (zpd/http/guard/callers.py)
     assert [r.rid.rpartition(":")[2] for r in f.backend.requests] == ["q_0", "q_1", "q_2"]
     assert [b["meta_info"]["id"] for b in body] == ["q_0", "q_1", "q_2"]
@@ -132,15 +133,15 @@ def test_min_new_tokens_reaches_the_engine_and_is_checked():
     f = front()
     assert call(f, "POST", "/generate", {"input_ids": [1], "sampling_params": {
         "min_new_tokens": 4, "max_new_tokens": 8}})[0] == 200
-    assert f.backend.requests[-1].sampling == {"min_new_tokens": 4, "max_new_tokens": 8}
+    assert f.backend.requests[-1].sampling.to_wire() == {"min_new_tokens": 4, "max_new_tokens": 8}
     assert call(f, "POST", "/v1/completions", {"prompt": "a", "min_tokens": 3})[0] == 200
-    assert f.backend.requests[-1].sampling == {"max_new_tokens": 16, "min_new_tokens": 3}
+    assert f.backend.requests[-1].sampling.to_wire() == {"max_new_tokens": 16, "min_new_tokens": 3}
     for bad in ({"min_new_tokens": -1}, {"min_new_tokens": 9, "max_new_tokens": 8},
                 {"min_new_tokens": "2"}):
         status, body = call(f, "POST", "/generate", {"input_ids": [1], "sampling_params": bad})
         assert status == 400 and "min_new_tokens" in body["error"]["message"]
     assert parse_generate({"input_ids": [1], "sampling_params": {
-        "min_new_tokens": 0}}).items[0].sampling == {}
+        "min_new_tokens": 0}}).items[0].sampling.to_wire() == {}
 
 
 def _smollm_front(smollm, ids: list[int], matched: int):

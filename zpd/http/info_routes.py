@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 import zpd
+from engines.sampling_params import SamplingParams
 from zpd.http.admin_routes import failure
 from zpd.http.front import FRONT, Front, error_response, json_response
 from zpd.http.records import BadRequest, GenRequest
@@ -77,7 +78,7 @@ async def health(request: web.Request) -> web.Response:
 async def health_generate(request: web.Request) -> web.Response:
     """One token through the whole cluster."""
     front = request.app[FRONT]
-    probe = GenRequest({"max_new_tokens": 1, "temperature": 0}, input_ids=[0])
+    probe = GenRequest(SamplingParams(max_new_tokens=1, temperature=0), input_ids=[0])
     try:
         out, = await asyncio.wait_for(run_all(front.backend, [probe], None), HEALTH_TIMEOUT_S)
     except asyncio.TimeoutError:

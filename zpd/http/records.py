@@ -8,7 +8,7 @@ on every route). JSON null counts as absent, as it does for the APIs we mirror.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import orjson
@@ -19,8 +19,6 @@ from zpd.config import HttpConfig, PromptLimits, default_of
 MAX_TOP_LOGPROBS = 20
 MAX_REQUESTS = default_of(HttpConfig, "max_batch_requests")   # generations per call (prompts x n)
 MAX_RID_CHARS = 256
-# in the wire's sampling dict, only when asked
-LOGPROB_KEYS = ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob")
 
 
 class BadRequest(ValueError):
@@ -39,8 +37,8 @@ def error_body(message: str, status: int, kind: str = "invalid_request_error") -
 class GenRequest:
     """One generation as the router gets it: exactly one of `input_ids`, `text` or
     `messages` (a conversation the workers render with the model's chat template),
-    and the engine's sampling dict (logprobs asked for with LOGPROB_KEYS)."""
-    sampling: dict
+    and its sampling parameters, checked once here at the edge (checked_sampling)."""
+    sampling: SamplingParams
     input_ids: list[int] | None = None
     text: str | None = None
     messages: list[dict] | None = None
@@ -52,28 +50,27 @@ class GenRequest:
 
     @property
     def logprobs(self) -> bool:
-        return bool(self.sampling.get("return_logprob"))
+        return self.sampling.return_logprob
 
     @property
     def top_logprobs(self) -> int:
-        return int(self.sampling.get("top_logprobs_num") or 0)
+        return self.sampling.top_logprobs_num
 
     @property
     def token_ids_logprob(self) -> tuple[int, ...]:
-        return tuple(self.sampling.get("token_ids_logprob") or ())
+        return self.sampling.token_ids_logprob
 
     @property
     def stop(self) -> tuple[str, ...]:
-        stop = self.sampling.get("stop") or ()
-        return (stop,) if isinstance(stop, str) else tuple(stop)
+        return self.sampling.stop
 
 
 def prompt_logprob_entries(req: GenRequest) -> int:
     """The prompt logprob entries one generation asks for: scored positions x (1 +
     top_logprobs_num + len(token_ids_logprob)). A text prompt counts its UTF-8 bytes as
     its tokens, which no byte-level tokenizer's count exceeds (the router's rule)."""
-    start = req.sampling.get("logprob_start_len", -1)
-    if not req.logprobs or start is None or start < 0:
+    start = req.sampling.logprob_start_len
+    if not req.logprobs or start < 0:
         return 0
     length = len(req.input_ids) if req.input_ids is not None else len((req.text or "").encode())
     return max(0, length - max(start, 1)) * (1 + req.top_logprobs + len(req.token_ids_logprob))
@@ -178,19 +175,18 @@ def stop_strings(name: str, value: Any) -> list[str]:
     return items
 
 
-def checked_sampling(sampling: dict) -> dict:
-    """`sampling` (the engine's names) as the workers will check it; BadRequest names a
-    bad value. Logprob keys are checked here: engines that predate them refuse them."""
-    engine = {k: v for k, v in sampling.items() if k not in LOGPROB_KEYS}
-    try:
-        SamplingParams.from_dict(engine)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
+def checked_sampling(sampling: dict) -> SamplingParams:
+    """`sampling` (the engine's names) as the record the request carries from here on:
+    the one check of its values (BadRequest names a bad one). The logprob fields get
+    the HTTP front's words for their errors, as the body's other fields do."""
     take(sampling, "return_logprob", boolean)
     take(sampling, "top_logprobs_num", integer(0, MAX_TOP_LOGPROBS))
     take(sampling, "logprob_start_len", integer(-1, INT32_MAX))
     take(sampling, "token_ids_logprob", id_list)
-    return sampling
+    try:
+        return SamplingParams.from_dict(sampling)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def logprob_sampling(want: bool, top: int, start: int = -1, ids: list[int] = ()) -> dict:
@@ -254,15 +250,15 @@ def item_rids(value: Any, prompts: int, n: int, batch: bool) -> list[str | None]
     return [rid_field(f"rid[{p}]", f"{names[p]}_{j}") for j in range(n) for p in range(prompts)]
 
 
-def seeded_copies(sampling: dict, n: int) -> list[dict]:
+def seeded_copies(sampling: SamplingParams, n: int) -> list[SamplingParams]:
     """`n` copies of a request's sampling; with a seed, copy i gets seed + i, so the
     copies differ and the whole answer is still reproducible."""
-    seed = sampling.get("seed")
+    seed = sampling.seed
     if seed is None or n == 1:
         return [sampling] * n
-    if type(seed) is not int or seed + n - 1 >= 2 ** 63:
+    if seed + n - 1 >= 2 ** 63:
         raise BadRequest(f"'seed' must be an integer below 2**63 - {n - 1} with n={n}")
-    return [sampling | {"seed": seed + i} for i in range(n)]
+    return [replace(sampling, seed=seed + i) for i in range(n)]
 
 
 def _kind(value: Any) -> str:

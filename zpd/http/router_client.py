@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from zpd.client import Asked, asks_logprobs, chunk_of, generate_message, sampling_record
+from zpd.client import Asked, asks_logprobs, chunk_of, generate_message
 from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
 from zpd.http.records import GenRequest
 from zpd.http.router_link import Link, Unacked
@@ -162,7 +162,7 @@ class RouterClient:
             sink(abort_chunk(rid, 409, f"rid {rid!r} is already in flight"))
             return lambda: None
         self._sinks[rid] = sink = _noting_retry(sink)
-        self._asked[rid] = asks_logprobs(sampling_record(req.sampling))
+        self._asked[rid] = asks_logprobs(req.sampling)
         try:
             self._submit(rid, req)
         except BaseException:          # never sent: the rid must not stay taken (409)
@@ -205,7 +205,7 @@ class RouterClient:
             sink(chunk)
 
     def _submit(self, rid: str, req: GenRequest) -> None:
-        msg = generate_message(req.input_ids, req.text, sampling_record(req.sampling), rid, req.stream, req.messages,
+        msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages,
                                USER.get(), CALL.get())
         frames = self._frames(rid, msg)
         if frames is not None:
