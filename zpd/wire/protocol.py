@@ -7,8 +7,10 @@ Wire: a multipart message ``[header, *blobs]``. ``header`` is an orjson object
 ``list[int]`` (token ids, page ids) travel as their own frame of little-endian
 int32, and ``list[float]`` (logprobs) as one of little-endian float32 (any float32,
 NaN and infinities included); the header holds that frame's index, so large arrays
-are never JSON-encoded. An optional field whose value is None is left out of the
-header (and so costs no frame). ``decode`` turns any malformed input into
+are never JSON-encoded. A field typed as a record (a class with ``to_wire`` and a
+``from_dict`` that checks a peer's object) travels as that object, and a
+``dict[str, Record]`` as an object of them. An optional field whose value is None is
+left out of the header (and so costs no frame). ``decode`` turns any malformed input into
 ``ProtocolError``.
 
 Header keys the receiver does not know are ignored, so a newer sender may add
