@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import med  # noqa: E402
-from engines.kv.pool import KVLayout, KVPool  # noqa: E402
+from engines.kv.layout import KVLayout  # noqa: E402
+from engines.kv.pool import KVPool  # noqa: E402
 
 LAYOUTS = {
     "tiny f32": KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=16,

@@ -63,7 +63,7 @@ from e2e_components import PAGE_SIZE, compute_times, transfer_time, zmq_round_tr
 
 from e2e_report import report  # noqa: E402
 
-from engines.kv.pool import KVLayout  # noqa: E402
+from engines.kv.layout import KVLayout  # noqa: E402
 from engines.loader import LoadedModel, load_model  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
 from zpd.client import Client  # noqa: E402

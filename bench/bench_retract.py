@@ -249,7 +249,8 @@ def components(model_path: str, args, prefixes: list[list[int]]) -> dict[str, fl
     iteration: 64 messages, two per request), and one decode step of N and of 8 requests
     at their median context. Medians of 3."""
     import torch
-    from engines.kv.pool import KVLayout, KVPool
+    from engines.kv.layout import KVLayout
+    from engines.kv.pool import KVPool
     from engines.loader import load_model
     from engines.sampler import SamplingParams
     from engines.compute import Compute

@@ -59,7 +59,8 @@ from common import Launch, cpu_seconds, log_step, med, random_prompts, wait_quie
 
 import engines.prompt_logprobs as pl  # noqa: E402
 import engines.runner  # noqa: E402
-from engines.kv.pool import KVLayout, KVPool  # noqa: E402
+from engines.kv.layout import KVLayout  # noqa: E402
+from engines.kv.pool import KVPool  # noqa: E402
 from engines.loader import LoadedModel, load_model  # noqa: E402
 from engines.config import ModelConfig  # noqa: E402
 from engines.models.tiny import TINY_CONFIG, save_tiny  # noqa: E402

@@ -17,7 +17,8 @@ import zmq
 from common import median_time, random_prompts  # first: it puts the repository on sys.path
 
 import transport  # noqa: E402
-from engines.kv.pool import KVLayout, KVPool  # noqa: E402
+from engines.kv.layout import KVLayout  # noqa: E402
+from engines.kv.pool import KVPool  # noqa: E402
 from engines.loader import LoadedModel  # noqa: E402
 from engines.sampler import SamplingParams  # noqa: E402
 from engines.compute import Compute  # noqa: E402

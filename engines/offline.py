@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.compute import Compute
 from engines.batch import DecodeBatch

@@ -89,7 +89,8 @@ def fp32_logits(args, s: Sizes, path: Path, prompts, ref, where: str, emit: Emit
     """Our prefill and each decode step (ModelRunner, as tests/unit/test_model_vs_hf.py)
     against the reference's last-position logits of the same prefix."""
     import torch
-    from engines.kv.pool import KVLayout, KVPool
+    from engines.kv.layout import KVLayout
+    from engines.kv.pool import KVPool
     from engines.loader import load_model
     from engines.runner import ModelRunner
     model = load_model(str(path), device=args.device, dtype="float32")

@@ -1,43 +1,13 @@
 """The KV pool: one contiguous buffer per worker, registered with the transfer engine once."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 
 from engines.kv.allocator import PageAllocator, page_runs
+from engines.kv.layout import KVLayout
 from engines.kv.paged import PagedKV
-from engines.config import ModelConfig
 
 DEFAULT_PAGE_SIZE = 16
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What two workers must agree on to exchange pages byte for byte."""
-    num_layers: int
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    element_bytes: int
-
-    @classmethod
-    def for_model(cls, cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> "KVLayout":
-        return cls(cfg.num_layers, page_size, cfg.num_kv_heads, cfg.head_dim,
-                   str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size())
-
-    @property
-    def page_bytes(self) -> int:
-        """One page of every layer, K and V: one contiguous chunk of the pool."""
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim \
-            * self.element_bytes
-
-    def pool_shape(self, num_pages: int) -> tuple[int, ...]:
-        return num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim
-
-    def to_dict(self) -> dict:
-        return asdict(self) | {"page_bytes": self.page_bytes, "order": "page,layer,kv,token,head,dim"}
 
 
 class KVPool:

@@ -10,7 +10,8 @@ from typing import Protocol
 
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.runner import ModelRunner
 from engines.tp.group import TpGroup

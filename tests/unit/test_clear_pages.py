@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from tests.unit.inproc import InprocCluster
 
 LAYOUT = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype="float32",

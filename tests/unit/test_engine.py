@@ -50,7 +50,7 @@ def test_small_pool_back_pressure_still_serves_everything(tiny64):
 
 
 def tiny64_pages_mb(model, pages):
-    from engines.kv.pool import KVLayout
+    from engines.kv.layout import KVLayout
     return pages * KVLayout.for_model(model.cfg, 16, model.dtype).page_bytes / 2**20
 
 
@@ -360,7 +360,8 @@ def test_the_torch_backend_gives_the_cpu_backends_answers(dtype):
     prefill, a prefill after a cached prefix and decode steps give the CPU backend's
     greedy tokens and logits to float32 rounding; in float64, where no CPU kernel
     runs, the same bits."""
-    from engines.kv.pool import KVLayout, KVPool
+    from engines.kv.layout import KVLayout
+    from engines.kv.pool import KVPool
     from engines.runner import ModelRunner
     from engines.torch_backend import TorchBackend
     model = load_model("tiny", dtype=dtype)

@@ -10,7 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request, as_float32

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.runner import ModelRunner
 from tests.unit.hf_models import VARIANTS, hf_model, make_checkpoint

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from engines.compute import Compute
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.config import ModelError
 from engines.models.null import PEAK, NullSpec, predict

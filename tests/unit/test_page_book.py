@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.request import Request
 from engines.sampler import SamplingParams
 from zpd.wire.loop import Loop

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import transport
-from engines.kv.pool import KVLayout
+from engines.kv.layout import KVLayout
 from engines.request import Request
 from engines.sampler import SamplingParams
 from engines.tp.transfer import LocalPool
@@ -65,7 +65,7 @@ class Prefill:
             self.jobs, Tombstones(loop=None, seconds=60.0), self.peers, self.send,
             lambda: False, lambda tokens: -(-tokens // LAYOUT.page_size), self.new_job,
             self.move, self.end, self.writes.start, "hash", "us", lambda session: None,
-            lambda ok, reason: HelloAck(ok, LAYOUT.to_dict(), "hash", "prefill-session",
+            lambda ok, reason: HelloAck(ok, LAYOUT, "hash", "prefill-session",
                                         [OURS.announced()], 8, "v1", reason)))
 
     def send(self, identity: bytes, msg: object) -> None:
@@ -83,7 +83,7 @@ class Prefill:
         self.ended.append((job, status, reason))
 
     def hello(self, identity: bytes, endpoint: str, session: str) -> None:
-        self.dests.on_hello(identity, Hello(endpoint, LAYOUT.to_dict(), "hash", session,
+        self.dests.on_hello(identity, Hello(endpoint, LAYOUT, "hash", session,
                                             [[0, 2, THEIR_BASE]], 8, "v1"))
 
     def computed(self, room: int, prompt: int = 6) -> PrefillJob:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import engines.prompt_logprobs as pl
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.prompt_logprobs import PromptLogprobAsk
 from engines.runner import ModelRunner

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.models.tiny import tiny_tokenizer
 from engines.offline import OfflineEngine
 from engines.prompt_logprobs import PromptLogprobAsk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import orjson
@@ -9,13 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engines.kv.layout import KVLayout
 from engines.sampling_params import SamplingParams
 from zpd.wire import protocol as p
 from zpd.wire.first_token import FirstToken
+from zpd.wire.payloads import AdoptedRequest, KvTimings
 from zpd.wire.protocol import ProtocolError, decode, encode
 
-LAYOUT = {"num_layers": 2, "page_size": 16, "page_bytes": 4096, "dtype": "float16",
-          "num_kv_heads": 2, "head_dim": 64}
+LAYOUT = KVLayout(num_layers=2, page_size=16, num_kv_heads=2, head_dim=64, dtype="float16",
+                  element_bytes=2)
+TIMINGS = KvTimings(prefill_queue=1.5, prefill_forward=20.25, kv_dest_wait=0.0, kv_transfer=3)
 
 SAMPLES: list[p.Message] = [
     p.Generate(rid="r1", input_ids=[1, 2, 3], sampling=SamplingParams(temperature=0.0, stop=("x",)),
@@ -28,7 +32,7 @@ SAMPLES: list[p.Message] = [
     p.HelloAck(ok=False, layout=LAYOUT, compat_hash="abd", session_id="h:2", pools=[[0, 2, 1]],
                num_pages=8, weight_version="v1", reason="hash mismatch"),
     p.KvDest(room=7, epoch=0, rid="r1", page_ids=[0, 5, 2**31 - 1], aux_slot=3),
-    p.KvDone(room=7, epoch=1, first_token=42, weight_version="v2"),
+    p.KvDone(room=7, epoch=1, first_token=42, weight_version="v2", timings=TIMINGS),
     p.KvDone(room=7, epoch=0, first_token=42, weight_version="v2", logprob=[-0.25],
              top_ids=[42, 7], top_logprobs=[-0.25, -1.5]),
     p.KvFailed(room=7, epoch=1, status=504, reason="deadline"),
@@ -49,8 +53,8 @@ SAMPLES: list[p.Message] = [
     p.AdminReply(req_id="q1", ok=True, result={"paused": "retract"}),
     p.Resume(rid="r1", have=7),
     p.Adopt(),
-    p.Adopted(requests={"r1": {"owner": "6162", "prefill": "127.0.0.1:5000", "stream": True,
-                               "tokens": 40, "output": 3}}, paused="retract"),
+    p.Adopted(requests={"r1": AdoptedRequest(owner="6162", prefill="127.0.0.1:5000", stream=True,
+                                               tokens=40, output=3)}, paused="retract"),
     p.Ping(seq=3, sent_at=12.5, sender="decode-0", boot="123.abcd"),
     p.Pong(seq=3, sent_at=12.5, sender="prefill-0"),
     p.Error(status=400, reason="bad", rid="r9"),
@@ -106,6 +110,9 @@ def test_int_field_accepts_float_coerces_for_float() -> None:
 
 GOOD = encode(SAMPLES[0])
 HELLO = encode(SAMPLES[2])
+KV_DONE = encode(SAMPLES[5])
+WIRE_LAYOUT = LAYOUT.to_dict()
+WIRE_TIMINGS = TIMINGS.to_wire()
 MALFORMED = {
     "empty": [],
     "not json": [b"\x00garbage"],
@@ -151,6 +158,22 @@ MALFORMED = {
     "hello without pools": without(HELLO, "pools"),
     "resume of a negative count": [orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "resume",
                                                  "rid": "r1", "have": -1})],
+    "layout not an object": with_header(HELLO, layout=[2, 16]),
+    "layout without a field": with_header(HELLO, layout={k: v for k, v in WIRE_LAYOUT.items()
+                                                          if k != "head_dim"}),
+    "layout of no layers": with_header(HELLO, layout=WIRE_LAYOUT | {"num_layers": 0}),
+    "layout with a bool": with_header(HELLO, layout=WIRE_LAYOUT | {"num_kv_heads": True}),
+    "layout with a float": with_header(HELLO, layout=WIRE_LAYOUT | {"head_dim": 64.0}),
+    "layout's dtype not a str": with_header(HELLO, layout=WIRE_LAYOUT | {"dtype": 2}),
+    "layout's page_bytes not its fields'": with_header(HELLO, layout=WIRE_LAYOUT | {"page_bytes": 1}),
+    "layout's order another": with_header(HELLO, layout=WIRE_LAYOUT | {"order": "page,kv"}),
+    "hello_ack's layout": with_header(encode(SAMPLES[3]), layout=WIRE_LAYOUT | {"page_size": -16}),
+    "timings not an object": with_header(KV_DONE, timings=5),
+    "timings without a step": with_header(KV_DONE, timings={"prefill_queue": 1.0}),
+    "timings negative": with_header(KV_DONE, timings=WIRE_TIMINGS | {"kv_transfer": -1.0}),
+    "timings not a number": with_header(KV_DONE, timings=WIRE_TIMINGS | {"prefill_queue": "1"}),
+    "timings null": with_header(KV_DONE, timings=WIRE_TIMINGS | {"kv_dest_wait": None}),
+    "timings bool": with_header(KV_DONE, timings=WIRE_TIMINGS | {"kv_dest_wait": True}),
     "adopted requests not an object": [orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "adopted",
                                                      "requests": [["r1"]]})],
 }
@@ -165,6 +188,38 @@ def test_malformed_is_protocol_error(frames: list[bytes]) -> None:
 
 def test_unknown_header_keys_are_ignored() -> None:
     assert decode(with_header(GOOD, future_field=1)) == SAMPLES[0]
+    assert decode(with_header(HELLO, layout=WIRE_LAYOUT | {"future": 1})) == SAMPLES[2]
+    assert decode(with_header(KV_DONE, timings=WIRE_TIMINGS | {"future": 1})) == SAMPLES[5]
+
+
+def test_records_travel_as_the_objects_of_version_4() -> None:
+    """A layout, timings and adopted requests are objects in the header, as they were."""
+    assert header(HELLO)["layout"] == {
+        "num_layers": 2, "page_size": 16, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
+        "element_bytes": 2, "page_bytes": 2 * 2 * 16 * 2 * 64 * 2, "order": "page,layer,kv,token,head,dim"}
+    assert header(KV_DONE)["timings"] == {"prefill_queue": 1.5, "prefill_forward": 20.25,
+                                          "kv_dest_wait": 0.0, "kv_transfer": 3}
+    assert header(encode(SAMPLES[-4]))["requests"] == {"r1": {
+        "owner": "6162", "prefill": "127.0.0.1:5000", "stream": True, "tokens": 40, "output": 3}}
+    assert "timings" not in header(encode(SAMPLES[6]))     # none: not sent
+
+
+GOOD_ENTRY = {"owner": "6162", "prefill": "p:1", "stream": False, "tokens": 9, "output": 0}
+
+
+@pytest.mark.parametrize("entry,named", [
+    ([], "object"), (GOOD_ENTRY | {"owner": "zz"}, "owner"), (GOOD_ENTRY | {"owner": ""}, "owner"),
+    (GOOD_ENTRY | {"prefill": ["x"]}, "prefill"), (GOOD_ENTRY | {"stream": 1}, "stream"),
+    (GOOD_ENTRY | {"tokens": "9"}, "tokens"), (GOOD_ENTRY | {"output": -1}, "output"),
+    ({k: v for k, v in GOOD_ENTRY.items() if k != "tokens"}, "tokens")])
+def test_a_refused_adopted_entry_keeps_the_others_with_the_reason(entry, named) -> None:
+    """Checked once, by the router's decode; the router aborts the refused rids."""
+    frames = [orjson.dumps({"v": p.PROTOCOL_VERSION, "type": "adopted",
+                            "requests": {"ok": GOOD_ENTRY, "bad": entry}})]
+    msg = decode(frames)
+    assert msg.requests == {"ok": AdoptedRequest("6162", "p:1", False, 9, 0)}
+    assert set(msg.refused) == {"bad"} and named in msg.refused["bad"]
+    assert decode(encode(msg)).refused == {}           # the reasons are never sent on
 
 
 def test_sampling_travels_as_the_parameters_set() -> None:
@@ -203,6 +258,10 @@ def test_a_refused_scoring_request_is_no_scoring_request() -> None:
     p.Generate(rid="r", input_ids=["a"]),  # type: ignore[list-item]
     p.Abort(rid="r", status=True),
     p.Generate(rid="r", input_ids=[1], sampling={"temperature": 0}),  # type: ignore[arg-type]
+    p.Hello("d", {"num_layers": 1}, "h", "s", [[0, 1, 16]], 1, "v"),  # type: ignore[arg-type]
+    p.KvDone(1, 0, 5, "v", timings={"kv_transfer": 1.0}),  # type: ignore[arg-type]
+    p.Adopted(requests={"r": {"owner": "61"}}),  # type: ignore[dict-item]
+    p.Adopted(requests=[AdoptedRequest("61", "p", False, 1, 0)]),  # type: ignore[arg-type]
     p.Ping(seq=1, sent_at=float("nan")),
     p.Admin(command="c", args={"x": object()}),
     p.Tokens(rids=["r"], counts=[1], token_ids=[5], weight_versions=[1]),  # type: ignore[list-item]
@@ -226,6 +285,8 @@ VALID_BY_KIND = {
     "dict": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
     "strs": st.lists(st.text(max_size=8), max_size=3), "blob": st.integers(0, 6),
     "f32blob": st.integers(0, 6), "record": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
+    "records": st.dictionaries(st.text(max_size=8), st.dictionaries(st.text(max_size=8), json_values,
+                                                                    max_size=5), max_size=3),
     "intlists": st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=3), max_size=3),
 }
 
@@ -253,7 +314,14 @@ def _decode_or_error(frames: list[bytes]) -> None:
         return
     assert isinstance(msg, p.Message)
     # repr, not ==: a float32 blob of random bytes may hold NaN, which equals nothing
-    assert repr(decode(encode(msg))) == repr(msg)
+    assert repr(decode(encode(msg))) == repr(_as_sent(msg))
+
+
+def _as_sent(msg: p.Message) -> p.Message:
+    """`msg` without what its decode found (its refusals), which is never sent on."""
+    local = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(msg) if not f.metadata.get("wire", True)}
+    return dataclasses.replace(msg, **local)
 
 
 @settings(max_examples=400, deadline=None)

@@ -4,6 +4,7 @@ client resumes each with the count of tokens it has; what cannot be resumed ends
 and only the identity that sent a request gets it back."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from tests.unit.inproc import Answer, InprocCluster, reference
@@ -12,7 +13,8 @@ from zpd.ops.router import build_router
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Accepted, Adopt, Adopted, Ping, Pong, Resume, Tokens
+from zpd.wire.protocol import PROTOCOL_VERSION, Accepted, Adopt, Adopted, Ping, Pong, Resume, Tokens
+from zpd.wire.protocol import decode as decode_frames
 from zpd.wire.resume import PROBE_S, Resumes
 from zpd.wire.router_proof import load_router_secret, router_endpoint, router_identity
 from zpd.worker.decode import DecodePhase
@@ -187,8 +189,9 @@ def test_a_decode_that_hands_over_too_late_has_its_requests_aborted(cluster):
 
 
 def test_a_malformed_handover_is_aborted_at_the_decode(cluster):
-    """What a decode hands over is checked: an entry the router cannot use is aborted
-    there, the others are adopted."""
+    """What a decode hands over is checked (its entries by the wire decode, its
+    prefills by the router): an entry the router cannot use is aborted there, the
+    others are adopted."""
     server = cluster.router
     decode = next(w for w in server.workers if w.role == "decode")
     prefill = cluster.prefill.endpoint
@@ -198,7 +201,9 @@ def test_a_malformed_handover_is_aborted_at_the_decode(cluster):
            good | {"tokens": "9"}, good | {"owner": ""}]
     aborted = []
     decode.dealer.send = aborted.append
-    server.adoption.on_adopted(decode, Adopted({"ok": good} | {f"bad{i}": b for i, b in enumerate(bad)}))
+    requests = {"ok": good} | {f"bad{i}": b for i, b in enumerate(bad)}
+    handed = decode_frames([orjson.dumps({"v": PROTOCOL_VERSION, "type": "adopted", "requests": requests})])
+    server.adoption.on_adopted(decode, handed)
     assert set(server.inflight) == {"ok"} and set(server.adoption.unclaimed) == {"ok"}
     assert sorted(m.rid for m in aborted) == sorted(f"bad{i}" for i in range(len(bad)))
     assert decode.load == 1 and server.shares.routed(b"client") == 1

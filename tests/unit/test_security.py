@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from engines.kv.layout import KVLayout
 from engines.sampling_params import SamplingParams
 from zpd.wire.net import Curve, Dealer, Router, SocketOptions
 from zpd.wire.protocol import Admin, AdminReply, Generate, Hello, TokenPart, Tokens
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built witho
 
 WAIT = 5.0        # never reached when things work
 REFUSED = 1.0     # how long a refused message is given to (wrongly) arrive
+HELLO = Hello("x", KVLayout(1, 1, 1, 1, "float32", 4), "h", "s", [], 0, "v")
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +124,14 @@ def test_worker_takes_requests_and_control_only_from_the_cluster_key(keys, ctx) 
     try:
         client = _dealer(ctx, worker.endpoint, client_curve(keys, "client"))
         client.send(Generate("direct", [1], SamplingParams(), False))
-        client.send(Hello("x", {}, "h", "s", [], 0, "v"))
+        client.send(HELLO)
         assert _next(worker, REFUSED) is None
         token = client.recv(timeout=WAIT)
         assert isinstance(token, Tokens)
         (part,) = token.unpack()
         assert part.rid == "direct" and part.finished and part.finish["status_code"] == 403
         cluster = _dealer(ctx, worker.endpoint, sec.client_options().curve)
-        cluster.send(Hello("x", {}, "h", "s", [], 0, "v"))
+        cluster.send(HELLO)
         assert isinstance(_next(worker, WAIT)[1], Hello)
     finally:
         worker.close()
@@ -144,7 +146,7 @@ def test_plaintext_process_cannot_reach_a_keyed_one(keys, ctx, caplog) -> None:
     try:
         with caplog.at_level(logging.WARNING, logger="zpd.wire.security"):
             dealer = Dealer(ctx, plain_worker.endpoint, opts=sec.client_options())
-            dealer.send(Hello("x", {}, "h", "s", [], 0, "v"))
+            dealer.send(HELLO)
             assert _next(plain_worker, REFUSED) is None
         assert f"refused connection on tcp://{plain_worker.endpoint}" in caplog.text
     finally:

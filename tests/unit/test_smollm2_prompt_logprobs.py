@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.prompt_logprobs import PromptLogprobAsk
 from engines.runner import ModelRunner

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import transport
-from engines.kv.pool import KVLayout
+from engines.kv.layout import KVLayout
 from engines.tp.transfer import LocalPool, RankPool, TransferPlanner
 from zpd.wire.protocol import Hello
 from zpd.worker.core import compat_hash
@@ -185,7 +185,7 @@ LAYOUT = KVLayout(LAYERS, PAGE_SIZE, 4, HEAD_DIM, "float64", 8)
 
 
 def hello(announced: list[list[int]]) -> Hello:
-    return Hello("inproc://d", LAYOUT.to_dict(), "h", "fake:9", announced, PAGES, "v")
+    return Hello("inproc://d", LAYOUT, "h", "fake:9", announced, PAGES, "v")
 
 
 @pytest.mark.parametrize("d", [1, 2, 4, 8])

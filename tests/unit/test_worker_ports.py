@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.request import Request
 from engines.sampler import SamplingParams

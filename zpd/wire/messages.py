@@ -14,7 +14,9 @@ import random
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from engines.kv.layout import KVLayout
 from engines.sampling_params import SamplingParams
+from zpd.wire.payloads import AdoptedRequest, KvTimings
 
 # Field metadata of a record field the codec never sends: what the decode itself found.
 LOCAL = {"wire": False}
@@ -108,16 +110,15 @@ def user_problem(user: str, call: str = "") -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Hello(Message):
-    """Decode → prefill handshake. ``layout`` holds num_layers, page_size,
-    page_bytes, dtype, num_kv_heads, head_dim of the whole model's KV (every kv
-    head, whatever the TP). ``pools`` are the decode's registered KV pools that
+    """Decode → prefill handshake. ``layout`` is the whole model's KV layout (every kv
+    head, whatever the TP), sent as its fields with page_bytes and order. ``pools`` are the decode's registered KV pools that
     prefill will write into, one per tensor-parallel rank in rank order, each
     ``[head_start, head_stop, base_addr]``: the model's kv heads it holds and its
     page 0; every pool has ``num_pages`` pages (engines/tp/transfer.py)."""
 
     TYPE: ClassVar[str] = "hello"
     decode: str
-    layout: dict
+    layout: KVLayout
     compat_hash: str
     session_id: str
     pools: list[list[int]]
@@ -133,7 +134,7 @@ class HelloAck(Message):
 
     TYPE: ClassVar[str] = "hello_ack"
     ok: bool
-    layout: dict
+    layout: KVLayout
     compat_hash: str
     session_id: str
     pools: list[list[int]]
@@ -166,7 +167,7 @@ class KvDest(Message):
 @dataclass(frozen=True, slots=True)
 class KvDone(Message):
     """Prefill → decode: the KV is written; ``first_token`` was sampled under
-    ``weight_version``. When its request asked for logprobs, ``logprob`` holds the
+    ``weight_version``; ``timings`` say where the prefill's time went. When its request asked for logprobs, ``logprob`` holds the
     first token's (one entry) and, with top logprobs, ``top_ids``/``top_logprobs`` its
     alternatives, highest first, and with token_ids_logprob, ``ids_logprobs`` those
     ids' (in the order asked); otherwise they are None and not sent.
@@ -179,7 +180,7 @@ class KvDone(Message):
     epoch: int
     first_token: int
     weight_version: str
-    timings: dict = field(default_factory=dict)   # milliseconds, see engines.request.Request.timings
+    timings: Optional[KvTimings] = None
     logprob: Optional[list[float]] = None
     top_ids: Optional[list[int]] = None
     top_logprobs: Optional[list[float]] = None
@@ -329,14 +330,16 @@ class Adopt(Message):
 @dataclass(frozen=True, slots=True)
 class Adopted(Message):
     """Decode → router, the answer to Adopt: ``requests`` maps each rid handed over to
-    ``{"owner": client identity (hex), "prefill": endpoint, "stream": bool, "tokens":
-    prompt + max_new_tokens, "output": tokens generated so far}``; the tokens
-    themselves follow in a Tokens message (streamed requests: all so far). ``paused``:
-    the decode's pause mode ("" when it runs), which the new router takes on."""
+    its AdoptedRequest; the tokens themselves follow in a Tokens message (streamed
+    requests: all so far). ``paused``: the decode's pause mode ("" when it runs), which
+    the new router takes on."""
 
     TYPE: ClassVar[str] = "adopted"
-    requests: dict = field(default_factory=dict)
+    requests: dict[str, AdoptedRequest] = field(default_factory=dict)
     paused: str = ""
+    # The rids whose entries the router's decode refused, with why (never sent): the
+    # router aborts them at their decode, and adopts the others.
+    refused: dict[str, str] = field(default_factory=dict, metadata=LOCAL)
 
 
 @dataclass(frozen=True, slots=True)

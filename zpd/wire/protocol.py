@@ -7,8 +7,10 @@ Wire: a multipart message ``[header, *blobs]``. ``header`` is an orjson object
 ``list[int]`` (token ids, page ids) travel as their own frame of little-endian
 int32, and ``list[float]`` (logprobs) as one of little-endian float32 (any float32,
 NaN and infinities included); the header holds that frame's index, so large arrays
-are never JSON-encoded. An optional field whose value is None is left out of the
-header (and so costs no frame). ``decode`` turns any malformed input into
+are never JSON-encoded. A field typed as a record (a class with ``to_wire`` and a
+``from_dict`` that checks a peer's object) travels as that object, and a
+``dict[str, Record]`` as an object of them. An optional field whose value is None is
+left out of the header (and so costs no frame). ``decode`` turns any malformed input into
 ``ProtocolError``.
 
 Header keys the receiver does not know are ignored, so a newer sender may add
@@ -84,7 +86,7 @@ class _Field(NamedTuple):
     optional: bool
     required: bool
     omit_none: bool              # optional with a None default: None is not sent at all
-    record: Any = None           # kind "record": the class (its to_wire, from_dict)
+    record: Any = None           # kinds "record", "records": the class (its to_wire, from_dict)
 
 
 def _field_of(f: dataclasses.Field, hint: Any) -> _Field:
@@ -96,6 +98,9 @@ def _field_of(f: dataclasses.Field, hint: Any) -> _Field:
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     if hasattr(hint, "to_wire"):
         return _Field(f.name, "record", optional, required, optional and f.default is None, hint)
+    if typing.get_origin(hint) is dict and hasattr(typing.get_args(hint)[1], "to_wire"):
+        # dict[str, Record]: an object of records, by key
+        return _Field(f.name, "records", optional, required, False, typing.get_args(hint)[1])
     return _Field(f.name, _KINDS[hint], optional, required, optional and f.default is None)
 
 
@@ -134,6 +139,7 @@ _TYPE_OK: Mapping[str, Callable[[Any], bool]] = types.MappingProxyType({
     "blob": lambda v: True,
     "f32blob": lambda v: True,
     "record": lambda v: type(v) is dict,   # and then by the record's own from_dict
+    "records": lambda v: type(v) is dict,  # and each value by the record's from_dict
 })
 
 
@@ -184,6 +190,8 @@ def encode(msg: Message) -> list[bytes]:
                 raise ProtocolError(f"field {f.name!r}: expected {f.record.__name__}, "
                                     f"got {type(value).__name__}")
             header[f.name] = value.to_wire()
+        elif f.kind == "records":
+            header[f.name] = _records_to_wire(f, value)
         elif _TYPE_OK[f.kind](value):
             header[f.name] = value
         else:
@@ -192,6 +200,13 @@ def encode(msg: Message) -> list[bytes]:
         return [orjson.dumps(header), *blobs]
     except (TypeError, orjson.JSONEncodeError) as e:
         raise ProtocolError(f"{msg.TYPE}: header not serializable ({e})") from None
+
+
+def _records_to_wire(f: _Field, value: Any) -> dict[str, Any]:
+    if type(value) is not dict or not all(type(k) is str and isinstance(v, f.record)
+                                          for k, v in value.items()):
+        raise ProtocolError(f"field {f.name!r}: expected a dict of str to {f.record.__name__}")
+    return {key: record.to_wire() for key, record in value.items()}
 
 
 def _read_header(frames: Sequence[bytes]) -> dict[str, Any]:
@@ -249,6 +264,8 @@ def _checked_value(cls: type[Message], f: _Field, raw: Any, frames: Sequence[byt
     malformed, except in a message with a ``refused`` field (a generate, a recompute):
     that one is kept, with the reason there and the record's defaults, so that its
     receiver answers the request (400) instead of leaving its sender waiting."""
+    if f.kind == "records":
+        return _records(cls, f, raw, kwargs)
     try:
         return _field_value(f, raw, frames)
     except ProtocolError:
@@ -258,3 +275,23 @@ def _checked_value(cls: type[Message], f: _Field, raw: Any, frames: Sequence[byt
             raise ProtocolError(f"field {f.name!r}: {e}") from None
         kwargs["refused"] = str(e)
         return f.record()
+
+
+def _records(cls: type[Message], f: _Field, raw: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An object of records, by key. An entry its record's check refuses makes the
+    message malformed, except in a message with a ``refused`` map (an adopted): there
+    its key is kept with the reason, so that the receiver ends what the key names."""
+    if not _TYPE_OK["records"](raw):
+        raise ProtocolError(f"field {f.name!r}: expected an object, got {type(raw).__name__}")
+    kept: dict[str, Any] = {}
+    refused: dict[str, str] = {}
+    for key, entry in raw.items():
+        try:
+            kept[key] = f.record.from_dict(entry)
+        except ValueError as e:
+            if "refused" not in cls.__dataclass_fields__:
+                raise ProtocolError(f"field {f.name!r}: entry {key!r:.80}: {e}") from None
+            refused[key] = str(e)
+    if refused:
+        kwargs["refused"] = refused
+    return kept

@@ -18,7 +18,8 @@ import zmq
 
 import transport
 from engines.compute import Compute
-from engines.kv.pool import KVLayout, KVPool
+from engines.kv.layout import KVLayout
+from engines.kv.pool import KVPool
 from engines.loader import load_model
 from engines.tp.plan import TpPlan
 from engines.config import ModelConfig

@@ -86,7 +86,7 @@ class DecodeScheduler:
     def _hello(self) -> Hello:
         """Our pools, one per tensor-parallel rank, and the whole model's KV layout."""
         core, pools = self.core, self.core.rank_pools
-        return Hello(core.endpoint, model_layout(core.layout, pools).to_dict(), core.compat_hash,
+        return Hello(core.endpoint, model_layout(core.layout, pools), core.compat_hash,
                      core.backend.session_id, [p.announced() for p in pools],
                      self.pool.num_pages, core.model.version)
 
@@ -288,7 +288,7 @@ class DecodeScheduler:
 
     def on_kv_done(self, job: DecodeJob, msg: KvDone) -> None:
         req = job.req
-        req.timings = {k: v for k, v in msg.timings.items() if isinstance(v, (int, float))}
+        req.timings = msg.timings.to_wire() if msg.timings is not None else {}
         cached = cached_tokens(req, msg)
         problem = cached if isinstance(cached, str) else None
         if problem is None and not req.output:   # after a recompute the decode has its tokens

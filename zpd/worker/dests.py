@@ -56,7 +56,7 @@ class KvDests:
         s, peers = self.sched, self.sched.peers
         reason = peers.hello(identity, msg) if msg.compat_hash == s.compat_hash else (
             f"incompatible peers: prefill {s.serves} "
-            f"({peers.layout.to_dict()}), decode {msg.decode} has layout {msg.layout} "
+            f"({peers.layout.to_dict()}), decode {msg.decode} has layout {msg.layout.to_dict()} "
             f"(hash {msg.compat_hash} != {s.compat_hash})")
         if reason:
             peers.forget(identity)

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
-from engines.kv.pool import KVLayout
+from engines.kv.layout import KVLayout
 from engines.tp.transfer import RankPool
 from zpd.wire.net import format_endpoint, parse_endpoint
 from zpd.wire.protocol import Hello, KvDest, KvFailed, Message

@@ -86,7 +86,7 @@ class PrefillScheduler:
     def _hello_ack(self, ok: bool, reason: str) -> HelloAck:
         """Our answer to a decode's hello: our pools and model, or why we refuse it."""
         core = self.core
-        return HelloAck(ok, self.peers.layout.to_dict(), core.compat_hash,
+        return HelloAck(ok, self.peers.layout, core.compat_hash,
                         core.backend.session_id, [p.announced() for p in core.rank_pools],
                         core.pool.num_pages, core.model.version, reason)
 

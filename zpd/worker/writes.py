@@ -17,6 +17,7 @@ from typing import Callable
 
 import transport
 from engines.tp.transfer import LocalPool, PoolWrite, TransferPlanner
+from zpd.wire.payloads import KvTimings
 from zpd.wire.protocol import KvDone, Message
 from zpd.wire.status import INTERNAL
 from zpd.worker.jobs import JobPhase, PrefillJob
@@ -45,10 +46,10 @@ def transfer_runs(writes: list[PoolWrite], ours: list[int], theirs: list[int]) -
             for run in transport.coalesce_runs(w.src_base, ours, w.dst_base, theirs, w.page_bytes)]
 
 
-def _timings(marks: dict, transfer_s: float) -> dict:
-    """Milliseconds spent in each step of a written job (Request.timings names them)."""
-    return prefill_timings(marks) | {"kv_dest_wait": _ms(max(0.0, marks["write"] - marks["computed"])),
-                                     "kv_transfer": _ms(transfer_s)}
+def _timings(marks: dict, transfer_s: float) -> KvTimings:
+    """Milliseconds spent in each step of a written job."""
+    return KvTimings(**prefill_timings(marks), kv_dest_wait=_ms(max(0.0, marks["write"] - marks["computed"])),
+                     kv_transfer=_ms(transfer_s))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from zpd.router.flights import InFlight, Worker
 from zpd.router.shares import ClientShares
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Loop, Timer
+from zpd.wire.payloads import AdoptedRequest
 from zpd.wire.protocol import Abort, Adopt, Adopted, Message, Resume, TokenPart, Tokens
 
 log = logging.getLogger("zpd.router.ha.adoption")
@@ -83,42 +84,40 @@ class Adoption:
         if msg.paused in PAUSE_MODES and self.server.paused is None:
             self.server.paused = PauseMode(msg.paused)     # paused before this router began
         late = worker.endpoint not in self.asking     # its clients' resumes had 503 already
+        for rid, reason in msg.refused.items():
+            self._refuse(worker, rid, f"unusable ({reason:.200})")
         for rid, entry in msg.requests.items():
             flight = None if late else self._flight(worker, rid, entry)
             if flight is None:
-                log.warning("decode %s handed over rid=%r %s: aborting it", worker.endpoint, rid,
-                            "too late" if late else f"unusable ({entry!r:.200})")
-                worker.dealer.send(Abort(rid, 503, LOST))
+                self._refuse(worker, rid, "too late" if late else f"unusable ({entry!r:.200})")
                 continue
             self._adopt(flight, entry)
-        if msg.requests:
-            log.warning("decode %s handed over %d requests", worker.endpoint, len(msg.requests))
+        if msg.requests or msg.refused:
+            log.warning("decode %s handed over %d requests", worker.endpoint,
+                        len(msg.requests) + len(msg.refused))
         self.asking.discard(worker.endpoint)
         if not self.asking:
             self._asked()
 
-    def _flight(self, decode: Worker, rid: str, entry: object) -> InFlight | None:
-        """The flight an Adopted entry describes (None: malformed, or a rid or prefill
-        this router does not take)."""
-        server = self.server
-        if type(entry) is not dict or rid in server.inflight or rid in server.queued:
-            return None
-        owner, prefill, output = entry.get("owner"), entry.get("prefill"), entry.get("output")
-        prefills = {w.endpoint: w for w in server.workers if w.role == "prefill"}
-        if type(owner) is not str or type(output) is not int or output < 0 \
-                or type(entry.get("tokens")) is not int or type(prefill) is not str \
-                or prefill not in prefills:
-            return None
-        try:
-            client = bytes.fromhex(owner)
-        except ValueError:
-            return None
-        return InFlight(rid, client, prefills[prefill], decode, prefilled=output > 0) if client else None
+    @staticmethod
+    def _refuse(decode: Worker, rid: str, why: str) -> None:
+        """End a handed-over request at its decode: this router does not take it."""
+        log.warning("decode %s handed over rid=%r %s: aborting it", decode.endpoint, rid, why)
+        decode.dealer.send(Abort(rid, 503, LOST))
 
-    def _adopt(self, flight: InFlight, entry: dict) -> None:
+    def _flight(self, decode: Worker, rid: str, entry: AdoptedRequest) -> InFlight | None:
+        """The flight an Adopted entry describes (None: a rid or prefill this router
+        does not take; the entry itself was checked by the wire decode)."""
+        server = self.server
+        prefills = {w.endpoint: w for w in server.workers if w.role == "prefill"}
+        if rid in server.inflight or rid in server.queued or entry.prefill not in prefills:
+            return None
+        return InFlight(rid, entry.client, prefills[entry.prefill], decode, prefilled=entry.output > 0)
+
+    def _adopt(self, flight: InFlight, entry: AdoptedRequest) -> None:
         server, rid = self.server, flight.rid
         server.inflight[rid] = flight
-        server.shares.take(flight.client, rid, max(0, entry["tokens"]))
+        server.shares.take(flight.client, rid, entry.tokens)
         flight.decode.load += 1
         if not flight.prefilled:
             flight.prefill.load += 1

@@ -27,6 +27,7 @@ from zpd.config import Deadlines
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Loop, Timer
 from zpd.wire.net import Router
+from zpd.wire.payloads import AdoptedRequest
 from zpd.wire.protocol import Adopt, Adopted, Message, Ping, TokenPart
 from zpd.wire.router_proof import router_endpoint
 from zpd.wire.security import Security
@@ -75,7 +76,7 @@ class RouterOrphans:
         self.grace, self.peer_timeout = deadlines.router_grace, deadlines.peer_timeout
         self.timers: dict[bytes, Timer] = {}      # silent router -> when its requests end
         # gone router -> rid -> (Adopted entry, whole answer) of requests ended since
-        self.kept: dict[bytes, dict[str, tuple[dict, TokenPart]]] = {}
+        self.kept: dict[bytes, dict[str, tuple[AdoptedRequest, TokenPart]]] = {}
 
     def of(self, identity: bytes) -> list[DecodeJob]:
         return [j for j in self.sched.jobs.values() if j.client == identity]
@@ -153,8 +154,8 @@ class RouterOrphans:
             and sock.last_send_unreachable
 
 
-def entry(job: DecodeJob) -> dict:
-    """What the adopting router needs of one request (Adopted's fields)."""
+def entry(job: DecodeJob) -> AdoptedRequest:
+    """What the adopting router needs of one request."""
     req = job.req
-    return {"owner": job.owner, "prefill": job.prefill, "stream": job.stream,
-            "tokens": len(req.prompt) + req.params.max_new_tokens, "output": len(req.output)}
+    return AdoptedRequest(job.owner, job.prefill, job.stream,
+                          len(req.prompt) + req.params.max_new_tokens, len(req.output))
