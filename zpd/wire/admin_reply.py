@@ -42,15 +42,18 @@ class AdminResult:
 
     @classmethod
     def from_wire(cls: type[R], wire: Mapping[str, Any]) -> R:
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(wire) - set(names))
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in wire
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if unknown or missing:
-            raise ResultError(f"{cls.__name__}: " + "; ".join(
-                part for part in (unknown and f"unexpected {', '.join(map(repr, unknown))}",
-                                  missing and f"missing {', '.join(map(repr, missing))}") if part))
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(wire) - {f.name for f in fields})
+        if unknown:
+            raise ResultError(f"{cls.__name__}: unexpected {', '.join(map(repr, unknown))}")
+        missing = [f.name for f in fields if f.name not in wire and _required(f)]
+        if missing:
+            raise ResultError(f"{cls.__name__}: missing {', '.join(map(repr, missing))}")
         return cls(**wire)
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 @functools.cache
