@@ -209,7 +209,7 @@ class InprocCluster:
         self.check_pages()
 
     def pages(self, core: WorkerCore) -> dict:
-        return core.status_fields()["kv_pages"]
+        return core.status_fields().to_wire()["kv_pages"]
 
     def check_pages(self, idle: bool = True) -> None:
         """free + held + fenced + cached == total on both workers (and the page book's

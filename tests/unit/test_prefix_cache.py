@@ -124,7 +124,7 @@ def cluster():
 
 
 def computed_tokens(c: InprocCluster) -> int:
-    return c.prefill.status_fields()["counters"]["prompt_tokens_computed"]
+    return c.prefill.status_fields().to_wire()["counters"]["prompt_tokens_computed"]
 
 
 SYSTEM = [(7 * i + 3) % 250 for i in range(48)]          # 3 pages
@@ -160,17 +160,17 @@ def test_samples_arriving_together_compute_their_prompt_once(cluster):
         assert cluster.run(rid).token_ids == want
     assert computed_tokens(cluster) == 52 + 7 * 4
     cluster.check_pages()
-    assert cluster.prefill.status_fields()["prefix_cache"]["hit_rate"] == round(7 * 48 / (8 * 52), 4)
+    assert cluster.prefill.status_fields().to_wire()["prefix_cache"]["hit_rate"] == round(7 * 48 / (8 * 52), 4)
 
 
 def test_new_weights_never_meet_old_kv(cluster):
     """Even under the same version name: an update invalidates the cache."""
     prompt = SYSTEM + [1, 2]
     assert cluster.run(cluster.submit(prompt, 6)).token_ids == reference_tiny("tiny", prompt, 6)
-    assert cluster.prefill.status_fields()["kv_pages"]["cached"] == 3
+    assert cluster.prefill.status_fields().to_wire()["kv_pages"]["cached"] == 3
     for spec in ("tiny:7", "tiny:3"):
         assert cluster.admin("update_weights", path=spec, version="same")["ok"]
-        assert cluster.prefill.status_fields()["kv_pages"]["cached"] == 0
+        assert cluster.prefill.status_fields().to_wire()["kv_pages"]["cached"] == 0
         assert cluster.run(cluster.submit(prompt, 6)).token_ids == reference_tiny(spec, prompt, 6)
     cluster.check_pages()
 
@@ -178,7 +178,7 @@ def test_new_weights_never_meet_old_kv(cluster):
 def test_eviction_under_pressure_keeps_outputs_exact(cluster):
     """More distinct prompts than the pool holds: idle cached pages are evicted,
     pages of running requests never are."""
-    total = cluster.prefill.status_fields()["kv_pages"]["total"]
+    total = cluster.prefill.status_fields().to_wire()["kv_pages"]["total"]
     rng = random.Random(5)
     prompts = [[rng.randrange(256) for _ in range(60)] for _ in range(total // 2)]
     rids = [(p, cluster.submit(p, 4)) for p in prompts + prompts[:4]]
@@ -186,7 +186,7 @@ def test_eviction_under_pressure_keeps_outputs_exact(cluster):
         assert cluster.run(rid).token_ids == reference(cluster, prompt, 4)
         cluster.check_pages(idle=False)
     cluster.check_pages()
-    assert cluster.prefill.status_fields()["kv_pages"]["cached"] <= total
+    assert cluster.prefill.status_fields().to_wire()["kv_pages"]["cached"] <= total
 
 
 def test_flush_cache_is_refused_while_requests_run_and_frees_pages_after(cluster):
@@ -200,7 +200,7 @@ def test_flush_cache_is_refused_while_requests_run_and_frees_pages_after(cluster
     assert reply["ok"] and {w["endpoint"]: w["flushed_pages"] for w in reply["workers"]} == {
         cluster.prefill.endpoint: 3, cluster.decode.endpoint: 3}      # both keep the prompt
     for core in (cluster.prefill, cluster.decode):
-        pages = core.status_fields()["kv_pages"]
+        pages = core.status_fields().to_wire()["kv_pages"]
         assert pages["cached"] == 0 and pages["free"] == pages["total"]
 
 
@@ -234,7 +234,7 @@ def test_retract_and_continue_stay_exact_with_a_cached_prefix(cluster):
 
 
 def hit_tokens(c: InprocCluster) -> int:
-    return c.prefill.status_fields()["counters"]["prefix_cache_hit_tokens"]
+    return c.prefill.status_fields().to_wire()["counters"]["prefix_cache_hit_tokens"]
 
 
 def test_cached_tokens_are_what_the_prefill_took_from_its_cache(cluster):
@@ -297,7 +297,7 @@ def test_requests_that_begin_alike_go_to_the_same_prefill_unless_it_is_much_busi
 
 
 def written(c: InprocCluster) -> int:
-    return c.prefill.status_fields()["counters"]["kv_bytes_written"]
+    return c.prefill.status_fields().to_wire()["counters"]["kv_bytes_written"]
 
 
 def test_a_decode_holding_the_prefix_receives_only_the_rest(cluster):
@@ -309,7 +309,7 @@ def test_a_decode_holding_the_prefix_receives_only_the_rest(cluster):
     got = cluster.run(cluster.submit(again, 6)).token_ids
     assert got == reference(cluster, again, 6)
     assert written(cluster) == 5 * page_bytes                # its 3 shared pages stayed put
-    assert cluster.decode.status_fields()["prefix_cache"]["hit_rate"] > 0
+    assert cluster.decode.status_fields().to_wire()["prefix_cache"]["hit_rate"] > 0
     cluster.check_pages()
 
 
@@ -322,7 +322,7 @@ def test_an_abort_mid_transfer_fences_only_the_pages_being_written(cluster):
     assert job.skip == 3
     cluster.abort(rid)
     cluster.pump(3)
-    fenced = cluster.decode.status_fields()["kv_pages"]["fenced"]
+    fenced = cluster.decode.status_fields().to_wire()["kv_pages"]["fenced"]
     assert fenced == cluster.decode.pool.pages_for(job.req.max_context) - 3
     cluster.check_pages(idle=False)
     cluster.silent.clear()
@@ -338,7 +338,7 @@ def test_off_means_off_on_both_sides():
         for _ in range(2):
             c.run(c.submit(SYSTEM + [4], 3))
         for core in (c.prefill, c.decode):
-            f = core.status_fields()
+            f = core.status_fields().to_wire()
             assert f["kv_pages"]["cached"] == 0 and f["prefix_cache"]["enabled"] is False
         assert written(c) == 2 * 4 * c.decode.layout.page_bytes
     finally:

@@ -3,7 +3,7 @@ no RouterServer. Each command fans out to the workers it names and folds their
 WorkerReply records into one answer."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import pytest
@@ -14,7 +14,8 @@ from zpd.router.flights import InFlight, Worker
 from zpd.router.hooks import Alone
 from zpd.router.tally import Tally
 from zpd.wire.admin_fields import PauseMode
-from zpd.wire.admin_reply import WorkerReply
+from zpd.wire.admin_reply import (Continued, Flushed, StagedPush, WeightVersion, WorkerReply,
+                                  WorkerStatus)
 from zpd.wire.liveness import PeerClock
 from zpd.wire.protocol import Abort, Admin, AdminReply, Message
 
@@ -120,6 +121,18 @@ def answer(admin: RouterAdmin, w: Worker, ok: bool = True, **result: Any) -> Non
     admin.on_reply(w, AdminReply(w.dealer.sent[-1].req_id, ok, result))
 
 
+STATUS = WorkerStatus(weight_version="v1", paused=None, memory="resident",
+                      weights_memory="resident", device="cpu", dtype="float32",
+                      context_length=64, max_batch=4, kv_pages={"total": 8, "free": 8},
+                      tp_size=1, tp_pids=[], loop_max_late_ms=0.5,
+                      more={"queues": {"waiting": 0}, "peers": 1})
+
+
+def status(**changes: Any) -> dict:
+    """A worker's status on the wire, with `changes`."""
+    return replace(STATUS, **changes).to_wire()
+
+
 def reply_to_client(router: FakeRouter) -> AdminReply:
     (identity, msg), = router.front.sent
     assert identity == b"client" and isinstance(msg, AdminReply)
@@ -133,11 +146,11 @@ def test_pause_fans_out_to_the_decodes_then_the_prefills_and_folds_their_replies
     assert router.paused is PauseMode.ABORT
     assert [m.command for m in decode.dealer.sent] == ["pause"]
     assert all(not p.dealer.sent for p in prefills)          # decodes first
-    answer(admin, decode, paused="abort")
+    answer(admin, decode, **status(paused="abort"))
     assert [m.args for p in prefills for m in p.dealer.sent] == [{"mode": "abort"}] * 2
     assert not router.front.sent
     for p in prefills:
-        answer(admin, p, paused="abort")
+        answer(admin, p, **status(paused="abort"))
     reply = reply_to_client(router)
     assert reply.req_id == "q" and reply.ok
     assert [(w["endpoint"], w["role"], w["paused"]) for w in reply.result["workers"]] == [
@@ -149,9 +162,9 @@ def test_a_failing_worker_makes_the_answer_not_ok_and_says_why(router) -> None:
     admin = RouterAdmin(router)
     ask(admin, "flush_cache")
     assert all(w.dealer.sent[-1].command == "flush_cache" for w in router.workers)
-    answer(admin, router.workers[0])
+    answer(admin, router.workers[0], flushed_pages=0)
     answer(admin, router.workers[1], ok=False, status=409, error="requests in flight")
-    answer(admin, router.workers[2])
+    answer(admin, router.workers[2], flushed_pages=3)
     reply = reply_to_client(router)
     assert not reply.ok
     failed = [w for w in reply.result["workers"] if not w["ok"]]
@@ -178,7 +191,7 @@ def test_dead_and_silent_workers_answer_503_and_504(router) -> None:
     router.workers[1].alive = False
     ask(admin, "flush_cache", timeout=2.0)
     assert not router.workers[1].dealer.sent                        # never sent to the dead
-    answer(admin, router.workers[0])
+    answer(admin, router.workers[0], flushed_pages=0)
     router.loop.advance(2.0)
     reply = reply_to_client(router)
     statuses = {w["endpoint"]: (w["ok"], w.get("status")) for w in reply.result["workers"]}
@@ -191,11 +204,11 @@ def test_continue_unpauses_once_the_decodes_and_a_prefill_continued(router) -> N
     router.paused = PauseMode.RETRACT
     ask(admin, "continue")
     prefills, decode = router.workers[:2], router.workers[2]
-    answer(admin, prefills[0])
+    answer(admin, prefills[0], **status(), was_paused="retract")
     answer(admin, prefills[1], ok=False, status=503, error="gone")
     sent = decode.dealer.sent[-1]
     assert sent.command == "continue" and sent.args["prefills"] == ["p:1"]  # the live ones
-    answer(admin, decode)
+    answer(admin, decode, **status(), was_paused="retract", resumed=2)
     assert reply_to_client(router).ok and router.unpaused == 1 and router.paused is None
 
 
@@ -210,10 +223,60 @@ def test_bad_input_is_answered_400_and_sends_nothing(router) -> None:
 
 
 def test_a_worker_reply_keeps_its_json_and_takes_the_router_s_envelope() -> None:
-    wire = {"status": 409, "error": "busy", "weight_version": "v2", "endpoint": "forged"}
-    got = WorkerReply.from_wire(False, wire, "d:1", "decode")
-    assert (got.status, got.error, got.result) == (409, "busy", {"weight_version": "v2"})
+    wire = {"status": 409, "error": "busy", "endpoint": "forged"}
+    got = WorkerReply.from_wire(False, wire, "d:1", "decode", WeightVersion)
+    assert (got.status, got.error, got.result) == (409, "busy", None)
     assert got.to_wire() == {"ok": False, "status": 409, "error": "busy",
-                             "weight_version": "v2", "endpoint": "d:1", "role": "decode"}
-    odd = WorkerReply.from_wire(True, {"status": "fine"}, "p:1", "prefill")
-    assert odd.status is None and odd.to_wire()["status"] == "fine"
+                             "endpoint": "d:1", "role": "decode"}
+    ok = WorkerReply.from_wire(True, {"weight_version": "v2", "role": "forged"}, "p:1",
+                               "prefill", WeightVersion)
+    assert ok.result == WeightVersion("v2")
+    assert ok.to_wire() == {"ok": True, "weight_version": "v2", "endpoint": "p:1",
+                            "role": "prefill"}
+
+
+def test_a_status_keeps_every_field_the_worker_sent_in_its_order() -> None:
+    wire = status(paused="retract")
+    got = WorkerReply.from_wire(True, wire, "d:1", "decode", WorkerStatus)
+    assert got.result.paused == "retract" and got.result.more == STATUS.more
+    assert list(got.to_wire().items()) == list(({"ok": True} | wire
+                                                | {"endpoint": "d:1", "role": "decode"}).items())
+
+
+def test_a_continue_answer_names_what_it_resumed_only_on_a_decode() -> None:
+    decode = Continued.from_wire(status() | {"was_paused": "retract", "resumed": 2})
+    prefill = Continued.from_wire(status() | {"was_paused": None})
+    assert (decode.status, decode.was_paused, decode.resumed) == (STATUS, "retract", 2)
+    assert prefill.to_wire() == status() | {"was_paused": None}
+    assert "resumed" not in prefill.to_wire() and decode.to_wire()["resumed"] == 2
+
+
+@pytest.mark.parametrize("ok, wire, kind, why", [
+    (True, {"flushed_pages": "3"}, Flushed, "'flushed_pages' must be int, not '3'"),
+    (True, {"flushed_pages": True}, Flushed, "'flushed_pages' must be int, not True"),
+    (True, {}, Flushed, "missing 'flushed_pages'"),
+    (True, {"staged_tensors": 1, "staged_bytes": 8, "extra": 1}, StagedPush,
+     "unexpected 'extra'"),
+    (True, status() | {"paused": 3}, WorkerStatus, "'paused' must be str or null, not 3"),
+    (True, status(), Continued, "missing 'was_paused'"),
+    (False, {"status": "409", "error": "busy"}, Flushed, "'status' must be int"),
+    (False, {"error": "busy"}, Flushed, "missing 'status'"),
+])
+def test_a_malformed_result_becomes_a_failed_reply_that_says_why(ok, wire, kind, why) -> None:
+    got = WorkerReply.from_wire(ok, wire, "p:1", "prefill", kind)
+    assert (got.ok, got.status, got.result) == (False, 500, None)
+    assert got.error.startswith("malformed reply from the worker: ") and why in got.error
+
+
+def test_the_router_answers_a_malformed_worker_result_as_that_worker_failing(router) -> None:
+    admin = RouterAdmin(router)
+    ask(admin, "flush_cache")
+    answer(admin, router.workers[0], flushed_pages=1)
+    answer(admin, router.workers[1], flushed_pages=[1])
+    answer(admin, router.workers[2], flushed_pages=2)
+    reply = reply_to_client(router)
+    assert not reply.ok and not admin.fanouts and not admin.results
+    (bad,) = [w for w in reply.result["workers"] if not w["ok"]]
+    assert (bad["endpoint"], bad["status"]) == ("p:2", 500)
+    assert "Flushed: 'flushed_pages' must be int, not [1]" in bad["error"]
+    assert [w.get("flushed_pages") for w in reply.result["workers"]] == [1, None, 2]

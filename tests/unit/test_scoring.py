@@ -73,7 +73,7 @@ def test_scored_by_the_prefill_alone_as_zpd_run_scores_it(cluster):
     decode = next(w for w in cluster.admin("status")["workers"] if w["role"] == "decode")
     assert decode["kv_pages"]["free"] == decode["kv_pages"]["total"]
     assert set(decode["queues"].values()) == {0} and decode["peers"] == []
-    assert cluster.prefill.status_fields()["counters"]["kv_bytes_written"] == 0
+    assert cluster.prefill.status_fields().to_wire()["counters"]["kv_bytes_written"] == 0
     cluster.check_pages()
 
 

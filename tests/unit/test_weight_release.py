@@ -45,7 +45,7 @@ def cluster():
 
 
 def states(cluster) -> list[tuple[str, str]]:
-    return [(c.status_fields()["memory"], c.status_fields()["weights_memory"])
+    return [(c.status_fields().to_wire()["memory"], c.status_fields().to_wire()["weights_memory"])
             for c in (cluster.prefill, cluster.decode)]
 
 
@@ -101,7 +101,7 @@ def test_a_refused_release_releases_nothing(cluster):
     reply = cluster.admin("release_memory", tags=["weights"])
     refused = {w["role"]: w.get("status") for w in reply["workers"] if not w["ok"]}
     assert not reply["ok"] and refused == {"decode": 409}, reply
-    assert cluster.decode.status_fields()["weights_memory"] == "resident"
+    assert cluster.decode.status_fields().to_wire()["weights_memory"] == "resident"
     assert cluster.admin("resume_memory")["ok"]             # the prefill's, if it went
     assert cluster.admin("continue")["ok"]
     assert cluster.run(rid, rounds=2000).token_ids == reference(cluster, PROMPT, 200)

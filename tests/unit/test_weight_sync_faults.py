@@ -23,6 +23,7 @@ from tests.unit.test_weight_sync import admin, join, push, versions, weights_equ
 from tests.unit.trainer_side import Trainer, announce
 from zpd.wire.admin import CancelWeightUpdate
 from zpd.wire.admin_fields import SyncStep
+from zpd.wire.admin_reply import Cancelled
 from zpd.worker.weights.helper import FILL, check
 
 W2 = tiny_state_dict(7)
@@ -242,7 +243,7 @@ def test_a_cancel_wins_over_whatever_the_step_made_of_it(cluster, ends):
         assert time.monotonic() < end, "the step never finished"
         cluster.pump(1)
         time.sleep(0.001)
-    assert replies == [(True, {"cancelled": "receiving g"})]
+    assert replies == [(True, Cancelled("receiving g"))]
     assert getattr(outcome[0], "status", None) == 409 and "cancelled" in str(outcome[0])
     assert ws.job is None
 

@@ -140,8 +140,8 @@ def test_a_stuck_join_is_answered_in_real_time():
         while not answers and time.monotonic() - started < 10:
             loop.run_once(max_wait=0.05)
         took = time.monotonic() - started
-        assert answers and not answers[0][0] and "'stuck'" in answers[0][1]["error"], answers
-        assert answers[0][1]["status"] == 504
+        assert answers and not answers[0][0] and "'stuck'" in answers[0][1].error, answers
+        assert answers[0][1].status == 504
         # the timeout, plus (the first time in a process) starting the helpers' forkserver,
         # which imports torch: seconds on a loaded machine (torch alone: never)
         assert took < 1.0 + 10.0, took

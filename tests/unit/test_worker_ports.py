@@ -18,6 +18,7 @@ from zpd.config import WorkerConfig
 from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, StageTensors, UpdateWeights,
                             UpdateWeightVersion)
 from zpd.wire.admin_fields import PauseMode
+from zpd.wire.admin_reply import AdminResult, Flushed, MemoryState, VersionChanged, WeightVersion
 from zpd.wire.loop import Loop
 from zpd.wire.status import StatusError
 from zpd.worker.memory import MemoryPort, WeightsAndMemory
@@ -83,7 +84,7 @@ def world(model):
     return WeightsAndMemory(port), sched, backend, pool
 
 
-def answer(command, cmd) -> dict:
+def answer(command, cmd) -> AdminResult:
     got = []
     command(cmd, lambda ok, result: got.append((ok, result)))
     assert len(got) == 1 and got[0][0], got
@@ -132,10 +133,10 @@ def test_kv_release_and_resume_go_through_the_port(world):
     assert sched.told == ["flush"]                     # cached pages go first, then the check
     sched.in_use = 0
     assert answer(memory.release_memory, ReleaseMemory(tags=["kv_cache"])) == \
-        {"memory": "released", "weights_memory": "resident"}
+        MemoryState(memory="released", weights_memory="resident")
     assert memory.released and memory.pool_addr == 0 and not backend.registered
     assert sched.told == ["flush", "flush", "released"]
-    assert answer(memory.resume_memory, ResumeMemory(tags=["kv_cache"]))["memory"] == "resident"
+    assert answer(memory.resume_memory, ResumeMemory(tags=["kv_cache"])).memory == "resident"
     assert backend.registered == {pool.data_ptr} and memory.pool_addr == pool.data_ptr
     assert sched.told[-1] == "resumed" and not memory.released
 
@@ -148,18 +149,18 @@ def test_weights_are_released_only_when_nothing_runs_on_them(world):
     assert memory.weights_held is None
     sched.dropping = True                              # a retract pause emptied the batch
     released = answer(memory.release_memory, ReleaseMemory(tags=["weights"]))
-    assert released["weights_memory"] == "released"
+    assert released.weights_memory == "released"
     with pytest.raises(StatusError) as refused:
         memory.update_weights(UpdateWeights(path="tiny:2"), lambda *a: None)
     assert refused.value.status == 409
     resumed = answer(memory.resume_memory, ResumeMemory(tags=["weights"]))
-    assert resumed["weights_memory"] == "resident" and memory.weights_held is None
+    assert resumed.weights_memory == "resident" and memory.weights_held is None
 
 
 def test_every_weight_change_goes_through_the_one_writer(world):
     memory, sched, _, _ = world
     assert answer(memory.update_weight_version, UpdateWeightVersion(weight_version="v9")) == \
-        {"weight_version": "v9", "previous": "v1"}
+        VersionChanged(weight_version="v9", previous="v1")
     sched.busy = True                                  # running, not paused: refused
     with pytest.raises(StatusError):
         memory.update_weights(UpdateWeights(path="tiny:1", weight_version="v3"), lambda *a: None)
@@ -167,9 +168,9 @@ def test_every_weight_change_goes_through_the_one_writer(world):
         memory.flush_cache(FlushCache(), lambda *a: None)
     sched.paused = True
     assert answer(memory.update_weights, UpdateWeights(path="tiny:1", weight_version="v3")) == \
-        {"weight_version": "v3"}
+        WeightVersion("v3")
     assert sched.versions == ["v9", "v3"]
-    assert answer(memory.flush_cache, FlushCache()) == {"flushed_pages": 3}
+    assert answer(memory.flush_cache, FlushCache()) == Flushed(3)
 
 
 def test_a_tensor_push_is_refused_through_the_sync_port():

@@ -16,7 +16,7 @@ from zpd.router.hooks import HOLD_SHARE, Coordinator, Peers
 from zpd.router.tally import Tally
 from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, UpdateWeights, parse, split_timeout)
 from zpd.wire.admin_fields import PauseMode
-from zpd.wire.admin_reply import WorkerReply, to_wire
+from zpd.wire.admin_reply import AdminResult, WorkerReply, to_wire
 from zpd.wire.loop import Loop
 from zpd.wire.protocol import Abort, Admin, AdminReply, Message
 from zpd.wire.status import StatusError
@@ -93,6 +93,7 @@ class RouterAdmin:
     def __init__(self, server: Router) -> None:
         self.server = server
         self.fanouts: dict[str, Fanout[WorkerReply]] = {}
+        self.results: dict[str, type[AdminResult]] = {}    # what each fan-out's replies hold
         self.req_ids = itertools.count(1)
         self.sync: Sync | None = None
 
@@ -292,13 +293,18 @@ class RouterAdmin:
                        for w in targets if not w.alive]
         fan.timer = self.server.loop.call_later(timeout, self._done, key)
         for w in live:
-            w.dealer.send((cmd(w) if callable(cmd) else cmd).envelope(key))
+            sent = cmd(w) if callable(cmd) else cmd
+            self.results[key] = sent.RESULT
+            w.dealer.send(sent.envelope(key))
         if not live:
             self._done(key)
 
     def on_reply(self, worker: Worker, msg: AdminReply) -> None:
-        self._record(msg.req_id, WorkerReply.from_wire(msg.ok, msg.result, worker.endpoint,
-                                                       worker.role))
+        """Parsed here, once, as the result of the command it answers."""
+        kind = self.results.get(msg.req_id)
+        if kind is not None:
+            self._record(msg.req_id, WorkerReply.from_wire(msg.ok, msg.result, worker.endpoint,
+                                                           worker.role, kind))
 
     def on_dead(self, worker: Worker) -> None:
         """A worker marked dead answers no fan-out now: each waiting on it takes a 503 for
@@ -323,6 +329,7 @@ class RouterAdmin:
 
     def _done(self, key: str) -> None:
         fan = self.fanouts.pop(key, None)
+        self.results.pop(key, None)
         if fan is None:
             return
         if fan.timer is not None:

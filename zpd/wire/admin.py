@@ -23,6 +23,9 @@ from zpd.wire.admin_fields import (BACKEND, BadArgs, Check, LIST, LOAD_FORMAT, M
                                   PAYLOAD, PAYLOADS, PORT, PauseMode, RANK, RANK_OFFSET, RID,
                                   SECONDS, STRINGS, TAGS, TEXT, TRAINER_INIT, VERSION, WORLD,
                                   arg)
+from zpd.wire.admin_reply import (AdminResult, Cancelled, Continued, Destroyed, Discarded,
+                                  Flushed, Joined, MemoryState, NoResult, StagedPush,
+                                  VersionChanged, WeightVersion, WorkerStatus)
 from zpd.wire.messages import Admin
 
 
@@ -31,10 +34,12 @@ from zpd.wire.messages import Admin
 class AdminCommand:
     """Base of every admin record. `COMMAND` is its wire name; `ALIASES` are old
     argument names still taken for a field (the Python client's `version`);
-    `ROUTER_SETS` are fields only the router fills in (a client may not)."""
+    `ROUTER_SETS` are fields only the router fills in (a client may not); `RESULT` is
+    the record of a worker's answer (zpd/wire/admin_reply.py)."""
 
     __slots__ = ()
     COMMAND: ClassVar[str] = ""
+    RESULT: ClassVar[type[AdminResult]] = NoResult
     ALIASES: ClassVar[Mapping[str, str]] = {}
     ROUTER_SETS: ClassVar[tuple[str, ...]] = ()
 
@@ -68,6 +73,7 @@ def _plain(value: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class Pause(AdminCommand):
     COMMAND: ClassVar[str] = "pause"
+    RESULT: ClassVar[type[AdminResult]] = WorkerStatus
     mode: PauseMode = arg(MODE, PauseMode.RETRACT)
 
 
@@ -76,6 +82,7 @@ class Continue(AdminCommand):
     """`prefills`: the live prefills (those that answered their continue); `early`: rid ->
     a first token the client has from a prefill (FirstToken.to_wire). Router-set."""
     COMMAND: ClassVar[str] = "continue"
+    RESULT: ClassVar[type[AdminResult]] = Continued
     ROUTER_SETS: ClassVar[tuple[str, ...]] = ("prefills", "early")
     prefills: list[str] | None = arg(STRINGS, None)
     early: dict | None = arg(OBJECT, None)
@@ -84,11 +91,13 @@ class Continue(AdminCommand):
 @dataclass(frozen=True, slots=True)
 class Status(AdminCommand):
     COMMAND: ClassVar[str] = "status"
+    RESULT: ClassVar[type[AdminResult]] = WorkerStatus
 
 
 @dataclass(frozen=True, slots=True)
 class FlushCache(AdminCommand):
     COMMAND: ClassVar[str] = "flush_cache"
+    RESULT: ClassVar[type[AdminResult]] = Flushed
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,7 @@ class AbortAll(AdminCommand):
 class UpdateWeights(AdminCommand):
     """Load a checkpoint; without a version the current one stays (SGLang's way)."""
     COMMAND: ClassVar[str] = "update_weights"
+    RESULT: ClassVar[type[AdminResult]] = WeightVersion
     ALIASES: ClassVar[Mapping[str, str]] = {"version": "weight_version"}
     path: str = arg(TEXT)
     weight_version: str | None = arg(VERSION, None)
@@ -115,6 +125,7 @@ class UpdateWeights(AdminCommand):
 @dataclass(frozen=True, slots=True)
 class UpdateWeightVersion(AdminCommand):
     COMMAND: ClassVar[str] = "update_weight_version"
+    RESULT: ClassVar[type[AdminResult]] = VersionChanged
     ALIASES: ClassVar[Mapping[str, str]] = {"version": "weight_version"}
     weight_version: str = arg(TEXT)
 
@@ -131,12 +142,14 @@ class _Tagged:
 @dataclass(frozen=True, slots=True)
 class ReleaseMemory(_Tagged, AdminCommand):
     COMMAND: ClassVar[str] = "release_memory"
+    RESULT: ClassVar[type[AdminResult]] = MemoryState
     tags: list[str] | None = arg(TAGS, None)
 
 
 @dataclass(frozen=True, slots=True)
 class ResumeMemory(_Tagged, AdminCommand):
     COMMAND: ClassVar[str] = "resume_memory"
+    RESULT: ClassVar[type[AdminResult]] = MemoryState
     tags: list[str] | None = arg(TAGS, None)
 
 
@@ -172,6 +185,7 @@ class InitWeightsGroup(AdminCommand):
 class JoinWeightsGroup(AdminCommand):
     """One worker's part of init_weights_update_group (the router's to send)."""
     COMMAND: ClassVar[str] = "join_weights_group"
+    RESULT: ClassVar[type[AdminResult]] = Joined
     group_name: str = arg(NAME)
     master_address: str = arg(NAME)
     master_port: int = arg(PORT)
@@ -203,6 +217,7 @@ class UpdateFromDistributed(_Announced, AdminCommand):
 class StageWeights(_Announced, AdminCommand):
     """One worker's first phase of update_weights_from_distributed."""
     COMMAND: ClassVar[str] = "stage_weights"
+    RESULT: ClassVar[type[AdminResult]] = StagedPush
     group_name: str = arg(NAME)
     update_id: str = arg(NAME)
     names: list = arg(NAMES)
@@ -225,6 +240,7 @@ class UpdateFromTensor(AdminCommand):
 class StageTensors(AdminCommand):
     """One worker's first phase of update_weights_from_tensor: its entry."""
     COMMAND: ClassVar[str] = "stage_tensors"
+    RESULT: ClassVar[type[AdminResult]] = StagedPush
     update_id: str = arg(NAME)
     payload: str = arg(PAYLOAD)
     load_format: str | None = arg(LOAD_FORMAT, None)
@@ -235,6 +251,7 @@ class CommitWeights(AdminCommand):
     """The second phase when every worker staged: apply, and move to `weight_version`
     (None: each keeps its own)."""
     COMMAND: ClassVar[str] = "commit_weights"
+    RESULT: ClassVar[type[AdminResult]] = WeightVersion
     ALIASES: ClassVar[Mapping[str, str]] = {"version": "weight_version"}
     update_id: str = arg(NAME)
     weight_version: str | None = arg(VERSION, None)
@@ -244,6 +261,7 @@ class CommitWeights(AdminCommand):
 class DiscardWeights(AdminCommand):
     """The second phase when any worker failed; `destroy`: leave that group too."""
     COMMAND: ClassVar[str] = "discard_weights"
+    RESULT: ClassVar[type[AdminResult]] = Discarded
     update_id: str = arg(NAME)
     destroy: str | None = arg(NAME, None)
 
@@ -251,6 +269,7 @@ class DiscardWeights(AdminCommand):
 @dataclass(frozen=True, slots=True)
 class DestroyWeightsGroup(AdminCommand):
     COMMAND: ClassVar[str] = "destroy_weights_update_group"
+    RESULT: ClassVar[type[AdminResult]] = Destroyed
     group_name: str = arg(NAME)
 
 
@@ -259,6 +278,7 @@ class CancelWeightUpdate(AdminCommand):
     """End the join or push under way on every worker; never blocked. `reason`: what
     the ended step answers (the router's own, when one worker's failure dooms the rest)."""
     COMMAND: ClassVar[str] = "cancel_weight_update"
+    RESULT: ClassVar[type[AdminResult]] = Cancelled
     reason: str | None = arg(NAME, None)
 
 

@@ -31,6 +31,7 @@ from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
 from zpd.wire.admin import (AdminCommand, Continue, Pause, Status, parse, split_timeout)
 from zpd.wire.admin_fields import PauseMode, drops
+from zpd.wire.admin_reply import AdminResult, Continued, Failed, WorkerStatus
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
@@ -291,23 +292,24 @@ class WorkerCore:
     # --- admin ---------------------------------------------------------------------
 
     def _on_admin(self, identity: bytes, msg: Admin) -> None:
-        def respond(ok: bool, result: dict) -> None:
+        def respond(ok: bool, result: AdminResult) -> None:
             self.send(identity, AdminReply(msg.req_id, ok, {"endpoint": self.endpoint,
-                                                            "role": self.cfg.role} | result))
+                                                            "role": self.cfg.role}
+                                           | result.to_wire()))
         known = {cls.COMMAND: cls for cls in self.admin_commands}
         if msg.command not in known:
-            respond(False, {"error": f"unknown command {msg.command!r}; known: "
-                                     f"{', '.join(sorted(known))}", "status": 400})
+            respond(False, Failed(400, f"unknown command {msg.command!r}; known: "
+                                       f"{', '.join(sorted(known))}"))
             return
         log.info("admin %s %.400s", msg.command, dict(msg.args))     # bounded: payloads are MiBs
         try:
             cmd = parse(msg.command, split_timeout(msg.args, 0.0)[0])    # timeout: the caller's
             self.admin_commands[type(cmd)](cmd, respond)
         except StatusError as e:
-            respond(False, {"error": str(e), "status": e.status})
+            respond(False, Failed(e.status, str(e)))
         except Exception as e:  # an admin command must answer, whatever happened
             log.exception("admin %s failed", msg.command)
-            respond(False, {"error": f"{type(e).__name__}: {e}", "status": 500})
+            respond(False, Failed(500, f"{type(e).__name__}: {e}"))
 
     def pause(self, cmd: Pause, respond: Respond) -> None:
         """Stop scheduling; answered once the scheduler is quiescent (no write of a
@@ -330,26 +332,28 @@ class WorkerCore:
     def resume(self, cmd: Continue, respond: Respond) -> None:
         self.memory.require_resident("continue")
         was, self.paused = self.paused, None
-        extra = self.scheduler.on_resume(cmd)
-        respond(True, self.status_fields() | {"was_paused": was} | extra)
+        resumed = self.scheduler.on_resume(cmd)
+        respond(True, Continued(self.status_fields(), was, resumed))
 
     def status(self, cmd: Status, respond: Respond) -> None:
         respond(True, self.status_fields())
 
-    def status_fields(self) -> dict:
+    def status_fields(self) -> WorkerStatus:
         """This worker's part of `status` (docs/design.md, "Python client")."""
         fields = self.scheduler.status()
         # The page book's counts: free + held + fenced + cached == total is its invariant
         # (zpd/worker/pages.py checks it), each figure counted on its own.
-        return {"weight_version": self.model.version, "paused": self.paused,
-                "memory": self.memory.state, "weights_memory": self.memory.weights_state,
-                "device": str(self.pool.device), "dtype": str(self.model.dtype).removeprefix("torch."),
-                "context_length": self.model.cfg.max_position, "max_batch": self.cfg.max_batch,
-                "kv_pages": self.scheduler.pages.counts(),
-                # tensor-parallel ranks, and the processes of ranks 1.. (rank 0 is this one)
-                "tp_size": self.cfg.tp, "tp_pids": [p.pid for p in self.tp_procs],
-                "loop_max_late_ms": round(self.loop.max_late * 1e3, 3)} \
-            | {k: v for part in self.parts.values() for k, v in part.status().items()} | fields
+        return WorkerStatus(
+            weight_version=self.model.version, paused=self.paused, memory=self.memory.state,
+            weights_memory=self.memory.weights_state, device=str(self.pool.device),
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            context_length=self.model.cfg.max_position, max_batch=self.cfg.max_batch,
+            kv_pages=self.scheduler.pages.counts(),
+            # tensor-parallel ranks, and the processes of ranks 1.. (rank 0 is this one)
+            tp_size=self.cfg.tp, tp_pids=[p.pid for p in self.tp_procs],
+            loop_max_late_ms=round(self.loop.max_late * 1e3, 3),
+            more={k: v for part in self.parts.values() for k, v in part.status().items()}
+            | fields)
 
     # --- requests --------------------------------------------------------------------
 

@@ -413,7 +413,7 @@ class DecodeScheduler:
         holds KV for any request and memory can be flushed."""
         return not (self.pages.fenced and self.core.dropping)
 
-    def on_resume(self, cmd: Continue) -> dict:
+    def on_resume(self, cmd: Continue) -> int:
         return self.retraction.on_resume(cmd)
 
     def on_memory_released(self) -> None:

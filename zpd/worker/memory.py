@@ -30,6 +30,7 @@ from engines.models.tiny import is_tiny
 from engines.models.null import is_null
 from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, UpdateWeights, UpdateWeightVersion)
 from zpd.wire.admin_fields import KV_CACHE, WEIGHTS
+from zpd.wire.admin_reply import Flushed, MemoryState, VersionChanged, WeightVersion
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.tp.runner import TpRunner
 from zpd.worker.scheduler import Respond
@@ -140,7 +141,7 @@ class WeightsAndMemory:
             raise StatusError(BAD_REQUEST, str(e)) from None
         port.set_weights(new)
         log.warning("weights updated from %r: version %r", path, new)
-        respond(True, {"weight_version": new})
+        respond(True, WeightVersion(new))
 
     def update_weight_version(self, cmd: UpdateWeightVersion, respond: Respond) -> None:
         """Set the version the next tokens report; the weights stay as they are (SGLang's
@@ -150,7 +151,7 @@ class WeightsAndMemory:
         old = self.port.model.version
         self.port.set_weights(version)
         log.warning("weight version %r -> %r (weights unchanged)", old, version)
-        respond(True, {"weight_version": version, "previous": old})
+        respond(True, VersionChanged(version, old))
 
     def flush_cache(self, cmd: FlushCache, respond: Respond) -> None:
         """Drop the prefix cache; refused while requests run unpaused (as SGLang does).
@@ -161,7 +162,7 @@ class WeightsAndMemory:
                                         "wait for them first")
         freed = self.port.flush_cache()
         log.warning("prefix cache flushed: %d pages freed", freed)
-        respond(True, {"flushed_pages": freed})
+        respond(True, Flushed(freed))
 
     def release_memory(self, cmd: ReleaseMemory, respond: Respond) -> None:
         """Release what `tags` name (all by default). Every condition is checked first:
@@ -177,7 +178,7 @@ class WeightsAndMemory:
             self._release_kv()
         if weights:
             self._release_weights()
-        respond(True, self._memory_fields())
+        respond(True, self._memory_state())
 
     def _release_weights(self) -> None:
         """Ours, then every other rank's part; if a rank cannot, every rank keeps them."""
@@ -202,7 +203,7 @@ class WeightsAndMemory:
             self._resume_weights()
         if KV_CACHE in tags and self.kv_released:
             self._resume_kv()
-        respond(True, self._memory_fields())
+        respond(True, self._memory_state())
 
     def _resume_weights(self) -> None:
         held, port = self.weights_held, self.port
@@ -221,8 +222,8 @@ class WeightsAndMemory:
         self.weights_held = None
         log.warning("weights resumed (%d bytes)", held.nbytes)
 
-    def _memory_fields(self) -> dict:
-        return {"memory": self.state, "weights_memory": self.weights_state}
+    def _memory_state(self) -> MemoryState:
+        return MemoryState(self.state, self.weights_state)
 
     def _check_weights_idle(self) -> None:
         """No request may be running on them: idle, or paused with nothing in a batch

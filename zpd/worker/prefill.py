@@ -389,10 +389,9 @@ class PrefillScheduler:
         """A pause is answered once no write of ours is in flight."""
         return not self.writes
 
-    def on_resume(self, cmd: Continue) -> dict:
+    def on_resume(self, cmd: Continue) -> None:
         for job in self.jobs.values():
             job.deadline.resume()
-        return {}
 
     def on_memory_released(self) -> None:
         self.writes.planner.release(self.core.backend.unregister)

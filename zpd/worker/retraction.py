@@ -65,7 +65,7 @@ class Retraction:
         log.info("rid=%r room=%d epoch=%d retracted after %d tokens", job.req.rid, job.room,
                  job.epoch, len(job.req.output))
 
-    def on_resume(self, cmd: Continue) -> dict:
+    def on_resume(self, cmd: Continue) -> int:
         """Re-admit held requests as a new epoch; they are recomputed by a live prefill."""
         prefills = cmd.prefills
         if prefills:
@@ -84,7 +84,7 @@ class Retraction:
         for job in held:
             job.epoch += 1
             self.sched.move(job, DecodePhase.WAITING)
-        return {"resumed": len(held)}
+        return len(held)
 
     def prefill_for(self, job: DecodeJob) -> str:
         """The request's own prefill, unless the router said it is gone after a pause."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
+from zpd.wire.admin_reply import AdminResult
 from zpd.wire.protocol import Message
 from zpd.wire.status import INTERNAL, UNAVAILABLE
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from zpd.worker.pages import PageBook
 
 Handler = Callable[[bytes, Message], None]      # (sender identity, message)
-Respond = Callable[[bool, dict], None]          # an admin command's answer: ok, result
+Respond = Callable[[bool, AdminResult], None]   # an admin command's answer: ok, result
 
 
 class Gate(Enum):
@@ -70,8 +71,9 @@ class Scheduler(Protocol):
     def quiescent(self) -> bool:
         """A pause may be answered: nothing the pause waits for is still in flight."""
 
-    def on_resume(self, cmd: Continue) -> dict:
-        """Re-admit what the pause held; returns fields for the continue answer."""
+    def on_resume(self, cmd: Continue) -> int | None:
+        """Re-admit what the pause held; how many held requests it re-admitted (None:
+        this scheduler holds none), for the continue answer."""
 
     def on_memory_released(self) -> None:
         """The KV pool's memory was given back (the scheduler lets go of what it kept

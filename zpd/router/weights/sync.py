@@ -30,7 +30,7 @@ from zpd.router.flights import Worker
 from zpd.router.hooks import HOLD_SHARE, Peers
 from zpd.wire.admin import (AdminCommand, CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
 from zpd.wire.admin_fields import MAX_NAME_CHARS, BadArgs, PauseMode, SyncStep
-from zpd.wire.admin_reply import WorkerReply, to_wire
+from zpd.wire.admin_reply import WeightVersion, WorkerReply, to_wire
 from zpd.wire.loop import Loop
 
 log = logging.getLogger("zpd.router.weights.sync")
@@ -233,7 +233,7 @@ class RouterWeightSync:
         seconds = server.loop.time() - push.started
         log.warning("push %s from %s: %s in %.3f s", push.update_id, push.source,
                     f"version {push.weight_version!r} on every worker" if ok else "failed", seconds)
-        got = {r.result.get("weight_version") for r in replies if r.ok}
+        got = {r.result.weight_version for r in replies if isinstance(r.result, WeightVersion)}
         reply(ok, {"workers": to_wire(replies), "seconds": round(seconds, 6),
                    "weight_version": (push.weight_version or (got.pop() if len(got) == 1 else None))
                    if ok else None})

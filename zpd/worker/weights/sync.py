@@ -46,6 +46,8 @@ from engines.weights.push import Announced, Shadow, announce, bucket_dtype, push
 from zpd.worker.weights.helper_link import HelperLink, Incoming, SyncFailure
 from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights)
 from zpd.wire.admin_fields import SyncStep
+from zpd.wire.admin_reply import (Cancelled, Destroyed, Discarded, Failed, Joined, StagedPush,
+                                  WeightVersion)
 from zpd.worker.scheduler import Respond
 from zpd.worker.weights.port import SyncPort
 from zpd.worker.weights.tensor_stage import Staged, stage_tensors
@@ -147,13 +149,13 @@ class WeightSync:
         def done(group: Group | None, error: Exception | None) -> None:
             if group is not None:
                 self.groups[name] = group
-                respond(True, {"group_name": name, "rank": rank, "world_size": world})
+                respond(True, Joined(name, rank, world))
                 return
             status = getattr(error, "status", 500)
-            respond(False, {"status": status, "error": f"could not join weight group {name!r} "
-                            f"as rank {rank} at {address}:{port}: {error}"
-                            + (f" (limit {timeout:g} s)" if status == 504 else "")
-                            + "; nothing joined"})
+            respond(False, Failed(status, f"could not join weight group {name!r} as rank "
+                                          f"{rank} at {address}:{port}: {error}"
+                                  + (f" (limit {timeout:g} s)" if status == 504 else "")
+                                  + "; nothing joined"))
             self.drop_shadow()
 
         self.background(SyncStep.JOINING, name, done, work)
@@ -192,19 +194,19 @@ class WeightSync:
             status, abandoned = getattr(error, "status", 500), update_id in self.abandoned
             self.abandoned.discard(update_id)
             if error is not None and status == 400:      # drained: the group is still in step
-                respond(False, {"status": 400, "error": f"{error}; nothing applied"})
+                respond(False, Failed(400, f"{error}; nothing applied"))
             elif error is not None:                      # the helper is gone, or wedged
                 self._close(name)
-                respond(False, {"status": status, "error": f"{error}"
-                                + (f" (limit {timeout:g} s)" if status == 504 else "")
-                                + f"; group {name!r} left, weights unchanged"})
+                respond(False, Failed(status, f"{error}"
+                                      + (f" (limit {timeout:g} s)" if status == 504 else "")
+                                      + f"; group {name!r} left, weights unchanged"))
             elif abandoned:
-                respond(False, {"status": 409, "error": "discarded while receiving"})
+                respond(False, Failed(409, "discarded while receiving"))
             elif refusal is not None:
-                respond(False, {"status": 400, "error": f"{refusal}; nothing applied"})
+                respond(False, Failed(400, f"{refusal}; nothing applied"))
             else:
                 self.staged = Staged(update_id, name, items, total)
-                respond(True, {"staged_tensors": len(items), "staged_bytes": total})
+                respond(True, StagedPush(len(items), total))
 
         self.background(SyncStep.PUSHING, name, done, work, update_id)
 
@@ -231,7 +233,7 @@ class WeightSync:
         log.warning("weights from %s committed: version %r (%d elements, %.3f s)",
                     f"group {staged.group!r}" if staged.group else "tensors", version,
                     written, time.monotonic() - started)
-        respond(True, {"weight_version": version})
+        respond(True, WeightVersion(version))
 
     def discard(self, cmd: DiscardWeights, respond: Respond) -> None:
         """Drop a staged (or still arriving) push; with `destroy`, leave its group too."""
@@ -243,14 +245,14 @@ class WeightSync:
             self.abandoned.add(update_id)     # only the push under way: a set nobody can grow
         if cmd.destroy is not None:
             self._close(cmd.destroy)
-        respond(True, {"discarded": update_id})
+        respond(True, Discarded(update_id))
 
     def destroy(self, cmd: DestroyWeightsGroup, respond: Respond) -> None:
         name = cmd.group_name
         if name not in self.groups and (self.job is None or self.job.group != name):
             raise StatusError(BAD_REQUEST, f"no weight group {name!r} here")
         self._close(name)
-        respond(True, {"group_name": name, "destroyed": True})
+        respond(True, Destroyed(name, True))
 
     def cancel(self, cmd: CancelWeightUpdate, respond: Respond) -> None:
         """End the join or push under way: its helper is killed, the step answers 409 and
@@ -259,7 +261,7 @@ class WeightSync:
         if job is not None:
             log.warning("weight sync: %s ended: %s", job.what, why)
             job.cancel(CONFLICT, why)
-        respond(True, {"cancelled": job.what if job else None})
+        respond(True, Cancelled(job.what if job else None))
 
     # --- helpers ---------------------------------------------------------------
 

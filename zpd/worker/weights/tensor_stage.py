@@ -14,6 +14,7 @@ from engines.formats.tensor_payload import PayloadError, decode_named_tensors
 from engines.weights.push import MAX_TENSORS, Announced, Shadow, announce, push_limit
 from zpd.wire.admin import StageTensors
 from zpd.wire.admin_fields import SyncStep
+from zpd.wire.admin_reply import Failed, StagedPush
 from zpd.worker.scheduler import Respond
 from zpd.worker.weights.port import SyncPort
 
@@ -82,14 +83,14 @@ def stage_tensors(sync: Staging, cmd: StageTensors, respond: Respond) -> None:
         abandoned = update_id in sync.abandoned
         sync.abandoned.discard(update_id)
         if isinstance(error, (PayloadError, ModelError)):
-            respond(False, {"status": 400, "error": f"{error}; nothing applied"})
+            respond(False, Failed(400, f"{error}; nothing applied"))
         elif error is not None:
-            respond(False, {"status": 500, "error": f"staging the tensors failed: {error}"})
+            respond(False, Failed(500, f"staging the tensors failed: {error}"))
         elif abandoned:
-            respond(False, {"status": 409, "error": "discarded while receiving"})
+            respond(False, Failed(409, "discarded while receiving"))
         else:
             sync.staged = Staged(update_id, None, items, sum(a.nbytes for a in items))
-            respond(True, {"staged_tensors": len(items), "staged_bytes": sync.staged.nbytes})
+            respond(True, StagedPush(len(items), sync.staged.nbytes))
         sync.drop_shadow()
 
     sync.background(SyncStep.PUSHING, None, done, work, update_id)
