@@ -13,7 +13,7 @@ from zpd.ops.router import build_router
 from zpd.router.server import RouterServer
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import PROTOCOL_VERSION, Accepted, Adopt, Adopted, Ping, Pong, Resume, Tokens
+from zpd.wire.protocol import PROTOCOL_VERSION, Accepted, Adopt, Ping, Pong, Resume, Tokens
 from zpd.wire.protocol import decode as decode_frames
 from zpd.wire.resume import PROBE_S, Resumes
 from zpd.wire.router_proof import load_router_secret, router_endpoint, router_identity
