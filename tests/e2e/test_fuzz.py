@@ -16,11 +16,13 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engines.kv.layout import KVLayout
 from engines.sampling_params import SamplingParams
 from tests.e2e.fault_checks import reference
 from tests.e2e.fault_cluster import FaultCluster
 from zpd.wire import protocol as p
 from zpd.wire.net import Dealer
+from zpd.wire.payloads import AdoptedRequest, KvTimings
 from zpd.wire.router_proof import load_router_secret, router_identity
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
@@ -52,7 +54,16 @@ KIND = {int: st.integers(-2**63, 2**63 - 1) | st.sampled_from([0, 1, -1, 7]), fl
         dict: st.dictionaries(st.text(max_size=8), json_value, max_size=4),
         list[int]: int32s, list[str]: st.lists(st.text(max_size=8), max_size=6),
         list[float]: st.lists(st.floats(width=32), max_size=12),   # logprobs: NaN and inf too
-        list[list[int]]: st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=4), max_size=4)}
+        list[list[int]]: st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=4), max_size=4),
+        dict[str, str]: st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
+        # the records messages carry, well-typed (the decode checks their values)
+        KVLayout: st.builds(KVLayout, num_layers=st.integers(1, 4), page_size=st.sampled_from(
+            [1, 4, 16]), num_kv_heads=st.integers(1, 4), head_dim=st.sampled_from([8, 64]),
+                            dtype=st.just("float32"), element_bytes=st.just(4)),
+        KvTimings: st.builds(KvTimings, *[st.floats(0, 1e6)] * 4),
+        dict[str, AdoptedRequest]: st.dictionaries(text, st.builds(
+            AdoptedRequest, st.text(alphabet="0123456789abcdef", max_size=16), text,
+            st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)), max_size=3)}
 
 
 def message(cls: type) -> st.SearchStrategy:
