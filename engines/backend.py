@@ -29,6 +29,17 @@ class Heads:
         return self.dim ** -0.5
 
 
+class ExpertWeights(Protocol):
+    """A mixture's expert weights (engines/models/moe.py's `Experts`)."""
+    num: int                      # experts
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, hidden], down [hidden, I])."""
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of them: [E, 2I, hidden] and [E, hidden, I]."""
+
+
 class Backend(Protocol):
     """The operations of one layer. Shapes: T tokens (a packed prefill) or B sequences
     (a decode step); every tensor is in the model's dtype on its device."""
@@ -39,6 +50,12 @@ class Backend(Protocol):
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """down(SiLU(gate) * up) of x [T, hidden], gate_up = [gate; up] [2 I, hidden]."""
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                experts: ExpertWeights) -> torch.Tensor:
+        """A mixture's routed experts: row t of x [T, hidden] through the MLPs of experts
+        ids[t] ([T, k]), summed by weights[t] (float32) -> [T, hidden]; this rank's
+        part, not yet summed over the group. The place a fused-MoE kernel plugs in."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, dim] -> weight * x / rms(x)."""

@@ -155,10 +155,9 @@ def update_weights(model: LoadedModel, path: str, version: str | None = None) ->
 def _checked_source(path: str, cfg: ModelConfig) -> Source:
     """Checkpoint `path`'s weights, which must be of `cfg`'s architecture (else ModelError)."""
     src = _source(path, text=False)
-    if src.cfg.fingerprint() != cfg.fingerprint() or \
-            src.cfg.intermediate_size != cfg.intermediate_size:
+    if src.cfg.shape() != cfg.shape():
         raise ModelError(f"{path}: architecture differs from the loaded model "
-                         f"({src.cfg.fingerprint()} vs {cfg.fingerprint()})")
+                         f"({src.cfg.shape()} vs {cfg.shape()})")
     return src
 
 

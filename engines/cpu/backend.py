@@ -64,9 +64,10 @@ class CpuBackend(TorchBackend):
                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, keys: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Rotary embedding and the pool's write in one pass (the kernel has no q/k
-        norms: a model with them takes torch's). A decode step reads keys and values
-        from the pool only: without `keys`, k and v are None."""
-        if self.ops is None or qk_norm is not None:
+        norms and turns whole heads: a model with norms or partial rotary takes torch's).
+        A decode step reads keys and values from the pool only: without `keys`, k and v
+        are None."""
+        if self.ops is None or qk_norm is not None or rope[0].shape[-1] != heads.dim:
             return super().rope_write(qkv, rope, kv, layer, write_rows, heads, qk_norm, keys)
         k_rows, v_rows = kv.layer_rows(layer)
         if not keys:

@@ -7,6 +7,7 @@ they were.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -18,6 +19,10 @@ from engines.config import ModelError
 from engines.models.llama import PACKED_WEIGHTS
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# one expert's projection in a mixture: Qwen3-MoE's and GLM's names, Mixtral's w1/w3/w2
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # one checkpoint tensor bound for (parameter name, row offset, row count)
 Placement = tuple[str, int, int]
@@ -68,6 +73,19 @@ def placement(model: nn.Module, name: str) -> Placement | None:
         return None
     if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
         return None
+    name = name.replace(".block_sparse_moe.", ".mlp.")        # Mixtral's name for the mixture
+    layer = LAYER.match(name)
+    if layer and int(layer.group(1)) >= model.cfg.num_layers \
+            and model.cfg.architecture == "Glm4MoeForCausalLM":
+        return None            # GLM's multi-token-prediction layers: no speculative decoding here
+    expert = EXPERT.match(name)
+    if expert:
+        owner = model.get_submodule(expert.group(1))
+        index = int(expert.group(2))
+        if not 0 <= index < owner.num:
+            raise AttributeError(name)
+        ours, start, rows = owner.rows(index, EXPERT_PARTS[expert.group(3)])
+        return f"{expert.group(1)}.{ours}", start, rows
     for ckpt, (ours, shard) in PACKED_WEIGHTS.items():
         marker = f".{ckpt}."
         if marker in name:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV pool."""
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and its mixtures of experts
+(Qwen3-MoE, Mixtral, GLM-4.5: engines/models/moe.py) over a paged KV pool."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,8 @@ from engines.backend import Backend, Heads
 from engines.kv.meta import DecodeMeta, LastTokens, PrefillMeta
 from engines.kv.paged import PagedKV
 from engines.config import ModelConfig
+from engines.models.mlp import MLP, param as _param
+from engines.models.moe import RoutingCapture, SparseMoe
 from engines.models.rope import RotaryEmbedding
 
 # checkpoint name suffix -> (our parameter suffix, shard) for fused projections
@@ -16,11 +19,6 @@ PACKED_WEIGHTS: dict[str, tuple[str, str]] = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
-
-
-def _param(*shape: int) -> nn.Parameter:
-    # Uninitialised: every value is overwritten by the checkpoint loader.
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -74,43 +72,33 @@ class Attention(nn.Module):
                                                  self.o_proj.weight))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.shards = {"gate": (0, self.inter), "up": (self.inter, self.inter)}
-        self.gate_up_proj = nn.Module()
-        self.gate_up_proj.weight = _param(2 * self.inter, cfg.hidden_size)
-        self.down_proj = nn.Module()
-        self.down_proj.weight = _param(cfg.hidden_size, self.inter)
-
-    def forward(self, x: torch.Tensor, backend: Backend) -> torch.Tensor:
-        return backend.all_reduce(backend.mlp(x, self.gate_up_proj.weight, self.down_proj.weight))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.index = index
-        self.self_attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.self_attn = Attention(cfg)
+        sparse = cfg.moe is not None and cfg.moe.sparse(index)
+        self.mlp = SparseMoe(cfg, index) if sparse else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope, kv: PagedKV, meta, backend: Backend,
-                last: LastTokens | None = None) -> torch.Tensor:
+                last: LastTokens | None = None, capture: RoutingCapture | None = None) -> torch.Tensor:
         """With `last`, only its rows come out, followed by meta.scored's; each part
-        through its own products, so the last rows' bits do not depend on the others."""
+        through its own products, so the last rows' bits do not depend on the others.
+        `capture`: where a mixture records its tokens' experts (every row: not with `last`)."""
         h = self.self_attn(self.input_layernorm(x, backend), rope, kv, self.index, meta, backend, last)
         if last is None:
-            return self._rest(h, x, backend)
+            return self._rest(h, x, backend, capture)
         rows = [last.rows] + ([meta.scored.rows] if meta.scored is not None else [])
         parts = [self._rest(o, x[r], backend) for o, r in zip(h, rows)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _rest(self, h: torch.Tensor, x: torch.Tensor, backend: Backend) -> torch.Tensor:
+    def _rest(self, h: torch.Tensor, x: torch.Tensor, backend: Backend,
+              capture: RoutingCapture | None = None) -> torch.Tensor:
         norm = self.post_attention_layernorm
         h, x = backend.add_rms_norm(h, x, norm.weight, norm.eps)
-        return x + self.mlp(h, backend)
+        return x + self.mlp(h, backend, capture)
 
 
 class Backbone(nn.Module):
@@ -134,13 +122,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = (self.model.embed_tokens.weight if cfg.tie_word_embeddings
                                else _param(cfg.vocab_size, cfg.hidden_size))
         self.rotary: RotaryEmbedding | None = None
+        # set by the runner for a forward whose tokens' experts are asked for
+        self.capture: RoutingCapture | None = None
 
     def linears(self) -> list[nn.Parameter]:
         """The weights `linear` multiplies by: every projection and the head."""
         out = [self.lm_head.weight]
         for layer in self.model.layers:
-            out += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                    layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+            out += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight]
+            mlp = layer.mlp if isinstance(layer.mlp, MLP) else layer.mlp.shared_experts
+            if mlp is not None:
+                out += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
         return out
 
     def column_major_float32(self) -> None:
@@ -156,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
 
     def setup_rotary(self, dtype: torch.dtype, device: torch.device) -> None:
         c = self.cfg
-        self.rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling,
+        self.rotary = RotaryEmbedding(c.rotary, c.max_position, c.rope_theta, c.rope_scaling,
                                       dtype, device)
 
     @torch.inference_mode()
@@ -164,13 +156,21 @@ class LlamaForCausalLM(nn.Module):
                 meta: PrefillMeta | DecodeMeta, backend: Backend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (before the last
         norm), or of a prefill's meta.last tokens only, [B, hidden], followed by its
-        meta.scored rows', [R, hidden], where it has them."""
+        meta.scored rows', [R, hidden], where it has them. With `self.capture` set, the
+        mixtures record every token's experts (a prefill's last layer then runs on all
+        its rows, whose experts are asked for too, and picks those rows after)."""
         rope = self.rotary.tables(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         *layers, final = self.model.layers
+        capture = self.capture
         for layer in layers:
-            x = layer(x, rope, kv, meta, backend)
-        return final(x, rope, kv, meta, backend, meta.last if isinstance(meta, PrefillMeta) else None)
+            x = layer(x, rope, kv, meta, backend, capture=capture)
+        last = meta.last if isinstance(meta, PrefillMeta) else None
+        if capture is None or last is None:
+            return final(x, rope, kv, meta, backend, last)
+        x = final(x, rope, kv, meta, backend, capture=capture)
+        rows = [last.rows] + ([meta.scored.rows] if meta.scored is not None else [])
+        return x[torch.cat(rows)]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, backend: Backend) -> torch.Tensor:

@@ -50,5 +50,10 @@ class RotaryEmbedding:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] rotated in the half-split convention: x * cos +
     (-x2, x1) * sin, with the sign in the table (roll(x) is (x2, x1)): the same
-    products, bit for bit, in four operations instead of seven."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    products, bit for bit, in four operations instead of seven. Tables narrower than
+    the heads (partial rotary, GLM-4.5) turn each head's first dims and pass the rest."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, -1) * sin
+    turned = x[..., :r]
+    return torch.cat([turned * cos + turned.roll(r // 2, -1) * sin, x[..., r:]], dim=-1)

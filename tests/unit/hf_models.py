@@ -15,6 +15,19 @@ VARIANTS = {
     "qwen3": dict(cls="Qwen3Config", extra=dict(head_dim=16)),
     "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
 }
+# mixtures of experts: three layers, one of them dense where the architecture has them
+MOE_VARIANTS = {
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", extra=dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3)),
+    "mixtral": dict(cls="MixtralConfig", extra=dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None, num_hidden_layers=3)),
+    "glm4_moe": dict(cls="Glm4MoeConfig", extra=dict(
+        head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        n_group=4, topk_group=2, first_k_dense_replace=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True, num_hidden_layers=3)),
+}
+VARIANTS.update(MOE_VARIANTS)
 
 
 def make_checkpoint(kind: str, root: Path, seed: int = 0, shard: bool = False, **sizes) -> Path:
@@ -23,12 +36,15 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, shard: bool = False, *
     spec = VARIANTS[kind]
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512) | sizes
-    cfg = getattr(transformers, spec["cls"])(rms_norm_eps=1e-6, **shape, **spec["extra"])
+    cfg = getattr(transformers, spec["cls"])(rms_norm_eps=1e-6, **(shape | spec["extra"] | sizes))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     with torch.no_grad():
         for p in model.parameters():    # larger than the default init: peaked logits, no near-ties
             p.normal_(0.0, 0.2)
+        for name, b in model.named_buffers():   # GLM's load-balancing bias: not zero, so it counts
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     path = root / "-".join([kind, str(seed), *map(str, sizes.values())])
     model.save_pretrained(path, max_shard_size="100KB" if shard else "2GB")
     return path
@@ -36,5 +52,6 @@ def make_checkpoint(kind: str, root: Path, seed: int = 0, shard: bool = False, *
 
 def hf_model(path: Path, dtype: torch.dtype):
     import transformers
-    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # eager experts: transformers' grouped_mm takes no float64
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager")
     return m.eval()
