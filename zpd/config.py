@@ -137,7 +137,8 @@ def utf8_len(text: str) -> int:
 class WorkerConfig:
     role: str                        # "prefill" or "decode"
     model: str = flag(
-        help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3), a .gguf file, "
+        help="Hugging Face-format directory (Llama, Mistral, Qwen2, Qwen3; mixtures of "
+             "experts: Qwen3-MoE, Mixtral, GLM-4.5), a .gguf file, "
              "'smollm2', 'tiny' (embedded default; 'tiny:SEED' for other weights) or "
              "'null[:STEP_MS]' (no model: a simulation, docs/serving.md); --model-path is "
              "SGLang's name for it", group="model", names=("--model", "--model-path"),
