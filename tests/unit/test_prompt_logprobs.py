@@ -23,11 +23,12 @@ TOLERANCE = {"float32": 2e-4, "float64": 1e-6}
 SETUPS = [("float32", "cpu"), ("float32", "torch"), ("float64", "cpu"), ("float64", "torch")]
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):
-    """A random transformers checkpoint (seconds: tests/conftest.py marks its tests slow)."""
+@pytest.fixture(scope="module", params=["llama", "glm4_moe"])
+def hf_checkpoint(request, tmp_path_factory):
+    """A random transformers checkpoint, dense and a mixture of experts (seconds:
+    tests/conftest.py marks its tests slow)."""
     pytest.importorskip("transformers", reason="transformers is the test-time reference; pip install '.[test]'")
-    return make_checkpoint("llama", tmp_path_factory.mktemp("hf"))
+    return make_checkpoint(request.param, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
