@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from engines.cpu.linear import PackedWeights
+from engines.models.moe import Experts
 
 log = logging.getLogger("engines.weight_release")
 
@@ -74,6 +75,9 @@ def _drop_packed(net: nn.Module) -> None:
     for p in net.parameters():
         if hasattr(p, PackedWeights.ATTR):
             delattr(p, PackedWeights.ATTR)
+    for m in net.modules():
+        if isinstance(m, Experts):        # per-expert views, with packed copies of their own
+            m.forget()
 
 
 def trim_heap() -> None:

@@ -53,6 +53,11 @@ class Experts(nn.Module):
             self._views = key, [(gate_up[k], down[k]) for k in range(self.num)]
         return self._views[1][e]
 
+    def forget(self) -> None:
+        """Drop the per-expert views and what a backend holds on them (packed copies):
+        the weights' memory is being released."""
+        self._views = None
+
 
 class Router(nn.Module):
     """The gate: router logits of each token, [E, hidden], and GLM's load-balancing

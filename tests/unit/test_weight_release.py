@@ -29,12 +29,15 @@ def weight_bytes(core) -> int:
     return sum(s.nbytes() for s in weight_release._storages(core.model.net))
 
 
-@pytest.fixture(scope="module")
-def big(tmp_path_factory):
-    """A random Llama of ~90 MB in float32: large enough to see in the resident set."""
-    return make_checkpoint("llama", tmp_path_factory.mktemp("ckpt"), hidden_size=512,
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def big(request, tmp_path_factory):
+    """A random Llama, or mixture of experts, of ~90 MB in float32: large enough to see
+    in the resident set (the mixture's experts hold per-expert views and packed copies
+    of their own, which must go too)."""
+    sizes = dict(moe_intermediate_size=384) if request.param == "qwen3_moe" else {}
+    return make_checkpoint(request.param, tmp_path_factory.mktemp("ckpt"), hidden_size=512,
                            intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                           num_key_value_heads=4, vocab_size=8000)
+                           num_key_value_heads=4, vocab_size=8000, **sizes)
 
 
 @pytest.fixture
