@@ -39,7 +39,7 @@ def twins(request, tmp_path_factory):
     return path, write_gguf(root / "m.gguf", cfg, state, arch=ARCH[request.param]), cfg, state
 
 
-def _run(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+def run_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens after `prompt` and the logits of the prefill and every decode step."""
     pool = KVPool(KVLayout.for_model(model.cfg, 16, model.dtype), 8, model.dtype, model.device)
     runner = ModelRunner(model, pool)
@@ -62,8 +62,8 @@ def test_a_gguf_mixture_is_its_checkpoint(twins):
     for name, p in ours.net.named_parameters():
         assert torch.equal(p, theirs[name]), name
     prompt = [5, 77, 123, 9, 250, 31, 64]
-    tokens, logits = _run(ours, prompt, 8)
-    want_tokens, want_logits = _run(ref, prompt, 8)
+    tokens, logits = run_greedy(ours, prompt, 8)
+    want_tokens, want_logits = run_greedy(ref, prompt, 8)
     assert tokens == want_tokens
     for a, b in zip(logits, want_logits):
         assert torch.equal(a, b)
