@@ -137,12 +137,17 @@ def test_a_mixtral_without_expert_tensors_in_a_layer_is_named(tmp_path):
 
 
 def test_an_update_to_other_expert_counts_is_refused(tmp_path):
-    """update_weights from disk compares the whole shape, experts included."""
+    """update_weights from disk compares the whole shape, experts included; a GGUF file
+    of the same shape updates a model loaded from safetensors."""
     from engines.loader import update_weights
     from tests.unit.hf_models import make_checkpoint
     model = load_model(str(make_checkpoint("mixtral", tmp_path, seed=1)), dtype="float64")
-    before = {n: p.clone() for n, p in model.net.named_parameters()}
+    path, cfg, state = _checkpoint("mixtral", tmp_path)          # seed 0
+    assert update_weights(model, str(write_gguf(tmp_path / "s0.gguf", cfg, state)), "g0") == "g0"
+    want = dict(load_model(str(path), dtype="float64").net.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.net.named_parameters())
     other = make_checkpoint("mixtral", tmp_path, seed=2, num_local_experts=8)
     with pytest.raises(ModelError, match="architecture differs from the loaded model.*'num_experts': 8"):
         update_weights(model, str(other))
-    assert all(torch.equal(p, before[n]) for n, p in model.net.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.net.named_parameters())
+    assert model.version == "g0"
