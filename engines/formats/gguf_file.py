@@ -183,7 +183,8 @@ class GGUFFile:
             shape = tuple(reversed(t.shape))       # ggml lists dims inner first
             stacked = STACKED_NAME.fullmatch(t.name)
             if stacked:
-                yield from _experts(t, shape, int(stacked.group(1)), STACKED[stacked.group(2)])
+                yield from _experts(self.path, t, shape, int(stacked.group(1)),
+                                    STACKED[stacked.group(2)])
                 continue
             name = hf_name(t.name)
             if name is None:
@@ -192,11 +193,11 @@ class GGUFFile:
             yield name, shape, _reader(t.data, t.tensor_type, shape, rows)
 
 
-def _experts(t, shape: tuple[int, ...], layer: int, proj: str) -> Iterator[LazyTensor]:
+def _experts(path: Path, t, shape: tuple[int, ...], layer: int, proj: str) -> Iterator[LazyTensor]:
     """Stacked experts [E, rows, cols] as E checkpoint tensors, expert e's from its
     bytes of the stack (whole quantization blocks: a block never spans rows)."""
     if len(shape) != 3:
-        raise ModelError(f"tensor {t.name!r} has shape {list(shape)}; stacked experts are "
+        raise ModelError(f"{path}: tensor {t.name!r} has shape {list(shape)}; stacked experts are "
                          "[experts, rows, cols]")
     each = len(t.data) // shape[0]
     for e in range(shape[0]):
@@ -212,9 +213,10 @@ def decimal(value: float) -> float:
 
 def hf_name(gguf_name: str) -> str | None:
     m = _BLOCK.fullmatch(gguf_name)
-    if m and f"{m.group(2)}.{m.group(3)}" in MOE_FULL_NAMES:
-        return f"model.layers.{m.group(1)}.{MOE_FULL_NAMES[m.group(2) + '.' + m.group(3)]}"
     if m:
+        whole = MOE_FULL_NAMES.get(f"{m.group(2)}.{m.group(3)}")    # GLM's exp_probs_b.bias
+        if whole is not None:
+            return f"model.layers.{m.group(1)}.{whole}"
         ours = BLOCK_NAMES.get(m.group(2))
         return None if ours is None else f"model.layers.{m.group(1)}.{ours}.{m.group(3)}"
     stem, _, kind = gguf_name.rpartition(".")

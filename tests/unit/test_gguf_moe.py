@@ -128,6 +128,15 @@ def test_unsupported_variants_are_named(tmp_path, kind, meta, error):
         load_model(str(path))
 
 
+def test_a_stack_that_is_not_three_dimensional_is_named(tmp_path):
+    _, cfg, state = _checkpoint("qwen3_moe", tmp_path)
+    extra = {"blk.0.ffn_up_exps.weight": (np.zeros((256, 64), np.float32), "F32")}
+    path = write_gguf(tmp_path / "m.gguf", cfg, state, arch="qwen3moe", extra=extra)
+    with pytest.raises(ModelError, match=r"m.gguf: tensor 'blk.0.ffn_up_exps.weight' has shape "
+                                         r"\[256, 64\]; stacked experts are \[experts, rows, cols\]"):
+        load_model(str(path))
+
+
 def test_a_mixtral_without_expert_tensors_in_a_layer_is_named(tmp_path):
     _, cfg, state = _checkpoint("mixtral", tmp_path)
     state = {n: t for n, t in state.items() if "layers.2.block_sparse_moe" not in n}
