@@ -193,7 +193,7 @@ def validate(decodes: int, args: argparse.Namespace, tmp: Path, problems: list[s
             router.stop()
     finally:
         pool.stop()
-    model = f"null:step_ms={load.step_ms},prefill_us={load.prefill_us}"
+    model = f"null:step_ms={load.step_ms},prefill_us={load.prefill_us},experts={load.experts}"
     (tmp / "launch").mkdir()
     launch = Launch(tmp / "launch", model, ["--prefill", str(prefills), "--decode", str(decodes),
                                  "--kv-cache-mb", "64", "--threads", "1", "--dtype", "float32"])
@@ -316,6 +316,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--step-ms", type=float, default=10.0)
     p.add_argument("--prefill-us", type=float, default=20.0)
+    p.add_argument("--experts", default="0/0",
+                   help="TOTAL/ACTIVE: model a mixture of experts' decode step, whose time "
+                        "grows with the experts its batch reads (--step-ms: every weight read)")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per load")
     p.add_argument("--light", type=int, default=4, help="streams of the latency load")
     p.add_argument("--light-s", type=float, default=1.5)

@@ -54,7 +54,8 @@ class SimPool(Proc):
     def __init__(self, tmp: Path, decodes: int, prefills: int, args: argparse.Namespace) -> None:
         super().__init__([sys.executable, str(ROOT / "bench" / "sim_workers.py"), "--decode",
                           str(decodes), "--prefill", str(prefills), "--step-ms", str(args.step_ms),
-                          "--prefill-us", str(args.prefill_us)], tmp, "pool", stdin=True)
+                          "--prefill-us", str(args.prefill_us),
+                          "--experts", getattr(args, "experts", "0/0")], tmp, "pool", stdin=True)
         self.tmp = tmp
 
     def dropped(self) -> int:

@@ -15,7 +15,9 @@ ends the request, and a Generate is answered the way a null-engine worker answer
 - its decode starts the request when that prefill is done (the KV "arrived"), sends
   the first token (streamed requests), then every step_ms one token of each running
   request, all of a step's in one `Tokens` message per router, as the real decode
-  batches them; a non-streamed request's tokens come once, with its end.
+  batches them (a mixture's step, `--experts TOTAL/ACTIVE`, takes the null model's
+  time for its batch: engines/models/null_spec.py `NullSpec.step_s`); a non-streamed
+  request's tokens come once, with its end.
 
 What is not simulated: the prefill-decode link (KvDest, KvDone, the KV transfer),
 pages, pause/retract, scoring. Those cost the workers, not the router or the front.
@@ -40,6 +42,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.models.null import predict  # noqa: E402
+from engines.models.null_spec import NullSpec  # noqa: E402
 from zpd.wire.loop import Loop  # noqa: E402
 from zpd.wire.net import Router  # noqa: E402
 from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Ping, Pong,  # noqa: E402
@@ -183,7 +186,7 @@ class SimDecode(SimEndpoint):
                   else {})
         if not self.stepping:
             self.stepping = True
-            self.pool.loop.call_later(self.pool.step_s, self.step)
+            self.pool.loop.call_later(self.pool.spec.step_s(len(self.running)), self.step)
 
     def step(self) -> None:
         by_client: dict[bytes, list[TokenPart]] = {}
@@ -194,7 +197,7 @@ class SimDecode(SimEndpoint):
         self.emit(by_client)
         self.stepping = bool(self.running)
         if self.stepping:
-            self.pool.loop.call_later(self.pool.step_s, self.step)
+            self.pool.loop.call_later(self.pool.spec.step_s(len(self.running)), self.step)
 
     def part(self, job: SimJob) -> TokenPart:
         """The job's tokens not yet sent, with its end once it has them all."""
@@ -229,9 +232,11 @@ class SimPool:
     """Every simulated worker of the process, on one loop."""
 
     def __init__(self, decodes: int, prefills: int, step_ms: float, prefill_us: float,
-                 host: str = "127.0.0.1", stamps: bool = True, seed: int = 0) -> None:
+                 host: str = "127.0.0.1", stamps: bool = True, seed: int = 0,
+                 experts: str = "0/0") -> None:
         self.ctx, self.loop = zmq.Context(), Loop()
-        self.step_s, self.prefill_s, self.seed = step_ms / 1e3, prefill_us / 1e6, seed
+        self.spec = NullSpec.parse(f"null:step_ms={step_ms},experts={experts}")
+        self.prefill_s, self.seed = prefill_us / 1e6, seed
         self.stamps = Stamps(stamps)
         self.prefills = {p.endpoint: p for p in (SimPrefill(self, self.ctx, host)
                                                  for _ in range(prefills))}
@@ -270,10 +275,13 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--step-ms", type=float, default=20.0)
     p.add_argument("--prefill-us", type=float, default=50.0)
+    p.add_argument("--experts", default="0/0",
+                   help="TOTAL/ACTIVE: a mixture's decode step, by the experts its batch reads")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--ready-file", required=True)
     args = p.parse_args()
-    pool = SimPool(args.decode, args.prefill, args.step_ms, args.prefill_us, args.host)
+    pool = SimPool(args.decode, args.prefill, args.step_ms, args.prefill_us, args.host,
+                   experts=args.experts)
     stop = threading.Event()
     pool.loop.add_fd(sys.stdin.fileno(), lambda: pool.on_command(sys.stdin.readline(), stop))
     Path(args.ready_file).write_bytes(orjson.dumps(pool.endpoints()))

@@ -81,7 +81,7 @@ class NullRunner:
         before = self._read(page_tables, [p - 1 for p in positions])
         hs = [mix(h, t, seed) for h, t in zip(before, tokens)]
         self._write(page_tables, positions, hs)
-        self._wait(began, self.spec.step_ms * 1e-3)
+        self._wait(began, self.spec.step_s(len(tokens)))
         return self._logits(hs)
 
     def _index(self, tables: list[list[int]], positions: list[int]) -> tuple[list[int], list[int]]:

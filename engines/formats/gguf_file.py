@@ -1,4 +1,5 @@
-"""GGUF files of the Llama family: config, weights and metadata for the loader.
+"""GGUF files of the Llama family and its mixtures of experts: config, weights and
+metadata for the loader.
 
 A GGUF file (llama.cpp's format) carries the config as `{arch}.*` metadata, the
 tokenizer and chat template as `tokenizer.*` metadata, and the weights under
@@ -17,6 +18,8 @@ import numpy as np
 
 from engines.config import ModelConfig, ModelError
 from engines.formats.gguf_header import BadHeader, read_header
+from engines.formats.gguf_moe import (MOE_BLOCK_NAMES, MOE_FULL_NAMES, STACKED, STACKED_NAME,
+                                      moe_architecture, moe_fields, unexpected)
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +29,9 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    # mixtures of experts (engines/formats/gguf_moe.py); "llama" with experts is Mixtral
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "glm4moe": ("Glm4MoeForCausalLM", False),      # llama.cpp runs GLM in NeoX order: no permutation
 }
 
 # llama.cpp tensor name (per block) -> Hugging Face name
@@ -41,13 +47,14 @@ BLOCK_NAMES: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
+} | MOE_BLOCK_NAMES
 GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 # Types read without the gguf package's dequantizer (it leaves F64 out).
 _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
@@ -102,16 +109,17 @@ class GGUFFile:
     def config(self) -> ModelConfig:
         """The model's config, spelled as a Hugging Face config.json would be."""
         hf_arch, _ = ARCHITECTURES[self.arch]
+        moe_arch = moe_architecture(self.arch, self.key)
         names = {t.name for t in self.infos}
         embd = next((t for t in self.infos if t.name == "token_embd.weight"), None)
         if embd is None:
             raise ModelError(f"{self.path}: no token_embd.weight tensor")
         raw = {
-            "architectures": [hf_arch],
+            "architectures": [moe_arch or hf_arch],
             "vocab_size": self.key("vocab_size", int(embd.shape[1])),
             "hidden_size": self.key("embedding_length"),
             "intermediate_size": self.key("feed_forward_length"),
-            "num_hidden_layers": self.key("block_count"),
+            "num_hidden_layers": self.layers(),
             "num_attention_heads": self.key("attention.head_count"),
             "num_key_value_heads": self.key("attention.head_count_kv"),
             "head_dim": self.key("attention.key_length"),
@@ -130,10 +138,21 @@ class GGUFFile:
             raise ModelError(f"{self.path}: metadata lacks {self.arch}.* keys for {missing}")
         if isinstance(raw["intermediate_size"], list):   # per-layer sizes: not this family
             raise ModelError(f"{self.path}: per-layer feed_forward_length is not supported")
+        if moe_arch is not None:
+            head_dim = raw["head_dim"] or raw["hidden_size"] // raw["num_attention_heads"]
+            raw |= moe_fields(str(self.path), moe_arch, self.key, names,
+                              raw["num_hidden_layers"], head_dim)
+            if moe_arch == "Glm4MoeForCausalLM":
+                raw["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
         try:
             return ModelConfig.from_dict(raw)
         except ModelError as e:
             raise ModelError(f"{self.path}: {e}") from None
+
+    def layers(self) -> int | None:
+        """The model's layers: GLM's multi-token-prediction blocks follow them."""
+        blocks = self.key("block_count")
+        return None if blocks is None else blocks - int(self.key("nextn_predict_layers", 0) or 0)
 
     def _rope_scaling(self) -> dict | None:
         kind = self.key("rope.scaling.type")
@@ -152,17 +171,38 @@ class GGUFFile:
 
     def tensors(self) -> Iterator[LazyTensor]:
         """Every weight under its Hugging Face name, with the shape the model expects;
-        read it only by calling the third item."""
+        read it only by calling the third item. A stack of experts is one tensor per
+        expert, each read from its own bytes (engines/formats/gguf_moe.py)."""
         cfg = self.config()
         permuted = ARCHITECTURES[self.arch][1]
+        heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
         for t in self.infos:
+            layer = _LAYER.match(t.name)
+            if layer and int(layer.group(1)) >= cfg.num_layers and self.key("nextn_predict_layers"):
+                continue        # GLM's multi-token-prediction block: no speculative decoding here
+            shape = tuple(reversed(t.shape))       # ggml lists dims inner first
+            stacked = STACKED_NAME.fullmatch(t.name)
+            if stacked:
+                yield from _experts(self.path, t, shape, int(stacked.group(1)),
+                                    STACKED[stacked.group(2)])
+                continue
             name = hf_name(t.name)
             if name is None:
-                raise ModelError(f"{self.path}: unexpected tensor {t.name!r}")
-            shape = tuple(reversed(t.shape))       # ggml lists dims inner first
-            heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+                raise unexpected(str(self.path), t.name)
             rows = next((h for k, h in heads.items() if permuted and f".{k}." in name), 0)
-            yield name, shape, _reader(t, shape, rows)
+            yield name, shape, _reader(t.data, t.tensor_type, shape, rows)
+
+
+def _experts(path: Path, t, shape: tuple[int, ...], layer: int, proj: str) -> Iterator[LazyTensor]:
+    """Stacked experts [E, rows, cols] as E checkpoint tensors, expert e's from its
+    bytes of the stack (whole quantization blocks: a block never spans rows)."""
+    if len(shape) != 3:
+        raise ModelError(f"{path}: tensor {t.name!r} has shape {list(shape)}; stacked experts are "
+                         "[experts, rows, cols]")
+    each = len(t.data) // shape[0]
+    for e in range(shape[0]):
+        yield (f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", shape[1:],
+               _reader(t.data[e * each:(e + 1) * each], t.tensor_type, shape[1:], 0))
 
 
 def decimal(value: float) -> float:
@@ -174,6 +214,9 @@ def decimal(value: float) -> float:
 def hf_name(gguf_name: str) -> str | None:
     m = _BLOCK.fullmatch(gguf_name)
     if m:
+        whole = MOE_FULL_NAMES.get(f"{m.group(2)}.{m.group(3)}")    # GLM's exp_probs_b.bias
+        if whole is not None:
+            return f"model.layers.{m.group(1)}.{whole}"
         ours = BLOCK_NAMES.get(m.group(2))
         return None if ours is None else f"model.layers.{m.group(1)}.{ours}.{m.group(3)}"
     stem, _, kind = gguf_name.rpartition(".")
@@ -181,16 +224,19 @@ def hf_name(gguf_name: str) -> str | None:
     return None if ours is None or kind != "weight" else f"{ours}.weight"
 
 
-def _reader(t, shape: tuple[int, ...], heads: int) -> Callable[[], torch.Tensor]:
+def _reader(data: np.ndarray, qtype, shape: tuple[int, ...],
+            heads: int) -> Callable[[], torch.Tensor]:
+    """Bytes `data` of GGML type `qtype` as a float32 tensor of `shape`; q/k rows of
+    `heads` heads un-permuted where `heads`."""
     def read() -> torch.Tensor:
         import torch
         from gguf import quants
 
-        kind = t.tensor_type.name
+        kind = qtype.name
         if kind in _PLAIN:
-            arr = np.asarray(t.data).view(_PLAIN[kind]).astype(np.float32)
+            arr = np.asarray(data).view(_PLAIN[kind]).astype(np.float32)
         else:
-            arr = quants.dequantize(t.data, t.tensor_type)
+            arr = quants.dequantize(data, qtype)
         w = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
         return unpermute(w, heads) if heads else w
     return read

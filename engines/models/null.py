@@ -1,10 +1,19 @@
 """The null engine: a model with no weights and no compute, for simulating a cluster.
 
 `--model null[:OPTIONS]`, OPTIONS comma-separated `key=value` (a bare first number is
-`step_ms`): `null`, `null:5`, `null:step_ms=5,prefill_us=20,kv_bytes=131072,seed=1`.
+`step_ms`): `null`, `null:5`, `null:step_ms=5,prefill_us=20,kv_bytes=131072,seed=1`,
+`null:step_ms=40,experts=128/8`.
 
-- step_ms (20): one decode step, whatever the batch;
+- step_ms (20): one decode step, whatever the batch (a mixture's: one that reads every weight);
 - prefill_us (50): per prompt token a prefill computes (a cached prefix costs nothing);
+- experts (0/0, dense): TOTAL/ACTIVE, a mixture of TOTAL experts routing each token to
+  ACTIVE (`experts=128/8`, Qwen3-30B-A3B). A decode step is bound by the weights it
+  reads: those outside the experts, 1 - expert_share of them, and the experts its
+  batch chose, 1 - (1 - ACTIVE/TOTAL)^batch of them in expectation (uniform routing).
+  A step takes step_ms times that share: at batch 1 the active parameters' share
+  (128/8: 0.11), nearing step_ms as the batch grows (`NullSpec.step_s`);
+- expert_share (0.95): of the weights, the routed experts' part (Qwen3-30B-A3B 0.95,
+  Mixtral-8x7B 0.97, GLM-4.5-Air 0.95);
 - kv_bytes (4096): KV bytes per token, a multiple of 16 (a page is --page-size times
   this: Llama-3-8B in bfloat16 is 131072);
 - seed (0): the "weights". `update_weights` to a null spec takes its seed alone.

@@ -18,6 +18,19 @@ class NullSpec:
     prefill_us: float = 50.0
     kv_bytes: int = 4096
     seed: int = 0
+    experts: tuple[int, int] = (0, 0)     # a mixture's (total, active per token); (0, 0): dense
+    expert_share: float = 0.95            # of the weights, the routed experts' part
+
+    def step_s(self, batch: int) -> float:
+        """One decode step of `batch` sequences: step_ms for a dense model. A mixture's
+        step reads the weights outside the experts and the experts its tokens chose,
+        in expectation 1 - (1 - k/E)^batch of them (each token k of E, uniformly):
+        step_ms is the step that reads every weight."""
+        total, active = self.experts
+        if not total:
+            return self.step_ms * 1e-3
+        read = 1.0 - (1.0 - active / total) ** max(batch, 1)
+        return self.step_ms * 1e-3 * ((1.0 - self.expert_share) + self.expert_share * read)
 
     @classmethod
     def parse(cls, spec: str) -> "NullSpec":
@@ -34,16 +47,23 @@ class NullSpec:
             raise ModelError(f"bad null model spec {spec!r}: unknown option "
                              f"{sorted(set(got) - set(known))[0]!r}; {SPELLING}")
         try:
-            out = cls(**{k: (float if known[k] == "float" else int)(v) for k, v in got.items()})
+            out = cls(**{k: _VALUES.get(known[k], int)(v) for k, v in got.items()})
         except ValueError:
-            raise ModelError(f"bad null model spec {spec!r}: every value is a number; "
-                             f"{SPELLING}") from None
+            raise ModelError(f"bad null model spec {spec!r}: every value is a number "
+                             f"(experts: TOTAL/ACTIVE); {SPELLING}") from None
         return out.checked(spec)
 
     def checked(self, spec: str) -> "NullSpec":
         times = (self.step_ms, self.prefill_us)
         if self.seed < 0 or not all(math.isfinite(t) and t >= 0 for t in times):
             raise ModelError(f"bad null model spec {spec!r}: times and seed are finite, >= 0")
+        total, active = self.experts
+        if (total or active) and not 1 <= active <= total:
+            raise ModelError(f"bad null model spec {spec!r}: experts=TOTAL/ACTIVE needs "
+                             f"1 <= ACTIVE <= TOTAL (got {total}/{active})")
+        if not 0.0 <= self.expert_share <= 1.0:
+            raise ModelError(f"bad null model spec {spec!r}: expert_share is a fraction "
+                             f"of the weights, 0 to 1 (got {self.expert_share})")
         if self.kv_bytes < 16 or self.kv_bytes % 16:
             raise ModelError(f"bad null model spec {spec!r}: kv_bytes is a multiple of 16 "
                              f"(got {self.kv_bytes})")
@@ -64,7 +84,19 @@ class NullSpec:
                            rope_theta=0.0, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
 
 
-SPELLING = "spell it null[:STEP_MS] or null:step_ms=MS,prefill_us=US,kv_bytes=N,seed=N"
+SPELLING = ("spell it null[:STEP_MS] or null:step_ms=MS,prefill_us=US,kv_bytes=N,seed=N"
+            "[,experts=TOTAL/ACTIVE,expert_share=F]")
+
+
+def _experts(value: str) -> tuple[int, int]:
+    total, slash, active = value.partition("/")
+    if not slash:
+        raise ValueError(value)
+    return int(total), int(active)
+
+
+# how each option's value is read (by its annotation); int otherwise
+_VALUES = {"float": float, "tuple[int, int]": _experts}
 
 
 def is_null(spec: str) -> bool:

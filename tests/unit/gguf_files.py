@@ -1,8 +1,10 @@
 """GGUF files written for tests with the `gguf` package's own writer: the tiny model
 (any seed) under llama.cpp's tensor names and q/k row order, quantized on request, with
-a byte-level vocabulary equal to the tiny model's tokenizer."""
+a byte-level vocabulary equal to the tiny model's tokenizer; mixtures of experts with
+their experts stacked and the metadata llama.cpp's convert_hf_to_gguf.py writes."""
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -24,6 +26,8 @@ def gguf_meta(path: Path) -> dict:
 
 def gguf_name(hf: str) -> str:
     """Hugging Face name -> llama.cpp's (the inverse of engines.formats.gguf_file.hf_name)."""
+    if hf.startswith("blk."):
+        return hf                       # named by _moe_tensors already
     for ours, theirs in GLOBAL_NAMES.items():
         if hf == f"{theirs}.weight":
             return f"{ours}.weight"
@@ -40,32 +44,34 @@ def write_tiny_gguf(path: Path, seed: int = 0, qtype: str = "F32", arch: str = "
 
 
 def write_gguf(path: Path, c: dict, state: dict[str, torch.Tensor], qtype: str = "F32",
-               arch: str = "llama", vocab: bool = False, extra: dict | None = None) -> Path:
+               arch: str = "llama", vocab: bool = False, extra: dict | None = None,
+               meta: dict[str, int] | None = None) -> Path:
     """A checkpoint (Hugging Face config dict and state dict) as a GGUF file, as llama.cpp's
     converter writes one: 2-D weights stored as `qtype` (norms and biases stay F32), q/k
     rows permuted for the llama architecture, no output.weight when embeddings are tied.
     `vocab`: the tiny model's byte-level tokenizer and a chatml template.
     `extra`: name -> (numpy array, GGML type name) added as is, in place of the
-    checkpoint's tensor of that name."""
+    checkpoint's tensor of that name. `meta`: uint32 metadata written over the rest."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
     heads = c["num_attention_heads"]
-    w.add_block_count(c["num_hidden_layers"])
+    tensors = _moe_tensors(w, c, state, arch) if _experts(c) else state
+    w.add_block_count(c["num_hidden_layers"] + (arch == "glm4moe"))  # GLM: + its MTP block
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_key_length(c.get("head_dim") or c["hidden_size"] // heads)
-    w.add_rope_freq_base(c.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_vocab_size(c["vocab_size"])
     if vocab:
         _add_vocab(w)
     kind = gguf.GGMLQuantizationType[qtype]
     rows = {"q_proj": heads, "k_proj": c["num_key_value_heads"]}
-    for name, t in state.items():
+    for name, t in tensors.items():
         if name == "lm_head.weight" and c.get("tie_word_embeddings") or \
                 gguf_name(name) in (extra or {}):
             continue
@@ -73,10 +79,12 @@ def write_gguf(path: Path, c: dict, state: dict[str, torch.Tensor], qtype: str =
         if proj in rows and arch == "llama":
             t = permute(t, rows[proj])
         arr = t.to(torch.float32).numpy()
-        if arr.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+        if arr.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32 and "ffn_gate_inp" not in name:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(gguf_name(name), arr)
+    for key, value in (meta or {}).items():
+        w.kv_data[0][key] = gguf.GGUFValue(value, gguf.GGUFValueType.UINT32)
     for name, (arr, raw) in (extra or {}).items():
         w.add_tensor(name, arr, raw_dtype=gguf.GGMLQuantizationType[raw])
     w.write_header_to_file()
@@ -84,6 +92,53 @@ def write_gguf(path: Path, c: dict, state: dict[str, torch.Tensor], qtype: str =
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _experts(c: dict) -> int:
+    return c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0
+
+
+def _moe_tensors(w, c: dict, state: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """A mixture's metadata written to `w`, its state with each layer's experts stacked
+    into blk.N.ffn_{gate,up,down}_exps [E, rows, cols] as llama.cpp's converter does
+    (Mixtral's w1/w3/w2 are gate/up/down), GLM's bias as exp_probs_b and a
+    multi-token-prediction block past the last layer (the converter writes one)."""
+    import gguf
+
+    experts = _experts(c)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    if arch != "llama":
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if arch == "glm4moe":
+        w.add_expert_group_count(c["n_group"])
+        w.add_expert_group_used_count(c["topk_group"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
+        w.add_rope_dimension_count(int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]))
+        w.add_nextn_predict_layers(1)
+    parts = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+             "down_proj": "down", "w2": "down"}
+    expert = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+    out, stacks = {}, {}
+    for name, t in state.items():
+        m = expert.fullmatch(name)
+        if m:
+            stacks.setdefault(f"blk.{m.group(1)}.ffn_{parts[m.group(3)]}_exps.weight", {})[int(m.group(2))] = t
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            out[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = t
+        else:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    for name, per in stacks.items():
+        out[name] = torch.stack([per[e] for e in range(experts)])
+    if arch == "glm4moe":           # past the model's layers: the loader must skip it
+        last, hidden = c["num_hidden_layers"], c["hidden_size"]
+        out[f"blk.{last}.nextn.eh_proj.weight"] = torch.ones(hidden, 2 * hidden)
+        out[f"blk.{last}.attn_norm.weight"] = torch.ones(hidden)
+    return out
 
 
 def _add_vocab(w) -> None:

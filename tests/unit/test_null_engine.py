@@ -42,13 +42,18 @@ def test_spellings():
     assert NullSpec.parse("null:2.5,seed=3") == NullSpec(step_ms=2.5, seed=3)
     assert NullSpec.parse("null:prefill_us=10,kv_bytes=131072") == \
         NullSpec(prefill_us=10.0, kv_bytes=131072)
+    assert NullSpec.parse("null:40,experts=128/8,expert_share=0.9") == \
+        NullSpec(step_ms=40.0, experts=(128, 8), expert_share=0.9)
 
 
 @pytest.mark.parametrize("spec, says", [
     ("null:abc", "every value is a number"), ("null:seed=1.5", "every value is a number"),
     ("null:foo=1", "unknown option 'foo'"), ("null:1,2", "unknown option ''"),
     ("null:step_ms=-1", ">= 0"), ("null:step_ms=nan", ">= 0"), ("null:prefill_us=inf", ">= 0"),
-    ("null:kv_bytes=10", "multiple of 16"), ("null:kv_bytes=0", "multiple of 16")])
+    ("null:kv_bytes=10", "multiple of 16"), ("null:kv_bytes=0", "multiple of 16"),
+    ("null:experts=8", "TOTAL/ACTIVE"), ("null:experts=8/x", "TOTAL/ACTIVE"),
+    ("null:experts=8/9", "1 <= ACTIVE <= TOTAL"), ("null:experts=0/2", "1 <= ACTIVE <= TOTAL"),
+    ("null:experts=8/2,expert_share=1.5", "expert_share is a fraction")])
 def test_bad_specs_are_clear_errors(spec, says):
     with pytest.raises(ModelError, match=says):
         load_model(spec)
@@ -116,6 +121,27 @@ def test_forwards_take_the_spec_s_time():
     began = time.monotonic()
     c.runner.decode([1, 2], [10, 10], [[0], [1]])
     assert 0.030 <= time.monotonic() - began < 0.5        # one step, whatever the batch
+
+
+def test_a_mixtures_step_reads_the_experts_its_batch_chose():
+    """experts=E/k: the weights outside the experts plus the expected share of experts
+    a batch of B chose, 1 - (1 - k/E)^B; dense: step_ms whatever the batch."""
+    dense, moe = NullSpec(step_ms=100), NullSpec(step_ms=100, experts=(128, 8))
+    assert dense.step_s(1) == dense.step_s(64) == 0.1
+    assert moe.step_s(1) == pytest.approx(0.1 * (0.05 + 0.95 * 8 / 128))     # 0.0109: 3.3B of 30.5B
+    assert moe.step_s(2) == pytest.approx(0.1 * (0.05 + 0.95 * (1 - (120 / 128) ** 2)))
+    assert moe.step_s(1) < moe.step_s(8) < moe.step_s(64) < moe.step_s(1024) <= 0.1
+    assert moe.step_s(1024) == pytest.approx(0.1)
+    assert NullSpec(step_ms=100, experts=(8, 8)).step_s(1) == pytest.approx(0.1)   # every expert
+    # the runner sleeps out the step of its batch
+    c = _compute("null:step_ms=100,experts=64/2,prefill_us=0")
+    waited = []
+    c.runner._wait = lambda began, seconds: waited.append(seconds)
+    c.runner.prefill([PROMPT[:3], PROMPT[3:6]], [[0], [1]])
+    c.runner.decode([1], [3], [[0]])
+    c.runner.decode([1, 2], [3, 3], [[0], [1]])
+    assert waited[1:] == [NullSpec.parse("null:100,experts=64/2").step_s(b) for b in (1, 2)]
+    assert waited[1] < waited[2]
 
 
 # --- a cluster --------------------------------------------------------------------------------
