@@ -2,8 +2,6 @@
 output position, every layer, for each mixture architecture, in float64."""
 from __future__ import annotations
 
-import base64
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,8 @@ from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request, Unservable
 from engines.sampling_params import SamplingParams
-from tests.unit.hf_models import MOE_VARIANTS, hf_model, make_checkpoint
+from tests.unit.hf_models import (MOE_VARIANTS, by_expert, decoded, hf_model, make_checkpoint,
+                                  reference_routing)
 
 pytest.importorskip("transformers", reason="transformers is the test-time reference; pip install '.[test]'")
 
@@ -23,43 +22,6 @@ NEW_TOKENS = 6
 @pytest.fixture(scope="module", params=sorted(MOE_VARIANTS))
 def checkpoint(request, tmp_path_factory):
     return make_checkpoint(request.param, tmp_path_factory.mktemp("hf"))
-
-
-def decoded(meta: dict, key: str, dtype, layers: int, k: int) -> np.ndarray:
-    """SGLang's decoding of meta_info.routed_experts (slime's reshape)."""
-    return np.frombuffer(base64.b64decode(meta[key]), dtype=dtype).reshape(-1, layers, k)
-
-
-@torch.inference_mode()
-def reference_routing(ref, tokens: list[int], layers: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """transformers' router choice at every position of `tokens`, from hooks on each
-    mixture layer's gate (it returns logits, weights, indices): ids and weights
-    [T, layers, k], zeros in dense layers."""
-    ids = np.zeros((len(tokens), layers, k), dtype=np.int32)
-    weights = np.zeros((len(tokens), layers, k), dtype=np.float64)
-    hooks = []
-    for i, layer in enumerate(ref.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is None or not hasattr(gate, "top_k"):       # a dense layer's MLP
-            continue
-
-        def keep(_module, _args, out, i=i):
-            _, w, idx = out
-            ids[:, i], weights[:, i] = idx.numpy(), w.double().numpy()
-        hooks.append(gate.register_forward_hook(keep))
-    try:
-        ref(torch.tensor([tokens]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return ids, weights
-
-
-def by_expert(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's experts in ascending id order, their weights in the same order (the
-    routers order them by score, or not at all)."""
-    order = np.argsort(ids, axis=-1, kind="stable")
-    return np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
 
 
 def test_every_position_matches_transformers(checkpoint):
