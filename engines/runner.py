@@ -129,7 +129,7 @@ class ModelRunner:
         self.routed = None
         if routing is not None and cfg.moe is not None:
             self.routed = RoutingCapture(ids.shape[0], cfg.num_layers, cfg.moe.top_k,
-                                         routing == "weights")
+                                         routing == "weights", self.device)
         net.capture = self.routed
         try:
             return net(ids, positions, self.pool.kv, meta, self.backend)
