@@ -219,9 +219,13 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
 
 def routed_fields(req: Request) -> dict:
     """routed_experts (and routed_expert_weights) where the request asked and has a row
-    for each position fed, prompt + output[:-1] (an abort before its KV came has none)."""
-    got = req.routed
-    return got.fields() if got is not None and got.rows == req.context_len - 1 else {}
+    for each position fed, prompt + output[:-1] (an abort before its KV came has none).
+    A scored prompt (max_new_tokens 0) has a row more, its last token's, which SGLang's
+    (prompt + output - 1) rows leave out."""
+    got, rows = req.routed, req.context_len - 1
+    if got is None or not (got.rows == rows or (req.params.scores_only and got.rows == rows + 1)):
+        return {}
+    return got.fields(rows)
 
 
 def logprob_fields(req: Request) -> dict:

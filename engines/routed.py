@@ -51,12 +51,13 @@ class RoutedExperts:
         self._weights = [torch.cat(self._weights)] if len(self._weights) > 1 else self._weights
         return self._weights[0]
 
-    def fields(self) -> dict:
-        """The answer's meta fields: routed_experts and, where kept, routed_expert_weights."""
-        out = {"routed_experts": _base64(self.ids(), torch.int32)}
+    def fields(self, rows: int) -> dict:
+        """The answer's meta fields, of the first `rows` rows: routed_experts and, where
+        kept, routed_expert_weights."""
+        out = {"routed_experts": _base64(self.ids()[:rows], torch.int32)}
         w = self.weights()
         if w is not None:
-            out["routed_expert_weights"] = _base64(w, torch.float32)
+            out["routed_expert_weights"] = _base64(w[:rows], torch.float32)
         return out
 
 

@@ -64,6 +64,10 @@ def test_ids_alone_and_nothing_unasked(checkpoint):
     assert decoded(asked["meta"], "routed_experts", np.int32, layers, k).shape == (7, layers, k)
     assert "routed_experts" not in plain["meta"]
     assert asked["output_ids"] == plain["output_ids"]      # recording changes no token
+    (scored,) = engine.run([Request("s", prompt, SamplingParams(max_new_tokens=0,
+                                                                return_routed_experts=True))])
+    ids = decoded(scored["meta"], "routed_experts", np.int32, layers, k)   # prompt - 1 rows
+    assert (ids == decoded(asked["meta"], "routed_experts", np.int32, layers, k)[:4]).all()
 
 
 def test_refused_by_name(tmp_path):
