@@ -4,11 +4,13 @@ from __future__ import annotations
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.config import ModelError
+from engines.models.moe import RoutingCapture
 from engines.models.null import NullNet
 from engines.null_runner import NullRunner
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
 from engines.request import Request, StopChecker
+from engines.routed import RoutedExperts, routing_of
 from engines.tp.group import TpGroup
 from engines.tp.runner import TpRunner
 
@@ -18,9 +20,12 @@ class Compute:
     prompt + output[:-1]; its next input is output[-1] (after prefill samples the first
     token, or the forced token after a recompute)."""
 
-    def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None) -> None:
-        """`tp`: the tensor-parallel group whose leader this is (`model` its part)."""
-        self.model, self.pool = model, pool
+    def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None,
+                 routed_experts: bool = False) -> None:
+        """`tp`: the tensor-parallel group whose leader this is (`model` its part).
+        `routed_experts`: requests may ask for their routed experts (engines/routed.py;
+        --enable-return-routed-experts)."""
+        self.model, self.pool, self.routed_experts = model, pool, routed_experts
         self.runner = runner_for(model, pool, tp)
         eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
         self.sampler = Sampler(eos, self.runner.backend.argmax)
@@ -34,13 +39,13 @@ class Compute:
         Request.reusable_prefix)."""
         prefixes = [r.prompt + r.output[:-1] for r in reqs]
         asks = [r.prompt_logprob_ask for r in reqs]
-        if any(asks):
-            logits, got = self.runner.prefill_with_logprobs(prefixes, [r.pages for r in reqs],
-                                                            starts, asks)
-            for r, g in zip(reqs, got):
-                r.prompt_logprobs = g if g is not None else r.prompt_logprobs
-        else:
-            logits = self.runner.prefill(prefixes, [r.pages for r in reqs], starts)
+        routing = routing_of([r.params.routing for r in reqs])
+        logits, got = self.runner.prefill_with_logprobs(prefixes, [r.pages for r in reqs], starts,
+                                                        asks if any(asks) else None, routing)
+        for r, g in zip(reqs, got):
+            r.prompt_logprobs = g if g is not None else r.prompt_logprobs
+        if self.runner.routed is not None:
+            self._keep_prompt_routing(reqs, [len(p) for p in prefixes], starts or [0] * len(reqs))
         fresh = [i for i, r in enumerate(reqs) if not r.output and not r.params.scores_only]
         for r in reqs:
             if r.params.scores_only:             # scored: it ends here, with no output token
@@ -49,9 +54,29 @@ class Compute:
             self._sample(logits[fresh], [reqs[i] for i in fresh])
         self.pool.synchronize()     # the KV is complete before a transfer engine reads it
 
+    def _keep_prompt_routing(self, reqs: list[Request], lens: list[int], starts: list[int]) -> None:
+        """Each asking request's routed experts: its computed prefix's rows, all of them
+        (a recompute's replace the ones before, under the weights of now)."""
+        got, at = host(self.runner.routed), 0
+        for r, n, s in zip(reqs, lens, starts):
+            if r.params.routing is not None:
+                if s:        # Request.reusable_prefix keeps such a request off the cache
+                    raise ValueError(f"rid {r.rid!r}: its routed experts start at position 0, "
+                                     f"not at its cached prefix's end {s}")
+                w = got.weights[at:at + n] if r.params.routing == "weights" else None
+                r.routed = RoutedExperts(got.ids[at:at + n].clone(), None if w is None else w.clone())
+            at += n - s
+
     def decode(self, reqs: list[Request]) -> None:
+        routing = routing_of([r.params.routing for r in reqs])
         logits = self.runner.decode([r.output[-1] for r in reqs], [r.context_len - 1 for r in reqs],
-                                    [r.pages for r in reqs])
+                                    [r.pages for r in reqs], routing)
+        got = host(self.runner.routed)
+        if got is not None:
+            for i, r in enumerate(reqs):
+                if r.params.routing is not None and r.routed is not None:
+                    w = got.weights[i:i + 1] if r.params.routing == "weights" else None
+                    r.routed.append(got.ids[i:i + 1].clone(), None if w is None else w.clone())
         self._sample(logits, reqs)
 
     def _sample(self, logits, reqs: list[Request]) -> None:
@@ -61,6 +86,16 @@ class Compute:
         for r, t, lp, top, ids in zip(reqs, got.tokens, got.logprobs, got.top, got.ids):
             r.emit(t, self.model.version, lp, top, ids)
             r.finish = self.stop(r)
+
+
+def host(got: RoutingCapture | None) -> RoutingCapture | None:
+    """A forward's routed experts in host memory, copied once (None: none recorded)."""
+    if got is None or got.ids.device.type == "cpu":
+        return got
+    out = RoutingCapture(0, 0, 0, False)
+    out.ids = got.ids.cpu()
+    out.weights = None if got.weights is None else got.weights.cpu()
+    return out
 
 
 def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None):

@@ -31,6 +31,7 @@ class NullRunner:
         self.model, self.pool = model, pool
         self.backend = TorchBackend()                # the sampler's argmax
         L = pool.layout
+        self.routed = None                           # a dense model: no routed experts
         self.row_words = L.num_kv_heads * L.head_dim * L.element_bytes // 4   # int32s per K row
 
     @property
@@ -43,10 +44,12 @@ class NullRunner:
 
     def prefill_with_logprobs(self, prompts: list[list[int]], page_tables: list[list[int]],
                               starts: list[int] | None = None,
-                              logprob_from: list[PromptLogprobAsk | int | None] | None = None
+                              logprob_from: list[PromptLogprobAsk | int | None] | None = None,
+                              routing: str | None = None
                               ) -> tuple[torch.Tensor, list[PromptLogprobs | None]]:
         """ModelRunner's contract: the logits of each prompt's last token, and the prompt
-        logprobs asked for (of the same peaked logits at every position)."""
+        logprobs asked for (of the same peaked logits at every position). The null model
+        is dense: `routing` records nothing (workers refuse requests that ask)."""
         began, starts = time.monotonic(), starts or [0] * len(prompts)
         if min(len(p) - s for p, s in zip(prompts, starts)) < 1:
             raise ValueError("a prefill computes at least one token of each prompt")
@@ -76,7 +79,7 @@ class NullRunner:
         return hs
 
     def decode(self, tokens: list[int], positions: list[int],
-               page_tables: list[list[int]]) -> torch.Tensor:
+               page_tables: list[list[int]], routing: str | None = None) -> torch.Tensor:
         began, seed = time.monotonic(), self.spec.seed
         before = self._read(page_tables, [p - 1 for p in positions])
         hs = [mix(h, t, seed) for h, t in zip(before, tokens)]

@@ -18,11 +18,13 @@ from engines.tp.group import TpGroup
 
 class OfflineEngine:
     def __init__(self, model: LoadedModel, kv_cache_mb: float = 256, page_size: int = 16,
-                 max_batch: int = 64, max_prefill_tokens: int = 8192, tp: TpGroup | None = None) -> None:
-        """`tp`: `model` is rank 0's part of a tensor-parallel group (engines/tp/)."""
+                 max_batch: int = 64, max_prefill_tokens: int = 8192, tp: TpGroup | None = None,
+                 routed_experts: bool = False) -> None:
+        """`tp`: `model` is rank 0's part of a tensor-parallel group (engines/tp/).
+        `routed_experts`: requests may ask for their routed experts (engines/routed.py)."""
         layout = KVLayout.for_model(model.cfg, page_size, model.dtype)
         self.pool = KVPool.with_budget(layout, kv_cache_mb, model.dtype, model.device)
-        self.compute = Compute(model, self.pool, tp)
+        self.compute = Compute(model, self.pool, tp, routed_experts)
         self.batch = DecodeBatch(self.compute, max_batch)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -30,7 +32,7 @@ class OfflineEngine:
     def submit(self, req: Request) -> None:
         """Raises Unservable (400) for a request that can never be served."""
         validate(req.prompt, req.params, self.compute.model.cfg, self.pool.layout.page_size,
-                 self.pool.num_pages)
+                 self.pool.num_pages, self.compute.routed_experts)
         self.waiting.append(req)
 
     def step(self) -> list[Request]:

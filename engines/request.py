@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engines.config import ModelConfig
 from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs
+from engines.routed import RoutedExperts, routed_refusal
 from engines.sampler import SamplingParams
 from engines.formats.tokenizer import Tokenizer
 
@@ -41,6 +42,9 @@ class Request:
     # when params.prompt_logprobs_from asks.
     prompt_logprobs: PromptLogprobs | None = None
     scored_version: str | None = None    # max_new_tokens 0: the weights that scored the prompt
+    # Its routed experts so far when params.routing asks (engines/routed.py): a row per
+    # position fed, prompt + output[:-1]; the last prefill's rows, then the decode's.
+    routed: RoutedExperts | None = None
     pages: list[int] = field(default_factory=list)
     finish: dict | None = None
     retractions: int = 0
@@ -79,7 +83,11 @@ class Request:
     @property
     def reusable_prefix(self) -> int | None:
         """Prompt tokens its prefill may take from a prefix cache: those before the first
-        logit its prompt logprobs read (position max(k, 1) - 1); None: no bound."""
+        logit its prompt logprobs read (position max(k, 1) - 1); none when it asks for
+        its routed experts (a cached prefix's routing is not kept: it is recomputed, so
+        it is always there and of the weights of now); None: no bound."""
+        if self.params.routing is not None:
+            return 0
         ask = self.prompt_logprob_ask
         return None if ask is None else max(ask.start, 1) - 1
 
@@ -105,8 +113,9 @@ class Request:
 
 
 def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_size: int,
-             total_pages: int) -> None:
-    """Reject what can never be served, with the reason (status 400)."""
+             total_pages: int, routed_experts: bool = False) -> None:
+    """Reject what can never be served, with the reason (status 400). `routed_experts`:
+    this worker records routed experts (--enable-return-routed-experts)."""
     if not prompt:
         raise Unservable("empty prompt")
     # lengths first: a megabyte prompt's ids took the loop a second to scan
@@ -117,6 +126,7 @@ def validate(prompt: list[int], params: SamplingParams, cfg: ModelConfig, page_s
     if bad:
         raise Unservable(f"token id {bad[0]!r} out of range [0, {cfg.vocab_size})")
     validate_prompt_logprobs(len(prompt), params, cfg)
+    validate_routing(len(prompt) + params.max_new_tokens, params, cfg, routed_experts)
     pages = -(-(len(prompt) + params.max_new_tokens) // page_size)
     if pages > total_pages:
         raise Unservable(f"request needs {pages} KV pages; this worker has "
@@ -148,6 +158,14 @@ def validate_prompt_logprobs(length: int, params: SamplingParams, cfg: ModelConf
                              f"positions x {each} values each are more than "
                              f"{MAX_PROMPT_LOGPROB_ENTRIES} in one answer: raise "
                              "logprob_start_len or ask fewer top_logprobs_num/token_ids_logprob")
+
+
+def validate_routing(max_context: int, params: SamplingParams, cfg: ModelConfig,
+                     enabled: bool) -> None:
+    """A routed experts ask this worker can answer (engines/routed.py)."""
+    refusal = routed_refusal(cfg, enabled, params.routing, max_context)
+    if refusal is not None:
+        raise Unservable(refusal)
 
 
 def validate_prefix(prefix: list[int], cfg: ModelConfig, capacity_tokens: int) -> None:
@@ -195,7 +213,19 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
             "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                      "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})
             | ({"weight_version": req.scored_version} if req.scored_version is not None else {})
+            | routed_fields(req)
             } | logprob_fields(req) | prompt_logprob_fields(req)
+
+
+def routed_fields(req: Request) -> dict:
+    """routed_experts (and routed_expert_weights) where the request asked and has a row
+    for each position fed, prompt + output[:-1] (an abort before its KV came has none).
+    A scored prompt (max_new_tokens 0) has a row more, its last token's, which SGLang's
+    (prompt + output - 1) rows leave out."""
+    got, rows = req.routed, req.context_len - 1
+    if got is None or not (got.rows == rows or (req.params.scores_only and got.rows == rows + 1)):
+        return {}
+    return got.fields(rows)
 
 
 def logprob_fields(req: Request) -> dict:

@@ -11,6 +11,7 @@ from engines.kv.meta import DecodeMeta, LastTokens, PrefillMeta, ScoredRows
 from engines.kv.paged import PageRows
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
+from engines.models.moe import RoutingCapture
 from engines.prompt_logprobs import PromptLogprobAsk, PromptLogprobs, ScoredRun, prompt_logprobs, scored_run
 from engines.torch_backend import TorchBackend
 
@@ -38,6 +39,9 @@ class ModelRunner:
         self.backend = backend_for(model.dtype, model.device)
         self.backend.group = tp
         self.leads = tp is None or tp.leads
+        # the routed experts of the last forward's input rows, when it was asked to
+        # record them (`routing`: "ids", or "weights" with them; engines/routed.py)
+        self.routed: RoutingCapture | None = None
 
     def prefill(self, prompts: list[list[int]], page_tables: list[list[int]],
                 starts: list[int] | None = None) -> torch.Tensor:
@@ -48,14 +52,17 @@ class ModelRunner:
 
     def prefill_with_logprobs(self, prompts: list[list[int]], page_tables: list[list[int]],
                               starts: list[int] | None = None,
-                              logprob_from: list[PromptLogprobAsk | int | None] | None = None
+                              logprob_from: list[PromptLogprobAsk | int | None] | None = None,
+                              routing: str | None = None
                               ) -> tuple[torch.Tensor, list[PromptLogprobs | None]]:
         """`prefill`'s logits, the same bits, and each prompt's logprobs where
         logprob_from[i] asks (an int k: PromptLogprobAsk(k)), None for the others
         (engines/prompt_logprobs.py has the contract). The logprobs of positions from
         k read the logits of positions max(k, 1) - 1 on, which a prefill from a cached
         prefix does not compute: starts[i] > max(k, 1) - 1 is a ValueError, and the
-        caller prefills such a prompt from at most max(k, 1) - 1 (its KV is the same)."""
+        caller prefills such a prompt from at most max(k, 1) - 1 (its KV is the same).
+        With `routing`, `self.routed` has the experts of every computed position, the
+        prompts' rows packed in order (each from starts[i])."""
         starts = starts or [0] * len(prompts)
         lens = [len(p) - s for p, s in zip(prompts, starts)]
         if min(lens) < 1:      # its last token would be another prompt's (the cache leaves one)
@@ -77,7 +84,7 @@ class ModelRunner:
         meta.last = LastTokens(last, self._decode_meta(rows[last], ends, page_tables))
         meta.scored = self._scored(runs, starts, lens, rows, tables)
         net = self.model.net
-        hidden = net(ids, torch.cat(positions), self.pool.kv, meta, self.backend)  # [B (+ R), hidden]
+        hidden = self._forward(ids, torch.cat(positions), meta, routing)  # [B (+ R), hidden]
         B = len(prompts)
         if not self.leads:
             return None, [None] * B
@@ -104,14 +111,30 @@ class ModelRunner:
         return ScoredRows(picked, attend)
 
     def decode(self, tokens: list[int], positions: list[int],
-               page_tables: list[list[int]]) -> torch.Tensor:
-        """Feed token i at position i of its sequence; it attends to positions 0..pos."""
+               page_tables: list[list[int]], routing: str | None = None) -> torch.Tensor:
+        """Feed token i at position i of its sequence; it attends to positions 0..pos.
+        With `routing`, `self.routed` has each token's experts, a row per token."""
         page_size, tensor = self.pages.page_size, self.pages.tensor
         pos = tensor(positions)
         own = tensor([pt[p // page_size] for pt, p in zip(page_tables, positions)])
         meta = self._decode_meta(own * self.pages.page_stride + pos % page_size, positions, page_tables)
-        hidden = self.model.net(tensor(tokens), pos, self.pool.kv, meta, self.backend)
+        hidden = self._forward(tensor(tokens), pos, meta, routing)
         return self.model.net.logits(hidden, self.backend) if self.leads else None
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta, routing: str | None):
+        """The network's forward, recording its rows' experts where `routing` asks (every
+        rank of a tensor-parallel group records, so all run the same products; a dense
+        model records nothing)."""
+        net, cfg = self.model.net, self.model.net.cfg
+        self.routed = None
+        if routing is not None and cfg.moe is not None:
+            self.routed = RoutingCapture(ids.shape[0], cfg.num_layers, cfg.moe.top_k,
+                                         routing == "weights", self.device)
+        net.capture = self.routed
+        try:
+            return net(ids, positions, self.pool.kv, meta, self.backend)
+        finally:
+            net.capture = None
 
     def _decode_meta(self, write_rows: torch.Tensor, positions: list[int],
                      page_tables: list[list[int]]) -> DecodeMeta:

@@ -52,6 +52,10 @@ class SamplingParams:
     # worker refuses a start at or past the prompt's end (engines.request.validate).
     logprob_start_len: int = -1
     token_ids_logprob: tuple[int, ...] = ()   # and these ids' logprobs at each prompt and output position
+    # Each position's routed experts (a mixture of experts; workers started with
+    # --enable-return-routed-experts: engines/routed.py), and their gate weights.
+    return_routed_experts: bool = False
+    return_routed_expert_weights: bool = False
 
     def __post_init__(self) -> None:
         for name, ok, bound in self._checks():
@@ -92,6 +96,9 @@ class SamplingParams:
              f"-1 (no prompt logprobs) or an integer in [0, {INT32_MAX}]"),
             ("token_ids_logprob", _ids_ok(self.token_ids_logprob, MAX_TOKEN_IDS_LOGPROB),
              f"at most {MAX_TOKEN_IDS_LOGPROB} token ids in [0, {INT32_MAX}]"),
+            ("return_routed_experts", isinstance(self.return_routed_experts, bool), "true or false"),
+            ("return_routed_expert_weights", isinstance(self.return_routed_expert_weights, bool),
+             "true or false"),
         ]
 
     @classmethod
@@ -146,6 +153,14 @@ class SamplingParams:
     def prompt_logprobs_from(self) -> int | None:
         """The first prompt position whose logprob the request asks for, or None."""
         return self.logprob_start_len if self.wants_logprobs and self.logprob_start_len >= 0 else None
+
+    @property
+    def routing(self) -> str | None:
+        """What the request asks of its routed experts: None, "ids", or "weights" (the
+        weights with the ids: asking the weights alone asks both)."""
+        if self.return_routed_expert_weights:
+            return "weights"
+        return "ids" if self.return_routed_experts else None
 
     @property
     def filtered(self) -> bool:

@@ -120,8 +120,11 @@ class Client:
         likely [token_id, logprob] pairs, highest first, and one that asked for
         `token_ids_logprob` also "token_ids_logprobs", per token those ids' [token_id,
         logprob] pairs in the order asked; with `logprob_start_len` the
-        last chunk's meta has the prompt's (input_*) too (docs/serving.md, "Logprobs"). Closing
-        the iterator early aborts the request (499)."""
+        last chunk's meta has the prompt's (input_*) too (docs/serving.md, "Logprobs"). With
+        `return_routed_experts` (a mixture of experts, workers started with
+        --enable-return-routed-experts) the last chunk's meta has "routed_experts", and
+        with `return_routed_expert_weights` "routed_expert_weights" (engines/routed.py).
+        Closing the iterator early aborts the request (499)."""
         rid = self._submit(input_ids, prompt, sampling_params, rid, True, messages)
         finished = False
         try:

@@ -180,6 +180,14 @@ class WorkerConfig:
               "of a prompt prefix it computed before under the same weights; docs/serving.md, "
               "Prefix cache)", "memory and batching", names=("--no-prefix-cache",),
         action="store_true", cli_default=False)
+    # requests may ask for their routed experts (engines/routed.py): a mixture of experts only
+    enable_return_routed_experts: bool = flag(
+        False, "let requests ask for each position's routed experts (`return_routed_experts` on "
+               "/generate, SGLang's flag and shape: meta_info.routed_experts, base64 int32 of "
+               "(prompt + output - 1) x layers x experts per token) and their gate weights "
+               "(`return_routed_expert_weights`); a mixture-of-experts model only; such requests "
+               "take no prefix-cache hit (their prefix is recomputed)", "model",
+        action="store_true")
     max_batch: int = flag(64, "most requests decoding at once, counting those whose KV is "
                           "still arriving (default {default})", "memory and batching", type=int)
     max_prefill_tokens: int = flag(8192, "most prompt tokens in one prefill forward (default "

@@ -166,8 +166,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             x = layer(x, rope, kv, meta, backend, capture=capture)
         last = meta.last if isinstance(meta, PrefillMeta) else None
-        if capture is None or last is None:
-            return final(x, rope, kv, meta, backend, last)
+        if capture is None or last is None:      # (a decode step records its last layer too)
+            return final(x, rope, kv, meta, backend, last, capture=capture)
         x = final(x, rope, kv, meta, backend, capture=capture)
         rows = [last.rows] + ([meta.scored.rows] if meta.scored is not None else [])
         return x[torch.cat(rows)]

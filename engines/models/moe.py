@@ -73,14 +73,18 @@ class RoutingCapture:
     """Each token's chosen experts, layer by layer, through one forward: ids [T, layers,
     k] int32 (zeros in dense layers) and, where asked, their weights in float32."""
 
-    def __init__(self, tokens: int, layers: int, top_k: int, weights: bool) -> None:
-        self.ids = torch.zeros(tokens, layers, top_k, dtype=torch.int32)
-        self.weights = torch.zeros(tokens, layers, top_k, dtype=torch.float32) if weights else None
+    def __init__(self, tokens: int, layers: int, top_k: int, weights: bool,
+                 device: torch.device | str = "cpu") -> None:
+        """On `device`, the model's: a layer's record is then no copy to the host (on a GPU
+        no synchronisation per layer); the reader copies the whole once."""
+        self.ids = torch.zeros(tokens, layers, top_k, dtype=torch.int32, device=device)
+        self.weights = torch.zeros(tokens, layers, top_k, dtype=torch.float32,
+                                   device=device) if weights else None
 
     def record(self, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        self.ids[:, layer] = ids.to("cpu", torch.int32)
+        self.ids[:, layer] = ids.to(self.ids.device, torch.int32)
         if self.weights is not None:
-            self.weights[:, layer] = weights.to("cpu", torch.float32)
+            self.weights[:, layer] = weights.to(self.weights.device, torch.float32)
 
 
 class SparseMoe(nn.Module):

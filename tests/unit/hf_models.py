@@ -1,8 +1,10 @@
 """Small random Hugging Face checkpoints for reference tests (transformers is test-only)."""
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VARIANTS = {
@@ -55,3 +57,40 @@ def hf_model(path: Path, dtype: torch.dtype):
     # eager experts: transformers' grouped_mm takes no float64
     m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager")
     return m.eval()
+
+
+@torch.inference_mode()
+def reference_routing(ref, tokens: list[int], layers: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' router choice at every position of `tokens`, from hooks on each
+    mixture layer's gate (it returns logits, weights, indices): ids and weights
+    [T, layers, k], zeros in dense layers."""
+    ids = np.zeros((len(tokens), layers, k), dtype=np.int32)
+    weights = np.zeros((len(tokens), layers, k), dtype=np.float64)
+    hooks = []
+    for i, layer in enumerate(ref.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "top_k"):       # a dense layer's MLP
+            continue
+
+        def keep(_module, _args, out, i=i):
+            _, w, idx = out
+            ids[:, i], weights[:, i] = idx.numpy(), w.double().numpy()
+        hooks.append(gate.register_forward_hook(keep))
+    try:
+        ref(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return ids, weights
+
+
+def by_expert(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's experts in ascending id order, their weights in the same order (the
+    routers order them by score, or not at all)."""
+    order = np.argsort(ids, axis=-1, kind="stable")
+    return np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
+
+
+def decoded(meta: dict, key: str, dtype, layers: int, k: int) -> np.ndarray:
+    """SGLang's decoding of meta_info.routed_experts (slime's reshape)."""
+    return np.frombuffer(base64.b64decode(meta[key]), dtype=dtype).reshape(-1, layers, k)

@@ -91,6 +91,22 @@ def test_native_answer_has_sglang_logprob_triples_and_weight_versions():
     assert "output_token_logprobs" not in native_answer(plain)["meta_info"]
 
 
+def test_routed_experts_ask_and_answer():
+    """The body's fields become the engine's (per prompt in a batch); the final chunk's
+    routed experts are meta_info's, as SGLang's, and nothing else carries them."""
+    gen = parse_generate({"input_ids": [[1], [2]], "return_routed_experts": [True, False],
+                          "return_routed_expert_weights": True})
+    assert [i.sampling.routing for i in gen.items] == ["weights", "weights"]
+    assert parse_generate({"input_ids": [1], "return_routed_experts": True}).items[0] \
+        .sampling.routing == "ids"
+    assert parse_generate({"input_ids": [1]}).items[0].sampling.routing is None
+    out = Output(0, GenRequest(SamplingParams(return_routed_experts=True), input_ids=[1, 2]), TOK)
+    out.add(chunk("r", [72]))
+    assert "routed_experts" not in native_answer(out)["meta_info"]
+    out.add(chunk("r", [105], {"type": "length"}, {"routed_experts": "AAAA", "prompt_tokens": 2}))
+    assert native_answer(out)["meta_info"]["routed_experts"] == "AAAA"
+
+
 def test_openai_logprobs_completion_and_chat_shapes():
     req = GenRequest(SamplingParams.from_dict({"return_logprob": True, "top_logprobs_num": 1}), input_ids=[1, 2])
     out = Output(0, req, TOK)
@@ -247,6 +263,9 @@ def test_native_bodies_as_slime_and_areal_send_them():
     ({"input_ids": [1], "rid": "x" * 300}, "at most 256"),
     ({"input_ids": [1], "rid": ""}, "rid"),
     ({"input_ids": [[1]] * 1025}, "more than 1024"),
+    ({"input_ids": [1], "return_routed_experts": "yes"}, "return_routed_experts"),
+    ({"input_ids": [1], "return_routed_expert_weights": 1}, "return_routed_expert_weights"),
+    ({"text": ["a", "b"], "return_routed_experts": [True]}, "return_routed_experts"),
 ])
 def test_bad_generate_bodies_name_the_field(body, words):
     with pytest.raises(BadRequest) as e:

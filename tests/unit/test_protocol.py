@@ -52,6 +52,10 @@ SAMPLES: list[p.Message] = [
     p.Admin(command="pause", args={"mode": "retract"}, req_id="q1"),
     p.AdminReply(req_id="q1", ok=True, result={"paused": "retract"}),
     p.Resume(rid="r1", have=7),
+    p.KvDone(room=7, epoch=0, first_token=42, weight_version="v2", logprob=[-0.25],
+             top_ids=[42], top_logprobs=[-0.25], ids_logprobs=[-3.0], prompt_logprobs=[-1.0],
+             prompt_top_ids=[3], prompt_top_logprobs=[-1.0], prompt_ids_logprobs=[-2.0],
+             routed_experts=[0, 3, 1, 2], routed_expert_weights=[0.75, 0.25, 0.5, 0.5]),
     p.Adopt(),
     p.Adopted(requests={"r1": AdoptedRequest(owner="6162", prefill="127.0.0.1:5000", stream=True,
                                                tokens=40, output=3)}, paused="retract"),
@@ -397,9 +401,11 @@ def test_more_frames_than_any_message_has_is_protocol_error() -> None:
 
 
 def test_max_frames_is_header_plus_the_most_blobs_of_any_type() -> None:
-    # tokens: header, counts, token_ids, logprob_mode, logprobs, top_counts, top_ids, top_logprobs,
-    # ids_counts, ids_logprobs
-    assert p.MAX_FRAMES == 10
+    # kv_done: header, logprob, top_ids, top_logprobs, ids_logprobs, prompt_logprobs,
+    # prompt_top_ids, prompt_top_logprobs, prompt_ids_logprobs, routed_experts,
+    # routed_expert_weights (tokens has 10: header, counts, token_ids, logprob_mode,
+    # logprobs, top_counts, top_ids, top_logprobs, ids_counts, ids_logprobs)
+    assert p.MAX_FRAMES == 11
     longest = max((encode(m) for m in SAMPLES), key=len)
     assert len(longest) == p.MAX_FRAMES
 

@@ -72,6 +72,8 @@ class Generate(Body):
     logprob_start_len: Union[int, list[Optional[int]], None] = None
     token_ids_logprob: Optional[list[Union[int, list[int], None]]] = None
     return_text_in_logprobs: bool = False
+    return_routed_experts: Union[bool, list[Optional[bool]], None] = None
+    return_routed_expert_weights: Union[bool, list[Optional[bool]], None] = None    # zpd's
 
 
 class OpenAIBody(Body):

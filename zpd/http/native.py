@@ -40,6 +40,8 @@ routes = web.RouteTableDef()
 ENGINE_SAMPLING = tuple(name for name in Sampling.__struct_fields__
                         if name in {f.name for f in fields(SamplingParams)})
 DEFAULTS = HttpConfig()
+# what a request asks of its routed experts (engine fields of the same names)
+ROUTED = ("return_routed_experts", "return_routed_expert_weights")
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     ids = _per_item("token_ids_logprob", gen.token_ids_logprob, count,
                     listed and _nested(gen.token_ids_logprob), id_list, [])
     rids = item_rids(gen.rid, count, n, batch)
+    routed = [{k: True for k, v in zip(ROUTED, asked) if v} for asked in zip(*(
+        _per_item(k, getattr(gen, k), count, listed, boolean, False) for k in ROUTED))]
     copies = [seeded_copies(checked_sampling(
-        sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p])), n)
+        sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p]) | routed[p]), n)
               for p, sp in enumerate(samplings)]
     items = []
     for j in range(n):

@@ -19,6 +19,8 @@ REPLACEMENT = "\ufffd"      # what a decode shows for a token that ends mid-char
 # What one token id or logprob entry costs an answer, about, as the front holds and
 # formats it ([logprob, id, null] in JSON is ~30 bytes): what --max-answer-bytes counts.
 ENTRY_BYTES = 32
+# a finished request's routed experts (engines/routed.py), base64, as SGLang answers them
+ROUTED_KEYS = ("routed_experts", "routed_expert_weights")
 PROMPT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 
 
@@ -89,7 +91,8 @@ class Output:
             len(row) for key in ("top_logprobs", "token_ids_logprobs") for row in chunk.get(key) or ()))
         if chunk["finished"]:
             self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}
-            self.held += ENTRY_BYTES * _prompt_entries(self.meta)
+            self.held += ENTRY_BYTES * _prompt_entries(self.meta) + sum(
+                len(self.meta.get(k) or "") for k in ROUTED_KEYS)
             self.finished_at = time.monotonic()
             self._final_text = self._finished_text(chunk.get("text"))
 
@@ -232,7 +235,8 @@ def meta_info(out: Output, tokens: range | None = None) -> dict:
             "weight_version": every[-1] if every else out.meta.get("weight_version"),
             "weight_versions": version_spans(versions, tokens.start),
             "output_token_weight_versions": versions,
-            "retractions": int(out.meta.get("retractions", 0))}
+            "retractions": int(out.meta.get("retractions", 0))} | {
+                k: out.meta[k] for k in ROUTED_KEYS if k in out.meta}   # the final chunk's
 
 
 def _prompt_entries(meta: dict) -> int:

@@ -96,7 +96,9 @@ GENERATE: dict[str, Rule] = {
     "num_items_assigned": MULTIMODAL, "encoder_urls": MULTIMODAL,
     "return_sampling_mask": NOT_RETURNED,
     "return_flat_raw_top_logprobs": NOT_RETURNED, "return_flat_raw_top_logprobs_b64": NOT_RETURNED,
-    "return_hidden_states": HIDDEN, "return_routed_experts": NOT_RETURNED,
+    "return_hidden_states": HIDDEN,
+    # meta_info.routed_experts (engines/routed.py); zpd's own: routed_expert_weights
+    "return_routed_experts": IMPL, "return_routed_expert_weights": IMPL,
     "return_indexer_topk": NOT_RETURNED, "return_entropy": NOT_RETURNED,
     "return_prompt_token_ids": NOT_RETURNED,
     "session_params": refused("zpd has no sessions"),

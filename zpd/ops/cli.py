@@ -47,7 +47,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not inputs:
             raise StatusError(400, "give at least one --prompt or --input-ids")
         kv_mb = kv_budget_mb(args.mem_fraction_static, kv_cache_mb(args), model.net, model.device)
-        engine = OfflineEngine(model, kv_mb, args.page_size, args.max_batch, tp=tp)
+        engine = OfflineEngine(model, kv_mb, args.page_size, args.max_batch, tp=tp,
+                               routed_experts=args.enable_return_routed_experts)
         freeze_startup_objects()
         reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
         for out in engine.run(reqs):

@@ -65,6 +65,11 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     g.add_argument("--return-logprob", action="store_true",
                    help="report each output token's logprob (--json shows them)")
+    g.add_argument("--return-routed-experts", action="store_true",
+                   help="report each position's routed experts (a mixture of experts, served "
+                        "with --enable-return-routed-experts; --json shows meta.routed_experts)")
+    g.add_argument("--return-routed-expert-weights", action="store_true",
+                   help="and their gate weights (meta.routed_expert_weights)")
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:
@@ -99,6 +104,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         d["ignore_eos"] = True
     if args.return_logprob:
         d["return_logprob"] = True
+    for key in ("return_routed_experts", "return_routed_expert_weights"):
+        if getattr(args, key):
+            d[key] = True
     return SamplingParams.from_dict(d)
 
 
@@ -131,7 +139,8 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         router_secret_file=args.router_secret_file,
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
         prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args),
-        weight_sync_timeout=args.weight_sync_timeout, tp=args.tp)
+        weight_sync_timeout=args.weight_sync_timeout, tp=args.tp,
+        enable_return_routed_experts=args.enable_return_routed_experts)
 
 
 def check_tp(tp: int | None) -> None:
@@ -185,6 +194,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "router_secret_file",
                       "weights_root", "weight_sync_timeout",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
+                      "enable_return_routed_experts",
                       "max_text_bytes", "max_input_ids")
 # What `zpd launch` hands its router, besides the flags every launch sets.
 ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",

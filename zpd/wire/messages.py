@@ -193,6 +193,12 @@ class KvDone(Message):
     prompt_top_ids: Optional[list[int]] = None
     prompt_top_logprobs: Optional[list[float]] = None
     prompt_ids_logprobs: Optional[list[float]] = None
+    # When its request asked for its routed experts (engines/routed.py): the rows of every
+    # position the prefill computed (prompt + output[:-1]: a recompute's replace the
+    # decode's), [positions, layers, experts per token] flat, and with
+    # return_routed_expert_weights their gate weights, flat alike.
+    routed_experts: Optional[list[int]] = None
+    routed_expert_weights: Optional[list[float]] = None
 
     def __post_init__(self) -> None:
         if (self.prompt_top_ids is None) != (self.prompt_top_logprobs is None) or \

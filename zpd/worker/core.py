@@ -81,7 +81,7 @@ class WorkerCore:
                             self.model.device)
         self.pool = KVPool.with_budget(self.layout, kv_mb, self.model.dtype,
                                        self.model.device, clear_on_free=cfg.clear_freed_pages)
-        self.compute = Compute(self.model, self.pool, self.tp)
+        self.compute = Compute(self.model, self.pool, self.tp, cfg.enable_return_routed_experts)
         self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
             transfer_timeout_s=cfg.deadlines.transfer * 0.75, fault_plan=knobs.fault_plan)
@@ -384,7 +384,8 @@ class WorkerCore:
             if isinstance(tokenized, Exception):
                 raise tokenized
             prompt = self.prompt_ids(msg) if tokenized is None else tokenized
-            validate(prompt, params, self.model.cfg, self.pool.layout.page_size, self.pool.num_pages)
+            validate(prompt, params, self.model.cfg, self.pool.layout.page_size, self.pool.num_pages,
+                     self.compute.routed_experts)
         except StatusError as e:
             return prompt, params, e
         except ValueError as e:

@@ -28,7 +28,7 @@ from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, final_meta,
                               first_logprobs, recompute_sampling, take_prompt_logprobs,
-                              token_part)
+                              take_routed, token_part)
 from zpd.worker.peers import model_layout
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import Handler, step_failure
@@ -290,7 +290,7 @@ class DecodeScheduler:
         req = job.req
         req.timings = msg.timings.to_wire() if msg.timings is not None else {}
         cached = cached_tokens(req, msg)
-        problem = cached if isinstance(cached, str) else None
+        problem = cached if isinstance(cached, str) else take_routed(req, msg, self.core.model.cfg)
         if problem is None and not req.output:   # after a recompute the decode has its tokens
             problem = self._take_first_token(req, msg)
             req.finish = self.core.compute.stop(req) if problem is None else None

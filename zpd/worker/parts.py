@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from engines.config import ModelConfig
 from engines.prompt_logprobs import PromptLogprobs
+from engines.routed import from_flat
 from engines.formats.tokenizer import Tokenizer
 from engines.request import Request, response
 from engines.sampling_params import SamplingParams
@@ -111,6 +113,21 @@ def take_prompt_logprobs(req: Request, msg: KvDone) -> str | None:
     if isinstance(got, str):
         return got
     req.prompt_logprobs = got
+    return None
+
+
+def take_routed(req: Request, msg: KvDone, cfg: ModelConfig) -> str | None:
+    """Keep the routed experts a `kv_done` gave, one row per position its prefill
+    computed (prompt + output[:-1]), replacing any before (a recompute's are under the
+    weights of now); or say what is wrong with them. None where the request asked none."""
+    want = req.params.routing
+    if want is None:
+        return None
+    got = from_flat(cfg, len(req.prompt) + max(0, len(req.output) - 1), msg.routed_experts,
+                    msg.routed_expert_weights, want == "weights")
+    if isinstance(got, str):
+        return got
+    req.routed = got
     return None
 
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 from engines.request import (MAX_PROMPT_LOGPROB_ENTRIES, Request, prompt_logprob_entries,
-                             validate_prefix, validate_prompt_logprobs)
+                             validate_prefix, validate_prompt_logprobs, validate_routing)
 from zpd.wire.status import ABORTED, BAD_REQUEST, DEADLINE, StatusError
 from engines.sampler import SamplingParams
 from zpd.wire.admin import Continue
@@ -276,6 +276,8 @@ class PrefillScheduler:
                 raise ValueError(msg.refused)
             validate_prefix(msg.input_ids, self.core.model.cfg, self.pool.num_pages * self.pool.layout.page_size)
             validate_prompt_logprobs(len(msg.input_ids), params, self.core.model.cfg)
+            validate_routing(len(msg.input_ids) + 1, params, self.core.model.cfg,
+                             self.core.compute.routed_experts)
         except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
         old = self.jobs.get(msg.room)

@@ -1,0 +1,82 @@
+"""Routed experts (engines/routed.py) against transformers' routers: every prompt and
+output position, every layer, for each mixture architecture, in float64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines.loader import load_model
+from engines.offline import OfflineEngine
+from engines.request import Request, Unservable
+from engines.sampling_params import SamplingParams
+from tests.unit.hf_models import (MOE_VARIANTS, by_expert, decoded, hf_model, make_checkpoint,
+                                  reference_routing)
+
+pytest.importorskip("transformers", reason="transformers is the test-time reference; pip install '.[test]'")
+
+PROMPT_LENS = [1, 7, 19]          # one token, within a page, across pages
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    return make_checkpoint(request.param, tmp_path_factory.mktemp("hf"))
+
+
+def test_every_position_matches_transformers(checkpoint):
+    model = load_model(str(checkpoint), dtype="float64")
+    engine = OfflineEngine(model, kv_cache_mb=8, routed_experts=True)
+    cfg, ref = model.cfg, hf_model(checkpoint, torch.float64)
+    layers, k = cfg.num_layers, cfg.moe.top_k
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
+                            return_routed_experts=True, return_routed_expert_weights=True)
+    answers = engine.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    dense = [i for i in range(layers) if not cfg.moe.sparse(i)]    # (Mixtral has none)
+    for prompt, out in zip(prompts, answers):
+        tokens = prompt + out["output_ids"]
+        assert len(out["output_ids"]) == NEW_TOKENS
+        ids = decoded(out["meta"], "routed_experts", np.int32, layers, k)
+        weights = decoded(out["meta"], "routed_expert_weights", np.float32, layers, k)
+        assert ids.shape == (len(tokens) - 1, layers, k)       # slime's (len(tokens) - 1, L, k)
+        assert weights.shape == ids.shape
+        want_ids, want_w = reference_routing(ref, tokens[:-1], layers, k)
+        ours_ids, ours_w = by_expert(ids, weights.astype(np.float64))
+        want_ids, want_w = by_expert(want_ids, want_w)
+        for pos in range(len(tokens) - 1):
+            assert (ours_ids[pos] == want_ids[pos]).all(), f"position {pos} (prompt {len(prompt)})"
+        np.testing.assert_allclose(ours_w, want_w, rtol=0, atol=1e-6)   # float32 on the wire
+        assert not ids[:, dense].any() and not weights[:, dense].any()
+
+
+def test_ids_alone_and_nothing_unasked(checkpoint):
+    model = load_model(str(checkpoint), dtype="float64")
+    engine = OfflineEngine(model, kv_cache_mb=8, routed_experts=True)
+    prompt = list(range(5))
+    asked, plain = engine.run([
+        Request("a", prompt, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True,
+                                            return_routed_experts=True)),
+        Request("b", prompt, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))])
+    assert "routed_expert_weights" not in asked["meta"]
+    layers, k = model.cfg.num_layers, model.cfg.moe.top_k
+    assert decoded(asked["meta"], "routed_experts", np.int32, layers, k).shape == (7, layers, k)
+    assert "routed_experts" not in plain["meta"]
+    assert asked["output_ids"] == plain["output_ids"]      # recording changes no token
+    (scored,) = engine.run([Request("s", prompt, SamplingParams(max_new_tokens=0,
+                                                                return_routed_experts=True))])
+    ids = decoded(scored["meta"], "routed_experts", np.int32, layers, k)   # prompt - 1 rows
+    assert (ids == decoded(asked["meta"], "routed_experts", np.int32, layers, k)[:4]).all()
+
+
+def test_refused_by_name(tmp_path):
+    ask = SamplingParams(max_new_tokens=2, return_routed_experts=True)
+    dense = OfflineEngine(load_model("tiny"), kv_cache_mb=4, routed_experts=True)
+    with pytest.raises(Unservable, match="dense"):
+        dense.submit(Request("d", [1, 2], ask))
+    moe = load_model(str(make_checkpoint("qwen3_moe", tmp_path)))
+    with pytest.raises(Unservable, match="--enable-return-routed-experts"):
+        OfflineEngine(moe, kv_cache_mb=4).submit(Request("m", [1, 2], ask))
+    with pytest.raises(ValueError, match="return_routed_experts"):
+        SamplingParams(return_routed_experts=1)
