@@ -68,10 +68,11 @@ class WorkerCore:
         knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
         configure_engine()
         self.tp, self.tp_procs = None, []         # --tp > 1: the other ranks (engines/tp/)
-        if cfg.tp > 1:
+        if cfg.tp > 1 or cfg.ep > 1:
             from engines.tp.spawn import lead
             self.model, self.tp, self.tp_procs = lead(cfg.model, cfg.device, cfg.dtype,
-                                                      cfg.weight_version, cfg.overrides, cfg.tp)
+                                                      cfg.weight_version, cfg.overrides, cfg.tp,
+                                                      ep=cfg.ep)
         else:
             self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version,
                                     cfg.overrides)
