@@ -19,7 +19,7 @@ from engines.loader import load_model
 from engines.runner import ModelRunner
 from engines.tp.group import Rendezvous, join
 from engines.tp.plan import TpPlan
-from engines.tp.shard import shard_model, weight_slice
+from engines.tp.shard import apply_rows, shard_model, weight_slice
 from tests.unit.hf_models import MOE_VARIANTS, hf_model, make_checkpoint
 
 pytest.importorskip("transformers", reason="transformers is the test-time reference")
@@ -128,3 +128,25 @@ def test_logits_equal_transformers_float64(checkpoint, tp, ep):
             theirs = ref(torch.tensor([seq[:len(prompts[i]) + step]])).logits[0, -1]
             assert torch.allclose(ours[i], theirs, atol=1e-6, rtol=0), \
                 f"step {step} prompt {i}: {(ours[i] - theirs).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2), (2, 2)])
+def test_a_push_of_some_experts_rows_reaches_each_part(checkpoint, tp, ep):
+    """A trainer's push that wrote expert 1's gate rows and expert 6's down rows: each
+    rank's part takes exactly its share (engines/tp/shard.py apply_rows)."""
+    whole = load_model(str(checkpoint), dtype="float64")
+    cfg, experts = whole.cfg, whole.net.model.layers[2].mlp.experts
+    last = cfg.moe.num_experts - 1
+    for name, (part, first, n) in {"gate_up_proj": experts.rows(1, "gate"),
+                                   "down_proj": experts.rows(last, "down")}.items():
+        full = f"model.layers.2.mlp.experts.{name}"
+        old = getattr(experts, part).detach().clone()
+        new = old.clone()
+        new[first:first + n] = torch.randn(n, old.shape[1], dtype=old.dtype)
+        for r in range(2):
+            plan = TpPlan.for_rank(cfg, r, tp, ep)
+            mine = weight_slice(full, old, cfg, plan).clone()
+            apply_rows(mine, full, new, [(first, first + n)], cfg, plan)
+            assert torch.equal(mine, weight_slice(full, new, cfg, plan)), (name, r)
+            assert torch.equal(mine, weight_slice(full, old, cfg, plan)) == (
+                ep > 1 and (r == 0) != (name == "gate_up_proj")), (name, r)
