@@ -93,7 +93,7 @@ def lead(model: str, device: str, dtype: str, version: str | None,
     the group, the other ranks' processes). `size` is --tp, `ep` --ep. A model that
     cannot be split so is a ValueError before any process starts."""
     if is_null(model):
-        raise ModelError("the null model runs at --tp 1 and --ep 1 only")
+        raise ModelError("the null model runs at --tp 1 only, and --ep 1")
     meeting = Rendezvous()
     try:
         return _lead(model, device, dtype, version, overrides, size, threads, meeting, ep)
