@@ -111,6 +111,7 @@ def test_logits_equal_transformers_float64(checkpoint, tp, ep):
     prompts = _prompts(300)
 
     def work(runner, pool, group):
+        alone = runner.prefill(prompts[:1], [pool.allocator.alloc(1)])   # one token: rank 1 has none
         tables = [pool.allocator.alloc(pool.pages_for(len(p) + 4)) for p in prompts]
         seqs, logits = [list(p) for p in prompts], [runner.prefill(prompts, tables)]
         for _ in range(4):         # rank 0's greedy tokens, told to the others
@@ -119,10 +120,11 @@ def test_logits_equal_transformers_float64(checkpoint, tp, ep):
             for s, t in zip(seqs, nxt):
                 s.append(t)
             logits.append(runner.decode(nxt, [len(s) - 1 for s in seqs], tables))
-        return seqs, logits
+        return seqs, [alone] + logits
 
-    seqs, logits = _ranks(checkpoint, tp, ep, work)
+    seqs, (alone, *logits) = _ranks(checkpoint, tp, ep, work)
     ref = hf_model(checkpoint, torch.float64)
+    assert torch.allclose(alone[0], ref(torch.tensor(prompts[:1])).logits[0, -1], atol=1e-6, rtol=0)
     for step, ours in enumerate(logits):
         for i, seq in enumerate(seqs):
             theirs = ref(torch.tensor([seq[:len(prompts[i]) + step]])).logits[0, -1]
