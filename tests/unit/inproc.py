@@ -76,9 +76,10 @@ class InprocCluster:
     def __init__(self, complete_after_polls: int = 0, fault_plan=None, kv_cache_mb: float = 1.0,
                  max_batch: int = 8, clear_freed_pages: bool = False,
                  router_args: dict | None = None, model: str = "tiny",
-                 prefix_cache: bool = True, dtype: str = "float64", tp: tuple[int, int] = (1, 1)) -> None:
-        """`tp`: the prefill's and the decode's tensor-parallel ranks (more than one
-        starts processes for the others, engines/tp/)."""
+                 prefix_cache: bool = True, dtype: str = "float64", tp: tuple[int, int] = (1, 1),
+                 ep: tuple[int, int] = (1, 1)) -> None:
+        """`tp`, `ep`: the prefill's and the decode's tensor- and expert-parallel ranks
+        (more than one starts processes for the others, engines/tp/)."""
         self.ctx = zmq.Context()
         self.dtype = dtype
         self.model = model
@@ -86,6 +87,7 @@ class InprocCluster:
         self.fabric = transport.FakeFabric()
         tag = next(_names)
         self.clear_freed_pages, self.prefix_cache, self.tp = clear_freed_pages, prefix_cache, tp
+        self.ep = ep
         # what `zpd launch` hands its routers and workers (zpd/wire/router_proof.py)
         self.secret_dir = tempfile.mkdtemp(prefix="zpd-inproc-")
         self.secret_file = str(write_router_secret(Path(self.secret_dir) / "router.secret"))
@@ -109,7 +111,8 @@ class InprocCluster:
         cfg = WorkerConfig(role=role, model=self.model, host=host, dtype=self.dtype, kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
                            clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache,
-                           tp=self.tp[role == "decode"], router_secret_file=self.secret_file)
+                           tp=self.tp[role == "decode"], ep=self.ep[role == "decode"],
+                           router_secret_file=self.secret_file)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:
             backend = transport.FaultyBackend(backend, plan)
