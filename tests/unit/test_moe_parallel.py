@@ -152,3 +152,14 @@ def test_a_push_of_some_experts_rows_reaches_each_part(checkpoint, tp, ep):
             assert torch.equal(mine, weight_slice(full, new, cfg, plan)), (name, r)
             assert torch.equal(mine, weight_slice(full, old, cfg, plan)) == (
                 ep > 1 and (r == 0) != (name == "gate_up_proj")), (name, r)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--ep", "2"], "--ep 2 needs a mixture-of-experts model; this one is dense"),
+    (["--tp", "2", "--ep", "4"], "--ep 4 with --tp 2: --ep must be 1 or equal to --tp"),
+    (["--ep", "0"], "--ep must be at least 1"),
+])
+def test_zpd_run_refuses_sizes_by_name(capsys, argv, named):
+    from zpd.ops.cli import main
+    assert main(["run", "--model", "tiny", "--input-ids", "1,2", *argv]) == 2
+    assert named in capsys.readouterr().err
