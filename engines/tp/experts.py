@@ -6,9 +6,9 @@ enters a mixture layer with the same rows x [T, hidden] (after the attention's
 all-reduce, or from an attention replicated on every rank) and runs the router itself,
 so every rank knows every pair's expert: the dispatch needs no exchange of counts or
 ids, only the rows. (The rows are the same bits on every rank: an all-reduce leaves
-each rank the same sums, and a replicated attention computes the same ones; were they
-not, the ranks' split sizes would disagree and the all-to-all would fail, not err
-quietly.) Rank r owns the tokens [ceil(rT/N), ceil((r+1)T/N)); for each pair
+each rank the same sums, and a replicated attention computes the same ones. Ranks
+that routed differently would disagree on the split sizes, which gloo answers by
+aborting, or send rows to experts their owner did not expect.) Rank r owns the tokens [ceil(rT/N), ceil((r+1)T/N)); for each pair
 of its tokens it sends the row to the expert's rank (one all-to-all), which runs its
 experts on all it received at once (the backend's grouped `experts`: on a GPU the
 fused-MoE kernel) and scales them by their routing weights; a second all-to-all brings
