@@ -37,7 +37,9 @@ class ModelRunner:
         L = pool.layout
         self.pages = PageRows(L.page_size, L.num_layers * 2 * L.page_size, L.num_kv_heads, self.device)
         self.backend = backend_for(model.dtype, model.device)
-        self.backend.group = tp
+        # the attention's and dense MLPs' sums; none where they are whole on every rank
+        # (--ep alone: the experts' dispatch has the group, engines/tp/experts.py)
+        self.backend.group = None if model.shard is not None and model.shard.plan.replicated else tp
         self.leads = tp is None or tp.leads
         # the routed experts of the last forward's input rows, when it was asked to
         # record them (`routing`: "ids", or "weights" with them; engines/routed.py)

@@ -233,6 +233,12 @@ class WorkerConfig:
                    "than the ranks); gloo on cpu, NCCL on cuda with rank r on cuda:r; --threads "
                    "is shared among them (default {default})", "parallelism",
                    names=("--tp", "--tp-size"), type=int)
+    ep: int = flag(1, "expert parallelism for a mixture-of-experts model: its experts "
+                   "partitioned over this many processes (rank r holds experts [r*E/N, "
+                   "(r+1)*E/N)), each token's rows sent to its experts' ranks by all-to-all; "
+                   "1 or equal to --tp (the attention split by heads), or alone (the "
+                   "attention whole on every rank) (default {default})", "parallelism",
+                   names=("--ep", "--ep-size"), type=int)
 
 
 @dataclass(frozen=True)
@@ -470,6 +476,12 @@ class LaunchConfig:
                                   "KV as well", "parallelism", type=int)
     decode_tp: int | None = flag(None, "tensor-parallel ranks of each decode worker (default: "
                                  "--tp)", "parallelism", type=int)
+    prefill_ep: int | None = flag(None, "expert-parallel ranks of each prefill worker (default: "
+                                  "--ep); the KV does not depend on the experts, so a prefill "
+                                  "and a decode of any TP/EP sizes exchange it", "parallelism",
+                                  type=int)
+    decode_ep: int | None = flag(None, "expert-parallel ranks of each decode worker (default: "
+                                 "--ep)", "parallelism", type=int)
     cpu_bind: bool = flag(
         True, "by default the workers without a thread count split this process's CPUs "
               "equally (at least one thread each) and each is bound to its own CPUs while "

@@ -5,7 +5,8 @@ Qwen3-MoE, Mixtral and GLM-4.5 differ only in the router (engines/models/routing
 and in GLM's shared experts beside the routed ones. The experts' products are the
 backend's (`Backend.experts`: tokens grouped by expert, only the chosen experts
 read); under tensor parallelism each expert's intermediate dimension is split like
-the dense MLP's and one all-reduce sums the layer.
+the dense MLP's and one all-reduce sums the layer; under expert parallelism
+(`parallel`, engines/tp/experts.py) each rank holds some experts and the tokens travel.
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ class SparseMoe(nn.Module):
         self.gate = Router(cfg, self.m)
         self.experts = Experts(self.m.num_experts, cfg.hidden_size, self.m.intermediate_size)
         self.shared_experts = None
+        self.parallel = None        # expert parallelism's dispatch (engines/tp/experts.py)
         if self.m.shared_experts:
             self.shared_experts = MLP(cfg.hidden_size, self.m.intermediate_size * self.m.shared_experts)
 
@@ -106,6 +108,8 @@ class SparseMoe(nn.Module):
         ids, weights = route(logits, self.gate.e_score_correction_bias, self.m)
         if capture is not None:
             capture.record(self.index, ids, weights)
+        if self.parallel is not None:
+            return self.parallel.forward(self, x, ids, weights, backend)
         out = backend.experts(x, ids, weights, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts.partial(x, backend)

@@ -1,5 +1,6 @@
 """Starting a tensor-parallel model: the leader (this process, rank 0) starts a process
-for each other rank, every rank loads the model and keeps its part of it."""
+for each other rank, every rank loads the model and keeps its part of it. The group
+has max(--tp, --ep) ranks (engines/tp/plan.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -33,10 +34,12 @@ class RankSpec:
     dtype: str
     version: str | None
     overrides: ModelOverrides | None
-    size: int
+    size: int                         # ranks of the group
     rendezvous: str                   # the FileStore the ranks meet at (group.Rendezvous)
     threads: int | None = None        # CPU threads of the whole group (None: torch's)
     log_level: int = logging.WARNING
+    tp: int = 0                       # --tp (0: size)
+    ep: int = 1                       # --ep: experts over the ranks (1 or size)
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -52,9 +55,9 @@ def load_whole(spec: RankSpec, rank: int) -> LoadedModel:
                       spec.overrides)
 
 
-def part_of(whole: LoadedModel, rank: int, size: int) -> LoadedModel:
+def part_of(whole: LoadedModel, rank: int, spec: RankSpec, group: TpGroup) -> LoadedModel:
     """This rank's part of the model (the whole one is then let go)."""
-    return shard_model(whole, TpPlan.for_rank(whole.cfg, rank, size))
+    return shard_model(whole, TpPlan.for_rank(whole.cfg, rank, spec.tp or spec.size, spec.ep), group)
 
 
 def _threads(spec: RankSpec) -> None:
@@ -80,32 +83,33 @@ def _follower_main(spec: RankSpec, rank: int, slots) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s rank{rank} %(name)s %(message)s")
     _threads(spec)
     tp = join(rank, spec.size, spec.rendezvous, rank_device(spec.device, rank).split(":")[0])
-    Follower(part_of(load_whole(spec, rank), rank, spec.size), tp).serve()
+    Follower(part_of(load_whole(spec, rank), rank, spec, tp), tp).serve()
 
 
 def lead(model: str, device: str, dtype: str, version: str | None,
-         overrides: ModelOverrides | None, size: int, threads: int | None = None
+         overrides: ModelOverrides | None, size: int, threads: int | None = None, ep: int = 1
          ) -> tuple[LoadedModel, TpGroup, list[mp.Process]]:
-    """Start ranks 1..size-1 and join them as rank 0: (rank 0's part, the group, the
-    other ranks' processes). A model that cannot be split `size` ways is a ValueError
-    before any process starts."""
+    """Start ranks 1..n-1 (n = max(size, ep)) and join them as rank 0: (rank 0's part,
+    the group, the other ranks' processes). `size` is --tp, `ep` --ep. A model that
+    cannot be split so is a ValueError before any process starts."""
     if is_null(model):
-        raise ModelError("the null model runs at --tp 1 only")
+        raise ModelError("the null model runs at --tp 1 only, and --ep 1")
     meeting = Rendezvous()
     try:
-        return _lead(model, device, dtype, version, overrides, size, threads, meeting)
+        return _lead(model, device, dtype, version, overrides, size, threads, meeting, ep)
     except BaseException:
         meeting.close()
         raise
 
 
 def _lead(model: str, device: str, dtype: str, version: str | None,
-          overrides: ModelOverrides | None, size: int, threads: int | None,
-          meeting: Rendezvous) -> tuple[LoadedModel, TpGroup, list[mp.Process]]:
+          overrides: ModelOverrides | None, tp_size: int, threads: int | None,
+          meeting: Rendezvous, ep: int) -> tuple[LoadedModel, TpGroup, list[mp.Process]]:
+    size = max(tp_size, ep)
     spec = RankSpec(model, device, dtype, version, overrides, size, meeting.path, threads,
-                    logging.getLogger().getEffectiveLevel())
+                    logging.getLogger().getEffectiveLevel(), tp_size, ep)
     whole = load_whole(spec, 0)
-    TpPlan.for_rank(whole.cfg, 0, size)               # checks the split
+    TpPlan.for_rank(whole.cfg, 0, tp_size, ep)        # checks the split
     ctx = mp.get_context("spawn")
     slots = ctx.RawArray("d", size)                   # each rank's last heartbeat
     procs = [ctx.Process(target=_follower_main, args=(spec, r, slots), daemon=True,
@@ -119,8 +123,9 @@ def _lead(model: str, device: str, dtype: str, version: str | None,
         _kill(procs)
         raise
     tp.rendezvous, tp.watchdog = meeting, heartbeat.Watchdog(tp, procs, slots)
-    log.info("tensor parallel over %d ranks (pids %s)", size, [os.getpid()] + [p.pid for p in procs])
-    return part_of(whole, 0, size), tp, procs
+    log.info("tensor parallel over %d ranks, experts over %d (pids %s)", size, ep,
+             [os.getpid()] + [p.pid for p in procs])
+    return part_of(whole, 0, spec, tp), tp, procs
 
 
 def stop(tp: TpGroup, procs: list[mp.Process], timeout_s: float = 30.0) -> None:

@@ -77,10 +77,10 @@ class InprocCluster:
                  max_batch: int = 8, clear_freed_pages: bool = False,
                  router_args: dict | None = None, model: str = "tiny",
                  prefix_cache: bool = True, dtype: str = "float64", tp: tuple[int, int] = (1, 1),
-                 routed_experts: bool = False) -> None:
-        """`tp`: the prefill's and the decode's tensor-parallel ranks (more than one
-        starts processes for the others, engines/tp/). `routed_experts`: the workers'
-        --enable-return-routed-experts."""
+                 ep: tuple[int, int] = (1, 1), routed_experts: bool = False) -> None:
+        """`tp`, `ep`: the prefill's and the decode's tensor- and expert-parallel ranks
+        (more than one starts processes for the others, engines/tp/). `routed_experts`:
+        the workers' --enable-return-routed-experts."""
         self.ctx = zmq.Context()
         self.dtype = dtype
         self.model = model
@@ -89,6 +89,7 @@ class InprocCluster:
         tag = next(_names)
         self.clear_freed_pages, self.prefix_cache, self.tp = clear_freed_pages, prefix_cache, tp
         self.routed_experts = routed_experts
+        self.ep = ep
         # what `zpd launch` hands its routers and workers (zpd/wire/router_proof.py)
         self.secret_dir = tempfile.mkdtemp(prefix="zpd-inproc-")
         self.secret_file = str(write_router_secret(Path(self.secret_dir) / "router.secret"))
@@ -112,7 +113,8 @@ class InprocCluster:
         cfg = WorkerConfig(role=role, model=self.model, host=host, dtype=self.dtype, kv_cache_mb=kv_mb,
                            max_batch=max_batch, transport="fake", deadlines=DEADLINES,
                            clear_freed_pages=self.clear_freed_pages, prefix_cache=self.prefix_cache,
-                           tp=self.tp[role == "decode"], router_secret_file=self.secret_file,
+                           tp=self.tp[role == "decode"], ep=self.ep[role == "decode"],
+                           router_secret_file=self.secret_file,
                            enable_return_routed_experts=self.routed_experts)
         backend = transport.FakeBackend(self.fabric, complete_after_polls=polls)
         if plan is not None:

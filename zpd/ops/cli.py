@@ -33,15 +33,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     check_fraction(args.mem_fraction_static)
     tune_allocator()
     configure_engine()
-    check_tp(args.tp)
+    check_tp(args.tp, args.ep)
     tp = procs = None
-    if args.tp == 1:
+    if args.tp == 1 and args.ep == 1:
         model = load_model(args.model, args.device, args.dtype, args.weight_version,
                            model_overrides(args))
     else:
         from engines.tp.spawn import lead
         model, tp, procs = lead(args.model, args.device, args.dtype, args.weight_version,
-                                model_overrides(args), args.tp, args.threads)
+                                model_overrides(args), args.tp, args.threads, args.ep)
     try:
         inputs = [_encode(model, text, args.chat) for text in args.prompt] + list(args.input_ids)
         if not inputs:
@@ -136,8 +136,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     for flag in ("prefill_threads", "decode_threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
-    for tp in (args.tp, args.prefill_tp, args.decode_tp):
-        check_tp(tp)
+    for tp, ep in ((args.tp, args.ep), (args.prefill_tp or args.tp, args.prefill_ep or args.ep),
+                   (args.decode_tp or args.tp, args.decode_ep or args.ep)):
+        check_tp(tp, ep)
     return launch(args, worker_argv(args))
 
 

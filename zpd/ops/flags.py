@@ -38,7 +38,7 @@ _WORKER = [*pick(WorkerConfig), *pick(Deadlines), *pick(PromptLimits),
 # Which records' flags each subcommand takes (within a --help group, in this order).
 COMMAND_FLAGS: dict[str, list[Declared]] = {
     "run": [*pick(WorkerConfig, "model", "device", "dtype", "weight_version", "page_size",
-                  "kv_cache_mb", "mem_fraction_static", "max_batch", "tp",
+                  "kv_cache_mb", "mem_fraction_static", "max_batch", "tp", "ep",
                   "enable_return_routed_experts"),
             *_text_and_process("threads", "context_length")],
     "prefill": _WORKER,

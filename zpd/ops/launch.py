@@ -149,8 +149,9 @@ def launch(args, worker_flags: list[str]) -> int:
             n = i if role == "prefill" else i - args.prefill
             ready = tmp / f"{role}{n}.json"
             tp = getattr(args, f"{role}_tp") or args.tp
+            ep = getattr(args, f"{role}_ep") or args.ep
             argv = py + [role, "--host", args.host, "--port", "0", "--ready-file", str(ready)] \
-                + worker_flags + ["--threads", str(threads), "--tp", str(tp)]
+                + worker_flags + ["--threads", str(threads), "--tp", str(tp), "--ep", str(ep)]
             log.warning("%s worker %d: %d torch thread(s)%s", role, n, threads,
                      f", bound to CPUs {','.join(map(str, cpus))}" if cpus else "")
             children.append(Child(role, argv, ready, log_dir / f"{role}{n}.log" if log_dir else None,

@@ -122,7 +122,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         # Found at the first update_weights, a typo would refuse every checkpoint.
         raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
     check_fraction(args.mem_fraction_static)
-    check_tp(args.tp)
+    check_tp(args.tp, args.ep)
     if not 0 < args.weight_sync_timeout <= 86400:          # NaN fails too
         raise ValueError("--weight-sync-timeout must be a number of seconds in (0, 86400]")
     if not 0 <= args.prefill_step_seconds <= 3600:
@@ -139,13 +139,19 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         router_secret_file=args.router_secret_file,
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
         prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args),
-        weight_sync_timeout=args.weight_sync_timeout, tp=args.tp,
+        weight_sync_timeout=args.weight_sync_timeout, tp=args.tp, ep=args.ep,
         enable_return_routed_experts=args.enable_return_routed_experts)
 
 
-def check_tp(tp: int | None) -> None:
+def check_tp(tp: int | None, ep: int | None = None) -> None:
+    """--tp and --ep as flags (the model's sizes are checked when it loads,
+    engines/tp/plan.py): each at least 1, --ep 1 or equal to --tp where both are over 1."""
     if tp is not None and tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
+    if ep is not None and ep < 1:
+        raise ValueError(f"--ep must be at least 1, got {ep}")
+    if tp is not None and ep is not None and ep > 1 and tp not in (1, ep):
+        raise ValueError(f"--ep {ep} with --tp {tp}: --ep must be 1 or equal to --tp")
 
 
 def prompt_limits(args: argparse.Namespace) -> PromptLimits:

@@ -21,7 +21,6 @@ from engines.compute import Compute
 from engines.kv.layout import KVLayout
 from engines.kv.pool import KVPool
 from engines.loader import load_model
-from engines.tp.plan import TpPlan
 from engines.config import ModelConfig
 from engines.request import validate
 from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
@@ -69,10 +68,11 @@ class WorkerCore:
         knobs = Knobs.from_environ()              # before the model loads: a bad value fails fast
         configure_engine()
         self.tp, self.tp_procs = None, []         # --tp > 1: the other ranks (engines/tp/)
-        if cfg.tp > 1:
+        if cfg.tp > 1 or cfg.ep > 1:
             from engines.tp.spawn import lead
             self.model, self.tp, self.tp_procs = lead(cfg.model, cfg.device, cfg.dtype,
-                                                      cfg.weight_version, cfg.overrides, cfg.tp)
+                                                      cfg.weight_version, cfg.overrides, cfg.tp,
+                                                      ep=cfg.ep)
         else:
             self.model = load_model(cfg.model, cfg.device, cfg.dtype, cfg.weight_version,
                                     cfg.overrides)
@@ -444,7 +444,7 @@ class WorkerCore:
         shard, whole = self.model.shard, self.model.whole_cfg
         if shard is None:
             return [LocalPool(range(whole.num_kv_heads), self.memory.pool_addr, self.pool.buffer)]
-        return [LocalPool(TpPlan(r, shard.plan.size).kv_heads(whole), buf.data_ptr(), buf)
+        return [LocalPool(replace(shard.plan, rank=r).kv_heads(whole), buf.data_ptr(), buf)
                 for r, buf in enumerate(self.rank_buffers)]
 
     # --- process ---------------------------------------------------------------------
