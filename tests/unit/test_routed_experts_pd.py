@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engines.loader import load_model
 from engines.offline import OfflineEngine
 from engines.request import Request
 from engines.sampling_params import SamplingParams
@@ -74,3 +75,21 @@ def test_forged_routed_experts_fail_the_request_not_the_decode(routed, forged, n
     assert finish["status_code"] == 500 and named in finish["message"], finish
     routed.check_pages()
     routed.serves_again()
+
+
+def test_under_expert_and_tensor_parallelism_the_answer_is_the_same(moe):
+    """Prefill at --ep 2 (attention whole on both ranks), decode at --tp 2 --ep 2: every
+    rank routes every token, the leader's record is the answer, and it equals one
+    process's (ranks are processes joined by gloo)."""
+    engine = OfflineEngine(load_model(moe, dtype="float64"), kv_cache_mb=1, routed_experts=True)
+    (want,) = engine.run([Request("ref", PROMPT, SamplingParams(
+        temperature=0, max_new_tokens=5, ignore_eos=True, **ASK))])
+    c = InprocCluster(model=moe, routed_experts=True, tp=(1, 2), ep=(2, 2))
+    try:
+        got = c.run(c.submit(PROMPT, 5, sampling=ASK))
+        assert got.token_ids == want["output_ids"]
+        for key in ("routed_experts", "routed_expert_weights"):
+            assert got.meta[key] == want["meta"][key], key
+        c.check_pages()
+    finally:
+        c.close()
