@@ -208,3 +208,10 @@ def test_an_import_for_annotations_counts(tmp_path):
                     "def f():\n    from . import admin\n")
     names = _imported_names(path, "zpd.router.x")
     assert {"zpd.router.server.RouterServer", "zpd.router.admin"} <= names
+
+
+def test_test_files_have_distinct_names():
+    """pytest imports test modules by basename (the test folders are not packages):
+    two files of one name in tests/unit and tests/e2e stop the whole run at collection."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
