@@ -49,12 +49,14 @@ class KvTimings:
 class AdoptedRequest:
     """One request a decode hands over to a restarted router: its client's identity
     (hex, as Generate.owner), its prefill's endpoint, whether it streams, its share
-    (prompt + max_new_tokens) and the tokens generated so far."""
+    (prompt + max_new_tokens), the tokens generated so far, and whether it asked for its
+    routed experts (zpd/wire/rows.py)."""
     owner: str
     prefill: str
     stream: bool
     tokens: int
     output: int
+    routed: bool = False
 
     @property
     def client(self) -> bytes:
@@ -79,8 +81,8 @@ class AdoptedRequest:
             return f"owner {self.owner!r:.80} is no client identity in hex"
         if type(self.prefill) is not str:
             return f"prefill must be an endpoint, got {type(self.prefill).__name__}"
-        if type(self.stream) is not bool:
-            return "stream must be true or false"
+        if type(self.stream) is not bool or type(self.routed) is not bool:
+            return "stream and routed must be true or false"
         for name in ("tokens", "output"):
             if type(getattr(self, name)) is not int or not 0 <= getattr(self, name) <= INT32_MAX:
                 return f"{name} must be an integer in [0, {INT32_MAX}]"
