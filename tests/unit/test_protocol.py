@@ -213,8 +213,7 @@ def test_records_travel_as_the_objects_of_version_4() -> None:
     assert "timings" not in header(encode(SAMPLES[6]))     # none: not sent
 
 
-GOOD_ENTRY = {"owner": "6162", "prefill": "p:1", "stream": False, "tokens": 9, "output": 0,
-              "routed": False}
+GOOD_ENTRY = {"owner": "6162", "prefill": "p:1", "stream": False, "tokens": 9, "output": 0}
 
 
 @pytest.mark.parametrize("entry,named", [

@@ -5,21 +5,20 @@ not know are ignored, as a header's are."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 INT32_MAX = 2**31 - 1
 
 
 def _known(cls: type, raw: object, what: str) -> dict[str, Any]:
-    """`raw`'s values of `cls`'s fields, every one present."""
+    """`raw`'s values of `cls`'s fields, every one without a default present."""
     if not isinstance(raw, dict):
         raise ValueError(f"{what} must be an object, got {type(raw).__name__}")
-    names = [f.name for f in fields(cls)]
-    missing = [name for name in names if name not in raw]
+    missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
     if missing:
         raise ValueError(f"{what} lacks {', '.join(missing)}")
-    return {name: raw[name] for name in names}
+    return {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
 
 
 @dataclass(frozen=True, slots=True)
