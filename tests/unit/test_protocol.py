@@ -609,3 +609,20 @@ def test_kv_done_cached_tokens_defaults_to_0_and_refuses_what_is_no_count() -> N
     for bad in (-1, "32", True, 1.5, None, [32]):
         with pytest.raises(ProtocolError, match="cached_tokens"):
             decode([orjson.dumps(head | {"cached_tokens": bad})])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "int32"])
+def test_ids_widen_to_sglangs_int32(dtype) -> None:
+    """What the client and the HTTP front answer (engines/routed_wire.py): base64 of
+    little-endian int32, whatever the ids travelled as."""
+    import base64
+
+    import numpy as np
+
+    from engines.routed_wire import int32_base64
+    top = {"uint8": 256, "int16": 1 << 15, "int32": 70_000}[dtype]      # ids are never negative
+    ids = np.random.default_rng(0).integers(0, top, 999).astype(np.dtype(dtype).newbyteorder("<"))
+    got = np.frombuffer(base64.b64decode(int32_base64(ids.tobytes(), dtype)), "<i4")
+    assert (got == ids).all() and got.dtype.itemsize == 4
+    msg = decode(encode(p.Rows.of("r", dtype, ids.tobytes(), None)))
+    assert msg.fields() == {"routed_experts": int32_base64(ids.tobytes(), dtype)}

@@ -100,3 +100,21 @@ def test_rollout_lengths_pass_and_the_limit_is_refused_by_name():
     weights = routed_refusal(glm, True, "weights", 32768)
     assert weights.startswith("return_routed_expert_weights:") and "22795" in weights, weights
     assert routed_refusal(glm, True, "ids", 32768) is None      # the ids alone still fit
+
+
+def test_more_than_256_experts_travel_as_int16():
+    """A kv_done's pieces back to the rows (engines/routed.py), int16 where uint8 cannot
+    hold the ids; ids past the model's experts are refused by name."""
+    from engines.config import ModelConfig
+    from engines.routed import RoutedExperts, from_pieces, piece_fields
+    from tests.unit.test_moe_config import QWEN3_30B_A3B
+    cfg = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_experts=300))
+    ids = torch.randint(0, 300, (5, 48, 8), dtype=torch.int16)
+    rows = RoutedExperts(ids, torch.rand(5, 48, 8))
+    sent = piece_fields(rows)
+    assert rows.wire(5)[0] == "int16" and sum(map(len, sent["routed_experts"])) == 2 * ids.numel()
+    got = from_pieces(cfg, 5, sent["routed_experts"], sent["routed_expert_weights"], True)
+    assert torch.equal(got.ids(), ids) and torch.equal(got.weights(), rows.weights())
+    ids[2, 3, 1] = 300
+    bad = piece_fields(RoutedExperts(ids))["routed_experts"]
+    assert "outside [0, 300)" in from_pieces(cfg, 5, bad, None, False)

@@ -143,3 +143,43 @@ def test_rows_that_do_not_arrive_whole_fail_their_request_alone(routed, monkeypa
     monkeypatch.undo()
     c.check_pages()
     c.serves_again()
+
+
+@pytest.mark.parametrize("silent_for,new,kept", [
+    (0.0, 16, False),        # it runs through the handover, ends before its client resumes
+    (4.0, 8, True),          # it ends while no router listens: its decode keeps it whole
+])
+def test_rows_come_whole_across_a_router_restart(routed, silent_for, new, kept):
+    """The new router holds a request's rows for its client until it resumes, whether
+    they come from its decode's run or from what the decode kept for the next router."""
+    from tests.unit.test_router_restart import restart_router, resume, running
+    c = routed
+    long = c.submit(PROMPT, 300)                  # its sends find the old router gone
+    asked = c.submit(PROMPT[2:], new, stream=False, sampling=ASK)
+    running(c, 2)
+    restart_router(c, silent_for)
+    orphans = c.decode.scheduler.orphans
+    assert any(asked in rids for rids in orphans.kept.values()) == kept
+    unclaimed = c.router.adoption.unclaimed
+    c.until(lambda: asked in unclaimed and unclaimed[asked].backlog is not None)   # it ended
+    assert unclaimed[asked].backlog.finished and unclaimed[asked].rows is not None  # held
+    resume(c, asked, 0)
+    got = c.run(asked)
+    want = offline(c.prefill.model, PROMPT[2:], new, ASK)
+    assert got.status is None and got.token_ids == want["output_ids"]
+    for key in KEYS:
+        assert got.meta[key] == want["meta"][key], key
+    resume(c, long)
+    c.abort(long)
+    assert c.run(long).status == 499
+    c.check_pages()
+
+
+def test_a_scored_prompt_gets_its_rows_from_its_prefill(routed):
+    """max_new_tokens 0: the prefill answers, and its rows pass the router (prompt - 1
+    of them, SGLang's count)."""
+    got = routed.run(routed.submit(PROMPT, 0, stream=False, sampling={"return_routed_experts": True}))
+    want = offline(routed.prefill.model, PROMPT, 0, {"return_routed_experts": True})
+    assert got.status is None and got.meta["routed_experts"] == want["meta"]["routed_experts"]
+    assert "routed_expert_weights" not in got.meta
+    routed.check_pages()
