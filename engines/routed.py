@@ -23,6 +23,7 @@ from engines.routed_wire import (ID_BYTES, MAX_ROUTED_IDS, MAX_ROUTED_WEIGHTS, W
                                  float32_base64, id_dtype, int32_base64, joined, pieces)
 
 TORCH_IDS = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
+_ID_NAMES = {t: name for name, t in TORCH_IDS.items()}
 
 
 class RoutedExperts:
@@ -65,7 +66,7 @@ class RoutedExperts:
         (None where not kept), flat little-endian bytes."""
         ids = self.ids()[:rows]
         w = self.weights()
-        return _dtype_name(ids.dtype), _le_bytes(ids), None if w is None else _le_bytes(w[:rows])
+        return _ID_NAMES[ids.dtype], _le_bytes(ids), None if w is None else _le_bytes(w[:rows])
 
 
 def routing_of(wants: list[str | None]) -> str | None:
@@ -133,10 +134,6 @@ def routed_refusal(cfg: ModelConfig, enabled: bool, want: str | None, max_contex
                     f"layers x {k} experts are {positions * layers * k} {what}, more than "
                     f"{budget} in one answer: at most {budget // (layers * k)} positions")
     return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {t: name for name, t in TORCH_IDS.items()}.get(dtype) or "float32"
 
 
 def _le_bytes(t: torch.Tensor) -> bytes:
