@@ -10,7 +10,7 @@ from engines.null_runner import NullRunner
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
 from engines.request import Request, StopChecker
-from engines.routed import RoutedExperts, routing_of
+from engines.routed import RoutedExperts, compact, routing_of
 from engines.tp.group import TpGroup
 from engines.tp.runner import TpRunner
 
@@ -64,7 +64,8 @@ class Compute:
                     raise ValueError(f"rid {r.rid!r}: its routed experts start at position 0, "
                                      f"not at its cached prefix's end {s}")
                 w = got.weights[at:at + n] if r.params.routing == "weights" else None
-                r.routed = RoutedExperts(got.ids[at:at + n].clone(), None if w is None else w.clone())
+                r.routed = RoutedExperts(compact(got.ids[at:at + n], self.model.cfg),
+                                         None if w is None else w.clone())
             at += n - s
 
     def decode(self, reqs: list[Request]) -> None:
@@ -73,10 +74,11 @@ class Compute:
                                     [r.pages for r in reqs], routing)
         got = host(self.runner.routed)
         if got is not None:
+            ids = compact(got.ids, self.model.cfg)          # one copy for the batch
             for i, r in enumerate(reqs):
                 if r.params.routing is not None and r.routed is not None:
                     w = got.weights[i:i + 1] if r.params.routing == "weights" else None
-                    r.routed.append(got.ids[i:i + 1].clone(), None if w is None else w.clone())
+                    r.routed.append(ids[i:i + 1].clone(), None if w is None else w.clone())
         self._sample(logits, reqs)
 
     def _sample(self, logits, reqs: list[Request]) -> None:

@@ -200,8 +200,9 @@ class StopChecker:
         return None
 
 
-def response(req: Request, tokenizer: Tokenizer | None) -> dict:
-    """The finished request in the contract's shape (docs/design.md, "Python client")."""
+def response(req: Request, tokenizer: Tokenizer | None, routed: bool = True) -> dict:
+    """The finished request in the contract's shape (docs/design.md, "Python client");
+    without its routed experts unless `routed` (a worker sends them apart: zpd/wire/rows.py)."""
     text = None
     if tokenizer is not None:
         text = tokenizer.decode(req.output)
@@ -213,19 +214,26 @@ def response(req: Request, tokenizer: Tokenizer | None) -> dict:
             "meta": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                      "retractions": req.retractions} | ({"timings": req.timings} if req.timings else {})
             | ({"weight_version": req.scored_version} if req.scored_version is not None else {})
-            | routed_fields(req)
+            | (routed_fields(req) if routed else {})
             } | logprob_fields(req) | prompt_logprob_fields(req)
 
 
 def routed_fields(req: Request) -> dict:
     """routed_experts (and routed_expert_weights) where the request asked and has a row
-    for each position fed, prompt + output[:-1] (an abort before its KV came has none).
-    A scored prompt (max_new_tokens 0) has a row more, its last token's, which SGLang's
-    (prompt + output - 1) rows leave out."""
+    for each position fed (`answer_rows`)."""
+    rows = answer_rows(req)
+    return {} if rows is None else req.routed.fields(rows)
+
+
+def answer_rows(req: Request) -> int | None:
+    """The rows of routed experts its answer has: one for each position fed, prompt +
+    output[:-1], where the request asked and has them (None: an abort before its KV
+    came has none). A scored prompt (max_new_tokens 0) has a row more, its last
+    token's, which SGLang's (prompt + output - 1) rows leave out."""
     got, rows = req.routed, req.context_len - 1
     if got is None or not (got.rows == rows or (req.params.scores_only and got.rows == rows + 1)):
-        return {}
-    return got.fields(rows)
+        return None
+    return rows
 
 
 def logprob_fields(req: Request) -> dict:

@@ -9,26 +9,27 @@ the answer is SGLang's: base64 of the little-endian int32 array, and beyond SGLa
 gate weights of those experts (float32, after normalisation and scaling) the same way.
 
 The prompt's rows come from the prefill (a recompute's replace them all, under the
-new weights), each output token's from the decode step that fed it.
+new weights), each output token's from the decode step that fed it. Inside zpd the
+ids are kept and sent compact (engines/routed_wire.py): uint8 where the model has at
+most 256 experts.
 """
 from __future__ import annotations
 
-import base64
-import sys
-
+import numpy as np
 import torch
 
 from engines.config import ModelConfig
+from engines.routed_wire import (ID_BYTES, MAX_ROUTED_IDS, MAX_ROUTED_WEIGHTS, WEIGHT_BYTES,
+                                 float32_base64, id_dtype, int32_base64, joined, pieces)
 
-# The most values (rows x layers x experts per token, twice with weights) one request
-# may ask for: its final answer carries them base64 in one message header, which must
-# stay well inside the wire's 16 MiB frame (2M int32 are 8 MiB, 10.7 MiB as base64).
-MAX_ROUTED_VALUES = 1 << 21
+TORCH_IDS = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
+_ID_NAMES = {t: name for name, t in TORCH_IDS.items()}
 
 
 class RoutedExperts:
-    """The rows of one request so far: ids [n, layers, k] int32 and, where asked, the
-    weights [n, layers, k] float32, kept as the chunks they came in."""
+    """The rows of one request so far: ids [n, layers, k] in the model's compact dtype
+    (`compact`) and, where asked, the weights [n, layers, k] float32, kept as the chunks
+    they came in."""
 
     def __init__(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         self._ids, self._weights = [ids], ([weights] if weights is not None else None)
@@ -53,12 +54,19 @@ class RoutedExperts:
 
     def fields(self, rows: int) -> dict:
         """The answer's meta fields, of the first `rows` rows: routed_experts and, where
-        kept, routed_expert_weights."""
-        out = {"routed_experts": _base64(self.ids()[:rows], torch.int32)}
-        w = self.weights()
-        if w is not None:
-            out["routed_expert_weights"] = _base64(w[:rows], torch.float32)
+        kept, routed_expert_weights (what zpd's clients make of `wire`'s bytes)."""
+        dtype, ids, weights = self.wire(rows)
+        out = {"routed_experts": int32_base64(ids, dtype)}
+        if weights is not None:
+            out["routed_expert_weights"] = float32_base64(weights)
         return out
+
+    def wire(self, rows: int) -> tuple[str, bytes, bytes | None]:
+        """The first `rows` rows as they travel: the ids' dtype, the ids and the weights
+        (None where not kept), flat little-endian bytes."""
+        ids = self.ids()[:rows]
+        w = self.weights()
+        return _ID_NAMES[ids.dtype], _le_bytes(ids), None if w is None else _le_bytes(w[:rows])
 
 
 def routing_of(wants: list[str | None]) -> str | None:
@@ -72,31 +80,37 @@ def row_shape(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.num_layers, cfg.moe.top_k
 
 
-def from_flat(cfg: ModelConfig, rows: int, ids: list[int] | None,
-              weights: list[float] | None, want_weights: bool) -> RoutedExperts | str:
-    """The rows a peer sent flat (a kv_done's), or what is wrong with them."""
+def compact(ids: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """`ids` in the narrowest dtype that holds the model's expert ids (a copy)."""
+    return ids.to(TORCH_IDS[id_dtype(cfg.moe.num_experts)], copy=True)
+
+
+def from_pieces(cfg: ModelConfig, rows: int, ids: list[bytes] | None,
+                weights: list[bytes] | None, want_weights: bool) -> RoutedExperts | str:
+    """The rows a peer sent in pieces (a kv_done's), or what is wrong with them."""
     layers, k = row_shape(cfg)
-    n = rows * layers * k
-    if ids is None or len(ids) != n:
-        return f"no routed experts for {rows} positions ({n} ids, got " \
-               f"{'none' if ids is None else len(ids)})"
-    if want_weights and (weights is None or len(weights) != n):
+    n, dtype = rows * layers * k, id_dtype(cfg.moe.num_experts)
+    size = 0 if ids is None else sum(map(len, ids))
+    if ids is None or size != n * ID_BYTES[dtype]:
+        return f"no routed experts for {rows} positions ({n} ids of {dtype}, got " \
+               f"{'none' if ids is None else f'{size} bytes'})"
+    if want_weights and (weights is None or sum(map(len, weights)) != n * WEIGHT_BYTES):
         return f"no routed expert weights for {rows} positions"
-    got = torch.tensor(ids, dtype=torch.int32).view(rows, layers, k)
-    if n and not bool(((got >= 0) & (got < cfg.moe.num_experts)).all()):
+    got = _from_le(joined(ids), dtype).view(rows, layers, k)
+    if n and not (int(got.min()) >= 0 and int(got.max()) < cfg.moe.num_experts):
         return f"routed expert ids outside [0, {cfg.moe.num_experts})"
-    w = torch.tensor(weights, dtype=torch.float32).view(rows, layers, k) if want_weights else None
+    w = _from_le(joined(weights), "float32").view(rows, layers, k) if want_weights else None
     return RoutedExperts(got, w)
 
 
-def flat_fields(routed: RoutedExperts | None) -> dict:
-    """A kv_done's routed fields: the prefill's rows, flat (none if it kept none)."""
+def piece_fields(routed: RoutedExperts | None) -> dict:
+    """A kv_done's routed fields: the prefill's rows, in pieces (none if it kept none)."""
     if routed is None:
         return {}
-    out = {"routed_experts": routed.ids().flatten().tolist()}
-    w = routed.weights()
-    if w is not None:
-        out["routed_expert_weights"] = w.flatten().tolist()
+    _, ids, weights = routed.wire(routed.rows)
+    out = {"routed_experts": pieces(ids)}
+    if weights is not None:
+        out["routed_expert_weights"] = pieces(weights)
     return out
 
 
@@ -111,16 +125,24 @@ def routed_refusal(cfg: ModelConfig, enabled: bool, want: str | None, max_contex
         return ("return_routed_experts needs the workers started with "
                 "--enable-return-routed-experts")
     layers, k = row_shape(cfg)
-    values = (max_context - 1) * layers * k * (2 if want == "weights" else 1)
-    if values > MAX_ROUTED_VALUES:
-        return (f"return_routed_experts: prompt + max_new_tokens - 1 positions x {layers} layers "
-                f"x {k} experts{' x 2 (with weights)' if want == 'weights' else ''} are {values} "
-                f"values, more than {MAX_ROUTED_VALUES} in one answer: ask fewer tokens")
+    positions = max_context - 1
+    for what, budget, asked in (("ids", MAX_ROUTED_IDS, True),
+                                ("weights", MAX_ROUTED_WEIGHTS, want == "weights")):
+        if asked and positions * layers * k > budget:
+            field = "return_routed_experts" if what == "ids" else "return_routed_expert_weights"
+            return (f"{field}: prompt + max_new_tokens - 1 = {positions} positions x {layers} "
+                    f"layers x {k} experts are {positions * layers * k} {what}, more than "
+                    f"{budget} in one answer: at most {budget // (layers * k)} positions")
     return None
 
 
-def _base64(t: torch.Tensor, dtype: torch.dtype) -> str:
-    data = t.to(dtype).contiguous()
-    if sys.byteorder == "big":
-        data = data.view(torch.uint8).view(-1, 4).flip(1)
-    return base64.b64encode(data.numpy().tobytes()).decode("ascii")
+def _le_bytes(t: torch.Tensor) -> bytes:
+    """`t`'s values as little-endian bytes, whatever this host's order."""
+    a = t.contiguous().numpy()
+    return a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _from_le(data: bytes, dtype: str) -> torch.Tensor:
+    """A tensor of the little-endian `dtype` values in `data` (a copy: its own memory)."""
+    a = np.frombuffer(data, np.dtype(dtype).newbyteorder("<"))
+    return torch.from_numpy(a.astype(np.dtype(dtype), copy=True))

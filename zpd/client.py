@@ -15,8 +15,9 @@ from engines.sampling_params import SamplingParams
 from zpd.client_links import Links
 from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
 from zpd.wire.net import Curve
-from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, TokenPart,
-                               Tokens)
+from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Generate, Message, Rows,
+                               TokenPart, Tokens)
+from zpd.wire.rows import RowsInbox
 
 
 # A request's sampling parameters: the record, or a dict of its fields (None: defaults).
@@ -59,6 +60,7 @@ class Client:
         self._closer = weakref.finalize(self, _shut, self._links, self._ctx)
         self._closer.atexit = False   # at exit a daemon thread may still be reading
         self._parts: deque[TokenPart] = deque()     # the rest of a batched `Tokens` message
+        self._rows = RowsInbox()                    # routed experts ahead of their final part
         self._unacked: dict[str, float] = {}        # rid -> when its acknowledgement is due
         self._asked: dict[str, Asked] = {}          # rid -> the logprobs it asked for
 
@@ -142,7 +144,7 @@ class Client:
         """One part as a chunk; a finished request is forgotten here."""
         asked = self._asked.pop(msg.rid, NOTHING) if msg.finished else \
             self._asked.get(msg.rid, NOTHING)
-        return chunk_of(msg, asked)
+        return chunk_of(self._rows.finish(msg), asked)
 
     def abort(self, rid: str, reason: str = "aborted by client") -> None:
         i = self._owner.get(rid, 0)
@@ -271,6 +273,9 @@ class Client:
             self._parts.extend(parts)
             if kind is TokenPart and self._parts:
                 return self._parts.popleft()
+        elif isinstance(msg, Rows):              # a request's routed experts, before its end
+            if self._owner.get(msg.rid) == i:
+                self._rows.take(msg)
         elif isinstance(msg, kind):
             return msg
         return None

@@ -52,7 +52,8 @@ text = st.one_of(st.text(max_size=40), st.sampled_from(["127.0.0.1:1", "not-an-e
 KIND = {int: st.integers(-2**63, 2**63 - 1) | st.sampled_from([0, 1, -1, 7]), float: st.floats(
     allow_nan=False, allow_infinity=False), str: text, bool: st.booleans(),
         dict: st.dictionaries(st.text(max_size=8), json_value, max_size=4),
-        list[int]: int32s, list[str]: st.lists(st.text(max_size=8), max_size=6),
+        list[int]: int32s, list[bytes]: st.lists(st.binary(max_size=12), min_size=1, max_size=3),
+        list[str]: st.lists(st.text(max_size=8), max_size=6),
         list[float]: st.lists(st.floats(width=32), max_size=12),   # logprobs: NaN and inf too
         list[list[int]]: st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=4), max_size=4),
         dict[str, str]: st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
@@ -63,7 +64,8 @@ KIND = {int: st.integers(-2**63, 2**63 - 1) | st.sampled_from([0, 1, -1, 7]), fl
         KvTimings: st.builds(KvTimings, *[st.floats(0, 1e6)] * 4),
         dict[str, AdoptedRequest]: st.dictionaries(text, st.builds(
             AdoptedRequest, st.text(alphabet="0123456789abcdef", max_size=16), text,
-            st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1)), max_size=3)}
+            st.booleans(), st.integers(0, 2**31 - 1), st.integers(0, 2**31 - 1), st.booleans()),
+            max_size=3)}
 
 
 def message(cls: type) -> st.SearchStrategy:
@@ -77,6 +79,8 @@ def message(cls: type) -> st.SearchStrategy:
         fields[f.name] = st.just(SamplingParams()) if hint is SamplingParams else KIND[hint]
     if cls is p.Generate:
         fields |= {"input_ids": small_ids}
+    if cls is p.Rows:                    # routed experts: mostly a dtype that exists
+        fields |= {"dtype": st.sampled_from(["uint8", "uint8", "int16", "int32", "x"])}
     if cls is p.Admin:
         fields |= {"command": st.sampled_from(ADMIN) | st.text(max_size=12),
                    "args": st.fixed_dictionaries({}, optional={

@@ -112,6 +112,32 @@ def test_generate_over_http_equals_transformers(cluster, ckpts):
     assert ids.shape == (len(prompts[0]) + 5 - 1, LAYERS, TOP_K)
 
 
+def test_http_and_the_client_answer_the_same_int32_rows(cluster, ckpts):
+    """The rows travel compact (uint8 ids, in a rows message ahead of the final tokens);
+    /generate's and zpd.Client's answers widen them to the same base64 of int32, which
+    decodes to transformers' choice, with and without the weights."""
+    _, refs = ckpts
+    prompt = [(11 * i + 3) % 290 for i in range(70)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with cluster.client() as client:
+        for ask in (ROUTED, {"return_routed_experts": True}):
+            status, answer = http(cluster, {"input_ids": prompt, "sampling_params": params} | ask)
+            assert status == 200, answer
+            out = client.generate(input_ids=prompt, sampling_params=params | ask)
+            assert out["output_ids"] == answer["output_ids"]
+            meta = answer["meta_info"]
+            assert [k for k in meta if k.startswith("routed")] == [k[7:] for k in ask]
+            for key in ask:
+                assert meta[key[7:]] == out["meta"][key[7:]], key
+        tokens = prompt + answer["output_ids"]
+        ids = decoded(meta, "routed_experts", np.int32, LAYERS, TOP_K)
+        want, _ = reference_routing(refs["w1"], tokens[:-1], LAYERS, TOP_K)
+        assert ids.shape == want.shape == (len(tokens) - 1, LAYERS, TOP_K)
+        assert (np.sort(ids, -1) == np.sort(want, -1)).all()
+        assert_all_pages_free(client)
+    assert "dropping rows" not in cluster.log.read_text()
+
+
 def test_prefix_cache_hit_keeps_every_row(cluster, ckpts):
     """The same 3-page prompt again (its pages in both workers' prefix caches): every
     row is there and right, plain or asking, first or second time."""

@@ -27,7 +27,8 @@ from zpd.ops.router import build_router
 from zpd.ops.worker import build_worker, decode_scheduler
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Tokens, encode
+from zpd.wire.protocol import Abort, Accepted, Admin, AdminReply, Generate, Pong, Rows, Tokens, encode
+from zpd.wire.rows import RowsInbox
 from zpd.wire.router_proof import write_router_secret
 from zpd.worker.core import WorkerCore
 from zpd.worker.prefill import PrefillScheduler
@@ -103,6 +104,7 @@ class InprocCluster:
                                    self.ctx, Loop(clock=self.clock))
         self.client = Dealer(self.ctx, self.router.endpoint, identity=b"client")
         self.answers: dict[str, Answer] = {}
+        self.rows = RowsInbox()                # routed experts ahead of their final part
         self.replies: dict[str, dict] = {}
         self.accepted: set[str] = set()        # rids the router acknowledged
         self.pong: Pong | None = None          # the router's last answer to our Ping
@@ -162,7 +164,11 @@ class InprocCluster:
             if isinstance(msg, Pong):
                 self.pong = msg               # the router's boot id, as a client learns it
                 continue
+            if isinstance(msg, Rows):
+                self.rows.take(msg)
+                continue
             for part in msg.unpack() if isinstance(msg, Tokens) else []:
+                part = self.rows.finish(part)
                 got = self.answers.setdefault(part.rid, Answer())
                 got.token_ids += part.token_ids
                 got.weight_versions += part.weight_versions

@@ -55,7 +55,11 @@ SAMPLES: list[p.Message] = [
     p.KvDone(room=7, epoch=0, first_token=42, weight_version="v2", logprob=[-0.25],
              top_ids=[42], top_logprobs=[-0.25], ids_logprobs=[-3.0], prompt_logprobs=[-1.0],
              prompt_top_ids=[3], prompt_top_logprobs=[-1.0], prompt_ids_logprobs=[-2.0],
-             routed_experts=[0, 3, 1, 2], routed_expert_weights=[0.75, 0.25, 0.5, 0.5]),
+             routed_experts=[bytes([0, 3]), bytes([1, 2])],
+             routed_expert_weights=[struct.pack("<4f", 0.75, 0.25, 0.5, 0.5)]),
+    p.Rows(rid="r1", dtype="uint8", ids=[bytes([0, 3, 1, 2])]),
+    p.Rows(rid="r2", dtype="int16", ids=[bytes([0, 1]), bytes([2, 3])],
+           weights=[struct.pack("<2f", 0.75, 0.25)]),
     p.Adopt(),
     p.Adopted(requests={"r1": AdoptedRequest(owner="6162", prefill="127.0.0.1:5000", stream=True,
                                                tokens=40, output=3)}, paused="retract"),
@@ -204,7 +208,8 @@ def test_records_travel_as_the_objects_of_version_4() -> None:
     assert header(KV_DONE)["timings"] == {"prefill_queue": 1.5, "prefill_forward": 20.25,
                                           "kv_dest_wait": 0.0, "kv_transfer": 3}
     assert header(encode(SAMPLES[-4]))["requests"] == {"r1": {
-        "owner": "6162", "prefill": "127.0.0.1:5000", "stream": True, "tokens": 40, "output": 3}}
+        "owner": "6162", "prefill": "127.0.0.1:5000", "stream": True, "tokens": 40, "output": 3,
+        "routed": False}}
     assert "timings" not in header(encode(SAMPLES[6]))     # none: not sent
 
 
@@ -215,6 +220,7 @@ GOOD_ENTRY = {"owner": "6162", "prefill": "p:1", "stream": False, "tokens": 9, "
     ([], "object"), (GOOD_ENTRY | {"owner": "zz"}, "owner"), (GOOD_ENTRY | {"owner": ""}, "owner"),
     (GOOD_ENTRY | {"prefill": ["x"]}, "prefill"), (GOOD_ENTRY | {"stream": 1}, "stream"),
     (GOOD_ENTRY | {"tokens": "9"}, "tokens"), (GOOD_ENTRY | {"output": -1}, "output"),
+    (GOOD_ENTRY | {"routed": "yes"}, "routed"),
     ({k: v for k, v in GOOD_ENTRY.items() if k != "tokens"}, "tokens")])
 def test_a_refused_adopted_entry_keeps_the_others_with_the_reason(entry, named) -> None:
     """Checked once, by the router's decode; the router aborts the refused rids."""
@@ -288,7 +294,8 @@ VALID_BY_KIND = {
     "str": st.text(max_size=8), "bool": st.booleans(),
     "dict": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
     "strs": st.lists(st.text(max_size=8), max_size=3), "blob": st.integers(0, 6),
-    "f32blob": st.integers(0, 6), "record": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
+    "f32blob": st.integers(0, 6), "pieces": st.lists(st.integers(0, 6), min_size=2, max_size=2),
+    "record": st.dictionaries(st.text(max_size=8), json_values, max_size=3),
     "records": st.dictionaries(st.text(max_size=8), st.dictionaries(st.text(max_size=8), json_values,
                                                                     max_size=5), max_size=3),
     "intlists": st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=3), max_size=3),
@@ -402,12 +409,67 @@ def test_more_frames_than_any_message_has_is_protocol_error() -> None:
 
 def test_max_frames_is_header_plus_the_most_blobs_of_any_type() -> None:
     # kv_done: header, logprob, top_ids, top_logprobs, ids_logprobs, prompt_logprobs,
-    # prompt_top_ids, prompt_top_logprobs, prompt_ids_logprobs, routed_experts,
-    # routed_expert_weights (tokens has 10: header, counts, token_ids, logprob_mode,
-    # logprobs, top_counts, top_ids, top_logprobs, ids_counts, ids_logprobs)
-    assert p.MAX_FRAMES == 11
-    longest = max((encode(m) for m in SAMPLES), key=len)
+    # prompt_top_ids, prompt_top_logprobs, prompt_ids_logprobs, then routed_experts and
+    # routed_expert_weights, MAX_PIECES frames each at most (tokens has 10: header,
+    # counts, token_ids, logprob_mode, logprobs, top_counts, top_ids, top_logprobs,
+    # ids_counts, ids_logprobs)
+    assert p.MAX_PIECES == 32 and p.MAX_FRAMES == 9 + 2 * p.MAX_PIECES
+    full = [b"\0"] * p.MAX_PIECES
+    most = next(m for m in SAMPLES if isinstance(m, p.KvDone) and m.prompt_logprobs is not None)
+    longest = encode(dataclasses.replace(most, routed_experts=full, routed_expert_weights=full))
     assert len(longest) == p.MAX_FRAMES
+
+
+# --- pieces: routed experts larger than a frame (zpd/wire/rows.py) ---------------------
+
+def test_pieces_travel_as_frames_untouched() -> None:
+    msg = p.Rows.of("r", "uint8", bytes(range(256)) * 3, None)
+    assert [len(x) for x in msg.ids] == [768]
+    cut = p.Rows("r", "int16", [b"\1\0" * 3, b"\2\0"], [struct.pack("<4f", 1, 2, 3, 4)])
+    frames = encode(cut)
+    assert len(frames) == 4 and frames[1:3] == cut.ids and orjson.loads(frames[0])["ids"] == [0, 2]
+    assert decode(frames) == cut and cut.values == 4
+
+
+@pytest.mark.parametrize("pieces,why", [
+    ([0, 3], "out of range"),             # more frames than there are
+    ([0, 0], "out of range"),             # no piece at all
+    ([-1, 1], "out of range"),
+    ([0, p.MAX_PIECES + 1], "out of range"),
+    (0, "first index, count"),            # a blob index, not pieces
+    ([0, 1, 2], "first index, count"),
+])
+def test_bad_pieces_are_protocol_errors(pieces, why) -> None:
+    head = {"v": p.PROTOCOL_VERSION, "type": "rows", "rid": "r", "dtype": "uint8", "ids": pieces}
+    with pytest.raises(ProtocolError, match=why):
+        decode([orjson.dumps(head), b"\1\2"])
+
+
+@pytest.mark.parametrize("fields,why", [
+    (dict(dtype="int64", ids=[b"\0" * 8]), "dtype"),
+    (dict(dtype="int16", ids=[b"\0" * 3]), "ids"),                           # half an id
+    (dict(dtype="uint8", ids=[b"\0" * 3], weights=[b"\0" * 8]), "weights"),  # 2 weights, 3 ids
+    (dict(dtype="uint8", ids=[b"\0" * 4] * 2, weights=[b"\0" * 4]), "weights"),
+])
+def test_rows_that_do_not_add_up_are_protocol_errors(fields, why) -> None:
+    with pytest.raises(ProtocolError, match=why):
+        p.Rows("r", **fields)
+    head = {"v": p.PROTOCOL_VERSION, "type": "rows", "rid": "r", "dtype": fields["dtype"],
+            "ids": [0, len(fields["ids"])]}
+    frames = list(fields["ids"])
+    if "weights" in fields:
+        head["weights"] = [len(frames), len(fields["weights"])]
+        frames += fields["weights"]
+    with pytest.raises(ProtocolError, match=why):
+        decode([orjson.dumps(head), *frames])
+
+
+def test_more_ids_than_an_answer_may_have_are_protocol_errors(monkeypatch) -> None:
+    import zpd.wire.rows as rows
+    monkeypatch.setattr(rows, "MAX_ROUTED_IDS", 7)
+    p.Rows("r", "uint8", [bytes(7)])
+    with pytest.raises(ProtocolError, match="at most 7"):
+        p.Rows("r", "uint8", [bytes(4), bytes(4)])
 
 
 # --- logprobs: float32 blobs, only for the requests that asked ---------------------------
@@ -547,3 +609,20 @@ def test_kv_done_cached_tokens_defaults_to_0_and_refuses_what_is_no_count() -> N
     for bad in (-1, "32", True, 1.5, None, [32]):
         with pytest.raises(ProtocolError, match="cached_tokens"):
             decode([orjson.dumps(head | {"cached_tokens": bad})])
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "int32"])
+def test_ids_widen_to_sglangs_int32(dtype) -> None:
+    """What the client and the HTTP front answer (engines/routed_wire.py): base64 of
+    little-endian int32, whatever the ids travelled as."""
+    import base64
+
+    import numpy as np
+
+    from engines.routed_wire import int32_base64
+    top = {"uint8": 256, "int16": 1 << 15, "int32": 70_000}[dtype]      # ids are never negative
+    ids = np.random.default_rng(0).integers(0, top, 999).astype(np.dtype(dtype).newbyteorder("<"))
+    got = np.frombuffer(base64.b64decode(int32_base64(ids.tobytes(), dtype)), "<i4")
+    assert (got == ids).all() and got.dtype.itemsize == 4
+    msg = decode(encode(p.Rows.of("r", dtype, ids.tobytes(), None)))
+    assert msg.fields() == {"routed_experts": int32_base64(ids.tobytes(), dtype)}

@@ -80,3 +80,41 @@ def test_refused_by_name(tmp_path):
         OfflineEngine(moe, kv_cache_mb=4).submit(Request("m", [1, 2], ask))
     with pytest.raises(ValueError, match="return_routed_experts"):
         SamplingParams(return_routed_experts=1)
+
+
+def test_rollout_lengths_pass_and_the_limit_is_refused_by_name():
+    """32k positions of Qwen3-30B-A3B (48 x 8 ids each) and 16k of GLM-4.5 (92 x 8) are
+    served with their weights (engines/routed_wire.py budgets ids and weights apart);
+    past a budget the refusal names the field and the most positions it allows."""
+    from engines.config import ModelConfig
+    from engines.routed import routed_refusal
+    from tests.unit.test_moe_config import GLM45_AIR, QWEN3_30B_A3B
+    qwen = ModelConfig.from_dict(QWEN3_30B_A3B)
+    glm = ModelConfig.from_dict(GLM45_AIR | dict(num_hidden_layers=92, n_routed_experts=160,
+                                                 first_k_dense_replace=3))
+    for cfg, positions in ((qwen, 32768), (glm, 16384)):
+        for want in ("ids", "weights"):
+            assert routed_refusal(cfg, True, want, positions + 1) is None, (cfg.architecture, want)
+    ids = routed_refusal(glm, True, "ids", 50_000)
+    assert ids.startswith("return_routed_experts:") and "at most 45590 positions" in ids, ids
+    weights = routed_refusal(glm, True, "weights", 32768)
+    assert weights.startswith("return_routed_expert_weights:") and "22795" in weights, weights
+    assert routed_refusal(glm, True, "ids", 32768) is None      # the ids alone still fit
+
+
+def test_more_than_256_experts_travel_as_int16():
+    """A kv_done's pieces back to the rows (engines/routed.py), int16 where uint8 cannot
+    hold the ids; ids past the model's experts are refused by name."""
+    from engines.config import ModelConfig
+    from engines.routed import RoutedExperts, from_pieces, piece_fields
+    from tests.unit.test_moe_config import QWEN3_30B_A3B
+    cfg = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_experts=300))
+    ids = torch.randint(0, 300, (5, 48, 8), dtype=torch.int16)
+    rows = RoutedExperts(ids, torch.rand(5, 48, 8))
+    sent = piece_fields(rows)
+    assert rows.wire(5)[0] == "int16" and sum(map(len, sent["routed_experts"])) == 2 * ids.numel()
+    got = from_pieces(cfg, 5, sent["routed_experts"], sent["routed_expert_weights"], True)
+    assert torch.equal(got.ids(), ids) and torch.equal(got.weights(), rows.weights())
+    ids[2, 3, 1] = 300
+    bad = piece_fields(RoutedExperts(ids))["routed_experts"]
+    assert "outside [0, 300)" in from_pieces(cfg, 5, bad, None, False)

@@ -59,8 +59,9 @@ def test_workers_without_the_flag_refuse_by_name(moe):
 
 @pytest.mark.parametrize("forged,named", [
     ({}, "no routed experts"),                                     # none at all
-    ({"routed_experts": [0] * 5}, "no routed experts"),             # too few
-    ({"routed_experts": [99] * (len(PROMPT) * 3 * 2)}, "outside"),  # no such expert
+    ({"routed_experts": [bytes(5)]}, "no routed experts"),           # too few
+    ({"routed_experts": [bytes(len(PROMPT) * 3 * 2 * 4)]}, "no routed experts"),  # int32, not uint8
+    ({"routed_experts": [b"\x63" * (len(PROMPT) * 3 * 2)]}, "outside"),  # no such expert
 ])
 def test_forged_routed_experts_fail_the_request_not_the_decode(routed, forged, named):
     fake, forger = FakePrefill(routed, f"fake-r{len(forged)}{named[:3]}"), Forger(routed)

@@ -39,7 +39,8 @@ from zpd.http.records import GenRequest
 from zpd.http.router_link import Link, Unacked
 from zpd.wire.net import Curve
 from zpd.wire.protocol import (MAX_FRAME_BYTES, Abort, Accepted, Admin, AdminReply, Message,
-                               ProtocolError, TokenPart, Tokens, decode, encode)
+                               ProtocolError, Rows, TokenPart, Tokens, decode, encode)
+from zpd.wire.rows import RowsInbox
 
 log = logging.getLogger("zpd.http.router_client")
 
@@ -119,6 +120,7 @@ class RouterClient:
         self.admin_timeout = admin_timeout
         self._sinks: dict[str, Sink] = {}               # rid -> where its chunks go
         self._asked: dict[str, Asked] = {}  # rid -> the logprobs it asked for
+        self._rows = RowsInbox()            # routed experts ahead of their final part
         self._owner: dict[str, int] = {}                # rid -> the router that has it
         self._unacked: dict[str, Unacked] = {}          # rid -> how to send it elsewhere
         self._replies: dict[str, asyncio.Future] = {}   # admin req_id -> its reply
@@ -191,6 +193,7 @@ class RouterClient:
 
     def _forget(self, rid: str) -> None:
         self._sinks.pop(rid, None)
+        self._rows.waiting.pop(rid, None)
         self._asked.pop(rid, None)
         self._unacked.pop(rid, None)
         i = self._owner.pop(rid, None)
@@ -348,6 +351,9 @@ class RouterClient:
                     continue
                 self._links[i].resumes.got(part)
                 self._take(part)
+        elif isinstance(msg, Rows):           # a request's routed experts, before its end
+            if self._owner.get(msg.rid) == i and msg.rid in self._sinks:
+                self._rows.take(msg)
         elif isinstance(msg, AdminReply):
             reply = self._replies.get(msg.req_id)
             if reply is not None and not reply.done():
@@ -359,7 +365,7 @@ class RouterClient:
         if sink is None:
             return
         self._unacked.pop(part.rid, None)
-        chunk = chunk_of(part, self._asked[part.rid])
+        chunk = chunk_of(self._rows.finish(part), self._asked[part.rid])
         if chunk["finished"]:
             self._forget(part.rid)
         try:

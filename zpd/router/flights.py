@@ -33,6 +33,8 @@ class InFlight:
     from_decode: int = 0                 # output tokens the decode has sent
     early: FirstToken | None = None    # the first token, straight from the prefill
     prefilled: bool = False      # the decode sent tokens: no longer in its prefill's load
+    routed: bool = False         # it asked for its routed experts: one Rows may pass
+    rows: bool = False           # that Rows passed
 
 
 R = TypeVar("R")          # a reply: a worker's (WorkerReply), a follower's (dict)

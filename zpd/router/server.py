@@ -28,7 +28,7 @@ from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Adopted, Generate, Ping, Pong,
-                               Resume, TokenPart, Tokens, new_room)
+                               Resume, Rows, TokenPart, Tokens, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
@@ -254,7 +254,8 @@ class RouterServer:
             self.to_client(client, Tokens.abort(rid, 503, "no live prefill and decode worker"))
             return
         room = new_room()
-        self.inflight[rid] = InFlight(rid, client, prefill, decode)
+        self.inflight[rid] = InFlight(rid, client, prefill, decode,
+                                      routed=msg.sampling.routing is not None)
         routed = Generate(rid, msg.input_ids, msg.sampling, msg.stream, room, 0,
                           prefill.endpoint, decode.endpoint if decode else "", msg.text, msg.chat,
                           owner=client.hex(), user=msg.user)
@@ -340,6 +341,8 @@ class RouterServer:
             self.on_first_tokens(worker, msg)
         elif isinstance(msg, Tokens):
             self.relay(msg.unpack(), worker)
+        elif isinstance(msg, Rows):
+            self.relay_rows(msg, worker)
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
         elif isinstance(msg, Adopted) and self.adoption is not None:
@@ -372,6 +375,22 @@ class RouterServer:
         for client, mine in by_client.items():
             self.to_client(client, Tokens.pack(mine))
         self.dispatch()                      # finished requests made room
+
+    def relay_rows(self, msg: Rows, sender: Worker) -> None:
+        """A finished request's routed experts, ahead of its final tokens: on to its
+        client, only from the worker that answers it, once, and only if it asked (else
+        dropped: the final part then finds them missing, and its client fails it)."""
+        flight = self.inflight.get(msg.rid)
+        answers = None if flight is None else flight.decode or flight.prefill
+        if flight is None or sender is not answers or not flight.routed or flight.rows:
+            log.warning("dropping rows for rid=%r from %s %s: %s", msg.rid, sender.role,
+                        sender.endpoint, "no such request" if flight is None else
+                        f"{answers.role} {answers.endpoint} answers it" if sender is not answers
+                        else "passed already" if flight.rows else "it asked none")
+            return
+        flight.rows = True
+        if self.adoption is None or not self.adoption.hold_rows(msg):
+            self.to_client(flight.client, msg)
 
     def _settle(self, part: TokenPart, sender: Worker | None) -> tuple[InFlight | None, TokenPart | None]:
         """The request's flight and what of the decode's `part` the client has not had

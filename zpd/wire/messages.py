@@ -195,10 +195,12 @@ class KvDone(Message):
     prompt_ids_logprobs: Optional[list[float]] = None
     # When its request asked for its routed experts (engines/routed.py): the rows of every
     # position the prefill computed (prompt + output[:-1]: a recompute's replace the
-    # decode's), [positions, layers, experts per token] flat, and with
-    # return_routed_expert_weights their gate weights, flat alike.
-    routed_experts: Optional[list[int]] = None
-    routed_expert_weights: Optional[list[float]] = None
+    # decode's), [positions, layers, experts per token] flat in the model's compact
+    # little-endian dtype (engines/routed_wire.py: uint8 up to 256 experts), in pieces
+    # of at most 4 MiB, and with return_routed_expert_weights their gate weights,
+    # float32, flat alike.
+    routed_experts: Optional[list[bytes]] = None
+    routed_expert_weights: Optional[list[bytes]] = None
 
     def __post_init__(self) -> None:
         if (self.prompt_top_ids is None) != (self.prompt_top_logprobs is None) or \

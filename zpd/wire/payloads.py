@@ -5,21 +5,20 @@ not know are ignored, as a header's are."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 INT32_MAX = 2**31 - 1
 
 
 def _known(cls: type, raw: object, what: str) -> dict[str, Any]:
-    """`raw`'s values of `cls`'s fields, every one present."""
+    """`raw`'s values of `cls`'s fields, every one without a default present."""
     if not isinstance(raw, dict):
         raise ValueError(f"{what} must be an object, got {type(raw).__name__}")
-    names = [f.name for f in fields(cls)]
-    missing = [name for name in names if name not in raw]
+    missing = [f.name for f in fields(cls) if f.name not in raw and f.default is MISSING]
     if missing:
         raise ValueError(f"{what} lacks {', '.join(missing)}")
-    return {name: raw[name] for name in names}
+    return {f.name: raw[f.name] for f in fields(cls) if f.name in raw}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +48,14 @@ class KvTimings:
 class AdoptedRequest:
     """One request a decode hands over to a restarted router: its client's identity
     (hex, as Generate.owner), its prefill's endpoint, whether it streams, its share
-    (prompt + max_new_tokens) and the tokens generated so far."""
+    (prompt + max_new_tokens), the tokens generated so far, and whether it asked for its
+    routed experts (zpd/wire/rows.py)."""
     owner: str
     prefill: str
     stream: bool
     tokens: int
     output: int
+    routed: bool = False
 
     @property
     def client(self) -> bytes:
@@ -79,8 +80,8 @@ class AdoptedRequest:
             return f"owner {self.owner!r:.80} is no client identity in hex"
         if type(self.prefill) is not str:
             return f"prefill must be an endpoint, got {type(self.prefill).__name__}"
-        if type(self.stream) is not bool:
-            return "stream must be true or false"
+        if type(self.stream) is not bool or type(self.routed) is not bool:
+            return "stream and routed must be true or false"
         for name in ("tokens", "output"):
             if type(getattr(self, name)) is not int or not 0 <= getattr(self, name) <= INT32_MAX:
                 return f"{name} must be an integer in [0, {INT32_MAX}]"

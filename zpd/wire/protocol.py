@@ -7,7 +7,9 @@ Wire: a multipart message ``[header, *blobs]``. ``header`` is an orjson object
 ``list[int]`` (token ids, page ids) travel as their own frame of little-endian
 int32, and ``list[float]`` (logprobs) as one of little-endian float32 (any float32,
 NaN and infinities included); the header holds that frame's index, so large arrays
-are never JSON-encoded. A field typed as a record (a class with ``to_wire`` and a
+are never JSON-encoded. A ``list[bytes]`` field (routed experts, larger than one frame
+may be) travels as that many frames of raw bytes, at most MAX_PIECES, untouched by the
+codec; the header holds [first frame's index, count]. A field typed as a record (a class with ``to_wire`` and a
 ``from_dict`` that checks a peer's object) travels as that object, and a
 ``dict[str, Record]`` as an object of them. An optional field whose value is None is
 left out of the header (and so costs no frame). ``decode`` turns any malformed input into
@@ -34,11 +36,12 @@ import orjson
 from zpd.wire.messages import (
     Abort, Accepted, Admin, AdminReply, Adopt, Adopted, Error, Generate, Hello, HelloAck, KvDest,
     KvDone, KvFailed, Message, Ping, Pong, ProtocolError, Recompute, Resume, new_room)
+from zpd.wire.rows import MAX_PIECES, Rows
 from zpd.wire.tokens import TokenPart, Tokens
 
 __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Adopt", "Adopted", "Error",
            "Generate", "Hello", "HelloAck", "KvDest", "KvDone", "KvFailed", "Message",
-           "Ping", "Pong", "ProtocolError", "Recompute", "Resume", "TokenPart",
+           "Ping", "Pong", "ProtocolError", "Recompute", "Resume", "Rows", "TokenPart",
            "Tokens", "new_room", "MESSAGE_TYPES", "PROTOCOL_VERSION", "MAX_FRAME_BYTES",
            "MAX_FRAMES", "encode", "decode"]
 
@@ -49,12 +52,15 @@ __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Adopt", "Adopted", "Erro
 # 5: records in place of free dicts: generate's and recompute's sampling (only the
 # parameters that differ from their defaults), hello's layout, kv_done's timings,
 # adopted's requests; each is checked once, by the decode.
-PROTOCOL_VERSION = 5
+# 6: routed experts compact and in pieces: kv_done's as raw frames (uint8 ids where the
+# model has at most 256 experts), the answer's in a `rows` message ahead of the final
+# tokens (zpd/wire/rows.py); adopted requests say whether they asked for them.
+PROTOCOL_VERSION = 6
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,
-                               Tokens, Accepted, Abort, Admin, AdminReply, Ping, Pong, Error,
-                               Resume, Adopt, Adopted)})
+                               Tokens, Rows, Accepted, Abort, Admin, AdminReply, Ping, Pong,
+                               Error, Resume, Adopt, Adopted)})
 
 # The largest frame a bound socket accepts (ZeroMQ's MAXMSGSIZE bounds each frame, not
 # a message). The largest legitimate ones are a generate's: its ids as int32 (at most
@@ -73,7 +79,8 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 _KINDS: Mapping[Any, str] = types.MappingProxyType(
     {int: "int", float: "float", str: "str", bool: "bool", dict: "dict",
-     list[int]: "blob", list[float]: "f32blob", list[str]: "strs", list[list[int]]: "intlists"}
+     list[int]: "blob", list[float]: "f32blob", list[str]: "strs", list[list[int]]: "intlists",
+     list[bytes]: "pieces"}
 )
 # blob kind -> (array typecode, what it holds)
 _BLOBS: Mapping[str, tuple[str, str]] = types.MappingProxyType(
@@ -116,9 +123,10 @@ _SPECS: Mapping[type[Message], tuple[_Field, ...]] = types.MappingProxyType(
     {cls: _spec(cls) for cls in MESSAGE_TYPES.values()}
 )
 
-# The header plus the most blobs any type has: a message with more frames is refused
-# before its header is even parsed (ZeroMQ bounds frames, never their number).
-MAX_FRAMES = 1 + max(sum(f.kind in _BLOBS for f in spec) for spec in _SPECS.values())
+# The header plus the most blobs and pieces any type has: a message with more frames is
+# refused before its header is even parsed (ZeroMQ bounds frames, never their number).
+MAX_FRAMES = 1 + max(sum(1 if f.kind in _BLOBS else MAX_PIECES if f.kind == "pieces" else 0
+                         for f in spec) for spec in _SPECS.values())
 
 # --- codec ---------------------------------------------------------------------
 
@@ -138,6 +146,7 @@ _TYPE_OK: Mapping[str, Callable[[Any], bool]] = types.MappingProxyType({
         type(row) is list and all(type(x) is int for x in row) for row in v),
     "blob": lambda v: True,
     "f32blob": lambda v: True,
+    "pieces": lambda v: True,
     "record": lambda v: type(v) is dict,   # and then by the record's own from_dict
     "records": lambda v: type(v) is dict,  # and each value by the record's from_dict
 })
@@ -185,6 +194,9 @@ def encode(msg: Message) -> list[bytes]:
         elif f.kind in _BLOBS:
             header[f.name] = len(blobs)
             blobs.append(_pack_blob(f.name, f.kind, value))
+        elif f.kind == "pieces":
+            header[f.name] = [len(blobs), _pieces_count(f.name, value)]
+            blobs.extend(value)
         elif f.kind == "record":
             if not isinstance(value, f.record):
                 raise ProtocolError(f"field {f.name!r}: expected {f.record.__name__}, "
@@ -207,6 +219,14 @@ def _records_to_wire(f: _Field, value: Any) -> dict[str, Any]:
                                           for k, v in value.items()):
         raise ProtocolError(f"field {f.name!r}: expected a dict of str to {f.record.__name__}")
     return {key: record.to_wire() for key, record in value.items()}
+
+
+def _pieces_count(name: str, value: Any) -> int:
+    if type(value) is not list or not all(type(v) is bytes for v in value):
+        raise ProtocolError(f"field {name!r}: expected a list of bytes")
+    if not 1 <= len(value) <= MAX_PIECES:
+        raise ProtocolError(f"field {name!r}: {len(value)} pieces, not 1..{MAX_PIECES}")
+    return len(value)
 
 
 def _read_header(frames: Sequence[bytes]) -> dict[str, Any]:
@@ -235,11 +255,23 @@ def _field_value(f: _Field, raw: Any, frames: Sequence[bytes]) -> Any:
         if not 0 <= raw < len(frames) - 1:
             raise ProtocolError(f"field {f.name!r}: blob index {raw} out of range")
         return _unpack_blob(f.name, f.kind, frames[raw + 1])
+    if f.kind == "pieces":
+        return _read_pieces(f.name, raw, frames)
     if not _TYPE_OK[f.kind](raw):
         raise ProtocolError(f"field {f.name!r}: expected {f.kind}, got {type(raw).__name__}")
     if f.kind == "record":
         return f.record.from_dict(raw)
     return float(raw) if f.kind == "float" else raw
+
+
+def _read_pieces(name: str, raw: Any, frames: Sequence[bytes]) -> list[bytes]:
+    """A ``list[bytes]`` field's frames, named [first index, count] in the header."""
+    if type(raw) is not list or len(raw) != 2 or not all(type(v) is int for v in raw):
+        raise ProtocolError(f"field {name!r}: pieces must be [first index, count]")
+    first, count = raw
+    if not 1 <= count <= MAX_PIECES or not 0 <= first <= len(frames) - 1 - count:
+        raise ProtocolError(f"field {name!r}: pieces {raw} out of range")
+    return [bytes(frames[first + 1 + i]) for i in range(count)]
 
 
 def decode(frames: Sequence[bytes]) -> Message:

@@ -21,14 +21,14 @@ from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed,
-                               Message, Recompute, Tokens)
+                               Message, Recompute, Rows, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
 from zpd.worker.pages import PageBook, Prefix
 from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, final_meta,
                               first_logprobs, recompute_sampling, take_prompt_logprobs,
-                              take_routed, token_part)
+                              rows_of, take_routed, token_part)
 from zpd.worker.peers import model_layout
 from zpd.worker.retraction import Retraction
 from zpd.worker.scheduler import Handler, step_failure
@@ -42,8 +42,9 @@ class RouterLoss(Protocol):
     def on_silent(self, identity: bytes) -> None:
         """The router stopped pinging us."""
 
-    def ended(self, job: DecodeJob, meta: dict) -> None:
-        """`job` of some router ended just now, its answer queued (`meta` its final meta)."""
+    def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
+        """`job` of some router ended just now, its answer queued (`meta` its final meta,
+        `rows` its routed experts, sent ahead)."""
 
 
 class EndAtOnce:
@@ -53,7 +54,7 @@ class EndAtOnce:
     def __init__(self, sched: DecodeScheduler) -> None:
         self.on_silent = sched.end_router
 
-    def ended(self, job: DecodeJob, meta: dict) -> None:
+    def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
         """No successor will ask for the answer."""
 
 
@@ -357,14 +358,17 @@ class DecodeScheduler:
         if job.sent == len(req.output) and not req.finished:
             return
         start, job.sent = job.sent, len(req.output)
-        meta = {}
+        meta, rows = {}, None
         if req.finished:
-            meta = final_meta(req, self.core.model.tokenizer, job.cached_tokens or 0)
+            rows = rows_of(req)                 # its routed experts go just ahead
+            meta = final_meta(req, self.core.model.tokenizer, job.cached_tokens or 0, rows)
             log.info("rid=%r room=%d epoch=%d finished: %s after %d tokens", req.rid, job.room,
                      job.epoch, req.finish.get("type"), len(req.output))
+            if rows is not None:
+                self.core.send(job.client, rows)
         self.core.queue_token(job.client, token_part(req, start, meta))
         if req.finished:
-            self.orphans.ended(job, meta)       # kept if its router is gone
+            self.orphans.ended(job, meta, rows)     # kept if its router is gone
             self._forget(job)
 
     def finish(self, job: DecodeJob, status: int, reason: str, tell_prefill: bool = False,

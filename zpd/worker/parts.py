@@ -10,12 +10,13 @@ from dataclasses import replace
 
 from engines.config import ModelConfig
 from engines.prompt_logprobs import PromptLogprobs
-from engines.routed import from_flat
+from engines.routed import from_pieces
 from engines.formats.tokenizer import Tokenizer
-from engines.request import Request, response
+from engines.request import Request, answer_rows, response
 from engines.sampling_params import SamplingParams
 from zpd.wire.first_token import FirstToken
-from zpd.wire.protocol import KvDone, TokenPart
+from zpd.wire.protocol import KvDone, Rows, TokenPart
+from zpd.wire.rows import ROWS_META
 
 
 def token_part(req: Request, start: int, meta: dict | None = None) -> TokenPart:
@@ -28,12 +29,22 @@ def token_part(req: Request, start: int, meta: dict | None = None) -> TokenPart:
                      req.output_ids_logprobs[start:] if p.output_ids_logprob else None)
 
 
-def final_meta(req: Request, tokenizer: Tokenizer | None, cached_tokens: int) -> dict:
-    """A finished request's meta for its last TokenPart: counts, text, timings, and the
-    prompt's logprobs (input_*), which ride there because they are sent once."""
-    final = response(req, tokenizer)
+def final_meta(req: Request, tokenizer: Tokenizer | None, cached_tokens: int,
+               rows: Rows | None = None) -> dict:
+    """A finished request's meta for its last TokenPart: counts, text, timings, the
+    prompt's logprobs (input_*), which ride there because they are sent once, and how
+    many routed expert ids its `rows` (sent just ahead) carry."""
+    final = response(req, tokenizer, routed=False)
     return final["meta"] | {"text": final["text"], "cached_tokens": cached_tokens} \
-        | {k: v for k, v in final.items() if k.startswith("input_")}
+        | {k: v for k, v in final.items() if k.startswith("input_")} \
+        | ({ROWS_META: rows.values} if rows is not None else {})
+
+
+def rows_of(req: Request) -> Rows | None:
+    """The finished request's routed experts as they go to its client ahead of its
+    final part (None: it asked none, or has none)."""
+    rows = answer_rows(req)
+    return None if rows is None else Rows.of(req.rid, *req.routed.wire(rows))
 
 
 def first_logprob_fields(req: Request) -> dict:
@@ -123,8 +134,8 @@ def take_routed(req: Request, msg: KvDone, cfg: ModelConfig) -> str | None:
     want = req.params.routing
     if want is None:
         return None
-    got = from_flat(cfg, len(req.prompt) + max(0, len(req.output) - 1), msg.routed_experts,
-                    msg.routed_expert_weights, want == "weights")
+    got = from_pieces(cfg, len(req.prompt) + max(0, len(req.output) - 1), msg.routed_experts,
+                      msg.routed_expert_weights, want == "weights")
     if isinstance(got, str):
         return got
     req.routed = got

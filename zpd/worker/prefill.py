@@ -33,7 +33,7 @@ from zpd.worker.dests import DestPort, KvDests
 from zpd.worker.fair import FairTurns, StepBudget
 from zpd.worker.jobs import JobPhase, PrefillJob
 from zpd.worker.pages import PageBook, Prefix
-from zpd.worker.parts import final_meta, token_part
+from zpd.worker.parts import final_meta, rows_of, token_part
 from zpd.worker.peers import DecodePeers, model_layout
 from zpd.worker.scheduler import step_failure
 from zpd.worker.tombstones import Tombstones
@@ -236,8 +236,11 @@ class PrefillScheduler:
     def _answer_router(self, job: PrefillJob, cached: int) -> None:
         """A scoring request's final answer, scored or ended, built as a decode builds one."""
         req = job.req
+        rows = rows_of(req)                     # its routed experts go just ahead
+        if rows is not None:
+            self.core.send(job.answer_to, rows)
         self.core.queue_token(job.answer_to, token_part(
-            req, 0, final_meta(req, self.core.model.tokenizer, cached)))
+            req, 0, final_meta(req, self.core.model.tokenizer, cached, rows)))
 
     # --- requests ------------------------------------------------------------------
 

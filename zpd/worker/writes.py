@@ -21,7 +21,7 @@ from zpd.wire.payloads import KvTimings
 from zpd.wire.protocol import KvDone, Message
 from zpd.wire.status import INTERNAL
 from zpd.worker.jobs import JobPhase, PrefillJob
-from engines.routed import flat_fields
+from engines.routed import piece_fields
 from zpd.worker.parts import first_logprob_fields, prompt_logprob_fields
 from zpd.worker.peers import DecodePeers
 
@@ -152,6 +152,6 @@ class KvWrites:
         first = job.req.output[-1] if job.req.output else -1
         s.send(job.decode, KvDone(job.room, job.epoch, first, s.version(),
                                   _timings(job.marks, seconds), **first_logprob_fields(job.req),
-                                  **prompt_logprob_fields(job.req), **flat_fields(job.req.routed),
+                                  **prompt_logprob_fields(job.req), **piece_fields(job.req.routed),
                                   cached_tokens=job.skip * s.page_size))
         s.end(job, None, "")

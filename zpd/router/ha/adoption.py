@@ -27,7 +27,7 @@ from zpd.router.shares import ClientShares
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Loop, Timer
 from zpd.wire.payloads import AdoptedRequest
-from zpd.wire.protocol import Abort, Adopt, Adopted, Message, Resume, TokenPart, Tokens
+from zpd.wire.protocol import Abort, Adopt, Adopted, Message, Resume, Rows, TokenPart, Tokens
 
 log = logging.getLogger("zpd.router.ha.adoption")
 
@@ -61,6 +61,7 @@ class Unclaimed:
     client: bytes
     timer: Timer
     backlog: TokenPart | None = None     # its tokens from the first, and its end if it came
+    rows: Rows | None = None             # its routed experts, ahead of that end
 
 
 class Adoption:
@@ -112,7 +113,8 @@ class Adoption:
         prefills = {w.endpoint: w for w in server.workers if w.role == "prefill"}
         if rid in server.inflight or rid in server.queued or entry.prefill not in prefills:
             return None
-        return InFlight(rid, entry.client, prefills[entry.prefill], decode, prefilled=entry.output > 0)
+        return InFlight(rid, entry.client, prefills[entry.prefill], decode, prefilled=entry.output > 0,
+                        routed=entry.routed)
 
     def _adopt(self, flight: InFlight, entry: AdoptedRequest) -> None:
         server, rid = self.server, flight.rid
@@ -130,6 +132,13 @@ class Adoption:
             return False
         entry.backlog = part if entry.backlog is None else entry.backlog.then(part)
         return True
+
+    def hold_rows(self, msg: Rows) -> bool:
+        """Keep `msg` for a client that has not resumed yet (False: not such a request)."""
+        entry = self.unclaimed.get(msg.rid)
+        if entry is not None:
+            entry.rows = msg
+        return entry is not None
 
     def on_resume(self, client: bytes, msg: Resume) -> None:
         if self.asking:
@@ -151,6 +160,8 @@ class Adoption:
         part = entry.backlog
         if part is not None:
             part = part.skip(min(have, len(part.token_ids)))
+        if entry.rows is not None:
+            self.server.to_client(entry.client, entry.rows)
         if part is not None and (part.token_ids or part.finished):
             self.server.to_client(entry.client, Tokens.pack([part]))
         log.info("rid=%r resumed by its client from token %d", rid, have)

@@ -28,7 +28,7 @@ from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Loop, Timer
 from zpd.wire.net import Router
 from zpd.wire.payloads import AdoptedRequest
-from zpd.wire.protocol import Adopt, Adopted, Message, Ping, TokenPart
+from zpd.wire.protocol import Adopt, Adopted, Message, Ping, Rows, TokenPart
 from zpd.wire.router_proof import router_endpoint
 from zpd.wire.security import Security
 from zpd.worker.jobs import DecodeJob
@@ -76,7 +76,7 @@ class RouterOrphans:
         self.grace, self.peer_timeout = deadlines.router_grace, deadlines.peer_timeout
         self.timers: dict[bytes, Timer] = {}      # silent router -> when its requests end
         # gone router -> rid -> (Adopted entry, whole answer) of requests ended since
-        self.kept: dict[bytes, dict[str, tuple[AdoptedRequest, TokenPart]]] = {}
+        self.kept: dict[bytes, dict[str, tuple[AdoptedRequest, TokenPart, Rows | None]]] = {}
 
     def of(self, identity: bytes) -> list[DecodeJob]:
         return [j for j in self.sched.jobs.values() if j.client == identity]
@@ -100,16 +100,16 @@ class RouterOrphans:
         self.timers.pop(identity, None)
         self.sched.end_router(identity)
 
-    def ended(self, job: DecodeJob, meta: dict) -> None:
+    def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
         """`job` ended just now (its answer is queued): keep the answer if its router is
-        gone, until a successor adopts it or the grace after the peer timeout passes."""
+        gone (with its routed experts' `rows`), until a successor adopts it or the grace after the peer timeout passes."""
         if job.client not in self.core.unreachable:
             return
         if job.client not in self.kept:
             self.core.loop.call_later(self.peer_timeout + self.grace, self.kept.pop,
                                       job.client, None)
         answer = token_part(job.req, 0, meta)
-        self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), answer)
+        self.kept.setdefault(job.client, {})[job.req.rid] = (entry(job), answer, rows)
 
     def on_adopt(self, identity: bytes, msg: Adopt) -> None:
         """Hand the requests of `identity`'s gone predecessors over to it."""
@@ -123,18 +123,20 @@ class RouterOrphans:
         gone = {r for r in routers if r != identity and router_endpoint(r) == endpoint
                 and self._gone(r)}
         jobs = [j for j in self.sched.jobs.values() if j.client in gone]
-        ended = [(info, part) for old in gone for info, part in self.kept.pop(old, {}).values()
-                 if part.rid not in self.sched.by_rid]     # not a rid that runs again
+        ended = [kept for old in gone for kept in self.kept.pop(old, {}).values()
+                 if kept[1].rid not in self.sched.by_rid]     # not a rid that runs again
         for old in gone:
             timer = self.timers.pop(old, None)
             if timer is not None:
                 timer.cancel()
         for job in jobs:
             job.client = identity
-        handed = {part.rid: info for info, part in ended} | {j.req.rid: entry(j) for j in jobs}
+        handed = {part.rid: info for info, part, _ in ended} | {j.req.rid: entry(j) for j in jobs}
         paused = self.core.paused
         self.core.send(identity, Adopted(handed, paused.value if paused is not None else ""))
-        for _, part in ended:       # after Adopted: the router knows the rids by then
+        for _, part, rows in ended:     # after Adopted: the router knows the rids by then
+            if rows is not None:
+                self.core.send(identity, rows)
             self.core.queue_token(identity, part)
         for job in jobs:
             if job.stream:
@@ -158,4 +160,5 @@ def entry(job: DecodeJob) -> AdoptedRequest:
     """What the adopting router needs of one request."""
     req = job.req
     return AdoptedRequest(job.owner, job.prefill, job.stream,
-                          len(req.prompt) + req.params.max_new_tokens, len(req.output))
+                          len(req.prompt) + req.params.max_new_tokens, len(req.output),
+                          req.params.routing is not None)
