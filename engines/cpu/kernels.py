@@ -1,8 +1,8 @@
 """The engine's CPU kernels, one small C++ library built from sources that share
 `kernels.h`: `decode_attention.cpp`, `prefill_attention.cpp` and
 `prefill_attention_bf16.cpp` (causal), `products.cpp` and
-`panel_products.cpp` (matrix products and weight packings) and `layer_ops.cpp`
-(element-wise layer steps, argmax).
+`panel_products.cpp` (matrix products and weight packings), `layer_ops.cpp`
+(element-wise layer steps, argmax) and `experts.cpp` (a mixture's routed experts).
 
 - `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
   (engines/torch_backend.py) gathers each group's context into a dense copy and
@@ -50,10 +50,10 @@ import torch
 
 log = logging.getLogger("zpd.engine")
 
-HEADER = Path(__file__).with_name("kernels.h")      # what the sources share
+HEADERS = [Path(__file__).with_name(h) for h in ("kernels.h", "small_products.h")]  # what the sources share
 SOURCES = [Path(__file__).with_name(f"{part}.cpp")
            for part in ("decode_attention", "prefill_attention", "prefill_attention_bf16", "products",
-                        "panel_products", "layer_ops")]
+                        "panel_products", "layer_ops", "experts")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see kernels.h
 LIBS = ["-lmvec", "-lm"]
@@ -169,7 +169,7 @@ def build(directory: Path) -> Path:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in (HEADER, *SOURCES)),
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*HEADERS, *SOURCES)),
                                     " ".join(COMPILE_FLAGS + LINK_FLAGS + LIBS),
                                     version, _cpu_identity()]).encode()).hexdigest()[:20]
     out = directory / f"cpu_kernels-{key}.so"
