@@ -1,5 +1,5 @@
 """The CPU backend: the compiled kernels (engines/cpu/kernels.py, layer_ops.py,
-products.py) where they take the dtype and the shapes, torch's reference ops
+products.py, experts.py) where they take the dtype and the shapes, torch's reference ops
 (engines/torch_backend.py) op by op where not. Which kernels run is settled once, when
 the backend is made (each is checked against torch or float64 on first use in the
 process: a missing or disagreeing one is left out, with a warning)."""

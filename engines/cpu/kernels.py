@@ -14,6 +14,9 @@
 - products (engines/cpu/products.py): `SmallLinear`, 1-8 rows by row-major weights
   (float32, and bfloat16 where there is no AMX); `AmxLinear` and `PanelLinear`, by
   weights packed for the kernel (bfloat16 on AMX tiles, float32 in panels).
+- `GroupedExperts` (engines/cpu/experts.py): a mixture's routed experts in one call per
+  layer, tokens grouped by expert, only the chosen experts' weights read, by the
+  small-batch products' blocks (small_products.h).
 - `LayerOps` (engines/cpu/layer_ops.py): a layer's element-wise steps in one pass
   each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX,
   else by AVX512-BF16 dot products, else on float32 copies).
