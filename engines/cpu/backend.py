@@ -66,10 +66,11 @@ class CpuBackend(TorchBackend):
         read (engines/cpu/linear.py: a second copy of those experts' weights, made on
         first use, rebuilt after a weight update; ZPD_PACKED_WEIGHTS=0: none)."""
         small = ids.numel() <= GROUPED_MAX_ROWS_PER_EXPERT * experts.num
-        kernel = grouped_experts(x.dtype) if small else None
-        if kernel is None or x.device.type != "cpu":
+        kernel = grouped_experts(x.dtype) if small and x.device.type == "cpu" else None
+        gate_up, down = experts.stacked()
+        if kernel is None or not (gate_up.is_contiguous() and down.is_contiguous()):
             return super().experts(x, ids, weights, experts)
-        return kernel(x, ids, weights, *experts.stacked())
+        return kernel(x, ids, weights, gate_up, down)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.ops is None:
