@@ -25,7 +25,8 @@ medians of the per-repeat ratios.
 Bandwidth limit (batch 1): the bytes a decode step must read (the chosen experts'
 weights, attention, router, norms, head, one embedding row, the KV of the context)
 over this machine's memory bandwidth, measured by a large torch copy (best of 5;
-read + write bytes; the machine idle first, like every measurement, --quiet-wait); `x limit` is the measured step time over that floor.
+read + write bytes, best of 8; the machine idle first, like every measurement,
+--quiet-wait); `x limit` is the measured step time over that floor.
 """
 from __future__ import annotations
 
@@ -116,12 +117,14 @@ class Stepper:
         return len(self.long) / (time.perf_counter() - start)
 
 
-def bandwidth() -> float:
-    """Bytes per second of a 256 MiB copy (read + write), best of 5."""
+def bandwidth(quiet_s: float) -> float:
+    """Bytes per second of a 256 MiB copy (read + write), best of 8, each once the
+    machine is idle (up to quiet_s): a copy that shares the cores reads slower."""
     src = torch.ones(64 << 20)
     dst = torch.empty_like(src)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(8):
+        wait_quiet(quiet_s)
         start = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
@@ -204,6 +207,42 @@ def run(args, moe_path: Path, dense_path: Path, dtype: str, bw: float) -> None:
           f"dense {med(rates['dense']):.0f} tok/s, ratio moe/dense {ratio(rates, 'moe', 'dense'):.2f}", flush=True)
 
 
+def layer_only(args, bw: float) -> None:
+    """One mixture layer of --layer's shape alone, random bfloat16 weights: the experts
+    kernel against torch's loop at 1, 4 and 16 tokens, 8 routings a round, against the
+    floor of the experts' bytes it reads at the copy bandwidth."""
+    from engines.models.moe import Experts
+    e, k, h, i = (int(v) for v in args.layer.split(","))
+    dt, g = torch.bfloat16, torch.Generator().manual_seed(0)
+    experts = Experts(e, h, i)
+    experts.gate_up_proj.data = torch.randn(e * 2 * i, h, generator=g).to(dt) / h ** 0.5
+    experts.down_proj.data = torch.randn(e * h, i, generator=g).to(dt) / i ** 0.5
+    backend = cpu_backend.CpuBackend(dt)
+    print(f"\none layer: {e} experts, top-{k}, hidden {h}, intermediate {i}, bfloat16; ms a routing, "
+          f"best (median) of {args.repeats}")
+    for tokens in (1, 4, 16):
+        routings = []
+        for _ in range(8):
+            weights, ids = torch.softmax(torch.randn(tokens, e, generator=g), -1).topk(k)
+            routings.append((torch.randn(tokens, h, generator=g).to(dt), ids, weights))
+        sides = {"kernel": lambda x, ids, w: cpu_backend.grouped_experts(dt)(x, ids, w, *experts.stacked()),
+                 "loop": lambda x, ids, w: super(cpu_backend.CpuBackend, backend).experts(x, ids, w, experts)}
+
+        def per_routing(f, routings=routings):
+            def run() -> float:
+                start = time.perf_counter()
+                for r in routings:
+                    f(*r)
+                return (time.perf_counter() - start) / len(routings)
+            return run
+        secs = paired({n: per_routing(f) for n, f in sides.items()}, args.repeats, args.quiet_wait)
+        read = med([len(set(r[1].flatten().tolist())) for r in routings])
+        floor = read * 3 * h * i * 2 / bw
+        cells = ", ".join(f"{n} {min(v) * 1e3:.2f} ({med(v) * 1e3:.2f})" for n, v in secs.items())
+        print(f"{tokens:>3} tokens, {read:.0f} experts read, floor {floor * 1e3:.2f} ms: {cells}; "
+              f"kernel best {min(secs['kernel']) / floor:.1f}x floor", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="mid")
@@ -216,13 +255,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quiet-wait", type=float, default=5.0,
                     help="seconds to wait at most for an idle machine before each measurement (0: none)")
+    ap.add_argument("--layer", default=None, metavar="E,K,H,I",
+                    help="instead: one mixture layer of E experts, top-K, hidden H, intermediate I "
+                         "(e.g. 128,8,2048,768: Qwen3-30B-A3B's), kernel vs loop against its floor")
     ap.add_argument("--keep", default=None, help="write the two models here (moe/, dense/) and keep them, "
                                                  "e.g. for bench_peer.py --hf-dir DIR/moe (vLLM-CPU)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     size = SIZES[args.size]
-    wait_quiet(args.quiet_wait)
-    bw = bandwidth()
+    bw = bandwidth(args.quiet_wait)
+    if args.layer:
+        print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {args.threads} threads")
+        return layer_only(args, bw)
     print(f"Qwen3-MoE {args.size}: {size}; dense twin intermediate "
           f"{size['num_experts_per_tok'] * size['moe_intermediate_size']}; {args.threads} threads, "
           f"torch {torch.__version__}; copy bandwidth {bw / 1e9:.1f} GB/s")
