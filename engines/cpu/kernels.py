@@ -1,8 +1,8 @@
 """The engine's CPU kernels, one small C++ library built from sources that share
 `kernels.h`: `decode_attention.cpp`, `prefill_attention.cpp` and
 `prefill_attention_bf16.cpp` (causal), `products.cpp` and
-`panel_products.cpp` (matrix products and weight packings) and `layer_ops.cpp`
-(element-wise layer steps, argmax).
+`panel_products.cpp` (matrix products and weight packings), `layer_ops.cpp`
+(element-wise layer steps, argmax) and `experts.cpp` (a mixture's routed experts).
 
 - `PagedDecode`: decode attention reading K and V in place from the pool. torch's path
   (engines/torch_backend.py) gathers each group's context into a dense copy and
@@ -14,6 +14,9 @@
 - products (engines/cpu/products.py): `SmallLinear`, 1-8 rows by row-major weights
   (float32, and bfloat16 where there is no AMX); `AmxLinear` and `PanelLinear`, by
   weights packed for the kernel (bfloat16 on AMX tiles, float32 in panels).
+- `GroupedExperts` (engines/cpu/experts.py): a mixture's routed experts in one call per
+  layer, tokens grouped by expert, only the chosen experts' weights read, by the
+  small-batch products' blocks (small_products.h).
 - `LayerOps` (engines/cpu/layer_ops.py): a layer's element-wise steps in one pass
   each, greedy argmax, and a prompt's causal attention (float32; bfloat16 on AMX,
   else by AVX512-BF16 dot products, else on float32 copies).
@@ -50,10 +53,10 @@ import torch
 
 log = logging.getLogger("zpd.engine")
 
-HEADER = Path(__file__).with_name("kernels.h")      # what the sources share
+HEADERS = [Path(__file__).with_name(h) for h in ("kernels.h", "small_products.h")]  # what the sources share
 SOURCES = [Path(__file__).with_name(f"{part}.cpp")
            for part in ("decode_attention", "prefill_attention", "prefill_attention_bf16", "products",
-                        "panel_products", "layer_ops")]
+                        "panel_products", "layer_ops", "experts")]
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]           # not -ffast-math: see kernels.h
 LIBS = ["-lmvec", "-lm"]
@@ -169,7 +172,7 @@ def build(directory: Path) -> Path:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'g++'}) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in (HEADER, *SOURCES)),
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in (*HEADERS, *SOURCES)),
                                     " ".join(COMPILE_FLAGS + LINK_FLAGS + LIBS),
                                     version, _cpu_identity()]).encode()).hexdigest()[:20]
     out = directory / f"cpu_kernels-{key}.so"

@@ -66,6 +66,12 @@ RUNS = {
                          "--dtypes", "float32", "--no-hf-load", "--hf-random-weights"],
                         [r"float32\s+[\d.]+\s+\d+\s+nan\s+nan",
                          r"float32\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+x"]),
+    "bench_moe.py": (["--size", "tiny", "--batches", "1,2", "--repeats", "1", "--steps", "2", "--context", "16",
+                      "--prefill-len", "32", "--quiet-wait", "0"],
+                     [r"(?m)^float32\s+1(\s+[\d.]+){3}x(\s+[\d.]+){2}x\s+[\d.]+\s+[-+][\d.]+%\s+[\d.]+%"
+                      r"\s+step [\d.]+ ms \(best [\d.]+\), floor [\d.]+ ms \([\d.]+ MiB\): [\d.]+x limit",
+                      r"(?m)^bfloat16\s+2(\s+[\d.]+){3}x(\s+[\d.]+){2}x\s+[\d.]+\s+[-+][\d.]+%\s+[\d.]+%$",
+                      r"bfloat16\s+prefill 32 tokens: moe \d+ tok/s, dense \d+ tok/s, ratio moe/dense [\d.]+"]),
     "bench_clear.py": (["--repeats", "1", "--tokens", "64"], [r"8B-class bf16\s+64\s+[\d.]+"]),
     "bench_http.py": (["--requests", "5", "--warmup", "1", "--streams", "4", "--stream-tokens", "4",
                        "--rounds", "1", "--duration", "1", "--warmup-s", "0.2"],
