@@ -49,3 +49,23 @@ def test_expert_parallel_workers_answer_and_update_from_disk(tmp_path):
         assert answer.token_ids == want and set(answer.weight_versions) == {"v1"}
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("tp", [(2, 1), (1, 2)])
+def test_tensor_parallel_moe_workers_answer_as_one_process(tmp_path, tp):
+    """A mixture at --tp 2 on one side only (each expert's intermediate split in two,
+    one all-reduce per layer): the prefill's KV, which the experts do not touch, serves
+    a decode of the other size, and the tokens are one process's."""
+    # GLM: shared experts, partial rotary; seed 5 answers more than one token over and over
+    path = str(make_checkpoint("glm4_moe", tmp_path, seed=5))
+    wants = [_greedy(path, p, 8) for p in PROMPTS]
+    assert min(len(set(w)) for w in wants) > 2
+    c = InprocCluster(model=path, tp=tp)
+    try:
+        rids = [c.submit(p, 8) for p in PROMPTS]
+        for rid, want in zip(rids, wants):
+            assert c.run(rid).token_ids == want, (tp, rid)
+        c.pump()
+        c.check_pages()
+    finally:
+        c.close()
