@@ -11,7 +11,7 @@ from engines.request import Request
 from engines.sampler import SamplingParams
 from tests.unit.gguf_files import write_tiny_gguf
 from tests.unit.inproc import InprocCluster
-from zpd.config import PromptLimits
+from zpd.limits import PromptLimits
 from zpd.ops.cli import main
 from zpd.router.shares import request_tokens
 from zpd.wire.protocol import Generate

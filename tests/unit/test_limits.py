@@ -10,7 +10,7 @@ import pytest
 from zpd.wire.status import StatusError
 from engines.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from tests.unit.inproc import InprocCluster, reference, send_raw
-from zpd.config import PromptLimits
+from zpd.limits import PromptLimits
 from zpd.router.shares import ClientShares
 from zpd.wire.net import Dealer
 from zpd.wire.protocol import Generate, Ping, Pong

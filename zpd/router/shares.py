@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from zpd.wire.status import BAD_REQUEST
-from zpd.config import chat_bytes, utf8_len
+from zpd.limits import chat_bytes, utf8_len
 from zpd.wire.protocol import Generate
 
 # tokens a chat template may add (role markers, a default system prompt)

@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Hashable
 
-from zpd.config import chat_bytes
+from zpd.limits import chat_bytes
 from zpd.wire.loop import Loop
 
 log = logging.getLogger("zpd.worker.tokenizing")

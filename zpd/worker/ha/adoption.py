@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from zpd.config import Deadlines
+from zpd.limits import Deadlines
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.loop import Loop, Timer
 from zpd.wire.net import Router
