@@ -37,3 +37,7 @@ def test_prefill_and_decode_of_other_parallel_sizes(tmp_path, sizes):
             assert [g["output_ids"] for g in got] == ref
             status = assert_all_pages_free(client)
             assert sorted(len(w["tp_pids"]) for w in status["workers"]) == [1, 1]
+            sizes_of = {w["role"]: (w["tp_size"], w["ep_size"]) for w in status["workers"]}
+            flags = dict(zip(sizes[::2], map(int, sizes[1::2])))
+            assert sizes_of == {role: (flags.get(f"--{role}-tp", 1), flags.get(f"--{role}-ep", 1))
+                                for role in ("prefill", "decode")}

@@ -113,6 +113,7 @@ class WorkerStatus(AdminResult):
     tp_size: int
     tp_pids: list
     loop_max_late_ms: float
+    ep_size: int = 1            # expert-parallel ranks (a mixture's experts split over them)
     more: dict = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:

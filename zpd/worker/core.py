@@ -351,7 +351,7 @@ class WorkerCore:
             kv_pages=self.scheduler.pages.counts(),
             # tensor-parallel ranks, and the processes of ranks 1.. (rank 0 is this one)
             tp_size=self.cfg.tp, tp_pids=[p.pid for p in self.tp_procs],
-            loop_max_late_ms=round(self.loop.max_late * 1e3, 3),
+            loop_max_late_ms=round(self.loop.max_late * 1e3, 3), ep_size=self.cfg.ep,
             more={k: v for part in self.parts.values() for k, v in part.status().items()}
             | fields)
 
