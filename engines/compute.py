@@ -4,7 +4,6 @@ from __future__ import annotations
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.config import ModelError
-from engines.models.moe import RoutingCapture
 from engines.models.null import NullNet
 from engines.null_runner import NullRunner
 from engines.runner import ModelRunner
@@ -57,7 +56,7 @@ class Compute:
     def _keep_prompt_routing(self, reqs: list[Request], lens: list[int], starts: list[int]) -> None:
         """Each asking request's routed experts: its computed prefix's rows, all of them
         (a recompute's replace the ones before, under the weights of now)."""
-        got, at = host(self.runner.routed), 0
+        got, at = self.runner.routed.host(), 0
         for r, n, s in zip(reqs, lens, starts):
             if r.params.routing is not None:
                 if s:        # Request.reusable_prefix keeps such a request off the cache
@@ -72,7 +71,7 @@ class Compute:
         routing = routing_of([r.params.routing for r in reqs])
         logits = self.runner.decode([r.output[-1] for r in reqs], [r.context_len - 1 for r in reqs],
                                     [r.pages for r in reqs], routing)
-        got = host(self.runner.routed)
+        got = None if self.runner.routed is None else self.runner.routed.host()
         if got is not None:
             ids = compact(got.ids, self.model.cfg)          # one copy for the batch
             for i, r in enumerate(reqs):
@@ -88,16 +87,6 @@ class Compute:
         for r, t, lp, top, ids in zip(reqs, got.tokens, got.logprobs, got.top, got.ids):
             r.emit(t, self.model.version, lp, top, ids)
             r.finish = self.stop(r)
-
-
-def host(got: RoutingCapture | None) -> RoutingCapture | None:
-    """A forward's routed experts in host memory, copied once (None: none recorded)."""
-    if got is None or got.ids.device.type == "cpu":
-        return got
-    out = RoutingCapture(0, 0, 0, False)
-    out.ids = got.ids.cpu()
-    out.weights = None if got.weights is None else got.weights.cpu()
-    return out
 
 
 def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None):

@@ -10,6 +10,8 @@ the dense MLP's and one all-reduce sums the layer; under expert parallelism
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -86,6 +88,15 @@ class RoutingCapture:
         self.ids[:, layer] = ids.to(self.ids.device, torch.int32)
         if self.weights is not None:
             self.weights[:, layer] = weights.to(self.weights.device, torch.float32)
+
+    def host(self) -> RoutingCapture:
+        """This record in host memory: itself on the CPU, else one copy of each tensor."""
+        if self.ids.device.type == "cpu":
+            return self
+        out = copy.copy(self)
+        out.ids = self.ids.cpu()
+        out.weights = None if self.weights is None else self.weights.cpu()
+        return out
 
 
 class SparseMoe(nn.Module):
