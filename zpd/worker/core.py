@@ -103,6 +103,8 @@ class WorkerCore:
         self.drop_pauses = 0                      # pauses that drop requests begun so far
         self.pause_waiters: list[Respond] = []
         self.pinged_at: dict[bytes, float] = {}   # peer identity -> last message from it
+        self.silent: dict[bytes, float] = {}      # peers found silent -> since, until heard
+        self._checked_at = self.loop.time()       # the last peer check (a stall shows here)
         self.unreachable: set[bytes] = set()      # peers gone when our tokens were sent
         self.drops = knobs.drops
         self.slow_s = knobs.slow_s
@@ -277,17 +279,38 @@ class WorkerCore:
         """Also called on the responder thread: it sends straight to the socket (a pong's
         place among queued tokens does not matter), never through the token outbox."""
         self.pinged_at[identity] = self.loop.time()
+        if identity in self.silent:             # back: the scheduler hears of it on the loop
+            self.loop.call_soon_threadsafe(self._peer_back, identity)
         pong = Pong(msg.seq, msg.sent_at, self.endpoint)
         if not self.drops.drops(pong):
             self.sock.send(identity, pong)
 
+    def _peer_back(self, identity: bytes) -> None:
+        if self.silent.pop(identity, None) is not None:
+            log.warning("%s: peer %r pings again", self.cfg.role, identity[:64])
+            self.scheduler.on_peer_back(identity)
+
     def _check_peers(self) -> None:
         """Peers that used to ping us and stopped (a dead router): the scheduler ends
-        their requests, and they are forgotten until they ping again."""
-        limit = self.loop.time() - self.cfg.deadlines.peer_timeout
+        their requests, and they are forgotten until they ping again. Silence counts
+        only while we listened: after our own stall (SIGSTOP, swapping) what peers sent
+        meanwhile is still unread, so the stall is added to every peer's time."""
+        now, heartbeat = self.loop.time(), self.cfg.deadlines.heartbeat
+        gap, self._checked_at = now - self._checked_at, now
+        if gap > 2 * heartbeat:             # a long step too (the responder heard pings)
+            if gap > self.cfg.deadlines.peer_timeout:
+                log.warning("%s: the loop stood still for %.1f s; peers' silence counts "
+                            "from now", self.cfg.role, gap)
+            for peer, at in list(self.pinged_at.items()):
+                self.pinged_at[peer] = min(at + gap - heartbeat, now)
+        limit = now - self.cfg.deadlines.peer_timeout
         for peer in [p for p, at in self.pinged_at.items() if at < limit]:
             del self.pinged_at[peer]
+            self.silent[peer] = now
             self.scheduler.on_peer_silent(peer)
+        forget = now - self.cfg.deadlines.router_grace - self.cfg.deadlines.peer_timeout
+        for peer in [p for p, since in self.silent.items() if since < forget]:
+            del self.silent[peer]           # whatever it held ended long ago
 
     # --- admin ---------------------------------------------------------------------
 

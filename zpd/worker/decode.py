@@ -42,6 +42,9 @@ class RouterLoss(Protocol):
     def on_silent(self, identity: bytes) -> None:
         """The router stopped pinging us."""
 
+    def on_back(self, identity: bytes) -> None:
+        """The same router pings again (it was frozen or cut off, not restarted)."""
+
     def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
         """`job` of some router ended just now, its answer queued (`meta` its final meta,
         `rows` its routed experts, sent ahead)."""
@@ -53,6 +56,9 @@ class EndAtOnce:
 
     def __init__(self, sched: DecodeScheduler) -> None:
         self.on_silent = sched.end_router
+
+    def on_back(self, identity: bytes) -> None:
+        """Its requests ended already."""
 
     def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
         """No successor will ask for the answer."""
@@ -252,6 +258,9 @@ class DecodeScheduler:
         """A router that stopped pinging is gone: its requests end, unless a router
         restarted on its endpoint adopts them first (the wing plugged in, if any)."""
         self.orphans.on_silent(identity)
+
+    def on_peer_back(self, identity: bytes) -> None:
+        self.orphans.on_back(identity)
 
     def refuse_tokenizing(self, identity: bytes) -> None:
         """End the router's prompts still being tokenized (no job holds them yet)."""

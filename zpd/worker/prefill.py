@@ -410,6 +410,9 @@ class PrefillScheduler:
         for job in [j for j in self.jobs.values() if j.answer_to == identity]:
             self.end(job, None, "its router is silent")
 
+    def on_peer_back(self, identity: bytes) -> None:
+        """Its scoring jobs ended already; new ones need nothing more."""
+
     def on_weights_changed(self) -> None:
         self.pages.weights_changed()
 

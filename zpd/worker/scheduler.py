@@ -85,6 +85,9 @@ class Scheduler(Protocol):
     def on_peer_silent(self, identity: bytes) -> None:
         """A peer that used to ping us (a router) stopped."""
 
+    def on_peer_back(self, identity: bytes) -> None:
+        """A peer found silent pings again (the same process: it was frozen or cut off)."""
+
     def on_weights_changed(self) -> None:
         """New weights are in: KV kept from the old ones (a prefix cache) must go."""
 

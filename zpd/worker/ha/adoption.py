@@ -96,6 +96,15 @@ class RouterOrphans:
             old.cancel()
         self.timers[identity] = self.core.loop.call_later(self.grace, self.end, identity)
 
+    def on_back(self, identity: bytes) -> None:
+        """The silent router pings again, the same process: its requests are its own
+        still, and go on (rather than end when the grace runs out)."""
+        timer = self.timers.pop(identity, None)
+        if timer is not None:
+            timer.cancel()
+            log.warning("router %r back within the grace: its %d requests go on",
+                        identity[:64], len(self.of(identity)))
+
     def end(self, identity: bytes) -> None:
         self.timers.pop(identity, None)
         self.sched.end_router(identity)
