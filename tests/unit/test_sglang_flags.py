@@ -120,6 +120,16 @@ def test_chat_template_as_text_or_file(tmp_path: Path, gguf: str) -> None:
     assert model.encode_chat(HI) == list(b"[user]hi>")
 
 
+def test_chat_template_text_of_any_length(gguf: str) -> None:
+    # 5 kB of template text, one line and several: never taken for a file name (issue 46)
+    pad = "{# " + "x" * 5000 + " #}"
+    for text in (pad + TEMPLATE, pad + "\n" + TEMPLATE + "\n"):
+        _, chat, _ = load_text(gguf, ModelOverrides(chat_template=text))
+        assert len(text) > 5000 and chat.render(HI).strip() == "[user]hi>"
+    with pytest.raises(ModelError, match="not a file: File name too long"):
+        load_text(gguf, ModelOverrides(chat_template="n" * 300))
+
+
 def test_chat_template_refusals(tmp_path: Path, gguf: str) -> None:
     with pytest.raises(ModelError, match="SGLang's built-in template names"):
         load_text(gguf, ModelOverrides(chat_template="chatml"))
