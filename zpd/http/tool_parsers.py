@@ -50,6 +50,7 @@ class ToolCallReader:
         self.buf = ""                # text not yet handed out
         self.in_call = False         # the buffer is a call block (after its opening tag)
         self.opened = ""             # the block's opening tag ("" for a bare llama3 object)
+        self.space = ""              # the whitespace before it
         self.any_text = False        # content was handed out (llama3: calls only lead)
         self.call: Call | None = None
         self.calls: list[dict] = []  # the calls read so far, whole
@@ -110,8 +111,10 @@ class ToolCallReader:
             self.any_text = self.any_text or bool(send.strip())
             self.buf = self.buf[len(send):] if not final else ""
             return False
-        out.append(self.buf[:at].rstrip())
-        self.any_text = self.any_text or bool(self.buf[:at].strip())
+        before = self.buf[:at].rstrip()
+        out.append(before)
+        self.space = self.buf[len(before):at]     # back in the text if no call follows
+        self.any_text = self.any_text or bool(before.strip())
         self.buf, self.in_call, self.opened = self.buf[at + len(tag):], True, tag
         return True
 
@@ -163,7 +166,7 @@ class ToolCallReader:
         elif self._whole_call(obj, deltas):
             self._keep(call)
         else:                   # no call: the block's text is content, as written
-            out.append(self.opened + obj + rest[:closed])
+            out.append(self.space + self.opened + obj + rest[:closed])
             self.any_text = True
             self.buf, self.call, self.in_call = rest[closed:], None, False
             return True
