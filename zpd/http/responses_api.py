@@ -18,7 +18,7 @@ from zpd.http.streams import Stalled, follow, run_all
 
 routes = web.RouteTableDef()
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-            "presence_penalty", "seed")
+            "presence_penalty", "seed", "ignore_eos")
 
 
 @routes.post("/v1/responses")

@@ -43,6 +43,7 @@ class Responses(Body):
     presence_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
+    ignore_eos: Optional[bool] = None
 
 
 RESPONSES = {name: IMPL for name in Responses.__struct_fields__} | {
