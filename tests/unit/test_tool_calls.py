@@ -111,6 +111,27 @@ def test_llama3_calls_whole_and_streamed(text, content, calls):
         assert s_content == (content or "") and [(c["name"], c["arguments"]) for c in s_calls] == calls
 
 
+PIECES = ['<tool_call>', '</tool_call>', '<|python_tag|>', '{', '}', '[', ']', '"', '\\', ',',
+          ':', ' ', '\n', ';', 'x', '"name"', '"arguments"', '"parameters"', '"noop"', '"nope"',
+          '<tool', '_call>', '{"name": "noop", "parameters": {}}',
+          '<tool_call>{"name": "noop", "arguments": {"a": "}"}}</tool_call>']
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3"])
+def test_random_text_streams_as_it_reads_whole_and_text_without_calls_is_kept(parser):
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 16)))
+        content, calls = ToolCallReader(parser, NAMES).whole(text)
+        if not calls:
+            assert content == text
+        for seed in range(2):
+            s_content, s_calls, _ = streamed(parser, text, seed)
+            assert s_content == (content or "")
+            assert [(c["name"], c["arguments"]) for c in s_calls] == \
+                [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
 def test_the_default_parser_is_what_the_template_writes():
     assert default_parser(TOOL_TEMPLATE) == "hermes"
     assert default_parser("{{ '<|python_tag|>' }}") == "llama3"

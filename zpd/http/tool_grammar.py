@@ -28,6 +28,7 @@ json-array ::= "[" ws ( json-value ( ws "," ws json-value )* )? ws "]"
 json-object ::= "{" ws ( json-string ws ":" ws json-value ( ws "," ws json-string ws ":" ws json-value )* )? ws "}"
 json-value ::= json-object | json-array | json-string | json-number | json-boolean | json-null'''
 
+MAX_DEPTH = 16         # nesting read from a schema; deeper values are any JSON
 TYPES = {"string": "json-string", "integer": "json-integer", "number": "json-number",
          "boolean": "json-boolean", "null": "json-null"}
 FORMS = {  # parser -> text before the name, between the name and the arguments, after
@@ -63,10 +64,12 @@ def _literal(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def _schema_rule(schema: Any, name: str, rules: list[str]) -> str:
-    """A rule (or base rule) name whose sentences are the JSON values `schema` allows."""
-    if not isinstance(schema, dict):
+def _schema_rule(schema: Any, name: str, rules: list[str], depth: int = 0) -> str:
+    """A rule (or base rule) name whose sentences are the JSON values `schema` allows
+    (any value below MAX_DEPTH levels of nesting)."""
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return "json-value"            # true, or a schema this does not read: any value
+    depth += 1
     if "const" in schema:
         return _define(name, _literal(json.dumps(schema["const"], ensure_ascii=False)), rules)
     if isinstance(schema.get("enum"), list) and schema["enum"]:
@@ -74,30 +77,36 @@ def _schema_rule(schema: Any, name: str, rules: list[str]) -> str:
                                         for v in schema["enum"]), rules)
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list) and schema[key]:
-            alts = [_schema_rule(s, f"{name}-{j}", rules) for j, s in enumerate(schema[key])]
+            alts = [_schema_rule(s, f"{name}-{j}", rules, depth)
+                    for j, s in enumerate(schema[key])]
             return _define(name, " | ".join(alts), rules)
     kind = schema.get("type")
-    if isinstance(kind, list) and kind:
-        alts = [_schema_rule(schema | {"type": k}, f"{name}-{k}", rules) for k in kind]
-        return _define(name, " | ".join(alts), rules)
+    if isinstance(kind, list) and kind and all(k in TYPES or k in ("array", "object")
+                                               for k in kind if isinstance(k, str)):
+        alts = [_schema_rule(schema | {"type": k}, f"{name}-{j}", rules, depth)
+                for j, k in enumerate(kind) if isinstance(k, str)]
+        return _define(name, " | ".join(alts), rules) if alts else "json-value"
+    if not isinstance(kind, str):
+        return "json-value"
     if kind in TYPES:
         return TYPES[kind]
     if kind == "array":
-        item = _schema_rule(schema.get("items", True), f"{name}-item", rules)
+        item = _schema_rule(schema.get("items", True), f"{name}-item", rules, depth)
         return _define(name, f'"[" ws ( {item} ( ws "," ws {item} )* )? ws "]"', rules)
     if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
-        return _object_rule(schema, name, rules)
+        return _object_rule(schema, name, rules, depth)
     if kind == "object":
         return "json-object"
     return "json-value"
 
 
-def _object_rule(schema: dict, name: str, rules: list[str]) -> str:
+def _object_rule(schema: dict, name: str, rules: list[str], depth: int) -> str:
     """An object with the schema's properties in order: the required ones always, each
     optional one where the model writes it, none other."""
     props = list(schema["properties"].items())
-    required = set(schema.get("required") or ())
-    values = [_schema_rule(s, f"{name}-{j}", rules) for j, (_, s) in enumerate(props)]
+    given = schema.get("required")
+    required = {r for r in given if isinstance(r, str)} if isinstance(given, list) else set()
+    values = [_schema_rule(s, f"{name}-{j}", rules, depth) for j, (_, s) in enumerate(props)]
     pairs = [f'{_literal(json.dumps(k, ensure_ascii=False))} ws ":" ws {v}'
              for (k, _), v in zip(props, values)]
 

@@ -122,13 +122,10 @@ class ToolCallReader:
         """Where the next call opens in the buffer, and its tag (-1 where none does)."""
         if not self.llama:
             return self.buf.find(HERMES_OPEN), HERMES_OPEN
-        at = self.buf.find(PYTHON_TAG)
-        if at >= 0:
-            return at, PYTHON_TAG
         lead = self.buf.lstrip()
         if not self.any_text and lead.startswith("{"):      # a bare JSON call leads the answer
             return len(self.buf) - len(lead), ""
-        return -1, ""
+        return self.buf.find(PYTHON_TAG), PYTHON_TAG
 
     def _maybe_opening(self) -> int:
         """How many of the buffer's last characters may begin an opening tag."""
@@ -161,11 +158,12 @@ class ToolCallReader:
         closed = self._close_tag(rest, final)
         if closed is None:
             return False        # the object is complete: its closing tag may still come
-        if call.args_from >= 0:
+        if call.args_from >= 0 or self._whole_call(obj, deltas):
             self._keep(call)
-        elif self._whole_call(obj, deltas):
-            self._keep(call)
+            if self.llama and rest[:closed].rstrip().endswith(";"):
+                self.opened, self.any_text = "", False      # the next call follows, bare
         else:                   # no call: the block's text is content, as written
+            closed = 0 if self.llama else closed
             out.append(self.space + self.opened + obj + rest[:closed])
             self.any_text = True
             self.buf, self.call, self.in_call = rest[closed:], None, False
@@ -180,8 +178,6 @@ class ToolCallReader:
         stripped = rest.lstrip()
         if self.llama:
             if stripped.startswith(";"):
-                self.opened = ""            # the next call follows, bare
-                self.any_text = False
                 return len(rest) - len(stripped) + 1
             return 0 if stripped or final else None
         if stripped.startswith(HERMES_CLOSE):
