@@ -29,6 +29,48 @@ PYTHON_TAG = "<|python_tag|>"
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
 
+class Scan:
+    """Finds where a JSON value in a growing text ends, going on where it stopped (a
+    stream's call is scanned once, not once per piece). `value`: the value at `start`
+    ends before the first `,`, `}` or `]` outside it; else the object there (after
+    whitespace) ends after its closing brace, or, where no object starts, at once."""
+
+    def __init__(self, start: int = 0, value: bool = False) -> None:
+        self.at, self.value = start, value
+        self.depth, self.in_string, self.escaped = 0, False, False
+        self.end: int | None = None
+
+    def run(self, text: str) -> int | None:
+        """The value's end in `text` (None while it goes on)."""
+        if self.end is not None:
+            return self.end
+        for i in range(self.at, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif self.value and c in ",}]" and self.depth == 0:
+                self.end = i
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0 and not self.value:
+                    self.end = i + 1
+            elif self.depth == 0 and not self.value and not c.isspace():
+                self.end = i          # not an object: the block ends where its text does
+            if self.end is not None:
+                return self.end
+        self.at = len(text)
+        return None
+
+
 @dataclass
 class Call:
     """One call being read: `start` is where its object starts in the reader's buffer."""
@@ -36,7 +78,10 @@ class Call:
     name: str = ""
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
     args_from: int = -1          # where the arguments start in the buffer (-1: not yet)
-    arguments: str = ""          # those handed out so far
+    sent: int = 0                # characters of the arguments handed out so far
+    arguments: str = ""          # all of them, once the call has ended
+    block: Scan = field(default_factory=Scan)           # the call object's end
+    args: Scan | None = None                            # its arguments' end
 
 
 class ToolCallReader:
@@ -149,9 +194,10 @@ class ToolCallReader:
                 deltas.append({"index": call.index, "id": call.id, "type": "function",
                                "function": {"name": name, "arguments": ""}})
         if call.args_from >= 0:
-            ends = _value_end(self.buf, call.args_from)
-            self._send_arguments(deltas, self.buf[call.args_from:ends].rstrip())
-        end = _object_end(self.buf)
+            call.args = call.args or Scan(call.args_from, value=True)
+            ends = call.args.run(self.buf)
+            self._send_arguments(deltas, len(self.buf) if ends is None else ends)
+        end = call.block.run(self.buf)
         if end is None and not final:
             return False
         obj, rest = (self.buf, "") if end is None else (self.buf[:end], self.buf[end:])
@@ -159,6 +205,8 @@ class ToolCallReader:
         if closed is None:
             return False        # the object is complete: its closing tag may still come
         if call.args_from >= 0 or self._whole_call(obj, deltas):
+            if call.args_from >= 0:
+                call.arguments = self.buf[call.args_from:call.args_from + call.sent]
             self._keep(call)
             if self.llama and rest[:closed].rstrip().endswith(";"):
                 self.opened, self.any_text = "", False      # the next call follows, bare
@@ -186,13 +234,16 @@ class ToolCallReader:
             return 0                        # no closing tag: the call ends with its object
         return None
 
-    def _send_arguments(self, deltas: list[dict], arguments: str) -> None:
-        """Hand out what `arguments` (all of them so far) adds to what was sent."""
+    def _send_arguments(self, deltas: list[dict], end: int) -> None:
+        """Hand out the arguments' text up to `end` in the buffer (less the whitespace it
+        ends with: it may be the last) that was not handed out yet."""
         call = self.call
-        if len(arguments) > len(call.arguments):
-            deltas.append({"index": call.index,
-                           "function": {"arguments": arguments[len(call.arguments):]}})
-            call.arguments = arguments
+        start = call.args_from + call.sent
+        while end > start and self.buf[end - 1].isspace():
+            end -= 1
+        if end > start:
+            deltas.append({"index": call.index, "function": {"arguments": self.buf[start:end]}})
+            call.sent = end - call.args_from
 
     def _whole_call(self, obj: str, deltas: list[dict]) -> bool:
         """A call object whose head came in another order: read whole, sent whole."""
@@ -220,53 +271,3 @@ def _name(literal: str) -> str | None:
     except ValueError:
         return None
     return name if isinstance(name, str) else None
-
-
-def _object_end(text: str) -> int | None:
-    """The end of the JSON object that `text` starts with (after whitespace), or None
-    while it is open."""
-    depth, in_string, escaped = 0, False, False
-    for i, c in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif depth == 0 and not c.isspace():
-            return i          # not an object: the block ends where its text does
-    return None
-
-
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON value at `start` ends: the first `,`, `}` or `]` outside it (None
-    while it goes on)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}],":
-            if depth == 0:
-                return i
-            if c != ",":
-                depth -= 1
-    return None
