@@ -53,12 +53,12 @@ def test_the_flags_reach_the_worker_config() -> None:
 def test_launch_hands_them_to_workers_and_front() -> None:
     la = parse("launch", "--model-path", "tiny", "--tokenizer-path", "/t", "--chat-template",
                "{{ x }}", "--context-length", "64", "--mem-fraction-static", "0.25",
-               "--served-model-name", "m1")
+               "--served-model-name", "m1", "--tool-call-parser", "llama3")
     cfg = worker_config(parse("prefill", *worker_argv(la)), "prefill")
     assert (cfg.overrides, cfg.mem_fraction_static) == (ModelOverrides("/t", "{{ x }}", 64), 0.25)
     front = http_config(parse("http", "--model", "tiny", *passthrough_argv(la, HTTP_PASSTHROUGH)))
-    assert (front.served_model_name, front.overrides) == \
-        ("m1", ModelOverrides("/t", "{{ x }}", None))
+    assert (front.served_model_name, front.overrides, front.tool_call_parser) == \
+        ("m1", ModelOverrides("/t", "{{ x }}", None), "llama3")
     assert http_config(parse("http", "--model", "tiny")) == HttpConfig(model="tiny")
 
 
