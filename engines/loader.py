@@ -52,12 +52,14 @@ class LoadedModel:
             raise ModelError(f"{self.text_problem}: send token ids instead of text")
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list) -> list[int]:
-        """A conversation through the model's chat template, ready for the assistant's turn.
-        ValueError for malformed messages, ModelError where the model has no template."""
+    def encode_chat(self, messages: list, tools: list | None = None,
+                    variables: dict | None = None) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant's turn
+        (`tools` and `variables`: see ChatTemplate.render). ValueError for malformed
+        messages, ModelError where the model has no template."""
         if self.tokenizer is None or self.chat is None:
             raise ModelError(f"{self.text_problem}: send token ids or a plain prompt")
-        return encode_chat(self.tokenizer, self.chat, messages)
+        return encode_chat(self.tokenizer, self.chat, messages, tools, variables)
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -373,14 +373,15 @@ def sampling_record(sampling: Sampling) -> SamplingParams:
 
 def generate_message(input_ids: list[int] | None, prompt: str | None, sampling: SamplingParams,
                      rid: str, stream: bool, messages: list[dict] | None, user: str = "",
-                     call: str = "") -> Generate:
+                     call: str = "", chat_extra: dict | None = None) -> Generate:
     """The request as the router takes it; the prompt is exactly one of `input_ids`,
-    `prompt` (text) or `messages` (a conversation). `user`: who it is for, among this
+    `prompt` (text) or `messages` (a conversation, with `chat_extra`'s "tools" and
+    "chat_template_kwargs" for the template). `user`: who it is for, among this
     connection's users (the router's second level of fairness; "" for the connection);
     `call`: which of that user's calls (the third level)."""
     if sum(p is not None for p in (input_ids, prompt, messages)) != 1:
         raise ValueError("give exactly one of input_ids, prompt or messages")
-    chat = {"messages": list(messages)} if messages is not None else {}
+    chat = {"messages": list(messages)} | (chat_extra or {}) if messages is not None else {}
     return Generate(rid, list(input_ids or []), sampling, stream,
                     text=prompt or "", chat=chat, user=user, call=call)
 

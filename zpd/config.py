@@ -316,6 +316,13 @@ class HttpConfig:
         512 << 20, "bytes a call's answer (not streamed) may hold, about 32 per token id or "
                    "logprob entry; past it the call's requests are aborted and it is answered "
                    "400 naming this flag (default {default})", "limits", type=int)
+    # how tool calls are read out of the model's text (zpd/http/tool_parsers.py)
+    tool_call_parser: str | None = flag(
+        None, "how OpenAI tool calls are written and read (SGLang's names): hermes or qwen25 "
+              "(<tool_call>{json}</tool_call>), llama3 (JSON after <|python_tag|>); default: "
+              "from the chat template (one that writes <tool_call> is hermes, <|python_tag|> "
+              "llama3), else requests with tools are refused", "model",
+        choices=("hermes", "qwen25", "llama3"))
 
 
 @dataclass(frozen=True)

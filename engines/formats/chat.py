@@ -39,13 +39,21 @@ class ChatTemplate:
             raise ModelError(f"chat template has a syntax error (line {e.lineno}): "
                              f"{e.message}") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Prompt text for `messages`; ValueError when they (or the template) refuse."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, variables: Mapping[str, Any] | None = None) -> str:
+        """Prompt text for `messages`; ValueError when they (or the template) refuse.
+        `tools`: the template's `tools` (OpenAI's tool objects, as HF passes them; None
+        leaves it undefined); `variables`: more of the template's variables (an API's
+        chat_template_kwargs, e.g. Qwen3's enable_thinking), which may also set the
+        special tokens' text as in HF, never messages, tools or add_generation_prompt."""
         check_messages(messages)
+        check_tools(tools)
+        extra = check_variables(variables)
+        given = {"tools": tools} if tools is not None else {}
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                **self._special_tokens())
+                **given, **(self._special_tokens() | extra))
         except TemplateRaised:
             raise
         except SecurityError as e:
@@ -89,7 +97,8 @@ class ChatTemplate:
 
 
 def check_messages(messages: Any) -> None:
-    """Refuse anything but a non-empty list of {"role": str, "content": str, ...}."""
+    """Refuse anything but a non-empty list of {"role": str, "content": str, ...}; an
+    assistant turn's `tool_calls` must be a list of objects."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     if len(messages) > MAX_MESSAGES:
@@ -100,12 +109,46 @@ def check_messages(messages: Any) -> None:
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise ValueError(f"messages[{i}].{key} must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list)
+                                      and all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f"messages[{i}].tool_calls must be a list of objects")
 
 
-def encode_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict]) -> list[int]:
-    """Prompt ids for a conversation. The template writes BOS itself where the model
-    wants one, so encode() must not add another."""
-    return tokenizer.encode(template.render(messages), add_special_tokens=False)
+def check_tools(tools: Any) -> None:
+    """None, or a list of objects (their contents are the template's to read)."""
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise ValueError("tools must be a list of objects")
+
+
+RESERVED_VARIABLES = ("messages", "tools", "add_generation_prompt")
+
+
+def check_variables(variables: Any) -> dict:
+    """The extra template variables as a dict; ValueError for a non-object or a name
+    the renderer sets itself."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, Mapping):
+        raise ValueError("chat template variables must be an object")
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"chat template variable {str(name)[:100]!r} is not a name")
+        if name in RESERVED_VARIABLES:
+            raise ValueError(f"chat template variable {name!r} is set by the server; "
+                             "give it in its own field")
+    return dict(variables)
+
+
+def encode_chat(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict],
+                tools: list[dict] | None = None,
+                variables: Mapping[str, Any] | None = None) -> list[int]:
+    """Prompt ids for a conversation (with `tools` and more `variables` for the template,
+    see ChatTemplate.render). The template writes BOS itself where the model wants one,
+    so encode() must not add another."""
+    return tokenizer.encode(template.render(messages, tools=tools, variables=variables),
+                            add_special_tokens=False)
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):

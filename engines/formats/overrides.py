@@ -78,8 +78,17 @@ def load_tokenizer(path: str, cfg: ModelConfig) -> tuple[Tokenizer, ChatTemplate
 def load_template(value: str, own: ChatTemplate | None) -> ChatTemplate:
     """A chat template from a file, or `value` itself when it is Jinja; BOS and EOS text
     stay the model's (a template file carries none)."""
-    p = Path(value)
-    if p.is_file():
+    if looks_like_template(value):
+        source = value          # never a path: a long one would fail os.stat (ENAMETOOLONG)
+    else:
+        p = Path(value)
+        try:
+            found = p.is_file()
+        except OSError as e:            # a name longer than 255 bytes, say
+            raise ModelError(f"--chat-template {value[:200]!r}: not a file: {e.strerror}") from None
+        if not found:
+            raise ModelError(f"--chat-template {value!r}: no such file, and not a Jinja template "
+                             "(SGLang's built-in template names are not supported)")
         if p.suffix == ".json":
             raise ModelError(f"--chat-template {value!r}: SGLang's JSON conversation templates "
                              "are not supported; give a Jinja template file")
@@ -87,9 +96,14 @@ def load_template(value: str, own: ChatTemplate | None) -> ChatTemplate:
             source = p.read_text(encoding="utf-8")
         except (OSError, UnicodeError) as e:
             raise ModelError(f"--chat-template {value!r}: cannot read: {e}") from None
-    elif "{{" in value or "{%" in value:
-        source = value
-    else:
-        raise ModelError(f"--chat-template {value!r}: no such file, and not a Jinja template "
-                         "(SGLang's built-in template names are not supported)")
     return ChatTemplate(source, own.bos_token if own else None, own.eos_token if own else None)
+
+
+def looks_like_template(value: str) -> bool:
+    """Whether --chat-template's value is template text rather than a file name: Jinja
+    markup, a line break, a NUL, or longer than any path the system takes."""
+    return ("{{" in value or "{%" in value or "\n" in value or "\0" in value
+            or len(value.encode("utf-8", "surrogateescape")) > PATH_MAX)
+
+
+PATH_MAX = 4096     # Linux's; a single name is at most 255 bytes (both: ENAMETOOLONG)

@@ -115,10 +115,12 @@ def call(f: Front, method: str, path: str, body: Any = None, raw: bytes | None =
 
 
 def sse_events(text: str) -> list:
-    """The events of an SSE body: JSON objects, then the string "[DONE]"."""
+    """The events of an SSE body (their data; an `event:` line before it is left out):
+    JSON objects, then the string "[DONE]"."""
     import orjson
     out = []
     for block in text.split("\n\n"):
+        block = block.split("\n")[-1] if block.startswith("event: ") else block
         if block.startswith("data: "):
             data = block[len("data: "):]
             out.append(data if data == "[DONE]" else orjson.loads(data))

@@ -50,7 +50,10 @@ def test_a_conversation_is_served_as_zpd_run_serves_it(chat_cluster):
     ({"messages": [{"role": "user"}]}, "content"),
     ({"messages": [{"role": 3, "content": "x"}]}, "role"),
     ({"messages": [["user", "hi"]]}, "message"),
-    ({"messages": TURN, "tools": []}, "chat must be"),
+    ({"messages": TURN, "documents": []}, "chat must be"),
+    ({"messages": TURN, "tools": "all"}, "tools must be a list of objects"),
+    ({"messages": TURN, "chat_template_kwargs": {"messages": []}}, "set by the server"),
+    ({"messages": TURN, "chat_template_kwargs": [1]}, "must be an object"),
     ({"turns": TURN}, "chat must be"),
 ])
 def test_a_malformed_conversation_is_a_400(chat_cluster, chat, why):

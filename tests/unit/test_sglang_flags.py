@@ -53,12 +53,12 @@ def test_the_flags_reach_the_worker_config() -> None:
 def test_launch_hands_them_to_workers_and_front() -> None:
     la = parse("launch", "--model-path", "tiny", "--tokenizer-path", "/t", "--chat-template",
                "{{ x }}", "--context-length", "64", "--mem-fraction-static", "0.25",
-               "--served-model-name", "m1")
+               "--served-model-name", "m1", "--tool-call-parser", "llama3")
     cfg = worker_config(parse("prefill", *worker_argv(la)), "prefill")
     assert (cfg.overrides, cfg.mem_fraction_static) == (ModelOverrides("/t", "{{ x }}", 64), 0.25)
     front = http_config(parse("http", "--model", "tiny", *passthrough_argv(la, HTTP_PASSTHROUGH)))
-    assert (front.served_model_name, front.overrides) == \
-        ("m1", ModelOverrides("/t", "{{ x }}", None))
+    assert (front.served_model_name, front.overrides, front.tool_call_parser) == \
+        ("m1", ModelOverrides("/t", "{{ x }}", None), "llama3")
     assert http_config(parse("http", "--model", "tiny")) == HttpConfig(model="tiny")
 
 
@@ -118,6 +118,16 @@ def test_chat_template_as_text_or_file(tmp_path: Path, gguf: str) -> None:
     f.write_text(TEMPLATE)
     model = load_model("tiny", overrides=ModelOverrides(tokenizer_path=gguf, chat_template=str(f)))
     assert model.encode_chat(HI) == list(b"[user]hi>")
+
+
+def test_chat_template_text_of_any_length(gguf: str) -> None:
+    # 5 kB of template text, one line and several: never taken for a file name (issue 46)
+    pad = "{# " + "x" * 5000 + " #}"
+    for text in (pad + TEMPLATE, pad + "\n" + TEMPLATE + "\n"):
+        _, chat, _ = load_text(gguf, ModelOverrides(chat_template=text))
+        assert len(text) > 5000 and chat.render(HI).strip() == "[user]hi>"
+    with pytest.raises(ModelError, match="not a file: File name too long"):
+        load_text(gguf, ModelOverrides(chat_template="n" * 300))
 
 
 def test_chat_template_refusals(tmp_path: Path, gguf: str) -> None:

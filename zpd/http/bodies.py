@@ -114,6 +114,10 @@ class Chat(OpenAIBody):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
+    tools: Optional[list[Any]] = None                 # checked by tool_calls.py
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict] = None       # the template's extra variables
 
 
 Model = TypeVar("Model", bound=Body)

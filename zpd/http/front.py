@@ -16,6 +16,7 @@ from zpd.http import body
 from zpd.http.records import BadRequest, error_body, json_object
 from zpd.http.sglang_fields import UnknownFields
 from zpd.http.streams import Backend, EventStream, StreamBudget
+from zpd.http.tool_calls import default_parser
 
 
 @dataclass
@@ -51,6 +52,12 @@ class Front:
         """An SSE answer to `request`, bounded as the config says."""
         cfg = self.config
         return EventStream(request, cfg.stream_write_timeout, cfg.stream_buffer_bytes, self.streams)
+
+    @property
+    def tool_parser(self) -> str | None:
+        """How tool calls are written: --tool-call-parser, else what the template shows."""
+        return self.config.tool_call_parser or default_parser(
+            self.chat.source if self.chat is not None else None)
 
     def needs_text(self, what: str) -> None:
         """BadRequest unless the model has a tokenizer (to show `what` as text)."""

@@ -53,12 +53,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
-    req = parse_chat(await read_body(request), front.config)
+    req = parse_chat(await read_body(request), front.config, front.tool_parser)
     front.unknown_fields.note(req.unknown, "/v1/chat/completions")
     if front.chat is None:
         raise BadRequest(f"{front.text_problem or 'the model has no chat template'}: "
                          "use /v1/completions or /generate with a prompt or token ids")
-    return await _answer(request, front, req, Answer(front.model, True, req.logprobs))
+    return await _answer(request, front, req, Answer(front.model, True, req.logprobs,
+                                                     tools=req.tools))
 
 
 def _prompt_text(front: Front, prompt: dict) -> str:

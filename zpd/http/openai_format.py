@@ -11,13 +11,18 @@ import time
 import uuid
 
 from zpd.http.output import Output
+from zpd.http.tool_calls import ToolUse
+from zpd.http.tool_parsers import ToolCallReader
 
 
 class Answer:
     """One OpenAI answer's identity and the formatting of its parts."""
 
-    def __init__(self, model: str, chat: bool, logprobs: int | None, echo: bool = False) -> None:
+    def __init__(self, model: str, chat: bool, logprobs: int | None, echo: bool = False,
+                 tools: ToolUse | None = None) -> None:
         self.model, self.chat, self.logprobs, self.echo = model, chat, logprobs, echo
+        self.tools = tools                      # chat: the answer is read for tool calls
+        self.readers: dict[int, ToolCallReader] = {}    # a stream's, per choice
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -35,13 +40,18 @@ class Answer:
         for out in outs:
             echo = echoes[out.index // n] if echoes else ""
             every = range(len(out.token_ids))
+            calls: list[dict] = []
             if self.chat:
-                choice = {"index": out.index, "message": {"role": "assistant", "content": out.text},
+                message = {"role": "assistant", "content": out.text}
+                if self.tools is not None:
+                    message["content"], calls = self.tools.reader().whole(out.text)
+                    message |= {"tool_calls": calls} if calls else {}
+                choice = {"index": out.index, "message": message,
                           "logprobs": self.chat_logprobs(out, every)}
             else:
                 choice = {"index": out.index, "text": echo + out.text,
                           "logprobs": self.completion_logprobs(out, every, len(echo), self.echo)}
-            choices.append(choice | {"finish_reason": finish_reason(out)})
+            choices.append(choice | {"finish_reason": finish_reason(out, bool(calls))})
         return self._head(False) | {"choices": choices, "usage": usage(outs, n)}
 
     # --- stream chunks ----------------------------------------------------------------
@@ -51,17 +61,33 @@ class Answer:
         """A stream chunk for one choice: the text and tokens new since its last chunk
         (`first`: its first chunk); its finish_reason once it has finished, with an
         `error` {message, type, code} when it ended in an abort or failure."""
+        calls = False
         if self.chat:
-            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            deltas: list[dict] = []
+            if self.tools is not None:
+                text, deltas = self._read_calls(out, text)
+                calls = bool(self.readers[out.index].calls)
+            delta = ({"role": "assistant"} if first else {}) | \
+                ({"content": text} if text or first else {}) | \
+                ({"tool_calls": deltas} if deltas else {})
             choice = {"index": out.index, "delta": delta, "logprobs": self.chat_logprobs(out, tokens)}
         else:
             choice = {"index": out.index, "text": (echo if first else "") + text,
                       "logprobs": self.completion_logprobs(out, tokens, len(echo),
                                                            self.echo and first)}
-        choice["finish_reason"] = finish_reason(out)
+        choice["finish_reason"] = finish_reason(out, calls)
         if out.aborted:
             choice["error"] = abort_error(out)
         return self._head(True) | {"choices": [choice]} | ({"usage": None} if include_usage else {})
+
+    def _read_calls(self, out: Output, text: str) -> tuple[str, list[dict]]:
+        """A streamed choice's new text as content and tool-call deltas."""
+        reader = self.readers.setdefault(out.index, self.tools.reader())
+        text, deltas = reader.feed(text)
+        if out.finished:
+            rest, more = reader.finish()
+            text, deltas = text + rest, deltas + more
+        return text, deltas
 
     def usage_chunk(self, outs: list[Output], n: int) -> dict:
         return self._head(True) | {"choices": [], "usage": usage(outs, n)}
@@ -125,8 +151,12 @@ def _at(values: list[float], i: int) -> float | None:
     return values[i] if i < len(values) else None
 
 
-def finish_reason(out: Output) -> str | None:
-    return None if out.finish is None else str(out.finish.get("type"))
+def finish_reason(out: Output, calls: bool = False) -> str | None:
+    """The choice's finish reason; "tool_calls" for one that stopped after calls."""
+    if out.finish is None:
+        return None
+    kind = str(out.finish.get("type"))
+    return "tool_calls" if calls and kind == "stop" else kind
 
 
 def abort_error(out: Output) -> dict:

@@ -12,10 +12,11 @@ request (max_new_tokens 0: a prefill alone), as vLLM serves them.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from engines.formats.chat import check_messages
+from engines.formats.chat import check_messages, check_variables
 from engines.sampling_params import INT32_MAX
 from zpd.config import HttpConfig
 from zpd.http.bodies import Chat, Completion, OpenAIBody, decode
@@ -23,6 +24,7 @@ from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_prompts, checked_sampling, integer, item_rids,
                               logprob_sampling, seeded_copies, take, token_ids)
 from zpd.http.sglang_fields import CHAT, COMPLETION, screen
+from zpd.http.tool_calls import ToolUse, forced_sampling, tool_request
 
 MAX_N = 128
 DEFAULTS = HttpConfig()
@@ -45,6 +47,7 @@ class OpenAIRequest:
     logprobs: int | None          # top-N per token (0: the sampled token only); None: none
     echo: bool = False            # completions: the prompt's text (and logprobs) lead each choice
     unknown: tuple[str, ...] = () # names neither SGLang nor OpenAI has (warned, dropped)
+    tools: ToolUse | None = None  # chat: how its answer is read for tool calls
 
 
 def parse_completion(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
@@ -69,7 +72,9 @@ def parse_completion(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
                     req.echo)
 
 
-def parse_chat(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
+def parse_chat(body: dict, cfg: HttpConfig = DEFAULTS,
+               tool_parser: str | None = None) -> OpenAIRequest:
+    """A chat body; `tool_parser`: how tool calls are written (None: tools are refused)."""
     unknown = screen(body, CHAT)
     req = decode(body, Chat)
     n = integer(1, MAX_N)("n", req.n)
@@ -82,10 +87,26 @@ def parse_chat(body: dict, cfg: HttpConfig = DEFAULTS) -> OpenAIRequest:
                       None)
     if max_tokens is not None:
         max_tokens = integer(1, INT32_MAX)(*max_tokens)
-    prompts = [{"messages": chat_messages(req.messages)}]
+    tools, rendered, forced = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                           tool_parser)
+    extra = ({"tools": rendered} if rendered else {}) | _template_kwargs(req.chat_template_kwargs)
+    prompts = [{"messages": chat_messages(req.messages)} | ({"chat_extra": extra} if extra else {})]
     check_prompts(prompts, cfg.prompt_limits, "messages")
-    sampling = _sampling(req, max_tokens) | logprob_sampling(req.logprobs, top or 0)
-    return _request(req, prompts, n, sampling, (top or 0) if req.logprobs else None, unknown, cfg)
+    sampling = forced_sampling(_sampling(req, max_tokens), forced) | \
+        logprob_sampling(req.logprobs, top or 0)
+    return _request(req, prompts, n, sampling, (top or 0) if req.logprobs else None, unknown, cfg,
+                    tools=tools)
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    """chat_template_kwargs for the workers' template: any names but those the server
+    sets itself."""
+    if not kwargs:
+        return {}
+    try:
+        return {"chat_template_kwargs": check_variables(kwargs)}
+    except ValueError as e:
+        raise BadRequest(f"'chat_template_kwargs': {e}") from None
 
 
 def _sampling(req: OpenAIBody, max_tokens: int | None) -> dict:
@@ -101,7 +122,8 @@ def _sampling(req: OpenAIBody, max_tokens: int | None) -> dict:
 
 
 def _request(req: OpenAIBody, prompts: list[dict], n: int, sampling: dict, top: int | None,
-             unknown: list[str], cfg: HttpConfig, echo: bool = False) -> OpenAIRequest:
+             unknown: list[str], cfg: HttpConfig, echo: bool = False,
+             tools: ToolUse | None = None) -> OpenAIRequest:
     options = req.stream_options or {}
     unknown += [f"stream_options.{k}" for k in options if k not in STREAM_OPTIONS]
     include_usage = take(options, "include_usage", boolean, False)
@@ -113,7 +135,7 @@ def _request(req: OpenAIBody, prompts: list[dict], n: int, sampling: dict, top: 
     items = [GenRequest(copy, stream=req.stream, rid=rids[p * n + j], **output, **prompt)
              for p, prompt in enumerate(prompts) for j, copy in enumerate(copies)]
     return OpenAIRequest(items, prompts, n, req.stream, req.stream and include_usage, top, echo,
-                         tuple(unknown))
+                         tuple(unknown), tools)
 
 
 def _prompt_major(rids: list, prompts: int, n: int) -> list:
@@ -145,20 +167,26 @@ def _text_prompt(name: str, text: str) -> dict:
 
 def chat_messages(value: Any) -> list[dict]:
     """OpenAI messages as the chat template takes them: {"role", "content": str}
-    (text parts joined by newlines; "name" kept)."""
+    (text parts joined by newlines; "name" and a tool result's "tool_call_id" kept; an
+    assistant turn's "tool_calls" with their arguments as objects, as HF's templates
+    read them and SGLang hands them over)."""
     if type(value) is not list or not value:
         raise BadRequest("'messages' must be a non-empty list")
     out = []
     for i, m in enumerate(value):
         if type(m) is not dict:
             raise BadRequest(f"messages[{i}] must be an object")
-        if "content" not in m:
+        if "content" not in m and not m.get("tool_calls"):
             raise BadRequest(f"messages[{i}] has no 'content'")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise BadRequest(f"messages[{i}]: tool calls are not supported by this server")
+        if m.get("function_call"):
+            raise BadRequest(f"messages[{i}]: 'function_call' is the older form; send "
+                             "'tool_calls'")
         msg = {"role": m.get("role"), "content": _content(i, m.get("content"))}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(i, m["tool_calls"])
         out.append(msg)
     try:
         check_messages(out)
@@ -179,3 +207,26 @@ def _content(i: int, content: Any) -> Any:
                              "({\"type\": \"text\", \"text\": ...}) are supported")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant turn's calls for the template: each {"id", "type", "function":
+    {"name", "arguments"}}, the arguments' JSON text read into an object (kept as text
+    where it is not JSON)."""
+    if type(calls) is not list:
+        raise BadRequest(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if type(call) is dict else None
+        if type(fn) is not dict or type(fn.get("name")) is not str:
+            raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", "
+                             "\"function\": {\"name\", \"arguments\"}}")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        out.append({k: v for k, v in call.items() if k != "function"} |
+                   {"type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out

@@ -42,6 +42,8 @@ class GenRequest:
     input_ids: list[int] | None = None
     text: str | None = None
     messages: list[dict] | None = None
+    # beside `messages`: the template's "tools" and "chat_template_kwargs", where given
+    chat_extra: dict | None = None
     rid: str | None = None
     stream: bool = False
     trim_stop: bool = True       # the text ends before a matched stop (SGLang's default)
@@ -210,12 +212,13 @@ def check_count(prompts: int, n: int = 1, cap: int = MAX_REQUESTS) -> None:
 def check_prompts(prompts: list[dict], limits: PromptLimits, name: str) -> None:
     """The cluster's prompt caps, checked here so that an over-limit prompt never reaches
     the router (whose frame limit a large one would exceed): 400 naming the prompt and
-    the flag. `prompts`: {"text"}, {"input_ids"} or {"messages"} each; `name` is the
+    the flag. `prompts`: {"text"}, {"input_ids"} or {"messages"[, "chat_extra"]} each; `name` is the
     field they came from (indexed when there are several)."""
     for i, prompt in enumerate(prompts):
         messages = prompt.get("messages")
+        chat = {"messages": messages} | (prompt.get("chat_extra") or {})
         why = limits.refusal(prompt.get("input_ids") or [], prompt.get("text") or "",
-                             {"messages": messages} if messages is not None else None)
+                             chat if messages is not None else None)
         if why is not None:
             raise BadRequest(f"{name}[{i}]: {why}" if len(prompts) > 1 else f"{name}: {why}")
 

@@ -209,7 +209,7 @@ class RouterClient:
 
     def _submit(self, rid: str, req: GenRequest) -> None:
         msg = generate_message(req.input_ids, req.text, req.sampling, rid, req.stream, req.messages,
-                               USER.get(), CALL.get())
+                               USER.get(), CALL.get(), req.chat_extra)
         frames = self._frames(rid, msg)
         if frames is not None:
             self._send_to(self.routers.pick(self._now()), rid, Unacked(msg, frames))

@@ -158,15 +158,17 @@ class EventStream:
         self.write_timeout, self.buffer_bytes = write_timeout, buffer_bytes
         self.budget = budget
 
-    async def send(self, obj: dict) -> int:
-        """Write one event; its size in bytes."""
-        data = b"data: " + orjson.dumps(obj) + b"\n\n"
+    async def send(self, obj: dict, event: str | None = None) -> int:
+        """Write one event (named `event` where given); its size in bytes."""
+        data = (f"event: {event}\n".encode() if event else b"") + \
+            b"data: " + orjson.dumps(obj) + b"\n\n"
         await self._write(data)
         return len(data)
 
-    async def close(self) -> web.StreamResponse:
-        """Write [DONE] and end the answer."""
-        await self._write(DONE)
+    async def close(self, done: bool = True) -> web.StreamResponse:
+        """Write [DONE] (where `done`) and end the answer."""
+        if done:
+            await self._write(DONE)
         await self._bounded(self.response.write_eof())
         return self.response
 

@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
              "Serve SGLang's native routes (/generate, /pause_generation, "
              "/update_weights_from_disk, a trainer's /init_weights_update_group and "
              "/update_weights_from_distributed, ...) and OpenAI's (/v1/models, "
-             "/v1/completions, /v1/chat/completions) over HTTP, as a client of a running "
-             "router.")
+             "/v1/completions, /v1/chat/completions, /v1/responses) over HTTP, as a client "
+             "of a running router.")
 
     g = sub.add_parser("generate", parents=[common], help="send requests to a router",
                        description="Send requests to a running cluster and print the responses.")

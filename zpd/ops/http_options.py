@@ -14,7 +14,7 @@ HTTP_PASSTHROUGH = ("served_model_name", "tokenizer_path", "chat_template",
                     "max_text_bytes", "max_input_ids", "max_batch_requests",
                     "incremental_streaming_output", "cumulative_bytes_per_token",
                     "stream_write_timeout", "stream_buffer_bytes", "stream_buffer_total_bytes",
-                    "max_call_logprobs", "max_answer_bytes",
+                    "max_call_logprobs", "max_answer_bytes", "tool_call_parser",
                     "keepalive_timeout", "header_timeout", "body_timeout", "max_connections",
                     "allowed_hosts")
 
@@ -53,4 +53,5 @@ def http_config(args: argparse.Namespace) -> HttpConfig:
                       stream_buffer_bytes=args.stream_buffer_bytes,
                       stream_buffer_total_bytes=args.stream_buffer_total_bytes,
                       max_call_logprobs=args.max_call_logprobs,
-                      max_answer_bytes=args.max_answer_bytes)
+                      max_answer_bytes=args.max_answer_bytes,
+                      tool_call_parser=args.tool_call_parser)

@@ -70,7 +70,8 @@ class Generate(Message):
     decode: str = ""
     text: str = ""  # a text prompt, tokenized by the workers, when input_ids is empty
     # a conversation {"messages": [{"role", "content"}, ...]} that the workers render with
-    # the model's chat template and tokenize, when input_ids and text are empty
+    # the model's chat template and tokenize, when input_ids and text are empty; optional
+    # "tools" and "chat_template_kwargs" are the template's `tools` and extra variables
     chat: dict = field(default_factory=dict)
     # Who the client submits for, among its own users (the HTTP front names each HTTP
     # caller): the router's second level of fairness, after the client itself. At most

@@ -426,7 +426,7 @@ class WorkerCore:
             return list(msg.input_ids)
         with self.long_call() if on_loop else nullcontext():
             if msg.chat:
-                return self.model.encode_chat(chat_messages(msg.chat))
+                return self.model.encode_chat(*chat_parts(msg.chat))
             return self.model.encode(msg.text)
 
     @property
@@ -486,12 +486,16 @@ class WorkerCore:
         self.security.close()
 
 
-def chat_messages(chat: dict) -> list:
-    """The conversation of a generate's `chat` field; its messages are checked by the
-    chat template."""
-    if set(chat) != {"messages"}:
-        raise StatusError(BAD_REQUEST, 'chat must be {"messages": [{"role", "content"}, ...]}')
-    return chat["messages"]
+CHAT_KEYS = {"messages", "tools", "chat_template_kwargs"}
+
+
+def chat_parts(chat: dict) -> tuple[list, list | None, dict | None]:
+    """(messages, tools, template variables) of a generate's `chat` field; the chat
+    template checks each."""
+    if "messages" not in chat or not set(chat) <= CHAT_KEYS:
+        raise StatusError(BAD_REQUEST, 'chat must be {"messages": [{"role", "content"}, ...]} '
+                          'with optional "tools" and "chat_template_kwargs"')
+    return chat["messages"], chat.get("tools"), chat.get("chat_template_kwargs")
 
 
 def compat_hash(model, layout: KVLayout, cfg: ModelConfig | None = None) -> str:
