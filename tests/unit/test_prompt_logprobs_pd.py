@@ -141,7 +141,7 @@ def test_generate_body_to_sglang_meta_info(cluster):
     out = Output(0, item, tiny_tokenizer())
     out.add(chunk("r", got.token_ids, got.finish, got.meta, logprobs=got.logprobs,
                   top_logprobs=got.top_logprobs))
-    meta = native_answer(out, parsed.text_in_logprobs)["meta_info"]
+    meta = native_answer(out)["meta_info"]
     tok = tiny_tokenizer()
     assert [[v, t, tok.token_text(t)] for v, t in got.meta["input_token_logprobs"]] == \
         meta["input_token_logprobs"]
@@ -243,7 +243,7 @@ def _sglang_meta(c: InprocCluster, body: dict, max_new: int) -> list[dict]:
         ids = [list(zip(item.token_ids_logprob, row)) for row in got.ids_logprobs or ()]
         out.add(chunk("r", got.token_ids, got.finish, got.meta, logprobs=got.logprobs,
                       top_logprobs=got.top_logprobs, token_ids_logprobs=ids))
-        metas.append(native_answer(out, parsed.text_in_logprobs)["meta_info"])
+        metas.append(native_answer(out)["meta_info"])
     return metas
 
 
