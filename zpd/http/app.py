@@ -16,7 +16,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from zpd.http import admin_routes, info_routes, metrics, native, openai_api, sync_routes
+from zpd.http import (admin_routes, info_routes, metrics, native, openai_api, sync_routes,
+                      tokenize_routes)
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
 from zpd.http.router_client import retry_after_header
@@ -82,6 +83,7 @@ def build_app(front: Front, max_body_bytes: int | None = None,
     if plugs.backend is not None:
         front.backend.inner = plugs.backend(front.backend.inner)
     app[FRONT] = front
-    for module in (native, admin_routes, info_routes, sync_routes, openai_api, metrics):
+    for module in (native, admin_routes, info_routes, sync_routes, openai_api, metrics,
+                   tokenize_routes):
         app.add_routes(module.routes)
     return app

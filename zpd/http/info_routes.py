@@ -62,9 +62,12 @@ def live(reply: dict) -> list[dict]:
 # --- health --------------------------------------------------------------------------
 
 @routes.get("/health")
+@routes.get("/ping")
+@routes.post("/ping")
 async def health(request: web.Request) -> web.Response:
     """200 while the router answers its status (quickly) with at least one live worker;
-    503 otherwise. /health_generate is the deeper check (a token through the cluster)."""
+    503 otherwise. /health_generate is the deeper check (a token through the cluster).
+    /ping is the same check, GET or POST, as vLLM's and SGLang's (SageMaker's probe)."""
     try:
         reply = await cluster_status(request.app[FRONT], STATUS_TIMEOUT_S)
     except BadRequest as e:
