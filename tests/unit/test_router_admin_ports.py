@@ -88,6 +88,7 @@ class FakeRouter:
     queued: list[str] = field(default_factory=list)
     aborted: list[Abort] = field(default_factory=list)
     unpaused: int = 0
+    dispatched: int = 0
 
     def running(self) -> int:
         return len(self.inflight)
@@ -98,8 +99,8 @@ class FakeRouter:
     def unpause(self) -> None:
         self.paused, self.unpaused = None, self.unpaused + 1
 
-    def memory_replies(self, replies: list) -> None:
-        self.released.note(replies)
+    def dispatch(self) -> None:
+        self.dispatched += 1
 
     def end_queued(self, rid: str, status: int, reason: str) -> None:
         self.queued.remove(rid)
@@ -295,6 +296,7 @@ def test_release_and_resume_memory_set_what_the_router_holds_for(router):
     for w in router.workers:
         answer(admin, w, memory="released", weights_memory="resident")
     assert reply_to_client(router).ok and set(router.released.workers) == {"p:1", "p:2", "d:1"}
+    assert router.dispatched == 1
     assert router.released.workers["d:1"] == ("kv_cache",)
     router.front.sent.clear()
     ask(admin, "resume_memory", req_id="r")

@@ -84,7 +84,7 @@ class Router(Protocol):
 
     def unpause(self) -> None: ...
 
-    def memory_replies(self, replies: list[WorkerReply]) -> None: ...
+    def dispatch(self) -> None: ...
 
     def end_queued(self, rid: str, status: int, reason: str) -> None: ...
 
@@ -172,11 +172,20 @@ class RouterAdmin:
             answer = answer_all(reply)
 
             def memory(replies: list[WorkerReply]) -> None:
-                server.memory_replies(replies)       # requests wait while it is released
+                self.memory_changed(replies)
                 answer(replies)
             self.fan_out(cmd, server.workers, timeout, memory)
         else:
             self.fan_out(cmd, server.workers, timeout, answer_all(reply))
+
+    def memory_changed(self, replies: list[WorkerReply]) -> None:
+        """After release_memory, resume_memory or status: what is released now (new
+        requests wait while anything is), told to the followers where it changed;
+        what waits runs once nothing is."""
+        server = self.server
+        if server.released.note(replies):
+            server.followers.tell(lambda _: None, server.cfg.peer_timeout)
+            server.dispatch()
 
     def abort(self, cmd: AbortRequest, timeout: float, reply: Reply) -> None:
         """End the rid, queued or in flight here, else at a router following this one.

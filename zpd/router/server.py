@@ -323,13 +323,6 @@ class RouterServer:
         coordinator = self.coordinator
         return bool(self.released) or (coordinator is not None and coordinator.memory_released)
 
-    def memory_replies(self, replies: list) -> None:
-        """After release_memory, resume_memory or status: what is released now, told
-        to the followers where it changed; what waits runs once nothing is."""
-        if self.released.note(replies):
-            self.followers.tell(lambda _: None, self.cfg.peer_timeout)
-            self.dispatch()
-
     def running(self) -> int:
         """Requests routed to the workers, here and by the routers following this one."""
         return len(self.inflight) + self.followers.inflight()
