@@ -255,9 +255,12 @@ def prompt_logprob_fields(req: Request) -> dict:
     """The prompt's logprobs from position logprob_start_len k on, SGLang's positions:
     input_token_logprobs [[logprob, token id], ...] (position 0's logprob null), and
     where asked input_top_logprobs and input_token_ids_logprobs, per position
-    [[token id, logprob], ...] (null at position 0), all float32."""
+    [[token id, logprob], ...] (null at position 0), all float32. Without k (-1),
+    SGLang's default: unasked_prompt_fields."""
     k, got = req.params.prompt_logprobs_from, req.prompt_logprobs
-    if k is None or got is None:
+    if k is None:
+        return unasked_prompt_fields(req)
+    if got is None:
         return {}
     lead = got.first - k                      # 1 when k is 0: position 0 has none
     ids = req.prompt[k:]
@@ -268,6 +271,23 @@ def prompt_logprob_fields(req: Request) -> dict:
         asked = req.params.token_ids_logprob
         out["input_token_ids_logprobs"] = [None] * lead + [
             [list(pair) for pair in zip(asked, as_float32(row))] for row in got.token_ids]
+    return out
+
+
+def unasked_prompt_fields(req: Request) -> dict:
+    """What SGLang answers for the prompt of a request with logprobs and no
+    logprob_start_len (its -1): it starts at the last prompt position and nulls the
+    first position it reports, so input_token_logprobs is [[null, last prompt id]]
+    (input_top_logprobs and input_token_ids_logprobs [null] where asked). Clients
+    (sglang.lang's select) read the key whenever they asked for logprobs."""
+    p = req.params
+    if not p.wants_logprobs or not req.prompt:
+        return {}
+    out = {"input_token_logprobs": [[None, req.prompt[-1]]]}
+    if p.top_logprobs_num:
+        out["input_top_logprobs"] = [None]
+    if p.token_ids_logprob:
+        out["input_token_ids_logprobs"] = [None]
     return out
 
 

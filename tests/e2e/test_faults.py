@@ -332,10 +332,14 @@ def test_release_and_resume_memory(delayed):
             assert admin.admin("pause", mode="retract")["ok"]
             released = admin.admin("release_memory")
             assert released["ok"] and {w["memory"] for w in released["workers"]} == {"released"}
+            # the router holds new requests for it (issue 46, item 6), and says so
+            assert {w["endpoint"] for w in released["memory_released"]} == \
+                {w["endpoint"] for w in released["workers"]}
             late = admin.submit(input_ids=[8, 9], sampling_params={"max_new_tokens": 3})
             assert {w["memory"] for w in admin.admin("status")["workers"]} == {"released"}
             resumed = admin.admin("resume_memory")
             assert resumed["ok"] and {w["memory"] for w in resumed["workers"]} == {"resident"}
+            assert resumed["memory_released"] == []
         finally:
             assert admin.admin("continue")["ok"]
         outs = reqs.wait()

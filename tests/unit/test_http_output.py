@@ -245,7 +245,7 @@ def test_native_bodies_as_slime_and_areal_send_them():
     ({"input_ids": [[1], [2]], "sampling_params": {"n": 600}}, "more than 1024"),
     ({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {}]}, "same for every prompt"),
     ({"input_ids": [1], "sampling_params": {"n": 2, "seed": 2 ** 63 - 1}}, "seed"),
-    ({"input_ids": [1], "sampling_params": [{}]}, "sampling_params"),
+    ({"input_ids": [1], "sampling_params": [{}, {}]}, "2 entries for 1 prompt"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "2 prompts"),
     ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
     ({"text": ["a", "b"], "rid": ["x", 3]}, "rid[1]"),

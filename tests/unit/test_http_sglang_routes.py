@@ -189,3 +189,15 @@ def test_v1_models_by_id():
         body["error"]["message"]
     f = front(api_key="user")
     assert call(f, "GET", "/v1/models/tiny")[0] == 401
+
+
+def test_health_and_server_info_say_memory_is_released():
+    released = STATUS | {"memory_released": [{"endpoint": "d:1", "released": ["kv_cache"]}],
+                         "workers": [w | {"memory": "released"} if w["ok"] else w for w in WORKERS]}
+    f, _ = cluster_front(status=released)
+    status, text = call(f, "GET", "/health")
+    assert status == 200 and "memory released" in text and "/resume_memory_occupation" in text
+    assert call(f, "GET", "/get_server_info")[1]["zpd"]["memory_released"] is True
+    f, _ = cluster_front()
+    assert call(f, "GET", "/health") == (200, "")
+    assert call(f, "GET", "/get_server_info")[1]["zpd"]["memory_released"] is False

@@ -141,7 +141,7 @@ def test_generate_body_to_sglang_meta_info(cluster):
     out = Output(0, item, tiny_tokenizer())
     out.add(chunk("r", got.token_ids, got.finish, got.meta, logprobs=got.logprobs,
                   top_logprobs=got.top_logprobs))
-    meta = native_answer(out, parsed.text_in_logprobs)["meta_info"]
+    meta = native_answer(out)["meta_info"]
     tok = tiny_tokenizer()
     assert [[v, t, tok.token_text(t)] for v, t in got.meta["input_token_logprobs"]] == \
         meta["input_token_logprobs"]
@@ -230,3 +230,56 @@ def test_a_recompute_asking_what_cannot_be_computed_is_refused_alone(cluster, mo
     monkeypatch.undo()
     cluster.serves_again()
     cluster.check_pages()
+
+
+def _sglang_meta(c: InprocCluster, body: dict, max_new: int) -> list[dict]:
+    """`body` parsed as /generate, each item run through the cluster, answered in
+    SGLang's shape (its meta_info)."""
+    parsed = parse_generate(body)
+    metas = []
+    for item in parsed.items:
+        got = c.run(c.submit(item.input_ids, max_new, sampling=item.sampling))
+        out = Output(0, item, tiny_tokenizer())
+        ids = [list(zip(item.token_ids_logprob, row)) for row in got.ids_logprobs or ()]
+        out.add(chunk("r", got.token_ids, got.finish, got.meta, logprobs=got.logprobs,
+                      top_logprobs=got.top_logprobs, token_ids_logprobs=ids))
+        metas.append(native_answer(out)["meta_info"])
+    return metas
+
+
+def test_logprobs_without_a_start_have_sglangs_prompt_keys(cluster):
+    """return_logprob and no logprob_start_len (SGLang's -1): SGLang starts at the last
+    prompt position and nulls the first it reports, so input_token_logprobs is that
+    token alone, logprob null; sglang.lang's select(unconditional_likelihood_normalized)
+    sends exactly this body and reads the key (KeyError before)."""
+    choices = [PROMPT[:5], PROMPT[5:12]]
+    body = {"input_ids": choices, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    for ids, meta in zip(choices, _sglang_meta(cluster, body, 0)):
+        assert meta["input_token_logprobs"] == [[None, ids[-1], None]]
+        assert meta["output_token_logprobs"] == []
+        assert "input_top_logprobs" not in meta and "output_top_logprobs" not in meta
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2, "token_ids_logprob": [3, 4],
+            "return_text_in_logprobs": True}
+    (meta,) = _sglang_meta(cluster, body, 2)
+    last = PROMPT[-1]
+    assert meta["input_token_logprobs"] == [[None, last, tiny_tokenizer().token_text(last)]]
+    assert meta["input_top_logprobs"] == [None] and meta["input_token_ids_logprobs"] == [None]
+    assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 2
+    assert [len(row) for row in meta["output_token_ids_logprobs"]] == [2, 2]
+    cluster.check_pages()
+
+
+def test_the_first_position_asked_is_null_as_sglangs(cluster):
+    """sglang.lang's select asks from logprob_start_len = prompt length - 2 (token
+    healing): SGLang answers the first position asked with a null logprob whatever k,
+    and its normalized score averages the rest, so /generate answers the same."""
+    choices = [PROMPT[:20] + [3, 4], PROMPT[:20] + [5, 6, 7]]
+    body = {"input_ids": choices, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+            "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 18}
+    for ids, meta in zip(choices, _sglang_meta(cluster, body, 0)):
+        got = meta["input_token_logprobs"]
+        ref = _offline(cluster, {"return_logprob": True, "logprob_start_len": 18}, 0, ids)
+        assert [t for _, t, _ in got] == ids[18:] and got[0][0] is None
+        assert [lp for lp, _, _ in got[1:]] == [v for v, _ in ref["input_token_logprobs"][1:]]
+        assert all(type(lp) is float for lp, _, _ in got[1:])

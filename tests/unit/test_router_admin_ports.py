@@ -12,6 +12,7 @@ from zpd.config import RouterConfig
 from zpd.router.admin import RouterAdmin
 from zpd.router.flights import InFlight, Worker
 from zpd.router.hooks import Alone
+from zpd.router.memory import ReleasedMemory
 from zpd.router.tally import Tally
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.admin_reply import (Continued, Flushed, StagedPush, WeightVersion, WorkerReply,
@@ -81,11 +82,13 @@ class FakeRouter:
     tally: Tally = field(default_factory=Tally)
     inflight: dict[str, InFlight] = field(default_factory=dict)
     paused: PauseMode | None = None
+    released: ReleasedMemory = field(default_factory=ReleasedMemory)
     followers: Alone = field(default_factory=Alone)
     coordinator: None = None
     queued: list[str] = field(default_factory=list)
     aborted: list[Abort] = field(default_factory=list)
     unpaused: int = 0
+    dispatched: int = 0
 
     def running(self) -> int:
         return len(self.inflight)
@@ -95,6 +98,9 @@ class FakeRouter:
 
     def unpause(self) -> None:
         self.paused, self.unpaused = None, self.unpaused + 1
+
+    def dispatch(self) -> None:
+        self.dispatched += 1
 
     def end_queued(self, rid: str, status: int, reason: str) -> None:
         self.queued.remove(rid)
@@ -280,3 +286,34 @@ def test_the_router_answers_a_malformed_worker_result_as_that_worker_failing(rou
     assert (bad["endpoint"], bad["status"]) == ("p:2", 500)
     assert "Flushed: 'flushed_pages' must be int, not [1]" in bad["error"]
     assert [w.get("flushed_pages") for w in reply.result["workers"]] == [1, None, 2]
+
+
+def test_release_and_resume_memory_set_what_the_router_holds_for(router):
+    """Each worker's reply says what it released; the router holds new requests while
+    any is (zpd/router/memory.py), and says so in every admin answer."""
+    admin = RouterAdmin(router)
+    ask(admin, "release_memory", tags=["kv_cache"])
+    for w in router.workers:
+        answer(admin, w, memory="released", weights_memory="resident")
+    assert reply_to_client(router).ok and set(router.released.workers) == {"p:1", "p:2", "d:1"}
+    assert router.dispatched == 1
+    assert router.released.workers["d:1"] == ("kv_cache",)
+    router.front.sent.clear()
+    ask(admin, "resume_memory", req_id="r")
+    answer(admin, router.workers[0], memory="resident", weights_memory="resident")
+    answer(admin, router.workers[1], ok=False, status=500, error="could not restore")
+    answer(admin, router.workers[2], memory="resident", weights_memory="resident")
+    reply = reply_to_client(router)
+    assert not reply.ok and list(router.released.workers) == ["p:2"]     # still released there
+    assert reply.result["memory_released"] == [{"endpoint": "p:2", "released": ["kv_cache"]}]
+
+
+def test_status_tells_a_router_that_never_saw_the_release(router):
+    """A restarted router learns released memory from the workers' status."""
+    admin = RouterAdmin(router)
+    ask(admin, "status")
+    for w in router.workers:
+        answer(admin, w, **status(weights_memory="released" if w.endpoint == "d:1" else "resident"))
+    assert router.released.workers == {"d:1": ("weights",)}
+    assert reply_to_client(router).result["memory_released"] == [
+        {"endpoint": "d:1", "released": ["weights"]}]

@@ -297,3 +297,19 @@ def test_a_follower_that_disagrees_with_its_coordinator_mends_within_a_heartbeat
     assert c.admin("continue")["ok"]
     c.advance(0.6)
     assert not pair.follower.holding
+
+
+def test_released_memory_holds_the_follower_until_resume(pair):
+    """release_memory through the follower (its coordinator runs it) holds new requests
+    at both routers; resume_memory lets both run."""
+    c = pair.c
+    assert pair.admin("release_memory")["ok"]
+    c.pump()
+    assert pair.follower.holding and pair.follower.memory_released and pair.follower.paused is None
+    rid, mine = pair.submit("f-mem"), c.submit(PROMPT, 8)
+    c.pump()
+    assert list(pair.follower.queued) == [rid] and list(c.router.queued) == [mine]
+    assert pair.admin("resume_memory")["ok"]
+    want = reference(c, PROMPT, 8)
+    assert pair.run(rid).token_ids == c.run(mine).token_ids == want
+    c.check_pages()

@@ -239,7 +239,7 @@ def test_generate_body_as_slime_sends_it_for_distillation(cluster):
     got = cluster.run(cluster.submit(PROMPT, 0, sampling=item.sampling))
     out = Output(0, item, tiny_tokenizer())
     out.add(chunk("r", got.token_ids, got.finish, got.meta, logprobs=got.logprobs))
-    answer = native_answer(out, parsed.text_in_logprobs)
+    answer = native_answer(out)
     meta = answer["meta_info"]
     teacher = [lp for lp, _, _ in meta["input_token_logprobs"][1:]]
     assert teacher == [v for v, _ in _offline(cluster, SCORE)["input_token_logprobs"][1:]]

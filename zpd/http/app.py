@@ -17,7 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from zpd.http import (admin_routes, info_routes, metrics, native, openai_api, responses_api,
-                      sync_routes)
+                      sync_routes, tokenize_routes)
 from zpd.http.front import FRONT, Front, error_response
 from zpd.http.records import BadRequest
 from zpd.http.router_client import retry_after_header
@@ -84,6 +84,6 @@ def build_app(front: Front, max_body_bytes: int | None = None,
         front.backend.inner = plugs.backend(front.backend.inner)
     app[FRONT] = front
     for module in (native, admin_routes, info_routes, sync_routes, openai_api, responses_api,
-                   metrics):
+                   metrics, tokenize_routes):
         app.add_routes(module.routes)
     return app

@@ -61,7 +61,7 @@ class Sampling(Body):
 
 class Generate(Body):
     """SGLang's POST /generate. The logprob fields are one value, or one per prompt
-    in a batch of n = 1 (SGLang's rule)."""
+    with n = 1 (SGLang's rule; a single prompt is a batch of one)."""
     text: Union[str, list[str], None] = None
     input_ids: Optional[Ids] = None
     sampling_params: Union[Sampling, list[Optional[Sampling]], None] = None
@@ -71,7 +71,7 @@ class Generate(Body):
     top_logprobs_num: Union[int, list[Optional[int]], None] = None
     logprob_start_len: Union[int, list[Optional[int]], None] = None
     token_ids_logprob: Optional[list[Union[int, list[int], None]]] = None
-    return_text_in_logprobs: bool = False
+    return_text_in_logprobs: Union[bool, list[Optional[bool]], None] = None
     return_routed_experts: Union[bool, list[Optional[bool]], None] = None
     return_routed_expert_weights: Union[bool, list[Optional[bool]], None] = None    # zpd's
 

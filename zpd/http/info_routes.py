@@ -55,6 +55,13 @@ async def cluster_status(front: Front, timeout: float | None = None) -> dict:
     return reply
 
 
+def memory_released(reply: dict) -> bool:
+    """Some worker's KV pool or weights are released (/release_memory_occupation): as
+    the router holds new requests for it, or as a worker's own status says."""
+    return bool(reply.get("memory_released")) or any(
+        "released" in (w.get("memory"), w.get("weights_memory")) for w in live(reply))
+
+
 def live(reply: dict) -> list[dict]:
     return [w for w in reply.get("workers", []) if w.get("ok")]
 
@@ -62,13 +69,20 @@ def live(reply: dict) -> list[dict]:
 # --- health --------------------------------------------------------------------------
 
 @routes.get("/health")
+@routes.get("/ping")
+@routes.post("/ping")
 async def health(request: web.Request) -> web.Response:
     """200 while the router answers its status (quickly) with at least one live worker;
-    503 otherwise. /health_generate is the deeper check (a token through the cluster)."""
+    503 otherwise. /health_generate is the deeper check (a token through the cluster).
+    /ping is the same check, GET or POST, as vLLM's and SGLang's (SageMaker's probe).
+    With memory released it stays 200 (the server lives, as SGLang's does) and says so."""
     try:
         reply = await cluster_status(request.app[FRONT], STATUS_TIMEOUT_S)
     except BadRequest as e:
         return web.Response(status=503, text=f"{e.message}\n")
+    if live(reply) and memory_released(reply):
+        return web.Response(status=200, text="memory released: generation waits for "
+                                             "/resume_memory_occupation\n")
     if live(reply):
         return web.Response(status=200)
     return web.Response(status=503, text="the router has no live worker\n")
@@ -156,7 +170,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         "version": zpd.__version__,
         "zpd": {"router": front.router if front.sees_internals() else "[address]",
                 "router_ok": bool(reply.get("ok")), "front_pid": os.getpid(),
-                "paused": reply.get("paused"), "queued": reply.get("queued"),
+                "paused": reply.get("paused"), "memory_released": memory_released(reply),
+                "queued": reply.get("queued"),
                 "inflight": reply.get("inflight"),
                 "workers": [{k: w.get(k) for k in (
                     "role", "endpoint", "ok", "weight_version", "paused", "memory",

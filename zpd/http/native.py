@@ -50,7 +50,6 @@ class NativeGenerate:
     items: list[GenRequest]
     batch: bool                      # answered with a list
     stream: bool
-    text_in_logprobs: bool
     unknown: tuple[str, ...] = ()    # names neither SGLang nor OpenAI has (warned, dropped)
 
 
@@ -70,22 +69,22 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
     prompts, batch = _prompts(gen)
     check_count(len(prompts), 1, cfg.max_batch_requests)
     check_prompts(prompts, cfg.prompt_limits, next(iter(prompts[0])))
-    raws = _per_prompt(body.get("sampling_params"), len(prompts), batch)
-    models = _per_prompt(gen.sampling_params, len(prompts), batch)
+    raws = _per_prompt(body.get("sampling_params"), len(prompts))
+    models = _per_prompt(gen.sampling_params, len(prompts))
     samplings = [engine_options(raw or {}, model) for raw, model in zip(raws, models)]
     n = _parallel(samplings)
     check_count(len(prompts), n, cfg.max_batch_requests)
-    listed = n == 1 and batch           # per-prompt lists of logprob fields (SGLang's rule)
     count = len(prompts)
-    wants = _per_item("return_logprob", gen.return_logprob, count, listed, boolean, False)
-    tops = _per_item("top_logprobs_num", gen.top_logprobs_num, count, listed,
+    wants = _per_item("return_logprob", gen.return_logprob, count, n, boolean, False)
+    tops = _per_item("top_logprobs_num", gen.top_logprobs_num, count, n,
                      integer(0, MAX_TOP_LOGPROBS), 0)
-    starts = _prompt_logprob_starts(gen, prompts, wants, listed)
-    ids = _per_item("token_ids_logprob", gen.token_ids_logprob, count,
-                    listed and _nested(gen.token_ids_logprob), id_list, [])
+    starts = _prompt_logprob_starts(gen, prompts, wants, n)
+    ids = _token_ids_logprob(gen.token_ids_logprob, count, n)
+    named = _per_item("return_text_in_logprobs", gen.return_text_in_logprobs, count, n,
+                      boolean, False)
     rids = item_rids(gen.rid, count, n, batch)
     routed = [{k: True for k, v in zip(ROUTED, asked) if v} for asked in zip(*(
-        _per_item(k, getattr(gen, k), count, listed, boolean, False) for k in ROUTED))]
+        _per_item(k, getattr(gen, k), count, n, boolean, False) for k in ROUTED))]
     copies = [seeded_copies(checked_sampling(
         sp.engine | logprob_sampling(wants[p], tops[p], starts[p], ids[p]) | routed[p]), n)
               for p, sp in enumerate(samplings)]
@@ -94,10 +93,10 @@ def parse_generate(body: dict, cfg: HttpConfig = DEFAULTS) -> NativeGenerate:
         for p, prompt in enumerate(prompts):
             items.append(GenRequest(copies[p][j], rid=rids[len(items)], stream=gen.stream,
                                     trim_stop=samplings[p].trim,
-                                    skip_special=samplings[p].skip_special, **prompt))
+                                    skip_special=samplings[p].skip_special,
+                                    text_in_logprobs=named[p], **prompt))
     names = tuple(unknown) + tuple(f"sampling_params.{u}" for sp in samplings for u in sp.unknown)
-    return NativeGenerate(items, batch or n > 1, gen.stream, gen.return_text_in_logprobs,
-                          tuple(dict.fromkeys(names)))
+    return NativeGenerate(items, batch or n > 1, gen.stream, tuple(dict.fromkeys(names)))
 
 
 def _parallel(samplings: list[Options]) -> int:
@@ -108,21 +107,37 @@ def _parallel(samplings: list[Options]) -> int:
     return ns.pop()
 
 
-def _per_item(name: str, value: Any, count: int, listed: bool, check: Any, default: Any) -> list:
-    """One value for every prompt: a single value, or (`listed`: a batch with n = 1)
-    a list of one per prompt."""
-    if type(value) is list and listed:
-        if len(value) != count:
-            raise BadRequest(f"{name!r} has {len(value)} entries for {count} prompts")
-        return [default if v is None else check(f"{name}[{i}]", v) for i, v in enumerate(value)]
-    return [default if value is None else check(name, value)] * count
+def _per_item(name: str, value: Any, count: int, n: int, check: Any, default: Any) -> list:
+    """One value for every prompt: a single value, or a list of one per prompt (a single
+    prompt is a batch of one: SGLang's item 0 of it). With n > 1 a list is refused, as
+    SGLang refuses it ("Cannot use list ... with parallel_sample_num > 1")."""
+    if type(value) is not list:
+        return [default if value is None else check(name, value)] * count
+    if n > 1:
+        raise BadRequest(f"{name!r} cannot be a list with 'sampling_params.n' {n} > 1: "
+                         "give one value for every generation")
+    if len(value) != count:
+        raise BadRequest(f"{name!r} has {len(value)} entries for {_prompts_word(count)}")
+    return [default if v is None else check(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _prompts_word(count: int) -> str:
+    return f"{count} prompt" + ("s" if count != 1 else "")
+
+
+def _token_ids_logprob(value: list | None, count: int, n: int) -> list[list[int]]:
+    """token_ids_logprob: a list of ids is one for every prompt; a list of lists, one
+    per prompt (SGLang's rule)."""
+    if _nested(value):
+        return _per_item("token_ids_logprob", value, count, n, id_list, [])
+    return [[] if value is None else id_list("token_ids_logprob", value)] * count
 
 
 def _prompt_logprob_starts(gen: Generate, prompts: list[dict], wants: list[bool],
-                           listed: bool) -> list[int]:
+                           n: int) -> list[int]:
     """Each prompt's logprob_start_len (-1: no prompt logprobs); one at or past the end
     of a prompt given as ids is refused here (a text's, by the worker once tokenized)."""
-    starts = _per_item("logprob_start_len", gen.logprob_start_len, len(wants), listed,
+    starts = _per_item("logprob_start_len", gen.logprob_start_len, len(wants), n,
                        integer(-1, INT32_MAX), -1)
     for i, (prompt, want, start) in enumerate(zip(prompts, wants, starts)):
         ids = prompt.get("input_ids")
@@ -152,17 +167,17 @@ def _prompts(gen: Generate) -> tuple[list[dict], bool]:
     return [{"input_ids": token_ids("input_ids", value)}], False
 
 
-def _per_prompt(value: Any, n: int, batch: bool) -> list[Any]:
-    """One sampling_params for every prompt: one for all, or (in a batch) a list of them."""
+def _per_prompt(value: Any, count: int) -> list[Any]:
+    """One sampling_params for every prompt: one for all, or a list of one per prompt
+    (a single prompt is a batch of one, as SGLang reads it); each copy of a prompt
+    (n > 1) takes that prompt's."""
     if value is None:
-        return [None] * n
-    if batch and isinstance(value, list):
-        if len(value) != n:
-            raise BadRequest(f"'sampling_params' has {len(value)} entries for {n} prompts")
-        return value
+        return [None] * count
     if isinstance(value, list):
-        raise BadRequest("'sampling_params' must be an object")
-    return [value] * n
+        if len(value) != count:
+            raise BadRequest(f"'sampling_params' has {len(value)} entries for {_prompts_word(count)}")
+        return value
+    return [value] * count
 
 
 def engine_options(raw: dict, sampling: Sampling | None) -> Options:
@@ -190,14 +205,15 @@ def engine_sampling(raw: dict) -> Options:
     return engine_options(raw, decode(raw, Sampling, "sampling_params."))
 
 
-def native_answer(out: Output, text_in_logprobs: bool = False,
+def native_answer(out: Output, text_in_logprobs: bool | None = None,
                   triples: Triples | None = None) -> dict:
     """One request's answer (or its progress so far) in SGLang's shape; `triples`: its
-    logprobs as formatted for the events before (a cumulative stream's)."""
+    logprobs as formatted for the events before (a cumulative stream's). Logprobs name
+    their tokens' text where `text_in_logprobs` says, by default where the request asked."""
     return _answer(out, out.text, range(len(out.token_ids)), text_in_logprobs, triples)
 
 
-def native_delta(out: Output, text_in_logprobs: bool = False) -> dict | None:
+def native_delta(out: Output, text_in_logprobs: bool | None = None) -> dict | None:
     """What SGLang's --incremental-streaming-output sends: the text, output_ids,
     logprobs and weight versions new since the last (counts in meta_info stay whole);
     None when nothing is new."""
@@ -207,8 +223,10 @@ def native_delta(out: Output, text_in_logprobs: bool = False) -> dict | None:
     return _answer(out, text, tokens, text_in_logprobs)
 
 
-def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool,
+def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool | None,
             triples: Triples | None = None) -> dict:
+    if text_in_logprobs is None:
+        text_in_logprobs = out.req.text_in_logprobs
     meta = meta_info(out, tokens)
     ids = out.token_ids[tokens.start:tokens.stop]
     if out.req.logprobs:
@@ -226,7 +244,11 @@ def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool,
 
 def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
     """The prompt's logprobs the workers sent with the finished request (engine's
-    input_* fields) as SGLang's [logprob, token_id, text] triples; null entries stay."""
+    input_* fields) as SGLang's [logprob, token_id, text] triples; null entries stay.
+    SGLang reports the first position asked (logprob_start_len k) with a null logprob
+    and null rows, whatever k: so does this answer (the workers' value at k > 0 is
+    dropped), so that clients that average them (sglang.lang's select) choose as
+    they do with SGLang."""
     def named(token_id: int) -> str | None:
         return out.token_text(token_id) if text_in_logprobs else None
 
@@ -234,10 +256,11 @@ def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
         return None if pairs is None else [[lp, t, named(t)] for t, lp in pairs]
     got = {}
     if "input_token_logprobs" in out.meta:
-        got["input_token_logprobs"] = [[lp, t, named(t)] for lp, t in out.meta["input_token_logprobs"]]
+        got["input_token_logprobs"] = [[None if i == 0 else lp, t, named(t)] for i, (lp, t)
+                                       in enumerate(out.meta["input_token_logprobs"])]
     for key in ("input_top_logprobs", "input_token_ids_logprobs"):
         if key in out.meta:
-            got[key] = [row(pairs) for pairs in out.meta[key]]
+            got[key] = [None if i == 0 else row(pairs) for i, pairs in enumerate(out.meta[key])]
     return got
 
 
@@ -280,7 +303,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if refused is not None:
         raise refused
     def answer() -> object:
-        answers = [native_answer(o, req.text_in_logprobs) for o in outs]
+        answers = [native_answer(o) for o in outs]
         return answers if req.batch else answers[0]
     return await json_answer(answer)
 
@@ -289,15 +312,14 @@ async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> we
     cfg = front.config
     events = front.event_stream(request)
     cumulative = None if cfg.incremental_streaming_output else \
-        CumulativeEvents(cfg.cumulative_bytes_per_token, req.text_in_logprobs)
+        CumulativeEvents(cfg.cumulative_bytes_per_token)
     try:
         async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
             async for out in outs:
                 refused = out.refusal() if events.response is None else None
                 if refused is not None:
                     raise refused
-                answer = native_delta(out, req.text_in_logprobs) if cumulative is None \
-                    else cumulative.answer(out)
+                answer = native_delta(out) if cumulative is None else cumulative.answer(out)
                 if answer is not None:
                     size = await events.send(answer | {"index": out.index} if req.batch else answer)
                     if cumulative is not None:
@@ -316,8 +338,8 @@ class CumulativeEvents:
     that reads each event as the state so far (SGLang's clients do) sees the same
     answer, in fewer steps once it is long."""
 
-    def __init__(self, budget: int, text_in_logprobs: bool = False) -> None:
-        self.budget, self.text_in_logprobs = budget, text_in_logprobs
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
         self.last: dict[int, tuple[int, int]] = {}    # index -> (tokens, bytes) at its last event
         self.triples: dict[int, Triples] = {}         # index -> its logprobs, formatted once
 
@@ -325,8 +347,7 @@ class CumulativeEvents:
         """The event of `out` if one is due."""
         if not self.due(out):
             return None
-        return native_answer(out, self.text_in_logprobs,
-                             self.triples.setdefault(out.index, Triples()))
+        return native_answer(out, None, self.triples.setdefault(out.index, Triples()))
 
     def due(self, out: Output) -> bool:
         if out.finished or out.index not in self.last:

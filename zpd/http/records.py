@@ -48,6 +48,7 @@ class GenRequest:
     stream: bool = False
     trim_stop: bool = True       # the text ends before a matched stop (SGLang's default)
     skip_special: bool = True    # the text leaves special tokens out (SGLang's default)
+    text_in_logprobs: bool = False   # logprobs name their tokens' text (return_text_in_logprobs)
     received: float = field(default_factory=time.monotonic)    # when the front took it
 
     @property

@@ -13,8 +13,9 @@ from typing import Callable, Collection, Protocol
 from zpd.config import RouterConfig
 from zpd.router.flights import Fanout, InFlight, Worker
 from zpd.router.hooks import HOLD_SHARE, Coordinator, Peers
+from zpd.router.memory import ReleasedMemory
 from zpd.router.tally import Tally
-from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, UpdateWeights, parse, split_timeout)
+from zpd.wire.admin import (COMMANDS, AbortAll, AbortRequest, AdminCommand, Continue, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, parse, split_timeout)
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.admin_reply import AdminResult, WorkerReply, to_wire
 from zpd.wire.loop import Loop
@@ -34,6 +35,8 @@ Round = Callable[[list[WorkerReply]], "tuple[Command, list[Worker], float]"]
 OWN = {Pause: "pause", Continue: "continue_", AbortRequest: "abort", AbortAll: "abort_all"}
 # Refused while requests run unpaused: every worker must see the same weights and memory.
 NEED_QUIET = (UpdateWeights, ReleaseMemory)
+# Their replies say what memory each worker has released (zpd/router/memory.py).
+MEMORY = (ReleaseMemory, ResumeMemory, Status)
 # Refused while a weight-sync step runs (with the sync's own commands): they would
 # change weights or let requests run.
 BLOCKED = (Continue, UpdateWeights)
@@ -68,6 +71,7 @@ class Router(Protocol):
     workers: list[Worker]
     inflight: dict[str, InFlight]
     paused: PauseMode | None
+    released: ReleasedMemory
     followers: Peers
     coordinator: Coordinator | None
 
@@ -79,6 +83,8 @@ class Router(Protocol):
     def hold(self, mode: PauseMode) -> None: ...
 
     def unpause(self) -> None: ...
+
+    def dispatch(self) -> None: ...
 
     def end_queued(self, rid: str, status: int, reason: str) -> None: ...
 
@@ -136,6 +142,7 @@ class RouterAdmin:
         def reply(ok: bool, result: dict) -> None:
             send(AdminReply(msg.req_id, ok, {
                 "router": server.endpoint, "command": msg.command, "paused": server.paused,
+                "memory_released": server.released.fields(),
                 "queued": len(server.queued), "inflight": len(server.inflight)} | result
                 | (self.status_fields() if msg.command == "status" else {})))
         return reply
@@ -161,8 +168,24 @@ class RouterAdmin:
             # decode, still running, refuses: all workers must see the same state
             reply(False, {"status": 409, "error": f"{cmd.COMMAND} while requests are in "
                                                   "flight: pause first", "workers": []})
+        elif isinstance(cmd, MEMORY):
+            answer = answer_all(reply)
+
+            def memory(replies: list[WorkerReply]) -> None:
+                self.memory_changed(replies)
+                answer(replies)
+            self.fan_out(cmd, server.workers, timeout, memory)
         else:
             self.fan_out(cmd, server.workers, timeout, answer_all(reply))
+
+    def memory_changed(self, replies: list[WorkerReply]) -> None:
+        """After release_memory, resume_memory or status: what is released now (new
+        requests wait while anything is), told to the followers where it changed;
+        what waits runs once nothing is."""
+        server = self.server
+        if server.released.note(replies):
+            server.followers.tell(lambda _: None, server.cfg.peer_timeout)
+            server.dispatch()
 
     def abort(self, cmd: AbortRequest, timeout: float, reply: Reply) -> None:
         """End the rid, queued or in flight here, else at a router following this one.

@@ -35,9 +35,10 @@ class Peers(Protocol):
 
 
 class Coordinator(Protocol):
-    """The router this one follows: its pushes hold our requests, it answers most
-    admin commands."""
+    """The router this one follows: its pushes and released memory hold our
+    requests, it answers most admin commands."""
     pushing: bool
+    memory_released: bool
 
     def heartbeat(self) -> None: ...
 

@@ -17,6 +17,7 @@ from zpd.router.admission import QUEUE_TIMEOUT, Admission, Waiting, ended
 from zpd.router.affinity import PrefixAffinity, least_loaded
 from zpd.router.flights import InFlight, Worker
 from zpd.router.hooks import Alone, Coordinator, Peers, Restart
+from zpd.router.memory import ReleasedMemory, timeout_message
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.first_token import FirstToken
@@ -71,6 +72,7 @@ class RouterServer:
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
         self.paused: PauseMode | None = None
+        self.released = ReleasedMemory()       # the workers' memory that is released
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
         self.followers: Peers = Alone()        # routers that follow this one
@@ -238,11 +240,13 @@ class RouterServer:
             self.route(entry.client, entry.msg, entry.rid)
 
     def expire_waiting(self, now: float) -> None:
-        self.admission.hold(self.holding, now)
-        for entry in self.admission.expired(now):
+        queue = self.admission
+        queue.hold(self.frozen, now)
+        for entry in queue.expired(now):
             log.info("rid=%s from client %r: queue timeout", entry.rid, entry.client[:32])
-            self.to_client(entry.client, ended(entry.rid, QUEUE_TIMEOUT,
-                                               self.admission.timeout_message(entry, now), entry.msg))
+            why = timeout_message(queue.clock(now) - entry.since, queue.queue_timeout) \
+                if self.memory_released else queue.timeout_message(entry, now)
+            self.to_client(entry.client, ended(entry.rid, QUEUE_TIMEOUT, why, entry.msg))
 
     def route(self, client: bytes, msg: Generate, rid: str) -> None:
         """To a prefill and a decode; a scoring request (max_new_tokens 0) to a prefill
@@ -304,10 +308,20 @@ class RouterServer:
 
     @property
     def holding(self) -> bool:
-        """New requests wait here: paused, or a weight push is under way (here, or at
-        the coordinator this router follows)."""
+        """New requests wait here: `frozen`, or memory released (zpd/router/memory.py)."""
+        return self.frozen or self.memory_released
+
+    @property
+    def frozen(self) -> bool:
+        """Holding with the queue's clock stopped: paused, or a weight push under way
+        (here, or at the coordinator this router follows)."""
         return self.paused is not None or self.pushing or \
             (self.coordinator is not None and self.coordinator.pushing)
+
+    @property
+    def memory_released(self) -> bool:
+        coordinator = self.coordinator
+        return bool(self.released) or (coordinator is not None and coordinator.memory_released)
 
     def running(self) -> int:
         """Requests routed to the workers, here and by the routers following this one."""

@@ -13,7 +13,7 @@ from zpd.http.guard import browser
 from zpd.http.guard.callers import CALLER, caller_of
 from zpd.http.router_client import CALL, USER, http_user
 
-PUBLIC = frozenset({"/health"})
+PUBLIC = frozenset({"/health", "/ping"})     # liveness probes send no key
 # Routes that change what every user sees: the admin key guards them when it is set.
 ADMIN = frozenset({"/pause_generation", "/continue_generation", "/update_weights_from_disk",
                    "/update_weight_version",

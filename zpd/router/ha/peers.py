@@ -36,6 +36,7 @@ from typing import Callable, Collection, Protocol
 from zpd.config import RouterConfig
 from zpd.router.flights import Fanout, InFlight
 from zpd.router.hooks import Acks
+from zpd.router.memory import ReleasedMemory
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop, Timer
@@ -46,7 +47,7 @@ from zpd.wire.router_proof import router_endpoint
 log = logging.getLogger("zpd.router.ha.peers")
 
 FOLLOW = "follow"          # follower -> coordinator each heartbeat: {endpoint, inflight}
-STATE = "router_state"     # coordinator -> follower: {paused, pushing, early: bool}
+STATE = "router_state"     # coordinator -> follower: {paused, pushing, memory_released, early}
 MAX_FOLLOWERS = 64         # identities that may follow at once (a flood of them is refused)
 MAX_INFLIGHT = 1 << 20     # what a follower may say it routes (its queue and shares are less)
 LOCAL = ("status",)        # what a follower answers itself
@@ -66,6 +67,7 @@ class Led(Protocol):
     front: Front
     loop: Loop
     paused: PauseMode | None
+    released: ReleasedMemory           # workers whose memory is released
 
     @property
     def pushing(self) -> bool: ...
@@ -150,7 +152,7 @@ class Followers:
     def state(self) -> dict:
         server = self.server
         return {"paused": server.paused.value if server.paused else None,
-                "pushing": server.pushing}
+                "pushing": server.pushing, "memory_released": bool(server.released)}
 
     def expire(self, now: float) -> None:
         """Each heartbeat: forget a follower silent past --peer-timeout (it sends its
@@ -233,6 +235,7 @@ class CoordinatorLink:
         self.server, self.endpoint, self.dealer = server, endpoint, dealer
         self.clock = PeerClock(server.loop.time())
         self.pushing = False                   # the coordinator pushes weights: hold
+        self.memory_released = False           # the workers' memory is released: hold
         self.passed: dict[str, tuple[bytes, Admin, Timer]] = {}   # our req_id -> the client's
         self.ids = itertools.count(1)
         self.tag = os.urandom(4).hex()         # our req_ids cannot be guessed by a client
@@ -301,6 +304,7 @@ class CoordinatorLink:
             log.error("coordinator %s sent pause mode %.40r", self.endpoint, state.get("paused"))
             return
         was, self.pushing = server.holding, state.get("pushing") is True
+        self.memory_released = state.get("memory_released") is True
         if paused is not None and server.paused is None:
             log.warning("paused (%s) by coordinator %s", paused.value, self.endpoint)
             server.hold(paused)
