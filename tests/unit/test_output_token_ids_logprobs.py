@@ -311,9 +311,8 @@ def test_generate_answers_sglang_triples_with_their_text(cluster, stream):
     tok = tiny_tokenizer()
     assert meta["output_token_ids_logprobs"] == [[[v, t, tok.token_text(t)] for t, v in row]
                                                  for row in ref["output_token_ids_logprobs"]]
-    # SGLang's: the first position asked (15) is null, whatever the workers had there
-    assert meta["input_token_ids_logprobs"] == [None] + [[[v, t, tok.token_text(t)] for t, v in row]
-                                                         for row in ref["input_token_ids_logprobs"][1:]]
+    assert meta["input_token_ids_logprobs"] == [[[v, t, tok.token_text(t)] for t, v in row]
+                                                for row in ref["input_token_ids_logprobs"]]
     for key in ("output_token_logprobs", "input_token_logprobs"):
         assert all(text == tok.token_text(t) for _, t, text in meta[key])
     assert all(text == tok.token_text(t) for row in meta["output_top_logprobs"] for _, t, text in row)

@@ -268,18 +268,3 @@ def test_logprobs_without_a_start_have_sglangs_prompt_keys(cluster):
     assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 2
     assert [len(row) for row in meta["output_token_ids_logprobs"]] == [2, 2]
     cluster.check_pages()
-
-
-def test_the_first_position_asked_is_null_as_sglangs(cluster):
-    """sglang.lang's select asks from logprob_start_len = prompt length - 2 (token
-    healing): SGLang answers the first position asked with a null logprob whatever k,
-    and its normalized score averages the rest, so /generate answers the same."""
-    choices = [PROMPT[:20] + [3, 4], PROMPT[:20] + [5, 6, 7]]
-    body = {"input_ids": choices, "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-            "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": 18}
-    for ids, meta in zip(choices, _sglang_meta(cluster, body, 0)):
-        got = meta["input_token_logprobs"]
-        ref = _offline(cluster, {"return_logprob": True, "logprob_start_len": 18}, 0, ids)
-        assert [t for _, t, _ in got] == ids[18:] and got[0][0] is None
-        assert [lp for lp, _, _ in got[1:]] == [v for v, _ in ref["input_token_logprobs"][1:]]
-        assert all(type(lp) is float for lp, _, _ in got[1:])

@@ -244,11 +244,7 @@ def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool | None
 
 def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
     """The prompt's logprobs the workers sent with the finished request (engine's
-    input_* fields) as SGLang's [logprob, token_id, text] triples; null entries stay.
-    SGLang reports the first position asked (logprob_start_len k) with a null logprob
-    and null rows, whatever k: so does this answer (the workers' value at k > 0 is
-    dropped), so that clients that average them (sglang.lang's select) choose as
-    they do with SGLang."""
+    input_* fields) as SGLang's [logprob, token_id, text] triples; null entries stay."""
     def named(token_id: int) -> str | None:
         return out.token_text(token_id) if text_in_logprobs else None
 
@@ -256,11 +252,10 @@ def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
         return None if pairs is None else [[lp, t, named(t)] for t, lp in pairs]
     got = {}
     if "input_token_logprobs" in out.meta:
-        got["input_token_logprobs"] = [[None if i == 0 else lp, t, named(t)] for i, (lp, t)
-                                       in enumerate(out.meta["input_token_logprobs"])]
+        got["input_token_logprobs"] = [[lp, t, named(t)] for lp, t in out.meta["input_token_logprobs"]]
     for key in ("input_top_logprobs", "input_token_ids_logprobs"):
         if key in out.meta:
-            got[key] = [None if i == 0 else row(pairs) for i, pairs in enumerate(out.meta[key])]
+            got[key] = [row(pairs) for pairs in out.meta[key]]
     return got
 
 
