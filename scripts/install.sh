@@ -4,14 +4,16 @@
 #                                         # and the SmolLM2-135M-Instruct model file
 #   bash scripts/install.sh --test        # also the test tools (pytest, transformers as reference)
 #                                         # and SGLang's router (sglang-router, pinned below) in its
-#                                         # own virtual environment .venv-sglang-router/ here
+#                                         # own virtual environment .venv-sglang-router/ here,
+#                                         # and SGLang's frontend language (sglang, pinned) in
+#                                         # .venv-sglang/ (it sees the system's packages)
 #   bash scripts/install.sh --no-smollm2  # without the model file (--model tiny still works)
 # Environment: ZPD_MOONCAKE=cpu|cuda|cuda13 (default cpu: mooncake-transfer-engine-non-cuda;
 #              cuda13 for torch's PyPI CUDA wheel, which is CUDA 13),
 #              ZPD_TORCH (default 2.13.0; pinned because an unpinned torch can pull a
 #              multi-GB CUDA build), PYTHON (default python3),
-#              ZPD_SGLANG_ROUTER_VENV (default <checkout>/.venv-sglang-router; the e2e tests
-#              read the same variable).
+#              ZPD_SGLANG_ROUTER_VENV (default <checkout>/.venv-sglang-router) and
+#              ZPD_SGLANG_VENV (default <checkout>/.venv-sglang): the e2e tests read the same.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -23,6 +25,10 @@ tests=0
 # SGLang's router, which the e2e tests put in front of `zpd http` (tests/e2e/test_sglang_router.py).
 SGLANG_ROUTER=0.3.2
 ROUTER_VENV=${ZPD_SGLANG_ROUTER_VENV:-$PWD/.venv-sglang-router}
+# SGLang's frontend language (sglang.lang), whose programs the e2e tests run against the
+# front (tests/e2e/sglang_lang_calls.py).
+SGLANG=0.5.23
+SGLANG_VENV=${ZPD_SGLANG_VENV:-$PWD/.venv-sglang}
 for arg in "$@"; do
   case "$arg" in
     --test) extras="$extras,test"; tests=1 ;;
@@ -58,5 +64,15 @@ sys.exit(m.version('sglang-router') != '$SGLANG_ROUTER')" 2>/dev/null; then
     "$ROUTER_VENV/bin/python" -m pip install -q "sglang-router==$SGLANG_ROUTER"
   fi
   echo "sglang-router $SGLANG_ROUTER in $ROUTER_VENV"
+  # sglang's wheel declares the whole server (CUDA kernels and all); the frontend needs
+  # only these at import (sglang.srt.utils imports triton, pybase64 and starlette). The
+  # environment sees the system's packages (torch, numpy, requests) and leaves them be.
+  if ! "$SGLANG_VENV/bin/python" -c "import importlib.metadata as m, sys
+sys.exit(m.version('sglang') != '$SGLANG')" 2>/dev/null; then
+    "$PYTHON" -m venv --system-site-packages "$SGLANG_VENV" || {
+      echo "install.sh: '$PYTHON -m venv' failed (Debian: apt-get install python3-venv)" >&2; exit 1; }
+    "$SGLANG_VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG" pybase64 starlette triton
+  fi
+  echo "sglang $SGLANG (frontend) in $SGLANG_VENV"
 fi
 echo "zpd installed ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'), mooncake: $MOONCAKE$([ "$smollm2" = 1 ] && echo ', model smollm2'))"

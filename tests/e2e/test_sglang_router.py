@@ -1,11 +1,13 @@
-"""SGLang's own router in front of zpd: `sglang-router` (the Rust router slime launches
+"""SGLang's own clients in front of zpd: `sglang-router` (the Rust router slime launches
 in front of its engines) with `zpd launch --http-port` as its one worker, spoken to as
-SGLang's users do (raw /generate, the real `openai` client). Every answer through the
-router must equal the front's own answer to the same request (greedy, float64).
+SGLang's users do (raw /generate, the real `openai` client), and sglang.lang programs
+(SGLang's frontend language) against the front. Every answer through the router must
+equal the front's own answer to the same request (greedy, float64).
 
-The router lives in its own virtual environment (scripts/install.sh --test puts it in
-.venv-sglang-router; ZPD_SGLANG_ROUTER_VENV moves it). Without it the module is
-skipped, except under CI=true, where a missing router is a failure: CI must run it.
+The router and sglang live in their own virtual environments (scripts/install.sh
+--test puts them in .venv-sglang-router and .venv-sglang; ZPD_SGLANG_ROUTER_VENV and
+ZPD_SGLANG_VENV move them). Without one its tests are skipped, except under CI=true,
+where a missing one is a failure: CI must run them.
 
 One cluster and one router for the module, on the tiny model written as a GGUF file
 (a byte-level tokenizer and a chatml template: text and chat run, at tiny's cost)."""
@@ -46,10 +48,14 @@ def pinned_version() -> str:
 
 
 def router_python() -> Path:
-    venv = Path(os.environ.get(VENV_ENV) or ROOT / ".venv-sglang-router")
+    return venv_python(VENV_ENV, ".venv-sglang-router", "sglang-router")
+
+
+def venv_python(env: str, default: str, what: str) -> Path:
+    venv = Path(os.environ.get(env) or ROOT / default)
     py = venv / "bin" / "python"
     if not py.exists():
-        why = f"sglang-router is not installed in {venv} (bash scripts/install.sh --test)"
+        why = f"{what} is not installed in {venv} (bash scripts/install.sh --test)"
         if os.environ.get("CI"):
             pytest.fail(why + "; under CI it must be")
         pytest.skip(why)
@@ -272,3 +278,28 @@ def test_get_flush_cache_on_the_front(cluster, router):
     assert cached_pages(cluster) > 0
     assert call(cluster.front, "GET", "/flush_cache")[0] == 200
     assert cached_pages(cluster) == 0
+
+
+def test_sglang_lang_programs_run_against_the_front(cluster):
+    """gen, run_batch, a stream, fork and select with both of its choice methods, as
+    sglang.lang 0.5.23 sends them (its select reads input_token_logprobs of a request
+    without logprob_start_len, and of one that starts at prompt length - 2)."""
+    python = venv_python("ZPD_SGLANG_VENV", ".venv-sglang", "sglang (the frontend language)")
+    script = ROOT / "tests/e2e/sglang_lang_calls.py"
+    run = subprocess.run([str(python), str(script), cluster.front], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = orjson.loads(run.stdout.strip().splitlines()[-1])
+    assert got["version"] == "0.5.23"
+
+    def greedy(text: str, n: int) -> str:
+        status, answer = call(cluster.front, "POST", "/generate", {
+            "text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
+        assert status == 200, answer
+        return answer["text"]
+    assert got["gen"] == got["stream"] == greedy("Hello", 8)
+    assert got["batch"] == [greedy("Hello", 8), greedy("The sky is", 8)]
+    assert got["fork"] == "Hello" + "|".join(greedy(f"Hello number {i}:", 4) for i in range(2))
+    for method in ("unconditional", "token_length"):
+        assert got[method]["choice"] in ("blue", "green", "red"), got
+        assert got[method]["scores"] == 3 and got[method]["scores_finite"], got
