@@ -17,6 +17,10 @@ SCHEMA = {"type": "object",
                          "s": {"type": "string", "maxLength": 5}},
           "required": ["n", "ok", "tag", "s"], "additionalProperties": False}
 EBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
+# ~300 tokens of a byte-level vocabulary: long enough to be caught by a pause mid-way
+LONG_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "s": {"type": "string", "minLength": 300, "maxLength": 300}},
+               "required": ["n", "s"], "additionalProperties": False}
 
 
 def matches(regex: str, text: str) -> bool:
