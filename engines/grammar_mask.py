@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import llguidance as llg
+import numpy as np
 import torch
 
 from engines.grammar import Matcher
@@ -14,12 +15,17 @@ from engines.grammar import Matcher
 
 @dataclass
 class Allowed:
-    """The tokens each constrained row may draw: `rows` of the batch, `mask` [len(rows),
-    vocab] (True: allowed), `ended` the rows whose grammar is complete (only an end token
-    may follow: the min_new_tokens ban does not hold them back)."""
+    """The tokens each constrained row may draw: `rows` of the batch, `blocked`
+    [len(rows), vocab] (True: not allowed), `ended` the rows whose grammar is complete
+    (only an end token may follow: the min_new_tokens ban does not hold them back)."""
     rows: list[int]
-    mask: torch.Tensor
+    blocked: torch.Tensor
     ended: set[int] = field(default_factory=set)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """True where allowed."""
+        return ~self.blocked
 
 
 class MaskMaker:
@@ -28,7 +34,6 @@ class MaskMaker:
     def __init__(self, vocab: int) -> None:
         self.vocab, self.words = vocab, (vocab + 31) // 32
         self.executor = llg.LLExecutor()
-        self.bits = torch.arange(32, dtype=torch.int32)
 
     def __call__(self, matchers: list[Matcher | None], device: torch.device) -> Allowed | None:
         """The mask of the rows with a matcher that follows its grammar (None: no row)."""
@@ -38,7 +43,8 @@ class MaskMaker:
         words = torch.empty((len(rows), self.words), dtype=torch.int32)
         self.executor.unsafe_compute_mask_ptr([(matchers[i].inner, j) for j, i in enumerate(rows)],
                                               words.data_ptr(), self.words * 4, len(rows))
-        mask = ((words[:, :, None] >> self.bits) & 1).bool()     # [R, words, 32]
-        mask = mask.reshape(len(rows), -1)[:, :self.vocab]
-        return Allowed(rows, mask.to(device, non_blocking=True),
+        # bit j of word w is token 32w + j (little-endian): one byte per token, 1 = blocked
+        blocked = np.unpackbits((~words).numpy().view(np.uint8), axis=1, count=self.vocab,
+                                bitorder="little")
+        return Allowed(rows, torch.from_numpy(blocked).view(torch.bool).to(device, non_blocking=True),
                        {i for i in rows if matchers[i].ended})

@@ -143,16 +143,19 @@ class Sampler:
         # Greedy rows alone need no float32 copy: the maximum is the same in the
         # model's dtype. A copy before writing: the model's logits are an inference
         # tensor, which may not be updated in place outside inference mode.
-        written = bool(penalised or banned or allowed)
+        whole = allowed is not None and len(allowed.rows) == logits.shape[0]
+        written = bool(penalised or banned or allowed and not whole)
         if written or any(not p.greedy or p.wants_logprobs for p in params):
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=written)
         for i in penalised:
             logits[i] = apply_penalties(logits[i].clone(), params[i], prompts[i], outputs[i])
         for i, ids in banned.items():
             logits[i, ids] = float("-inf")
-        if allowed is not None:
+        if whole:                # every row constrained: one pass makes the masked copy
+            logits = torch.where(allowed.blocked, float("-inf"), logits)
+        elif allowed is not None:
             rows = torch.tensor(allowed.rows, device=logits.device)
-            logits[rows] = logits[rows].masked_fill(~allowed.mask, float("-inf"))
+            logits[rows] = logits[rows].masked_fill(allowed.blocked, float("-inf"))
         chosen = self.argmax(logits).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:

@@ -18,7 +18,6 @@ from engines.request import Request, Unservable
 from engines.sampler import Sampler
 from engines.sampling_params import SamplingParams
 from tests.unit.grammar_checks import EBNF, REGEX, SCHEMA, matches, valid_json
-from tests.unit.inproc import InprocCluster
 from zpd.worker.parts import recompute_sampling
 
 TOK = tiny_tokenizer()
@@ -157,7 +156,7 @@ def test_the_mask_allows_only_the_grammars_tokens_and_the_end_once_complete():
     tokens = Sampler((EOS,))(logits, params, [0, 0], [2, 2], [[1], [1]], [[], []])
     assert tokens[0] != EOS
     out = Sampler((EOS,)).sample(logits, params, [0, 0], [2, 2], [[1], [1]], [[], []],
-                                 Allowed([1], got.mask, {1}))
+                                 Allowed([1], got.blocked, {1}))
     assert out.tokens[1] == EOS and out.tokens[0] != EOS
 
 
