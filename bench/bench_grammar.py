@@ -58,9 +58,10 @@ class Timed:
 
 
 def run(engine: OfflineEngine, prompt: list[int], batch: int, steps: int, schema: str | None
-        ) -> tuple[list[float], list[float], list[float]]:
-    """Seconds of each decode step, of each step's sampling (with the mask applied), and
-    of each step's grammar work (the masks filled, the last tokens followed)."""
+        ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Seconds of each decode step, of each step's sampling (with the mask applied), of
+    each step's masks (filled for the batch) and of its end checks (each request's
+    matcher following its new token, then the stop checks)."""
     params = SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True,
                             json_schema=schema)
     reqs = [Request(f"r{i}", prompt, params) for i in range(batch)]
@@ -68,8 +69,8 @@ def run(engine: OfflineEngine, prompt: list[int], batch: int, steps: int, schema
     for r in reqs:
         r.pages = engine.pool.allocator.alloc(engine.pool.pages_for(r.max_context))
     compute.prefill(reqs)
-    grammar, sampler = Timed(compute._allowed), Timed(compute.sampler.sample)
-    compute._allowed, compute.sampler.sample = grammar, sampler
+    grammar, sampler, ends = Timed(compute._allowed), Timed(compute.sampler.sample), Timed(compute.finished)
+    compute._allowed, compute.sampler.sample, compute.finished = grammar, sampler, ends
     times = []
     try:
         for _ in range(steps):
@@ -78,10 +79,11 @@ def run(engine: OfflineEngine, prompt: list[int], batch: int, steps: int, schema
             times.append(time.perf_counter() - start)
             assert not any(r.finished for r in reqs), "a request ended inside the window"
     finally:
-        del compute._allowed, compute.sampler.sample
+        del compute._allowed, compute.sampler.sample, compute.finished
         for r in reqs:
             engine.pool.allocator.free_pages(r.pages)
-    return times, sampler.seconds, grammar.seconds if schema else [0.0]
+    per_step = [sum(ends.seconds[i:i + batch]) for i in range(0, len(ends.seconds), batch)]
+    return times, sampler.seconds, grammar.seconds if schema else [0.0], per_step[-steps:]
 
 
 def once_costs(model, schema: str) -> dict[str, float]:
@@ -123,19 +125,21 @@ def main() -> int:
     run(engine, prompt, args.batch, 2, schema)           # warm both paths
     run(engine, prompt, args.batch, 2, None)
     sides = {"plain": None, "json schema": schema}
-    got = {name: ([], [], []) for name in sides}
+    got = {name: ([], [], [], []) for name in sides}
     for _ in range(args.repeats):                 # in turns: the machine's noise falls on both
         for name, text in sides.items():
             for kept, new in zip(got[name], run(engine, prompt, args.batch, args.steps, text)):
                 kept += new
     ms = {name: [med(x) * 1e3 for x in lists] for name, lists in got.items()}
     print(f"{'median ms per decode step':<28} {'plain':>8} {'json schema':>12}")
-    for i, row in enumerate(("whole step", "sampling (with the mask)", "grammar: masks, follow")):
+    for i, row in enumerate(("whole step", "sampling (with the mask)", "masks filled",
+                             "end checks (with follow)")):
         print(f"{row:<28} {ms['plain'][i]:8.2f} {ms['json schema'][i]:12.2f}")
-    (p, ps, _), (c, cs, g) = ms["plain"], ms["json schema"]
-    print(f"grammar's share of the constrained step: {(g + cs - ps) / c * 100:.1f}% "
-          f"(masks and follow {g / c * 100:.1f}%, applying the mask {(cs - ps) / c * 100:.1f}%); "
-          f"{g / args.batch * 1e3:.0f} us per request")
+    (p, ps, _, pe), (c, cs, g, ce) = ms["plain"], ms["json schema"]
+    share = g + cs - ps + ce - pe
+    print(f"grammar's share of the constrained step: {share / c * 100:.1f}% (masks "
+          f"{g / c * 100:.1f}%, applying them {(cs - ps) / c * 100:.1f}%, following the tokens "
+          f"{(ce - pe) / c * 100:.1f}%); {share / args.batch * 1e3:.0f} us per request")
     print(f"ratio constrained/plain: {c / p:.3f}")
     return 0
 

@@ -116,6 +116,8 @@ class Grammars:
         try:
             inner = llg.LLMatcher(self._tokenizer(), grammar_source(c, "sampling_params."),
                                   log_level=0)
+            if not inner.is_error():
+                inner.compute_bitmask()   # builds the lexer's first states: copies share them
             entry = _Entry(None, inner.get_error()) if inner.is_error() else _Entry(inner)
         except ValueError as e:
             entry = _Entry(None, str(e))

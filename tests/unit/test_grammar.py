@@ -163,3 +163,15 @@ def test_the_mask_allows_only_the_grammars_tokens_and_the_end_once_complete():
 def test_offline_refuses_a_bad_grammar(engine):
     with pytest.raises(Unservable, match="'sampling_params.regex' does not compile"):
         engine.submit(Request("r", PROMPT, SamplingParams(regex="[")))
+
+
+@pytest.mark.parametrize("schema, text, follows", [
+    ("$$ANY$$", '[1, {"a": null}]', True),                  # SGLang's any JSON value
+    ('{"type": "object"}', '{"a": 1, "b": [2, 3]}', True),  # as json.dumps writes it
+    ('{"type": "object"}', '{"a":1}', False),               # no free whitespace by default
+    ('{"type": "object", "x-guidance": {"whitespace_flexible": true, "item_separator": ",", '
+     '"key_separator": ":"}}', '{\n  "a" :1}', True),        # unless the schema asks
+])
+def test_json_whitespace_is_json_dumps_unless_the_schema_asks(schema, text, follows):
+    m = Grammars(TOK, 258, (EOS,)).matcher(SamplingParams(json_schema=schema).constraint)
+    assert m.follow(TOK.encode(text, add_special_tokens=False)) is follows
