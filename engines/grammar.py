@@ -13,6 +13,7 @@ engines/grammar_mask.py turns matchers into the logits mask.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -54,10 +55,22 @@ def grammar_source(c: Constraint, where: str = "") -> str:
 
 
 def check(c: Constraint, where: str = "") -> None:
-    """ValueError naming the field when `c` cannot compile (no vocabulary needed)."""
-    error = llg.LLMatcher.validate_grammar(grammar_source(c, where))
-    if error:
-        raise ValueError(f"'{where}{c.kind}' does not compile: {_short(error)}")
+    """ValueError naming the field when `c` cannot compile (no vocabulary needed). The
+    last CACHED_GRAMMARS answers are remembered: a batch of 512 prompts sharing one
+    schema compiles it once (a 200-property schema takes ~5 ms)."""
+    error = _compile_error(c)
+    if error is not None:
+        raise ValueError(error.replace("'{where}", f"'{where}", 1))
+
+
+@functools.lru_cache(maxsize=CACHED_GRAMMARS)     # a pure function's memo
+def _compile_error(c: Constraint) -> str | None:
+    """Why `c` cannot compile, its field named as "'{where}kind'"; None if it can."""
+    try:
+        error = llg.LLMatcher.validate_grammar(grammar_source(c, "{where}"))
+    except ValueError as e:
+        return str(e)
+    return f"'{{where}}{c.kind}' does not compile: {_short(error)}" if error else None
 
 
 class Matcher:
