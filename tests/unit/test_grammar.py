@@ -175,3 +175,20 @@ def test_offline_refuses_a_bad_grammar(engine):
 def test_json_whitespace_is_json_dumps_unless_the_schema_asks(schema, text, follows):
     m = Grammars(TOK, 258, (EOS,)).matcher(SamplingParams(json_schema=schema).constraint)
     assert m.follow(TOK.encode(text, add_special_tokens=False)) is follows
+
+
+def test_smollm2_spells_json_and_regex_with_its_own_vocabulary():
+    """A real vocabulary (49,152 byte-level BPE tokens, from the GGUF file): multi-byte
+    tokens cross the grammar's symbols (in one process: the model loads once; the
+    decode's replay is the tiny model's tests')."""
+    model = load_model("smollm2", dtype="float32")
+    prompt = model.encode_chat([{"role": "user", "content": "A JSON record, please."}])
+    city = r"(Paris|Berlin|Rome) is [0-9]{1,4} km away\."       # bounded: it ends
+    asks = [sampling("json_schema", s, 60) for s in (None, 1)] + \
+        [sampling("regex", 3, 60) | {"regex": city}]
+    outs = OfflineEngine(model, kv_cache_mb=16).run(
+        [Request(f"s{i}", prompt, SamplingParams.from_dict(a)) for i, a in enumerate(asks)])
+    for out, ask in zip(outs, asks):
+        ok = valid_json(out["text"]) if "json_schema" in ask else matches(city, out["text"])
+        assert out["finish_reason"] == {"type": "stop", "matched": 2} and ok, out
+        assert any(len(model.tokenizer.decode([t])) > 1 for t in out["output_ids"]), out
