@@ -18,6 +18,8 @@ from engines.request import Request, Unservable
 from engines.sampler import Sampler
 from engines.sampling_params import SamplingParams
 from tests.unit.grammar_checks import EBNF, REGEX, SCHEMA, matches, valid_json
+from tests.unit.inproc import InprocCluster
+from transport import FaultRule
 from zpd.worker.parts import recompute_sampling
 
 TOK = tiny_tokenizer()
@@ -80,6 +82,28 @@ def test_a_retraction_keeps_the_grammar(cluster, engine):
     assert [g.meta["retractions"] for g in got] == [1, 1, 1]
     check("json_schema", got, offline(engine, PROMPT, asks))
     cluster.check_pages()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["early_token", "whole"])
+def test_a_retraction_before_the_kv(engine, stream):
+    """Caught while its first write hangs. Streamed: the prefill sent the first token
+    ahead and continue hands it to the decode, whose matcher replays it. Whole: the
+    decode has no token, so its recompute carries the grammar and samples the first."""
+    c = InprocCluster(fault_plan=FaultRule("hang", count=1))      # the first write hangs
+    try:
+        ask = sampling("json_schema", 8)
+        rid = c.submit(PROMPT, stream=stream, sampling=ask)
+        writing = lambda: [j for j in c.prefill.scheduler.jobs.values()    # noqa: E731
+                           if j.phase.name == "WRITING"]
+        c.until(lambda: writing() and (not stream or len(c.answers[rid].token_ids) == 1))
+        assert c.admin("pause", mode="retract")["ok"]
+        assert c.admin("continue")["ok"]
+        got = c.run(rid, 3000)
+        assert got.meta["retractions"] == 1
+        check("json_schema", [got], offline(engine, PROMPT, [ask]))
+        c.check_pages()
+    finally:
+        c.close()
 
 
 def test_a_cached_prefix_changes_nothing(cluster, engine):
