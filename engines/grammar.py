@@ -93,8 +93,9 @@ class Matcher:
 
     @property
     def ended(self) -> bool:
-        """The grammar is complete: nothing but an end token may follow (or has)."""
-        return self.inner.is_stopped()
+        """The grammar is complete: nothing but an end token may follow (or has). Not
+        once its output broke the grammar (llguidance calls that stopped too)."""
+        return not self.problem and self.inner.is_stopped()
 
 
 @dataclass

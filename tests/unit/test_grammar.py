@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from engines.constraint import Constraint
 from engines.grammar import Grammars
 from engines.grammar_mask import Allowed, MaskMaker
 from engines.loader import load_model
@@ -216,3 +217,19 @@ def test_smollm2_spells_json_and_regex_with_its_own_vocabulary():
         ok = valid_json(out["text"]) if "json_schema" in ask else matches(city, out["text"])
         assert out["finish_reason"] == {"type": "stop", "matched": 2} and ok, out
         assert any(len(model.tokenizer.decode([t])) > 1 for t in out["output_ids"]), out
+
+
+def test_a_lark_grammar_embeds_a_schema_as_a_forced_tool_call_needs():
+    """The shape a forced tool call takes (hermes-style): a fixed wrapper around JSON
+    arguments that follow the tool's parameter schema, as one `ebnf` (Lark's %json)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    lark = ('start: "<tool_call>\\n{\\"name\\": \\"weather\\", \\"arguments\\": " args "}\\n</tool_call>"\n'
+            f"args: %json {json.dumps(schema)}")
+    c = Constraint("ebnf", lark)
+    assert SamplingParams.from_dict(c.as_sampling()).constraint == c
+    for args, follows in (('{"city": "Paris"}', True), ('{"town": "Paris"}', False)):
+        m = Grammars(TOK, 258, (EOS,)).matcher(c)
+        text = f'<tool_call>\n{{"name": "weather", "arguments": {args}}}\n</tool_call>'
+        assert m.follow(TOK.encode(text, add_special_tokens=False)) is follows
+        assert m.ended is follows
