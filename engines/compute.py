@@ -1,10 +1,14 @@
 """The model side of a worker: prefill and decode steps on requests, with sampling."""
 from __future__ import annotations
 
+import torch
+
 from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.config import ModelError
 from engines.models.null import NullNet
+from engines.grammar import Grammars, Matcher
+from engines.grammar_mask import Allowed, MaskMaker
 from engines.null_runner import NullRunner
 from engines.runner import ModelRunner
 from engines.sampler import Sampler
@@ -29,6 +33,9 @@ class Compute:
         eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
         self.sampler = Sampler(eos, self.runner.backend.argmax)
         self.stop = StopChecker(eos, model.tokenizer)
+        self.eos = set(eos)
+        self.grammars = Grammars(model.tokenizer, model.cfg.vocab_size, eos)
+        self._masks: MaskMaker | None = None      # made for the first constrained request
 
     def prefill(self, reqs: list[Request], starts: list[int] | None = None) -> None:
         """Write the KV of each cached prefix (from position starts[i] on: what comes
@@ -83,10 +90,42 @@ class Compute:
     def _sample(self, logits, reqs: list[Request]) -> None:
         got = self.sampler.sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
                                   [len(r.output) for r in reqs], [r.prompt for r in reqs],
-                                  [r.output for r in reqs])
+                                  [r.output for r in reqs], self._allowed(reqs, logits.device))
         for r, t, lp, top, ids in zip(reqs, got.tokens, got.logprobs, got.top, got.ids):
             r.emit(t, self.model.version, lp, top, ids)
-            r.finish = self.stop(r)
+            r.finish = self.finished(r)
+
+    def finished(self, r: Request) -> dict | None:
+        """How `r` ends after its latest token (None: it goes on). A constrained one
+        ends when its grammar is complete and it draws an end token, even before its
+        min_new_tokens or with ignore_eos (nothing else may follow); a token that breaks
+        its grammar (none it sampled: a peer's) ends it with status 500."""
+        m = self.matcher(r)
+        if m is not None and not m.follow(r.output):
+            return {"type": "abort", "status_code": 500, "message": m.problem}
+        if m is not None and m.ended and r.output[-1] in self.eos:
+            return {"type": "stop", "matched": r.output[-1]}
+        return self.stop(r)
+
+    def matcher(self, r: Request) -> Matcher | None:
+        """The request's grammar matcher (built, and following its output so far, on first
+        use: in a decode, after the prefill's first token or a retraction); None when
+        it has no constraint. ValueError: its grammar does not compile."""
+        c = r.params.constraint
+        if c is not None and r.grammar is None:
+            r.grammar = self.grammars.matcher(c)
+        return r.grammar
+
+    def _allowed(self, reqs: list[Request], device: torch.device) -> Allowed | None:
+        if not any(r.params.constraint for r in reqs):
+            return None
+        matchers = [self.matcher(r) for r in reqs]
+        for r, m in zip(reqs, matchers):
+            if m is not None:
+                m.follow(r.output)
+        if self._masks is None:
+            self._masks = MaskMaker(self.model.cfg.vocab_size)
+        return self._masks(matchers, device)
 
 
 def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None):

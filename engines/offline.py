@@ -12,7 +12,7 @@ from engines.kv.pool import KVPool
 from engines.loader import LoadedModel
 from engines.compute import Compute
 from engines.batch import DecodeBatch
-from engines.request import Request, response, validate
+from engines.request import Request, Unservable, response, validate
 from engines.tp.group import TpGroup
 
 
@@ -33,6 +33,10 @@ class OfflineEngine:
         """Raises Unservable (400) for a request that can never be served."""
         validate(req.prompt, req.params, self.compute.model.cfg, self.pool.layout.page_size,
                  self.pool.num_pages, self.compute.routed_experts)
+        try:
+            self.compute.grammars.check(req.params.constraint)
+        except ValueError as e:
+            raise Unservable(str(e)) from None
         self.waiting.append(req)
 
     def step(self) -> list[Request]:

@@ -45,6 +45,9 @@ class Request:
     # Its routed experts so far when params.routing asks (engines/routed.py): a row per
     # position fed, prompt + output[:-1]; the last prefill's rows, then the decode's.
     routed: RoutedExperts | None = None
+    # Its grammar's matcher (engines/grammar.py) when params.constraint asks: built by
+    # Compute on first use, following the output from its first token on.
+    grammar: object | None = None
     pages: list[int] = field(default_factory=list)
     finish: dict | None = None
     retractions: int = 0

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engines.grammar_mask import Allowed
 from engines.sampling_params import SamplingParams
 from engines.torch_backend import TorchBackend
 
@@ -131,20 +132,30 @@ class Sampler:
         return self.sample(logits, params, seeds, steps, prompts, outputs).tokens
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-               steps: list[int], prompts: list[list[int]], outputs: list[list[int]]) -> Sampled:
-        """The tokens, with the logprobs of the rows that ask (`token_logprobs`)."""
+               steps: list[int], prompts: list[list[int]], outputs: list[list[int]],
+               allowed: Allowed | None = None) -> Sampled:
+        """The tokens, with the logprobs of the rows that ask (`token_logprobs`);
+        `allowed`: the constrained rows' grammar masks (engines/grammar_mask.py), applied
+        last, so greedy and sampled rows alike draw an allowed token (and their logprobs
+        are of the masked distribution, as SGLang's)."""
         penalised = [i for i, p in enumerate(params) if p.penalised]
-        banned = self._banned(params, steps, logits.shape[1])
+        banned = self._banned(params, steps, logits.shape[1], allowed.ended if allowed else set())
         # Greedy rows alone need no float32 copy: the maximum is the same in the
         # model's dtype. A copy before writing: the model's logits are an inference
         # tensor, which may not be updated in place outside inference mode.
-        written = bool(penalised or banned)
+        whole = allowed is not None and len(allowed.rows) == logits.shape[0]
+        written = bool(penalised or banned or allowed and not whole)
         if written or any(not p.greedy or p.wants_logprobs for p in params):
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=written)
         for i in penalised:
             logits[i] = apply_penalties(logits[i].clone(), params[i], prompts[i], outputs[i])
         for i, ids in banned.items():
             logits[i, ids] = float("-inf")
+        if whole:                # every row constrained: one pass makes the masked copy
+            logits = torch.where(allowed.blocked, float("-inf"), logits)
+        elif allowed is not None:
+            rows = torch.tensor(allowed.rows, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(allowed.blocked, float("-inf"))
         chosen = self.argmax(logits).tolist()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -153,12 +164,13 @@ class Sampler:
                 chosen[i] = token
         return Sampled(chosen, *token_logprobs(logits, params, chosen))
 
-    def _banned(self, params: list[SamplingParams], steps: list[int], vocab: int
-                ) -> dict[int, list[int]]:
-        """Row -> the end tokens it may not draw yet (rows still short of min_new_tokens)."""
+    def _banned(self, params: list[SamplingParams], steps: list[int], vocab: int,
+                ended: set[int]) -> dict[int, list[int]]:
+        """Row -> the end tokens it may not draw yet (rows still short of min_new_tokens,
+        but for those whose grammar is complete: an end token is all they may draw)."""
         out = {}
         for i, p in enumerate(params):
-            if steps[i] < p.min_new_tokens:
+            if steps[i] < p.min_new_tokens and i not in ended:
                 ids = sorted({t for t in self.eos_ids + p.stop_token_ids if 0 <= t < vocab})
                 if ids:
                     out[i] = ids

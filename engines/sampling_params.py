@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from engines.constraint import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS, Constraint
+
 # Bounds checked at admission (docs/serving.md, "zpd run", lists them). Outside them the
 # sampler's arithmetic breaks in float32, the narrowest dtype it computes in: a
 # temperature or top_p that rounds to 0 divides by zero, a top_k past int64 cannot
@@ -56,11 +58,20 @@ class SamplingParams:
     # --enable-return-routed-experts: engines/routed.py), and their gate weights.
     return_routed_experts: bool = False
     return_routed_expert_weights: bool = False
+    # Constrained decoding (SGLang's names; engines/grammar.py): at most one of them, the
+    # text of a regular expression, a JSON schema, or an EBNF (GBNF or Lark) grammar.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         for name, ok, bound in self._checks():
             if not ok:
                 raise ValueError(f"{name} must be {bound}, got {_show(getattr(self, name))}")
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"only one of regex, json_schema and ebnf may be given, got "
+                             f"{' and '.join(given)}")
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         """(parameter, within bounds, the bounds in words), in field order."""
@@ -99,7 +110,9 @@ class SamplingParams:
             ("return_routed_experts", isinstance(self.return_routed_experts, bool), "true or false"),
             ("return_routed_expert_weights", isinstance(self.return_routed_expert_weights, bool),
              "true or false"),
-        ]
+        ] + [(k, _grammar_ok(getattr(self, k)),
+              f"null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+             for k in GRAMMAR_KINDS]
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "SamplingParams":
@@ -129,6 +142,12 @@ class SamplingParams:
         or recompute carries (the receiver's ``from_dict`` fills in the rest)."""
         full = self.to_dict()
         return {f.name: full[f.name] for f in fields(self) if getattr(self, f.name) != f.default}
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The grammar its output must follow, or None."""
+        return next((Constraint(k, getattr(self, k)) for k in GRAMMAR_KINDS
+                     if getattr(self, k) is not None), None)
 
     @property
     def greedy(self) -> bool:
@@ -191,6 +210,10 @@ def _as_tuple(value: object) -> object:
 def _stop_ok(stop: object) -> bool:
     return isinstance(stop, tuple) and len(stop) <= MAX_STOP_STRINGS and \
         all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop)
+
+
+def _grammar_ok(text: object) -> bool:
+    return text is None or isinstance(text, str) and 0 < len(text) <= MAX_GRAMMAR_CHARS
 
 
 def _stop_ids_ok(ids: object) -> bool:

@@ -34,6 +34,7 @@ SLOW_FILES = frozenset({
     "tests/unit/test_routed_experts.py",   # routed experts against transformers' routers
     "tests/unit/test_routed_experts_pd.py",    # and through prefill and decode (MoE checkpoints)
     "tests/unit/test_routed_rows.py",          # and wider than a frame (MoE checkpoints)
+    "tests/unit/test_grammar.py",          # constrained outputs of ~50 tokens through 1P1D
 })
 SLOW_TESTS = frozenset({
     # a router's route attacked while its requests stream (issue 43, item 2)

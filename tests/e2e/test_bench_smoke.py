@@ -73,6 +73,8 @@ RUNS = {
                       r"(?m)^bfloat16\s+2(\s+[\d.]+){3}x(\s+[\d.]+){2}x\s+[\d.]+\s+[-+][\d.]+%\s+[\d.]+%$",
                       r"bfloat16\s+prefill 32 tokens: moe \d+ tok/s, dense \d+ tok/s, ratio moe/dense [\d.]+"]),
     "bench_clear.py": (["--repeats", "1", "--tokens", "64"], [r"8B-class bf16\s+64\s+[\d.]+"]),
+    "bench_grammar.py": (["--model", "tiny", "--batch", "4", "--steps", "3", "--repeats", "1"],
+                         [r"whole step(\s+[\d.]+){2}", r"ratio constrained/plain: [\d.]+"]),
     "bench_http.py": (["--requests", "5", "--warmup", "1", "--streams", "4", "--stream-tokens", "4",
                        "--rounds", "1", "--duration", "1", "--warmup-s", "0.2"],
                       [r"HTTP stream\s+[\d.]+\s+[\d.]+", r"tok/s ratio HTTP/zpd.Client [\d.]+"]),

@@ -21,6 +21,7 @@ from engines.sampler import SamplingParams
 from engines.models.tiny import save_tiny
 from tests.e2e.cluster import ROOT, Cluster, assert_all_pages_free, zpd_cmd
 from tests.unit.gguf_files import write_tiny_gguf
+from tests.unit.grammar_checks import EBNF, LONG_SCHEMA, REGEX, SCHEMA, matches, valid_json
 
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-non-cuda)")
 aiohttp = pytest.importorskip("aiohttp")
@@ -394,3 +395,52 @@ def test_metrics_move_by_what_was_generated(cluster):
     assert value(after["sglang:max_total_num_tokens"], "sglang:max_total_num_tokens") > 0
     for family in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:cache_hit_rate"):
         assert after[family] and all(s.labels["model_name"] for s in after[family]), family
+
+
+def test_structured_output_through_1p1d(cluster, oai, reference):
+    """response_format through the openai client, /generate's regex and the zpd client's
+    json_schema: greedy and seeded outputs follow their grammar, and equal zpd run's."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "rec", "schema": SCHEMA}}
+    messages = [{"role": "user", "content": "a record, please"}]
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}):
+        got = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=80,
+                                          response_format=fmt, **kw).choices[0]
+        assert got.finish_reason == "stop" and valid_json(got.message.content), got
+        want = SamplingParams(max_new_tokens=80, json_schema=orjson.dumps(SCHEMA).decode(), **kw)
+        (ref,) = OfflineEngine(reference).run([Request("c", reference.encode_chat(messages), want)])
+        assert got.message.content == ref["text"]
+    status, body = http(cluster, "POST", "/generate", {"text": ["a", "b"], "sampling_params": {
+        "regex": REGEX, "max_new_tokens": 40, "temperature": 1.0, "seed": 4}})
+    assert status == 200 and all(matches(REGEX, b["text"]) for b in body), body
+    status, body = http(cluster, "POST", "/generate", {"text": "a", "sampling_params": {"regex": "(("}})
+    assert status == 400 and "'sampling_params.regex' does not compile" in body["error"]["message"]
+    with cluster.client() as client:
+        out = client.generate([5, 6], sampling_params={"ebnf": EBNF, "temperature": 0})
+        assert out["finish_reason"]["type"] == "stop" and matches("yes|no|maybe [0-9]", out["text"])
+        bad = client.generate([5, 6], sampling_params={"json_schema": "{"})
+        assert bad["finish_reason"]["status_code"] == 400, bad
+        assert "'sampling_params.json_schema' is not JSON" in bad["finish_reason"]["message"]
+
+
+def test_structured_output_across_a_retraction_over_http(cluster, reference):
+    schema = orjson.dumps(LONG_SCHEMA).decode()
+    asks = [{"temperature": 0}, {"temperature": 1.0, "seed": 3}]
+
+    async def go():
+        url, admin = f"http://{cluster.info['http']}", {"Authorization": f"Bearer {ADMIN}"}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+            streams = [await s.post(f"{url}/generate", json={"input_ids": [7, 8], "stream": True,
+                       "sampling_params": a | {"json_schema": schema, "max_new_tokens": 400}})
+                       for a in asks]
+            events = [[orjson.loads((await r.content.readuntil(b"\n\n"))[6:])] for r in streams]
+            for path, body in (("/pause_generation", {"mode": "retract"}), ("/continue_generation", None)):
+                async with s.post(url + path, json=body, headers=admin) as a:
+                    assert a.status == 200, await a.text()
+            for r, got in zip(streams, events):
+                got += [orjson.loads(line[6:]) async for line in r.content if line.startswith(b"data: {")]
+            return [got[-1] for got in events]
+    for last, a in zip(asyncio.run(go()), asks):
+        assert last["meta_info"]["retractions"] == 1 and valid_json(last["text"], LONG_SCHEMA), last
+        want = SamplingParams(max_new_tokens=400, json_schema=schema, **a)
+        (ref,) = OfflineEngine(reference).run([Request("r", [7, 8], want)])
+        assert last["output_ids"] == ref["output_ids"]

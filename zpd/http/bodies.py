@@ -54,6 +54,9 @@ class Sampling(Body):
     sampling_seed: Optional[int] = None
     return_logprob: Optional[bool] = None
     top_logprobs_num: Optional[int] = None
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
     n: int = 1
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -98,6 +101,10 @@ class OpenAIBody(Body):
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     rid: Union[str, list[str], None] = None
+    regex: Optional[str] = None                  # SGLang's; one at most of these four
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+    response_format: Optional[dict] = None       # zpd/http/structured.py
 
 
 class Completion(OpenAIBody):

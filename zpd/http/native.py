@@ -22,10 +22,12 @@ from typing import Any
 
 from aiohttp import web
 
+from engines.constraint import GRAMMAR_KINDS
 from engines.sampling_params import INT32_MAX, SamplingParams
 from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_answer, read_body
 from zpd.http.bodies import Generate, Sampling, decode
+from zpd.http.structured import grammar_sampling
 from zpd.http.output import Output, meta_info
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_call_logprobs, check_count,
@@ -187,7 +189,9 @@ def engine_options(raw: dict, sampling: Sampling | None) -> Options:
     unknown = tuple(screen(raw, SAMPLING, "sampling_params."))
     sampling = sampling or Sampling()
     n = integer(1, INT32_MAX)("n", sampling.n)        # prompts x n is capped by the caller
-    engine = {k: v for k in ENGINE_SAMPLING if (v := getattr(sampling, k)) is not None}
+    engine = {k: v for k in ENGINE_SAMPLING if (v := getattr(sampling, k)) is not None
+              and k not in GRAMMAR_KINDS}
+    engine |= grammar_sampling({k: getattr(sampling, k) for k in GRAMMAR_KINDS}, "sampling_params.")
     if sampling.sampling_seed is not None:
         engine.setdefault("seed", sampling.sampling_seed)
     if engine.get("min_new_tokens") == 0:

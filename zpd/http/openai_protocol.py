@@ -24,6 +24,7 @@ from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_prompts, checked_sampling, integer, item_rids,
                               logprob_sampling, seeded_copies, take, token_ids)
 from zpd.http.sglang_fields import CHAT, COMPLETION, screen
+from zpd.http.structured import grammar_sampling, response_format
 from zpd.http.tool_calls import ToolUse, forced_sampling, tool_request
 
 MAX_N = 128
@@ -118,7 +119,9 @@ def _sampling(req: OpenAIBody, max_tokens: int | None) -> dict:
         sampling["max_new_tokens"] = max_tokens
     if integer(0, INT32_MAX)("min_tokens", req.min_tokens):
         sampling["min_new_tokens"] = req.min_tokens
-    return sampling
+    return sampling | grammar_sampling({"regex": req.regex, "json_schema": req.json_schema,
+                                        "ebnf": req.ebnf,
+                                        "response_format": response_format(req.response_format)})
 
 
 def _request(req: OpenAIBody, prompts: list[dict], n: int, sampling: dict, top: int | None,

@@ -51,7 +51,6 @@ def refused(why: str, *idle: Any) -> Rule:
 
 MULTIMODAL = refused("zpd serves text models")
 LORA = refused("zpd has no LoRA adapters")
-GRAMMAR = refused("zpd has no constrained decoding")
 HIDDEN = refused("zpd does not return hidden states")
 PD_BOOTSTRAP = refused("zpd moves the KV cache itself; SGLang's bootstrap server is not used")
 NOT_RETURNED = refused("zpd does not return it")
@@ -68,7 +67,8 @@ SAMPLING: dict[str, Rule] = {
     "custom_params": IGN,            # read only by a custom logit processor, refused below
     "stream_interval": IGN,          # how often SGLang streams; zpd streams every chunk
     "stop_regex": refused("zpd has no regex stop conditions"),
-    "json_schema": GRAMMAR, "regex": GRAMMAR, "ebnf": GRAMMAR, "structural_tag": GRAMMAR,
+    "json_schema": IMPL, "regex": IMPL, "ebnf": IMPL,    # one at most (zpd/http/structured.py)
+    "structural_tag": refused("zpd has no structural tags"),
     "logit_bias": refused("zpd has no logit bias"),
     "beam_width": refused("zpd has no beam search", 1),
     # zpd's engine names (SamplingParams fields of its own)
@@ -129,9 +129,8 @@ _OPENAI_COMMON: dict[str, Rule] = {
     "logit_bias": refused("zpd has no logit bias"),
     "return_hidden_states": HIDDEN, "return_routed_experts": NOT_RETURNED,
     "return_cached_tokens_details": NOT_RETURNED, "return_token_ids": NOT_RETURNED,
-    "json_schema": GRAMMAR, "regex": GRAMMAR, "ebnf": GRAMMAR,
+    "json_schema": IMPL, "regex": IMPL, "ebnf": IMPL, "response_format": IMPL,
     "stop_regex": refused("zpd has no regex stop conditions"),
-    "response_format": refused("zpd has no constrained decoding", {"type": "text"}),
     "lora_path": LORA, "session_params": refused("zpd has no sessions"),
     "custom_logit_processor": refused("zpd runs no custom logit processors"),
     "bootstrap_host": PD_BOOTSTRAP, "bootstrap_port": PD_BOOTSTRAP,

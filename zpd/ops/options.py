@@ -30,6 +30,10 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags stay None: SamplingParam
                               "logprobs (0-20; implies --return-logprob)"),
     "logprob_start_len": (int, "with logprobs, also the prompt's from this position on "
                                "(SGLang's; -1, the default: none)"),
+    # structured output, one at most (docs/http.md, "Structured output")
+    "regex": (str, "the output matches this regular expression"),
+    "json_schema": (str, "the output is JSON following this schema (given as JSON text)"),
+    "ebnf": (str, "the output follows this grammar (llama.cpp's GBNF, or Lark)"),
 }
 
 

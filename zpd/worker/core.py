@@ -384,16 +384,23 @@ class WorkerCore:
         """`done(*read_request(msg), paused_meanwhile)`: now, or for a long text or chat
         later, on the loop, once the tokenizing thread has its ids (zpd/worker/tokenizing.py);
         until then `key` is in `self.tokenizing.pending` with `tag`, and cancelling it
-        drops it. `paused_meanwhile`: a pause that drops requests (retract, abort) was in
-        force at some time in between; the prefill then drops the generate (as one that
+        drops it. A grammar not compiled yet goes to that thread too (compiled there,
+        read from the cache here). `paused_meanwhile`: a pause that drops requests
+        (retract, abort) was in force at some time in between; the prefill then drops the generate (as one that
         arrived during the pause) and the decode has it recomputed."""
-        if msg.input_ids or not is_long(msg.text, msg.chat):
+        grammar = None if msg.refused else msg.sampling.constraint
+        compiled = self.compute.grammars.compiled(grammar)
+        if (msg.input_ids or not is_long(msg.text, msg.chat)) and compiled:
             done(*self.read_request(msg), False)
             return
         seen = -1 if self.dropping else self.drop_pauses
-        self.tokenizing.submit(key, tag, lambda: self.prompt_ids(msg, on_loop=False),
-                               lambda got: done(*self.read_request(msg, got),
-                                                seen != self.drop_pauses))
+
+        def work() -> list[int]:      # a new grammar compiles here too (engines/grammar.py)
+            if not compiled:
+                self.compute.grammars.compile(grammar)
+            return self.prompt_ids(msg, on_loop=False)
+        self.tokenizing.submit(key, tag, work, lambda got: done(*self.read_request(msg, got),
+                                                                seen != self.drop_pauses))
 
     def read_request(self, msg, tokenized: list[int] | Exception | None = None
                      ) -> tuple[list[int], SamplingParams, StatusError | None]:
@@ -409,6 +416,7 @@ class WorkerCore:
             prompt = self.prompt_ids(msg) if tokenized is None else tokenized
             validate(prompt, params, self.model.cfg, self.pool.layout.page_size, self.pool.num_pages,
                      self.compute.routed_experts)
+            self.compute.grammars.check(params.constraint)
         except StatusError as e:
             return prompt, params, e
         except ValueError as e:

@@ -303,7 +303,7 @@ class DecodeScheduler:
         problem = cached if isinstance(cached, str) else take_routed(req, msg, self.core.model.cfg)
         if problem is None and not req.output:   # after a recompute the decode has its tokens
             problem = self._take_first_token(req, msg)
-            req.finish = self.core.compute.stop(req) if problem is None else None
+            req.finish = self.core.compute.finished(req) if problem is None else None
         elif problem is None and asks_prompt_logprobs_again(req):    # see recompute_sampling
             problem = take_prompt_logprobs(req, msg)
         if problem:                              # the write is over: nothing to fence

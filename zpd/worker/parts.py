@@ -78,12 +78,16 @@ def recompute_sampling(req: Request) -> SamplingParams:
     """A recompute's sampling, asking only what the decode still needs: the prompt's
     logprobs only where it never got them (a retraction caught the KV before it came;
     the prefix is then the prompt itself), else the first answer stays; the sampled
-    token's only where it has no first token yet (the recompute's is then its first)."""
+    token's only where it has no first token yet (the recompute's is then its first),
+    and its grammar only then too (the decode samples every later token, under the
+    matcher that has followed its output)."""
     params = req.params
     if not asks_prompt_logprobs_again(req):
         params = replace(params, logprob_start_len=-1)
         if req.output:
             params = replace(params, return_logprob=False, top_logprobs_num=0, token_ids_logprob=())
+    if req.output:      # the token it samples is not used: the decode follows its grammar
+        params = replace(params, regex=None, json_schema=None, ebnf=None)
     return params
 
 

@@ -281,6 +281,7 @@ class PrefillScheduler:
             validate_prompt_logprobs(len(msg.input_ids), params, self.core.model.cfg)
             validate_routing(len(msg.input_ids) + 1, params, self.core.model.cfg,
                              self.core.compute.routed_experts)
+            self.core.compute.grammars.check(params.constraint)
         except (StatusError, ValueError) as e:
             failure = (getattr(e, "status", BAD_REQUEST), str(e))
         old = self.jobs.get(msg.room)
