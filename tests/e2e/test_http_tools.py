@@ -8,6 +8,8 @@ against `zpd run`'s greedy tokens for the same rendered prompt, read by the same
 reader. The wire shapes of calls are checked on fixed text in tests/unit."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engines.formats.overrides import ModelOverrides
@@ -103,3 +105,33 @@ def test_responses_whole_and_streamed(oai, reference):
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output_text == text
+
+
+# Bounded arguments: the tiny model, free inside a string or a number, writes it on
+# until max_tokens; under an enum it must close the call.
+SET_UNIT = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]}}}
+BOUNDED = [SET_UNIT, TOOLS[1]]        # and noop, which takes no arguments
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "set_unit"}}])
+def test_a_forced_call_is_a_call_to_the_tool(oai, choice):
+    """tool_choice required / named: the output is constrained by the call's grammar, so
+    even the tiny model's text is a call with arguments that fit the tool's schema,
+    whole and streamed, greedy and sampled."""
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        ask = {"model": "tiny", "messages": ROUND[:1], "tools": BOUNDED, "tool_choice": choice,
+               "max_tokens": 100, "parallel_tool_calls": False} | sampling
+        whole = oai.chat.completions.create(**ask)
+        (call,) = whole.choices[0].message.tool_calls
+        assert whole.choices[0].finish_reason == "tool_calls", (call, whole.usage.completion_tokens, sampling)
+        if choice != "required":
+            assert call.function.name == "set_unit"
+        args = json.loads(call.function.arguments)
+        assert args in ({"unit": "c"}, {"unit": "f"}) if call.function.name == "set_unit" \
+            else args == {}, call
+        streamed = list(oai.chat.completions.create(**ask, stream=True))
+        deltas = [t for c in streamed if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        assert deltas[0].function.name == call.function.name
+        assert "".join(t.function.arguments or "" for t in deltas) == call.function.arguments

@@ -10,7 +10,9 @@ schema's order (required ones always, optional ones where the model writes them,
 others), strings, numbers, integers, booleans, null, arrays of `items`, `enum`,
 `const`, `anyOf` / `oneOf` and lists of types. Keywords that bound values (pattern,
 minimum, maxLength, ...) are not enforced, and a schema using `$ref` or `allOf` takes
-any JSON value there: the parser reads the call either way.
+any JSON value there: the parser reads the call either way. Between JSON tokens at
+most one space or line break is allowed, as json_schema's compact default
+(engines/grammar.py): given free whitespace, a weak model can write blanks forever.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import json
 from typing import Any
 
 # Any JSON value, and the pieces of the schema's types (GBNF).
-BASE_RULES = r'''ws ::= [ \t\n]*
+BASE_RULES = r'''ws ::= [ \n]?
 json-string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] ) )* "\""
 json-integer ::= "-"? ( "0" | [1-9] [0-9]* )
 json-number ::= json-integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
@@ -51,7 +53,8 @@ def forced_call_grammar(parser: str, tools: list[dict], parallel: bool = True) -
     calls = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        args = _schema_rule(fn.get("parameters") or {"type": "object"}, f"t{i}-args", rules)
+        params = fn.get("parameters")
+        args = _schema_rule(params, f"t{i}-args", rules) if params else '"{}"'   # no arguments
         head = before + json.dumps(fn["name"], ensure_ascii=False) + middle
         calls.append(f"{_literal(head)} {args} {_literal(after)}")
     rules.insert(0, "call ::= " + " | ".join(f"( {c} )" for c in calls))
