@@ -36,6 +36,14 @@ def forked(s):
     s += "|".join(f["x"] for f in forks)
 
 
+@sgl.function
+def typed(s):
+    s += "Count: "
+    s += sgl.gen("n", dtype=int, max_tokens=8, temperature=0)
+    s += " Sure? "
+    s += sgl.gen("yes", regex=r"(yes|no)", max_tokens=4, temperature=0)
+
+
 def finite(xs) -> bool:
     return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
@@ -55,6 +63,8 @@ def main(url: str) -> None:
                      "scores_finite": finite(meta["normalized_prompt_logprobs"]),
                      "scores": len(meta["normalized_prompt_logprobs"])}
     got["fork"] = forked.run().text()
+    state = typed.run()
+    got["typed"] = {"n": state["n"], "yes": state["yes"]}
     print(json.dumps(got))
 
 

@@ -281,7 +281,8 @@ def test_get_flush_cache_on_the_front(cluster, router):
 
 
 def test_sglang_lang_programs_run_against_the_front(cluster):
-    """gen, run_batch, a stream, fork and select with both of its choice methods, as
+    """gen, run_batch, a stream, fork, typed and regex gens, and select with both of its
+    choice methods, as
     sglang.lang 0.5.23 sends them (its select reads input_token_logprobs of a request
     without logprob_start_len, and of one that starts at prompt length - 2)."""
     python = venv_python("ZPD_SGLANG_VENV", ".venv-sglang", "sglang (the frontend language)")
@@ -300,6 +301,8 @@ def test_sglang_lang_programs_run_against_the_front(cluster):
     assert got["gen"] == got["stream"] == greedy("Hello", 8)
     assert got["batch"] == [greedy("Hello", 8), greedy("The sky is", 8)]
     assert got["fork"] == "Hello" + "|".join(greedy(f"Hello number {i}:", 4) for i in range(2))
+    assert re.fullmatch(r"[-+]?[0-9]+", got["typed"]["n"]), got        # sgl.gen(dtype=int)
+    assert got["typed"]["yes"] in ("yes", "no"), got
     for method in ("unconditional", "token_length"):
         assert got[method]["choice"] in ("blue", "green", "red"), got
         assert got[method]["scores"] == 3 and got[method]["scores_finite"], got
