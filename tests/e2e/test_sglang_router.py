@@ -282,9 +282,9 @@ def test_get_flush_cache_on_the_front(cluster, router):
 
 def test_sglang_lang_programs_run_against_the_front(cluster):
     """gen, run_batch, a stream, fork, typed and regex gens, and select with both of its
-    choice methods, as
-    sglang.lang 0.5.23 sends them (its select reads input_token_logprobs of a request
-    without logprob_start_len, and of one that starts at prompt length - 2)."""
+    choice methods, as sglang.lang 0.5.23 sends them (its select reads
+    input_token_logprobs of a request without logprob_start_len, and of one that starts
+    at prompt length - 2)."""
     python = venv_python("ZPD_SGLANG_VENV", ".venv-sglang", "sglang (the frontend language)")
     script = ROOT / "tests/e2e/sglang_lang_calls.py"
     run = subprocess.run([str(python), str(script), cluster.front], capture_output=True,
