@@ -22,7 +22,7 @@ from engines.models.tiny import tiny_state_dict
 from tests.unit.http_fake import call, front
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_handoff import PROMPT, reference_tiny
-from tests.unit.test_tensor_payload import flattened, serialize
+from tests.unit.test_tensor_payload import flattened, serialize, verl_payload
 from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
 from zpd.wire.admin import JoinWeightsGroup
@@ -183,6 +183,30 @@ def test_a_flattened_bucket_moves_every_worker(cluster, file_system):
     reply = cluster.admin("update_weights_from_tensor", load_format="zip",
                           serialized_named_tensors=["QUJD"])
     assert not reply["ok"] and reply["status"] == 400 and "load_format" in reply["error"]
+
+
+def test_verls_local_serialized_tensors_give_each_worker_its_rank(cluster, file_system):
+    """verl through sglang's weight_sync.utils.update_weights: every entry of
+    serialized_named_tensors the same, each tensor a LocalSerializedTensor of one dump
+    per TP rank; worker i (status order) takes values[i]. Before: 400 "names
+    ...LocalSerializedTensor, which is not one of torch's ... rebuild functions"."""
+    mlp = lambda seed: [(n, t) for n, t in tiny_state_dict(seed).items() if ".mlp." in n]  # noqa: E731
+    payload = verl_payload([mlp(7), mlp(3)])
+    reply = admin(cluster, "update_weights_from_tensor", serialized_named_tensors=[payload] * 2,
+                  weight_version="verl1")
+    assert reply["ok"], reply
+    order = [w.endpoint for w in cluster.router.workers]
+    cores = {core.endpoint: core for core in (cluster.prefill, cluster.decode)}
+    for endpoint, seed in zip(order, (7, 3)):
+        want = dict(load_model(f"tiny:{seed}", dtype="float64").net.named_parameters())
+        got = dict(cores[endpoint].model.net.named_parameters())
+        assert all(torch.equal(got[n], want[n]) for n in want if ".mlp." in n)
+    # verl at infer_tp 1: one value, every worker takes it; then generation follows it
+    reply = admin(cluster, "update_weights_from_tensor",
+                  serialized_named_tensors=[verl_payload([list(W2.items())])])
+    assert reply["ok"] and weights_equal(cluster, "tiny:7"), reply
+    rid = cluster.submit(PROMPT, 8)
+    assert cluster.run(rid).token_ids == reference_tiny("tiny:7", PROMPT, 8)
 
 
 def test_one_entry_per_worker_in_status_order(cluster, file_system):

@@ -170,10 +170,14 @@ class RouterWeightSync:
         if len(entries) not in (1, len(workers)):
             raise BadArgs(f"'serialized_named_tensors' has {len(entries)} entries: give one "
                           f"(every worker takes it) or one per worker ({len(workers)})")
-        index = {w.endpoint: (i if len(entries) > 1 else 0) for i, w in enumerate(workers)}
+        index = {w.endpoint: i for i, w in enumerate(workers)}
         update_id = uuid.uuid4().hex
-        self.two_phase(Push(update_id, lambda w: StageTensors(update_id, entries[index[w.endpoint]],
-                                                              cmd.load_format),
+
+        def stage(w: Worker) -> StageTensors:
+            i = index[w.endpoint]
+            return StageTensors(update_id, entries[i if len(entries) > 1 else 0],
+                                cmd.load_format, i, len(workers))
+        self.two_phase(Push(update_id, stage,
                             cmd.weight_version, "tensors", None, timeout,
                             self.server.loop.time()), reply)
 
