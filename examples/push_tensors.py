@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import json
 import sys
+import types
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -54,7 +56,9 @@ def load_weights(spec: str) -> dict[str, torch.Tensor]:
 
 @dataclass
 class FlattenedTensorMetadata:
-    """SGLang's metadata of one tensor in a flat bucket (byte offsets here)."""
+    """SGLang's metadata of one tensor in a flat bucket (sglang 0.5: byte offsets and a
+    byte count). zpd takes it only as SGLang's class, so without sglang installed this
+    stand-in pickles under SGLang's module path."""
     name: str
     shape: torch.Size
     dtype: torch.dtype
@@ -63,12 +67,28 @@ class FlattenedTensorMetadata:
     numel: int
 
 
+BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
+
+
+def metadata_class() -> type:
+    """SGLang's own class where sglang is installed, else the stand-in under its name."""
+    try:
+        return importlib.import_module(BUCKET_MODULE).FlattenedTensorMetadata
+    except ImportError:
+        for i in range(1, BUCKET_MODULE.count(".") + 2):
+            name = ".".join(BUCKET_MODULE.split(".")[:i])
+            sys.modules.setdefault(name, types.ModuleType(name))
+        FlattenedTensorMetadata.__module__ = BUCKET_MODULE
+        sys.modules[BUCKET_MODULE].FlattenedTensorMetadata = FlattenedTensorMetadata
+        return FlattenedTensorMetadata
+
+
 def flattened(named: list[tuple[str, torch.Tensor]]) -> dict:
-    parts, metadata, at = [], [], 0
+    """What SGLang's FlattenedTensorBucket holds: every tensor's bytes back to back."""
+    record, parts, metadata, at = metadata_class(), [], [], 0
     for name, t in named:
         raw = t.contiguous().view(-1).view(torch.uint8)
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + raw.numel(),
-                                                t.numel()))
+        metadata.append(record(name, t.shape, t.dtype, at, at + raw.numel(), raw.numel()))
         parts.append(raw)
         at += raw.numel()
     return {"flattened_tensor": torch.cat(parts), "metadata": metadata}

@@ -86,15 +86,18 @@ class InThread:
 class TrainerProc:
     """tests/e2e/trainer_proc.py, joined to the cluster's workers."""
 
-    def __init__(self, cluster: Cluster, *flags: str) -> None:
-        self.port, world = free_port(), len(cluster.info["workers"]) + 1
+    def __init__(self, cluster: Cluster, *flags: str, world: int | None = None,
+                 seed: int = 7) -> None:
+        """`world`: the group's size (left out: one rank per worker, and the trainer's)."""
+        self.port, world = free_port(), world or len(cluster.info["workers"]) + 1
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.trainer_proc", str(self.port),
-                                      str(world), "7", *flags], cwd=ROOT, text=True,
+                                      str(world), str(seed), *flags], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         status, answer = post(cluster, "/init_weights_update_group", {     # AReaL's string port
             "master_address": "127.0.0.1", "master_port": str(self.port), "rank_offset": 1,
             "world_size": world, "group_name": GROUP, "backend": "gloo"})
         assert status == 200 and answer["success"], answer
+        self.joined = answer
         assert self.proc.stdout.readline().strip() == "joined"
 
     def push(self) -> None:
@@ -150,6 +153,34 @@ def test_retract_push_continue_is_exact(request, shape, models):
         assert fresh["weight_versions"] == ["v2"] * 12
         assert_all_pages_free(client)
     assert versions(cluster) == {"v2"}
+
+
+def test_one_rank_for_the_cluster_relays_to_every_worker(one_one):
+    """AReaL's `sglang:d1` against a 1P1D cluster: world_size 2, rank_offset 1 (before:
+    400 "rank_offset 1 + 2 workers exceeds world_size 2"). One worker joins the
+    trainer process's group and relays each broadcast to the other: both take the new
+    weights, and greedy output is `zpd run`'s with them."""
+    trainer = TrainerProc(one_one, world=2, seed=4)
+    try:
+        assert len(trainer.joined["ranks"]) == 1 and len(trainer.joined["relay"]["to"]) == 1
+        tensors = tiny_state_dict(4)
+        answer = InThread(post, one_one, "/update_weights_from_distributed",
+                          announce(tensors) | {"weight_version": "relayed"})
+        trainer.push()
+        status, got = answer.result()
+        assert status == 200 and got["success"], got
+        trainer.wait_for("done")
+    finally:
+        trainer.close()
+    weights = get_json(one_one, "/get_weight_version")["weight_versions"]
+    assert len(weights) == 2 and set(weights.values()) == {"relayed"}, weights
+    prompt = [9, 8, 7, 6, 5]
+    with one_one.client() as client:
+        got = client.generate(input_ids=prompt, sampling_params={
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        assert got["output_ids"] == _greedy(load_model("tiny:4", dtype="float64"), prompt, 8)
+        assert_all_pages_free(client)
+    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
 
 
 # --- failures: every worker keeps what it had -----------------------------------------

@@ -113,12 +113,6 @@ def take(body: dict, name: str, check: Check, default: Any = None) -> Any:
     return default if value is None else check(name, value)
 
 
-def refuse_unknown(body: dict, known: Iterable[str], where: str = "the body") -> None:
-    unknown = sorted(set(body) - set(known))
-    if unknown:
-        raise BadRequest(f"{where} has unknown or unsupported field(s): {', '.join(unknown)}")
-
-
 def boolean(name: str, value: Any) -> bool:
     if type(value) is not bool:
         raise BadRequest(f"{name!r} must be true or false, not {_kind(value)}")
