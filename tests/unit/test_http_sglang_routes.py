@@ -207,3 +207,25 @@ def test_admin_routes_take_unknown_keys_and_log_each_once(caplog):
     assert sum("'abort_all_request'" in m for m in logged) == 1, logged
     assert any("/continue_generation" in m and "'rid'" in m for m in logged), logged
     assert call(f, "POST", "/update_weights_from_disk", {"abort_all_request": True})[0] == 400
+
+
+def test_get_weights_by_name_answers_sglangs_nested_list():
+    """SGLang's {"name", "truncate_size"} (GET or POST): the JSON body is the first
+    worker's rows, a nested list; a worker's refusal keeps its status."""
+    rows = [[0.5, -1.0], [2.0, 0.25]]
+    f, backend = cluster_front(get_weights={"ok": True, "workers": [
+        {"ok": True, "role": "prefill", "endpoint": "p:1", "values": rows},
+        {"ok": True, "role": "decode", "endpoint": "d:1", "values": rows}]})
+    name = "model.layers.0.self_attn.q_proj.weight"
+    status, got = call(f, "POST", "/get_weights_by_name", {"name": name, "truncate_size": 2})
+    assert status == 200 and got == rows
+    assert call(f, "GET", f"/get_weights_by_name?name={name}")[1] == rows
+    assert backend.admins[-2:] == [("get_weights", {"name": name, "truncate_size": 2}),
+                                   ("get_weights", {"name": name, "truncate_size": 100})]
+    for bad in ({}, {"name": name, "truncate_size": 0}, {"name": name, "truncate_size": "x"}):
+        assert call(f, "POST", "/get_weights_by_name", bad)[0] == 400, bad
+    f, _ = cluster_front(get_weights={"ok": False, "workers": [
+        {"ok": False, "role": "decode", "endpoint": "d:1", "status": 400,
+         "error": "no weight named 'x' in this model"}]})
+    status, got = call(f, "POST", "/get_weights_by_name", {"name": "x"})
+    assert status == 400 and "no weight named 'x'" in got["error"]["message"]

@@ -234,6 +234,14 @@ def test_verls_local_serialized_tensors_give_each_worker_its_rank(cluster, file_
     assert reply["ok"] and weights_equal(cluster, "tiny:7"), reply
     rid = cluster.submit(PROMPT, 8)
     assert cluster.run(rid).token_ids == reference_tiny("tiny:7", PROMPT, 8)
+    # and SGLang's get_weights_by_name reads them back (q_proj: rows of the packed qkv)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
+        reply = cluster.admin("get_weights", name=name, truncate_size=3)
+        assert reply["ok"], reply
+        want = W2[name][:3].to(torch.float32).tolist()
+        assert all(w["values"] == want for w in reply["workers"]), name
+    reply = cluster.admin("get_weights", name="model.nope.weight")
+    assert not reply["ok"] and "no weight named" in reply["workers"][0]["error"]
 
 
 def test_one_entry_per_worker_in_status_order(cluster, file_system):

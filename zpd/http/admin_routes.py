@@ -13,7 +13,7 @@ from aiohttp import web
 
 from zpd.http.front import FRONT, Front, json_response, read_body
 from zpd.http.records import BadRequest, boolean, stop_strings, string, take
-from zpd.wire.admin import (AbortAll, AbortRequest, AdminCommand, Continue, FlushCache, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, UpdateWeightVersion, parse)
+from zpd.wire.admin import (AbortAll, AbortRequest, AdminCommand, Continue, FlushCache, GetWeights, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, UpdateWeightVersion, parse)
 from zpd.wire.admin_fields import MEMORY_TAGS, BadArgs
 
 routes = web.RouteTableDef()
@@ -106,6 +106,25 @@ async def get_weight_version(request: web.Request) -> web.Response:
     return json_response({"weight_version": versions.most_common(1)[0][0] if versions else None,
                           "weight_versions": {w["endpoint"]: w.get("weight_version")
                                               for w in workers}})
+
+
+@routes.get("/get_weights_by_name")
+@routes.post("/get_weights_by_name")
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    """SGLang's {"name", "truncate_size" (100)}: the weight's first truncate_size rows
+    as float32 values in nested lists (a 1-D weight: a flat list), the JSON body itself,
+    from the first worker of the router's status (every worker serves the same ones)."""
+    body = await read_body(request, required=False) or dict(request.query)   # GET ?name=
+    if isinstance(body.get("truncate_size"), str) and body["truncate_size"].isdigit():
+        body["truncate_size"] = int(body["truncate_size"])
+    ignore_unknown(request, body, ("name", "truncate_size"))
+    cmd = command(GetWeights, name=body.get("name"), truncate_size=body.get("truncate_size"))
+    reply = await send(request.app[FRONT], cmd)
+    workers = reply.get("workers", [])
+    if _all_ok(reply) and workers:
+        return json_response(workers[0]["values"])
+    status, message = failure(reply)
+    raise BadRequest(message, status)
 
 
 @routes.post("/update_weight_version")

@@ -20,12 +20,12 @@ from typing import Any, ClassVar, Mapping
 
 from zpd.wire.admin_fields import (BACKEND, COUNT, INDEX, BadArgs, Check, LIST, LOAD_FORMAT, MAX_SECONDS,
                                   MAX_TIMEOUT_S, MEMORY_TAGS, MODE, NAME, NAMES, OBJECT,
-                                  PAYLOAD, PAYLOADS, PORT, PauseMode, RANK, RANK_OFFSET, RID,
+                                  PAYLOAD, PAYLOADS, PORT, PauseMode, RANK, RANK_OFFSET, RID, ROWS,
                                   SECONDS, STRINGS, TAGS, TEXT, TRAINER_INIT, VERSION, WORLD,
                                   arg)
 from zpd.wire.admin_reply import (AdminResult, Cancelled, Continued, Destroyed, Discarded,
                                   Flushed, Joined, MemoryState, NoResult, StagedPush,
-                                  VersionChanged, WeightVersion, WorkerStatus)
+                                  VersionChanged, WeightValues, WeightVersion, WorkerStatus)
 from zpd.wire.messages import Admin
 
 
@@ -128,6 +128,15 @@ class UpdateWeightVersion(AdminCommand):
     RESULT: ClassVar[type[AdminResult]] = VersionChanged
     ALIASES: ClassVar[Mapping[str, str]] = {"version": "weight_version"}
     weight_version: str = arg(TEXT)
+
+
+@dataclass(frozen=True, slots=True)
+class GetWeights(AdminCommand):
+    """SGLang's get_weights_by_name: the first `truncate_size` rows of weight `name`."""
+    COMMAND: ClassVar[str] = "get_weights"
+    RESULT: ClassVar[type[AdminResult]] = WeightValues
+    name: str = arg(NAME)
+    truncate_size: int = arg(ROWS, 100)
 
 
 class _Tagged:
@@ -305,7 +314,7 @@ class CancelWeightUpdate(AdminCommand):
 
 COMMANDS: Mapping[str, type[AdminCommand]] = {cls.COMMAND: cls for cls in (
     Pause, Continue, Status, FlushCache, AbortRequest, AbortAll, UpdateWeights,
-    UpdateWeightVersion, ReleaseMemory, ResumeMemory, InitWeightsGroup, JoinWeightsGroup,
+    UpdateWeightVersion, GetWeights, ReleaseMemory, ResumeMemory, InitWeightsGroup, JoinWeightsGroup,
     UpdateFromDistributed, StageWeights, UpdateFromTensor, StageTensors, CommitWeights,
     DiscardWeights, DestroyWeightsGroup, CancelWeightUpdate)}
 
