@@ -5,8 +5,9 @@ POST /update_weights_from_tensor {"serialized_named_tensors": [...], ...}.
 Each entry is base64 of a torch `ForkingPickler` dump of `[(name, tensor), ...]`: only
 handles of the trainer's shared memory travel, so the zpd workers must run on this
 host. CPU tensors must be shared with torch's "file_system" strategy (the default,
-"file_descriptor", hands file descriptors to the trainer's own children only, and
-zpd refuses it); CUDA tensors travel as CUDA IPC handles. The trainer keeps the
+"file_descriptor", hands file descriptors to the trainer's own multiprocessing
+children only: a cluster started apart answers 400 naming the fix); CUDA tensors
+travel as CUDA IPC handles. The trainer keeps the
 tensors alive until the answer, which comes once every worker has the new weights,
 or none has.
 

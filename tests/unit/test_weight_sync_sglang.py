@@ -86,6 +86,10 @@ def test_one_rank_for_two_workers_relays_inside_the_cluster(cluster):
         assert got["ok"] and t.wait() is None, got
         first, second = (w.endpoint for w in cluster.router.workers)
         assert got["ranks"] == {first: 1} and got["relay"] == {"from": first, "to": [second]}
+        q = "model.layers.0.self_attn.q_proj.weight"       # refused: drained through the relay
+        bad = push(cluster, t, W2 | {q: torch.zeros(W2[q].shape[0] + 1, W2[q].shape[1])})
+        assert not bad["ok"] and {w["status"] for w in bad["workers"]} == {400}, bad
+        assert versions(cluster) == ["tiny", "tiny"] and t.error is None
         assert push(cluster, t, W2, version="r1")["ok"]
         assert versions(cluster) == ["r1", "r1"] and weights_equal(cluster, "tiny:7")
         rid = cluster.submit(PROMPT, 8)
