@@ -394,19 +394,22 @@ def get_json(cluster: Cluster, path: str) -> dict:
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("per_rank", [False, True], ids=["one-entry", "per-rank-bucket"])
+@pytest.mark.parametrize("per_rank", [False, True, "verl"],
+                         ids=["one-entry", "per-rank-bucket", "verl-per-rank"])
 def test_update_weights_from_tensor_from_another_process(one_one, per_rank):
     """examples/push_tensors.py, another process on the host, sends SGLang's payload
-    (ForkingPickler handles of shared memory; one entry, or one per rank as flattened
-    buckets): greedy output is the new weights', /get_weight_version reports it."""
-    seed, version = (5, "t5") if not per_rank else (6, "t6")
+    (ForkingPickler handles of shared memory; one entry, one per rank as flattened
+    buckets, or verl's LocalSerializedTensor per tensor): greedy output is the new
+    weights', /get_weight_version reports it."""
+    seed, version = {False: (5, "t5"), True: (6, "t6"), "verl": (3, "t3")}[per_rank]
     # Output to a file, not a pipe: the trainer's torch_shm_manager inherits it and
     # lives on while a worker stays connected to it (torch's libshm keeps that socket).
     out = one_one.log.parent / f"push_tensors_{seed}.out"
     with open(out, "w") as sink:
         done = subprocess.run([sys.executable, "examples/push_tensors.py", "--url",
                                f"http://{one_one.info['http']}", "--weights", f"tiny:{seed}",
-                               "--version", version] + ["--per-rank", "--bucket"] * per_rank,
+                               "--version", version] + ["--per-rank", "--bucket"] * (per_rank is True)
+                              + ["--per-rank", "--verl"] * (per_rank == "verl"),
                               cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=120)
     assert done.returncode == 0, out.read_text()
     assert "/update_weights_from_tensor: weights updated" in out.read_text()
