@@ -280,13 +280,15 @@ def generates(cluster: Cluster) -> bool:
     return status == 200 and len(got["output_ids"]) == 4
 
 
-def test_a_killed_sync_helper_ends_the_push_at_once(one_one):
+@pytest.mark.parametrize("world", [None, 2], ids=["direct", "relay"])
+def test_a_killed_sync_helper_ends_the_push_at_once(one_one, world):
     """SIGKILL of the decode's weight-sync helper while its trainer, alive, is silent
     mid-push: the push answers 500 naming the signal within seconds (the prefill's
     receive is ended, not left to its 300 s limit), no helper is left, the old weights
-    serve, and a new group's push lands."""
+    serve, and a new group's push lands. The same when the decode is the relay's
+    target (one rank for the cluster)."""
     before = versions(one_one)
-    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "600")
+    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "600", world=world)
     try:
         answer = InThread(post, one_one, "/update_weights_from_distributed",
                           announce(tiny_state_dict(7)) | {"weight_version": "never"})
