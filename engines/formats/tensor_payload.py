@@ -6,10 +6,12 @@ A pickle is a program: unpickled as it comes it can call anything it names
 (`os.system`, `builtins.eval`). `NamedTensorUnpickler.find_class` admits only what
 torch's own reductions of a tensor name, and hands out checked wrappers of them:
 
-- `rebuild_tensor`, `rebuild_typed_storage`, `rebuild_storage_empty`, and
+- `rebuild_tensor`, `rebuild_typed_storage`, `rebuild_storage_empty`,
   `rebuild_storage_filename` (CPU tensors shared with the "file_system" strategy;
-  the manager socket and the segment name must look like torch's own) and
-  `rebuild_cuda_tensor` (CUDA IPC), each with its arguments' types checked;
+  the manager socket and the segment name must look like torch's own),
+  `rebuild_storage_fd` (below) and `rebuild_cuda_tensor` (CUDA IPC), each with its
+  arguments' types checked, and SGLang's patched CUDA rebuild
+  (`_rebuild_cuda_tensor_modified`, the device named by its UUID) checked as torch's;
 - torch dtypes and `torch.Size`, and the classes those functions take as an
   argument (`torch.Tensor`, `torch.nn.Parameter`, torch's storage classes) as
   inert markers: a pickle cannot call them (a `torch.Tensor(n)` or
@@ -19,9 +21,7 @@ SGLang's record classes are admitted by module and name and built as inert recor
 (engines/formats/sglang_records.py): `FlattenedTensorMetadata` (load format
 "flattened_bucket": `{"flattened_tensor": T, "metadata": [...]}`, in SGLang 0.5's
 byte layout or the older element one) and `LocalSerializedTensor` (verl's path:
-per tensor, one nested dump per rank, each decoded by this same unpickler). So is
-SGLang's patched CUDA rebuild (`_rebuild_cuda_tensor_modified`, the device named by
-its UUID), checked as torch's own.
+per tensor, one nested dump per rank, each decoded by this same unpickler).
 
 CPU tensors shared by file descriptor (torch's default strategy) arrive as
 `multiprocessing.resource_sharer.DupFd`: received only where the sender hands the
