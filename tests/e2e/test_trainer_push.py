@@ -155,32 +155,41 @@ def test_retract_push_continue_is_exact(request, shape, models):
     assert versions(cluster) == {"v2"}
 
 
-def test_one_rank_for_the_cluster_relays_to_every_worker(one_one):
-    """AReaL's `sglang:d1` against a 1P1D cluster: world_size 2, rank_offset 1 (before:
-    400 "rank_offset 1 + 2 workers exceeds world_size 2"). One worker joins the
-    trainer process's group and relays each broadcast to the other: both take the new
-    weights, and greedy output is `zpd run`'s with them."""
-    trainer = TrainerProc(one_one, world=2, seed=4)
+@pytest.mark.parametrize("shape, world, seed, version", [
+    ("one_one", 2, 4, "relayed"),
+    ("two_two", 3, 7, "v2"),        # the version test_samples_share_a_prompt... allows
+])
+def test_fewer_ranks_than_workers_relay_to_every_worker(request, shape, world, seed, version):
+    """AReaL's `sglang:d1` against 1P1D: world_size 2, rank_offset 1 (before: 400
+    "rank_offset 1 + 2 workers exceeds world_size 2"); and two ranks for 2P2D. That
+    many workers join the trainer process's group, the first relays each broadcast
+    to the rest: every worker takes the new weights, and greedy output is `zpd
+    run`'s with them."""
+    cluster = request.getfixturevalue(shape)
+    trainer = TrainerProc(cluster, world=world, seed=seed)
+    workers = len(cluster.info["workers"])
     try:
-        assert len(trainer.joined["ranks"]) == 1 and len(trainer.joined["relay"]["to"]) == 1
-        tensors = tiny_state_dict(4)
-        answer = InThread(post, one_one, "/update_weights_from_distributed",
-                          announce(tensors) | {"weight_version": "relayed"})
+        assert len(trainer.joined["ranks"]) == world - 1
+        assert len(trainer.joined["relay"]["to"]) == workers - (world - 1)
+        answer = InThread(post, cluster, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(seed)) | {"weight_version": version})
         trainer.push()
         status, got = answer.result()
         assert status == 200 and got["success"], got
         trainer.wait_for("done")
     finally:
         trainer.close()
-    weights = get_json(one_one, "/get_weight_version")["weight_versions"]
-    assert len(weights) == 2 and set(weights.values()) == {"relayed"}, weights
+    weights = get_json(cluster, "/get_weight_version")["weight_versions"]
+    assert len(weights) == workers and set(weights.values()) == {version}, weights
     prompt = [9, 8, 7, 6, 5]
-    with one_one.client() as client:
-        got = client.generate(input_ids=prompt, sampling_params={
-            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
-        assert got["output_ids"] == _greedy(load_model("tiny:4", dtype="float64"), prompt, 8)
+    with cluster.client() as client:
+        for _ in range(workers // 2):          # as many calls as pairs (the router picks)
+            got = client.generate(input_ids=prompt, sampling_params={
+                "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            assert got["output_ids"] == _greedy(load_model(f"tiny:{seed}", dtype="float64"),
+                                                prompt, 8)
         assert_all_pages_free(client)
-    assert post(one_one, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
+    assert post(cluster, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
 
 
 # --- failures: every worker keeps what it had -----------------------------------------
