@@ -19,6 +19,10 @@ Methods, run in a rotated order each round; seconds are medians over rounds:
   router has the commit from every worker (so it also holds one HTTP reply).
 - push buckets: the same with load_format "flattened_bucket", one call per
   --bucket-mb bucket (built before timing), from the first broadcast to the last answer.
+- push relay / relay buckets: the same two through a group that gives the cluster
+  one rank (world_size 2, AReaL's `sglang:d1`, built as SGLang's
+  init_custom_process_group): one worker receives and passes each broadcast on to
+  the other (zpd/worker/weights/trainer_group.py). Against push: the relay's cost.
 - from disk: POST /update_weights_from_disk of the checkpoint directory (just
   written, so read from the page cache).
 Each cluster update loads the checkpoint the cluster does not hold (two random
@@ -52,10 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import log_step, make_model, med, wait_quiet  # noqa: E402
 from tests.e2e.cluster import Cluster  # noqa: E402
+from tests.unit.trainer_side import sglang_style_group  # noqa: E402
 
 GROUP = "bench_weight_sync"
 STOP, TENSORS, BUCKETS, FRESH = 0, 1, 2, 3           # raw receivers' commands
-METHODS = ("raw", "raw fresh", "raw buckets", "push", "push buckets", "from disk")
+METHODS = ("raw", "raw fresh", "raw buckets", "push", "push buckets", "push relay",
+           "relay buckets", "from disk")
+RELAY_GROUP = "bench_weight_sync_relay"
 RECEIVED = re.compile(r"received \d+ bytes from group .* in ([\d.]+) s")
 COMMITTED = re.compile(r"committed: version .* \(\d+ elements, ([\d.]+) s\)")
 Weights = dict[str, torch.Tensor]
@@ -204,21 +211,29 @@ class RawBaseline:
 # --- the cluster ------------------------------------------------------------------------------
 
 class Trainer:
-    """Rank 0 of the cluster's weight group, pushing over HTTP + torch.distributed."""
+    """Rank 0 of a weight group of the cluster's, pushing over HTTP + torch.distributed:
+    GROUP, this process's default group with a rank per worker, or RELAY_GROUP, a
+    named group of world size 2 (the cluster relays). `offsets`: how far the workers'
+    logs were read, shared by the trainers."""
 
-    def __init__(self, url: str, workers: int, logs: Path, timeout_s: float) -> None:
-        self.url, self.timeout, self.logs = url, timeout_s, logs
+    def __init__(self, url: str, world: int, logs: Path, timeout_s: float,
+                 offsets: dict[Path, int], name: str = GROUP) -> None:
+        self.url, self.timeout, self.logs, self.name = url, timeout_s, logs, name
         self.pool = ThreadPoolExecutor(1)
-        self.offsets: dict[Path, int] = {}
+        self.offsets = offsets
         self.log_breakdown()                     # skip what the start logged
-        port = free_port()
-        answer = self.pool.submit(post, url, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-            "world_size": workers + 1, "group_name": GROUP, "backend": "gloo",
-            "trainer_init": "init_process_group"}, timeout_s)      # this process's default group
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                world_size=workers + 1, rank=0,
-                                timeout=timedelta(seconds=timeout_s))
+        port, timeout = free_port(), timedelta(seconds=timeout_s)
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                "world_size": world, "group_name": name, "backend": "gloo"}
+        if name == GROUP:                         # this process's default group
+            answer = self.pool.submit(post, url, "/init_weights_update_group",
+                                      body | {"trainer_init": "init_process_group"}, timeout_s)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    world_size=world, rank=0, timeout=timeout)
+            self.group = None
+        else:
+            answer = self.pool.submit(post, url, "/init_weights_update_group", body, timeout_s)
+            self.group = sglang_style_group("127.0.0.1", port, world, name, "gloo", timeout)
         ok("/init_weights_update_group", answer.result(timeout_s))
 
     def push(self, tensors: Weights, flats: Buckets | None, version: str) -> tuple[float, float]:
@@ -229,13 +244,13 @@ class Trainer:
         for names, flat in calls:
             part = [tensors[n] for n in names]
             body = {"names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in part],
-                    "shapes": [list(t.shape) for t in part], "group_name": GROUP,
+                    "shapes": [list(t.shape) for t in part], "group_name": self.name,
                     "weight_version": version} | ({"load_format": "flattened_bucket"} if flats else {})
             answer = self.pool.submit(post, self.url, "/update_weights_from_distributed", body,
                                       self.timeout)
             started = started or time.perf_counter()
             for t in [flat] if flats else part:
-                dist.broadcast(t, src=0)
+                dist.broadcast(t, src=0, group=self.group)
             router += ok("/update_weights_from_distributed", answer.result(self.timeout))["seconds"]
         return time.perf_counter() - started, router
 
@@ -260,8 +275,8 @@ class Trainer:
         return max(recv), max(commit)
 
     def close(self) -> None:
-        post(self.url, "/destroy_weights_update_group", {"group_name": GROUP}, 60)
-        dist.destroy_process_group()
+        post(self.url, "/destroy_weights_update_group", {"group_name": self.name}, 60)
+        dist.destroy_process_group(self.group)
         self.pool.shutdown()
 
 
@@ -277,6 +292,7 @@ class Bench:
     flats: list[Buckets]
     refs: list[list[int]]                     # each checkpoint's greedy output
     trainer: Trainer
+    relay: Trainer
     raw: RawBaseline
     held: int = 1
     updates: int = 0
@@ -297,7 +313,8 @@ class Bench:
                 took, router = self.trainer.from_disk(self.dirs[target], version), float("nan")
             else:
                 flats = self.flats[target] if "buckets" in method else None
-                took, router = self.trainer.push(self.weights[target], flats, version)
+                trainer = self.relay if "relay" in method else self.trainer
+                took, router = trainer.push(self.weights[target], flats, version)
             self.check(target, version)
         self.times[method].append((took, router, *self.trainer.log_breakdown()))
         return took
@@ -321,12 +338,15 @@ def report(bench: Bench, nbytes: int, rounds: int) -> None:
     raw = med_s["raw"][0]
     for m, (s, router, recv, commit) in med_s.items():
         best = min(r[0] for r in bench.times[m])
-        extra = f"{router:>10.3f}{recv:>8.3f}{commit:>10.3f}" if m.startswith("push") else ""
+        extra = f"{router:>10.3f}{recv:>8.3f}{commit:>10.3f}" if "push" in m or "relay" in m \
+            else ""
         print(f"{m:<14}{s:>9.3f}{best:>8.3f}{nbytes / s / 1e6:>9.1f}{raw / s:>7.2f}{extra}")
     print(f"ratio push/raw bytes/s: {raw / med_s['push'][0]:.2f} (target >= 0.8)")
     print(f"ratio push buckets/raw bytes/s: {raw / med_s['push buckets'][0]:.2f} "
           f"(vs raw buckets: {med_s['raw buckets'][0] / med_s['push buckets'][0]:.2f})")
     print(f"ratio from disk/raw bytes/s: {raw / med_s['from disk'][0]:.2f}")
+    print(f"relay cost: push relay / push seconds {med_s['push relay'][0] / med_s['push'][0]:.2f}, "
+          f"relay buckets / push buckets {med_s['relay buckets'][0] / med_s['push buckets'][0]:.2f}")
 
 
 def rounds(bench: Bench, n: int) -> None:
@@ -383,14 +403,16 @@ def main() -> int:
                   f"cluster 1P1D ({workers} workers, --threads 1), {os.cpu_count()} CPUs")
             log_step("starting the raw receivers and joining the cluster's group")
             raw = RawBaseline(workers, weights[0], [f.numel() for _, f in flats[0]], args.timeout)
-            trainer = None
+            trainers: list[Trainer] = []
             try:
-                trainer = Trainer(url, workers, tmp / "logs", args.timeout)
-                bench = Bench(args, dirs, weights, flats, refs, trainer, raw)
+                offsets: dict[Path, int] = {}
+                for world, name in ((workers + 1, GROUP), (2, RELAY_GROUP)):
+                    trainers.append(Trainer(url, world, tmp / "logs", args.timeout, offsets, name))
+                bench = Bench(args, dirs, weights, flats, refs, *trainers, raw)
                 rounds(bench, args.rounds)
             finally:
-                if trainer is not None:
-                    trainer.close()
+                for trainer in reversed(trainers):     # the default group's last: it
+                    trainer.close()                     # ends every group
                 raw.close()
     report(bench, nbytes, args.rounds)
     print("weights check: PASS (every update gave its checkpoint's greedy output)")

@@ -6,24 +6,30 @@ A pickle is a program: unpickled as it comes it can call anything it names
 (`os.system`, `builtins.eval`). `NamedTensorUnpickler.find_class` admits only what
 torch's own reductions of a tensor name, and hands out checked wrappers of them:
 
-- `rebuild_tensor`, `rebuild_typed_storage`, `rebuild_storage_empty`, and
+- `rebuild_tensor`, `rebuild_typed_storage`, `rebuild_storage_empty`,
   `rebuild_storage_filename` (CPU tensors shared with the "file_system" strategy;
-  the manager socket and the segment name must look like torch's own) and
-  `rebuild_cuda_tensor` (CUDA IPC), each with its arguments' types checked;
+  the manager socket and the segment name must look like torch's own),
+  `rebuild_storage_fd` (below) and `rebuild_cuda_tensor` (CUDA IPC), each with its
+  arguments' types checked, and SGLang's patched CUDA rebuild
+  (`_rebuild_cuda_tensor_modified`, the device named by its UUID) checked as torch's;
 - torch dtypes and `torch.Size`, and the classes those functions take as an
   argument (`torch.Tensor`, `torch.nn.Parameter`, torch's storage classes) as
   inert markers: a pickle cannot call them (a `torch.Tensor(n)` or
   `UntypedStorage(n)` would allocate what the pickle asks).
 
-With SGLang's load format "flattened_bucket" an entry is instead
-`{"flattened_tensor": T, "metadata": [FlattenedTensorMetadata(name, shape, dtype,
-start_idx, end_idx, numel), ...]}`: a class named FlattenedTensorMetadata (SGLang's,
-or a framework's copy of it) unpickles as `BucketEntry`, an inert record of ours.
+SGLang's record classes are admitted by module and name and built as inert records
+(engines/formats/sglang_records.py): `FlattenedTensorMetadata` (load format
+"flattened_bucket": `{"flattened_tensor": T, "metadata": [...]}`, in SGLang 0.5's
+byte layout or the older element one) and `LocalSerializedTensor` (verl's path:
+per tensor, one nested dump per rank, each decoded by this same unpickler).
+
+CPU tensors shared by file descriptor (torch's default strategy) arrive as
+`multiprocessing.resource_sharer.DupFd`: received only where the sender hands the
+descriptor over, i.e. to its own multiprocessing child (engines/formats/shared_fd.py);
+anywhere else refused, naming the fix (the "file_system" strategy).
 
 Everything else is refused naming it: arbitrary classes, torch.load's storage
-loaders, and `multiprocessing.resource_sharer.DupFd`, what torch's default
-"file_descriptor" strategy sends (the worker would connect to a socket the payload
-names, with credentials it does not have).
+loaders, any other global.
 
 The memory the handles name is on the trainer's host: the worker must run there
 (SGLang's colocated mode). The bytes every storage maps, and the tensor count, are
@@ -37,7 +43,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import math
+import os
 import pickle
 import re
 from typing import Any
@@ -45,16 +51,17 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from engines.formats.payload_checks import (PayloadError, dtype as _dtype,
+                                            integer as _int, sizes as _ints)
+from engines.formats.sglang_records import RECORDS, PerRank, unbucketed
+from engines.formats.shared_fd import Detached, SharedFd, checked_fd_size, fd_argument
+
+__all__ = ["MAX_PAYLOAD_CHARS", "NamedTensorUnpickler", "PayloadError", "decode_named_tensors"]
+
 MAX_PAYLOAD_CHARS = 8 << 20     # one rank's base64 text; handles are ~200 bytes a tensor
 _MANAGER = re.compile(rb"(/[\w.-]+)*/torch-shm-dir-\w+/manager\.sock")
 _SEGMENT = re.compile(rb"/torch_\d+_\d+_\d+")
-_FILE_SYSTEM_HINT = ("call torch.multiprocessing.set_sharing_strategy(\"file_system\") in the "
-                     "trainer before serializing")
-
-
-class PayloadError(ValueError):
-    """The payload is not SGLang's serialized named tensors, or asks for more than
-    is allowed: refused, nothing mapped is kept."""
+_UUID = re.compile(r"(GPU-)?[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class _Marker:
@@ -75,37 +82,14 @@ _STORAGES = {("torch.storage", "UntypedStorage"): torch.UntypedStorage,
              ("torch.storage", "TypedStorage"): torch.TypedStorage,
              ("torch", "TypedStorage"): torch.TypedStorage}
 _REDUCTIONS = "torch.multiprocessing.reductions"
+# SGLang's monkey_patch_torch_reductions: CUDA tensors rebuilt by a function of its
+# own, the device given by its UUID (sglang/srt/utils/patch_torch.py; before 0.5,
+# sglang/srt/patch_torch.py)
+_SGLANG_CUDA = (("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+                ("sglang.srt.patch_torch", "_rebuild_cuda_tensor_modified"))
 # torch's dtypes by the names they pickle as (read from the module's namespace: a
 # getattr on torch could import a submodule the payload names)
 _DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
-
-
-class BucketEntry:
-    """What a pickled FlattenedTensorMetadata becomes: its six fields, nothing run."""
-    FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
-
-    def __init__(self, *args: Any) -> None:
-        if args:
-            raise PayloadError("FlattenedTensorMetadata is built from its state, not called")
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and state[1] is None:
-            state = state[0]                      # (dict, slots) as a dataclass may pickle
-        if not isinstance(state, dict) or set(state) - set(self.FIELDS):
-            raise PayloadError(f"FlattenedTensorMetadata state {state!r:.80} has other fields")
-        self.__dict__.update(state)
-
-
-def _int(name: str, value: Any, low: int = 0, high: int = 1 << 48) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise PayloadError(f"{name} must be an integer in [{low}, {high}], not {value!r:.40}")
-    return value
-
-
-def _ints(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or len(value) > 16:
-        raise PayloadError(f"{name} must be a tuple of at most 16 sizes, not {value!r:.60}")
-    return tuple(_int(name, v) for v in value)
 
 
 def _cls(value: Any, admitted: dict) -> type:
@@ -124,15 +108,9 @@ def _fits(offset: int, size: tuple[int, ...], stride: tuple[int, ...], elements:
                            f"fit its storage of {elements} elements")
 
 
-def _dtype(value: Any) -> torch.dtype:
-    if not isinstance(value, torch.dtype):
-        raise PayloadError(f"dtype {value!r:.40} is not a torch dtype")
-    return value
-
-
 class NamedTensorUnpickler(pickle.Unpickler):
     """Unpickles one rank's `[(name, tensor), ...]`; `max_bytes` bounds the bytes all
-    its storages map together."""
+    its storages map together (a nested LocalSerializedTensor dump's included)."""
 
     def __init__(self, data: bytes, max_bytes: int) -> None:
         super().__init__(io.BytesIO(data))
@@ -142,23 +120,21 @@ class NamedTensorUnpickler(pickle.Unpickler):
             (_REDUCTIONS, "rebuild_typed_storage"): self._typed_storage,
             (_REDUCTIONS, "rebuild_storage_empty"): self._empty_storage,
             (_REDUCTIONS, "rebuild_storage_filename"): self._storage_filename,
+            (_REDUCTIONS, "rebuild_storage_fd"): self._storage_fd,
             (_REDUCTIONS, "rebuild_cuda_tensor"): self._cuda_tensor,
+            ("multiprocessing.resource_sharer", "DupFd"): SharedFd,
             ("torch", "Size"): torch.Size,
-        } | {k: _Marker(v) for k, v in (_TENSORS | _STORAGES).items()}
+        } | {k: _Marker(v) for k, v in (_TENSORS | _STORAGES).items()} \
+            | {k: self._sglang_cuda_tensor for k in _SGLANG_CUDA} | RECORDS
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self.admitted:
             return self.admitted[module, name]
-        if name == "FlattenedTensorMetadata":
-            return BucketEntry
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
-        if name in ("DupFd", "rebuild_storage_fd"):
-            raise PayloadError(f"the payload names {module}.{name}: its CPU tensors were "
-                               f"shared by file descriptor, which this server cannot receive; "
-                               f"{_FILE_SYSTEM_HINT}")
         raise PayloadError(f"the payload names {module}.{name}, which is not one of torch's "
-                           "tensor or storage rebuild functions: refused")
+                           "tensor or storage rebuild functions nor SGLang's weight records: "
+                           "refused")
 
     def persistent_load(self, pid: Any) -> Any:
         raise PayloadError("the payload uses persistent ids (torch.save's format): refused")
@@ -181,6 +157,18 @@ class NamedTensorUnpickler(pickle.Unpickler):
         self._take(size * (_dtype(dtype).itemsize if dtype is not None else 1))
         return reductions.rebuild_storage_filename(storage_cls, manager, handle, size,
                                                    None if dtype is None else _dtype(dtype))
+
+    def _storage_fd(self, cls: Any, df: Any, size: Any) -> Any:
+        """torch's "file_descriptor" strategy (engines/formats/shared_fd.py)."""
+        storage_cls, shared, size = _cls(cls, _STORAGES), fd_argument(df), _int("storage size", size)
+        self._take(size)
+        fd = shared.detach()
+        try:
+            checked_fd_size(fd, size)
+        except PayloadError:
+            os.close(fd)
+            raise
+        return reductions.rebuild_storage_fd(storage_cls, Detached(fd), size)   # closes fd
 
     def _empty_storage(self, cls: Any) -> Any:
         return _cls(cls, _STORAGES)()
@@ -207,12 +195,24 @@ class NamedTensorUnpickler(pickle.Unpickler):
         except RuntimeError as e:
             raise PayloadError(f"tensor does not fit its storage: {e}") from None
 
+    def _sglang_cuda_tensor(self, *args: Any) -> torch.Tensor:
+        """SGLang's patched reduction: torch's arguments, the device (7th) as a UUID."""
+        if len(args) != 15:
+            raise PayloadError(f"_rebuild_cuda_tensor_modified takes torch's 15 arguments, "
+                               f"not {len(args)}")
+        device = args[6]
+        if isinstance(device, str):
+            device = _device_of(device)
+        return self._cuda_tensor(*args[:6], device, *args[7:])
+
     def _cuda_tensor(self, tensor_cls: Any, size: Any, stride: Any, offset: Any, storage_cls: Any,
                      dtype: Any, device: Any, handle: Any, storage_bytes: Any, storage_offset: Any,
                      requires_grad: Any, ref_handle: Any, ref_offset: Any, event_handle: Any,
                      event_sync: Any) -> torch.Tensor:
         if not torch.cuda.is_available():
-            raise PayloadError("the payload holds CUDA tensors and this worker has no CUDA")
+            raise PayloadError("the payload holds CUDA tensors (CUDA IPC handles) and this "
+                               "worker has no CUDA: send CPU tensors shared with the "
+                               "\"file_system\" strategy")
         for name, value in (("storage handle", handle), ("ref-counter handle", ref_handle),
                             ("event handle", event_handle)):
             if value is not None and not isinstance(value, bytes):
@@ -234,72 +234,64 @@ class NamedTensorUnpickler(pickle.Unpickler):
             raise PayloadError(f"CUDA IPC tensor could not be opened: {e}") from None
 
 
-def decode_named_tensors(payload: str, max_bytes: int, max_tensors: int,
-                         bucket: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """One rank's entry of `serialized_named_tensors`, as (name, tensor) pairs (with
-    `bucket`, SGLang's "flattened_bucket" format, as views of the flat tensor).
-    PayloadError says what is wrong; the tensors view the trainer's memory."""
-    if not isinstance(payload, str) or not 0 < len(payload) <= MAX_PAYLOAD_CHARS:
-        raise PayloadError(f"a serialized_named_tensors entry must be a base64 string of 1 to "
-                           f"{MAX_PAYLOAD_CHARS} characters")
+def _device_of(uuid: str) -> int:
+    """The index of the local GPU whose UUID SGLang's reduction wrote."""
+    if not _UUID.fullmatch(uuid):
+        raise PayloadError(f"device {uuid!r:.60} is neither an index nor a GPU UUID")
+    if not torch.cuda.is_available():
+        raise PayloadError("the payload holds CUDA tensors (CUDA IPC handles) and this worker "
+                           "has no CUDA: send CPU tensors shared with the \"file_system\" "
+                           "strategy")
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid.removeprefix("GPU-"):
+            return index
+    raise PayloadError(f"the payload's CUDA tensors are on GPU {uuid}, which this host lacks")
+
+
+def _unpickled(data: bytes | str, max_bytes: int, what: str) -> tuple[Any, int]:
+    """What one dump holds, and the bytes of the budget it left."""
+    if isinstance(data, str):
+        if not 0 < len(data) <= MAX_PAYLOAD_CHARS:
+            raise PayloadError(f"{what} must be a base64 string of 1 to {MAX_PAYLOAD_CHARS} "
+                               "characters")
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise PayloadError(f"{what} is not base64") from None
+    unpickler = NamedTensorUnpickler(data, max_bytes)
     try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise PayloadError("a serialized_named_tensors entry is not base64") from None
-    try:
-        named = NamedTensorUnpickler(data, max_bytes).load()
+        return unpickler.load(), unpickler.left
     except PayloadError:
         raise
     except Exception as e:       # a malformed pickle raises anything; nothing was kept
-        raise PayloadError(f"a serialized_named_tensors entry is not a pickle of named tensors: "
+        raise PayloadError(f"{what} is not a pickle of named tensors: "
                            f"{type(e).__name__}: {e}"[:300]) from None
-    return _unbucketed(named, max_tensors) if bucket else _checked(named, max_tensors)
 
 
-def _field(entry: Any, name: str) -> Any:
-    value = entry.get(name) if isinstance(entry, dict) else getattr(entry, name, None)
-    if value is None:
-        raise PayloadError(f"bucket metadata {entry!r:.60} lacks {name!r}")
-    return value
-
-
-def _unbucketed(bucket: Any, max_tensors: int) -> list[tuple[str, torch.Tensor]]:
-    """{"flattened_tensor", "metadata"} -> (name, view of the flat tensor) pairs: each
-    entry's slice [start_idx, end_idx) of it, viewed as its dtype, in its shape."""
-    if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
-        raise PayloadError('a flattened_bucket entry must be {"flattened_tensor", "metadata"}')
-    flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
-    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
-        raise PayloadError("flattened_tensor must be a contiguous 1-D tensor")
-    if not isinstance(metadata, list) or not 0 < len(metadata) <= max_tensors:
-        raise PayloadError(f"metadata must be a list of 1 to {max_tensors} entries")
-    out, left = [], flat.numel()      # the entries share the flat tensor, never reuse it
-    for entry in metadata:
-        if not isinstance(entry, (BucketEntry, dict)):
-            raise PayloadError(f"bucket metadata {entry!r:.60} is not FlattenedTensorMetadata")
-        name, dtype = _field(entry, "name"), _dtype(_field(entry, "dtype"))
-        shape = _ints("shape", _field(entry, "shape"))
-        start = _int("start_idx", _field(entry, "start_idx"), 0, flat.numel())
-        end = _int("end_idx", _field(entry, "end_idx"), start, flat.numel())
-        numel = _int("numel", _field(entry, "numel"))
-        if not isinstance(name, str) or math.prod(shape) != numel:
-            raise PayloadError(f"bucket entry {name!r:.60}: shape {shape} does not hold {numel}")
-        left -= end - start
-        if left < 0:
-            raise PayloadError("the bucket's entries cover more than its flat tensor")
-        part = flat[start:end]
-        try:
-            try:
-                out.append((name, part.view(dtype).view(shape)))
-            except RuntimeError:         # an offset not aligned to the dtype: a copy
-                out.append((name, part.clone().view(dtype).view(shape)))
-        except RuntimeError as e:
-            raise PayloadError(f"bucket entry {name!r:.60} does not fit [{start}, {end}) of "
-                               f"the flat tensor: {e}") from None
+def decode_named_tensors(payload: str, max_bytes: int, max_tensors: int, bucket: bool = False,
+                         rank: int = 0, ranks: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """One rank's entry of `serialized_named_tensors`, as (name, tensor) pairs (with
+    `bucket`, SGLang's "flattened_bucket" format, as views of the flat tensor). A
+    LocalSerializedTensor gives this worker's value: the `rank`-th of `ranks`
+    workers'. PayloadError says what is wrong; the tensors view the trainer's memory."""
+    if not isinstance(payload, str):
+        raise PayloadError("a serialized_named_tensors entry must be a base64 string")
+    named, left = _unpickled(payload, max_bytes, "a serialized_named_tensors entry")
+    if bucket:
+        return unbucketed(named, max_tensors)
+    out = []
+    for name, tensor in _checked(named, max_tensors):
+        if isinstance(tensor, PerRank):
+            tensor, left = _unpickled(tensor.value(rank, ranks), left,
+                                      f"LocalSerializedTensor {name!r:.60}")
+            if not isinstance(tensor, torch.Tensor):
+                raise PayloadError(f"LocalSerializedTensor {name!r:.60} holds "
+                                   f"{type(tensor).__name__}, not a tensor")
+        out.append((name, tensor))
     return out
 
 
-def _checked(named: Any, max_tensors: int) -> list[tuple[str, torch.Tensor]]:
+def _checked(named: Any, max_tensors: int) -> list[tuple[str, torch.Tensor | PerRank]]:
     if isinstance(named, dict):                 # a dict of name -> tensor is taken too
         named = list(named.items())
     if not isinstance(named, (list, tuple)) or not 0 < len(named) <= max_tensors:
@@ -307,8 +299,7 @@ def _checked(named: Any, max_tensors: int) -> list[tuple[str, torch.Tensor]]:
     out = []
     for pair in named:
         if (not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], str)
-                or not isinstance(pair[1], torch.Tensor)):
+                or not isinstance(pair[1], (torch.Tensor, PerRank))):
             raise PayloadError(f"payload item {pair!r:.80} is not a (name, tensor) pair")
         out.append((pair[0], pair[1]))
     return out
-

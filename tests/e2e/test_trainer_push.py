@@ -86,15 +86,18 @@ class InThread:
 class TrainerProc:
     """tests/e2e/trainer_proc.py, joined to the cluster's workers."""
 
-    def __init__(self, cluster: Cluster, *flags: str) -> None:
-        self.port, world = free_port(), len(cluster.info["workers"]) + 1
+    def __init__(self, cluster: Cluster, *flags: str, world: int | None = None,
+                 seed: int = 7) -> None:
+        """`world`: the group's size (left out: one rank per worker, and the trainer's)."""
+        self.port, world = free_port(), world or len(cluster.info["workers"]) + 1
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.trainer_proc", str(self.port),
-                                      str(world), "7", *flags], cwd=ROOT, text=True,
+                                      str(world), str(seed), *flags], cwd=ROOT, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         status, answer = post(cluster, "/init_weights_update_group", {     # AReaL's string port
             "master_address": "127.0.0.1", "master_port": str(self.port), "rank_offset": 1,
             "world_size": world, "group_name": GROUP, "backend": "gloo"})
         assert status == 200 and answer["success"], answer
+        self.joined = answer
         assert self.proc.stdout.readline().strip() == "joined"
 
     def push(self) -> None:
@@ -150,6 +153,43 @@ def test_retract_push_continue_is_exact(request, shape, models):
         assert fresh["weight_versions"] == ["v2"] * 12
         assert_all_pages_free(client)
     assert versions(cluster) == {"v2"}
+
+
+@pytest.mark.parametrize("shape, world, seed, version", [
+    ("one_one", 2, 4, "relayed"),
+    ("two_two", 3, 7, "v2"),        # the version test_samples_share_a_prompt... allows
+])
+def test_fewer_ranks_than_workers_relay_to_every_worker(request, shape, world, seed, version):
+    """AReaL's `sglang:d1` against 1P1D: world_size 2, rank_offset 1 (before: 400
+    "rank_offset 1 + 2 workers exceeds world_size 2"); and two ranks for 2P2D. That
+    many workers join the trainer process's group, the first relays each broadcast
+    to the rest: every worker takes the new weights, and greedy output is `zpd
+    run`'s with them."""
+    cluster = request.getfixturevalue(shape)
+    trainer = TrainerProc(cluster, world=world, seed=seed)
+    workers = len(cluster.info["workers"])
+    try:
+        assert len(trainer.joined["ranks"]) == world - 1
+        assert len(trainer.joined["relay"]["to"]) == workers - (world - 1)
+        answer = InThread(post, cluster, "/update_weights_from_distributed",
+                          announce(tiny_state_dict(seed)) | {"weight_version": version})
+        trainer.push()
+        status, got = answer.result()
+        assert status == 200 and got["success"], got
+        trainer.wait_for("done")
+    finally:
+        trainer.close()
+    weights = get_json(cluster, "/get_weight_version")["weight_versions"]
+    assert len(weights) == workers and set(weights.values()) == {version}, weights
+    prompt = [9, 8, 7, 6, 5]
+    with cluster.client() as client:
+        for _ in range(workers // 2):          # as many calls as pairs (the router picks)
+            got = client.generate(input_ids=prompt, sampling_params={
+                "temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+            assert got["output_ids"] == _greedy(load_model(f"tiny:{seed}", dtype="float64"),
+                                                prompt, 8)
+        assert_all_pages_free(client)
+    assert post(cluster, "/destroy_weights_update_group", {"group_name": GROUP})[0] == 200
 
 
 # --- failures: every worker keeps what it had -----------------------------------------
@@ -249,13 +289,15 @@ def generates(cluster: Cluster) -> bool:
     return status == 200 and len(got["output_ids"]) == 4
 
 
-def test_a_killed_sync_helper_ends_the_push_at_once(one_one):
+@pytest.mark.parametrize("world", [None, 2], ids=["direct", "relay"])
+def test_a_killed_sync_helper_ends_the_push_at_once(one_one, world):
     """SIGKILL of the decode's weight-sync helper while its trainer, alive, is silent
     mid-push: the push answers 500 naming the signal within seconds (the prefill's
     receive is ended, not left to its 300 s limit), no helper is left, the old weights
-    serve, and a new group's push lands."""
+    serve, and a new group's push lands. The same when the decode is the relay's
+    target (one rank for the cluster)."""
     before = versions(one_one)
-    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "600")
+    trainer = TrainerProc(one_one, "--sleep-after", "2", "--sleep", "600", world=world)
     try:
         answer = InThread(post, one_one, "/update_weights_from_distributed",
                           announce(tiny_state_dict(7)) | {"weight_version": "never"})
@@ -363,19 +405,22 @@ def get_json(cluster: Cluster, path: str) -> dict:
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("per_rank", [False, True], ids=["one-entry", "per-rank-bucket"])
+@pytest.mark.parametrize("per_rank", [False, True, "verl"],
+                         ids=["one-entry", "per-rank-bucket", "verl-per-rank"])
 def test_update_weights_from_tensor_from_another_process(one_one, per_rank):
     """examples/push_tensors.py, another process on the host, sends SGLang's payload
-    (ForkingPickler handles of shared memory; one entry, or one per rank as flattened
-    buckets): greedy output is the new weights', /get_weight_version reports it."""
-    seed, version = (5, "t5") if not per_rank else (6, "t6")
+    (ForkingPickler handles of shared memory; one entry, one per rank as flattened
+    buckets, or verl's LocalSerializedTensor per tensor): greedy output is the new
+    weights', /get_weight_version reports it."""
+    seed, version = {False: (5, "t5"), True: (6, "t6"), "verl": (3, "t3")}[per_rank]
     # Output to a file, not a pipe: the trainer's torch_shm_manager inherits it and
     # lives on while a worker stays connected to it (torch's libshm keeps that socket).
     out = one_one.log.parent / f"push_tensors_{seed}.out"
     with open(out, "w") as sink:
         done = subprocess.run([sys.executable, "examples/push_tensors.py", "--url",
                                f"http://{one_one.info['http']}", "--weights", f"tiny:{seed}",
-                               "--version", version] + ["--per-rank", "--bucket"] * per_rank,
+                               "--version", version] + ["--per-rank", "--bucket"] * (per_rank is True)
+                              + ["--per-rank", "--verl"] * (per_rank == "verl"),
                               cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=120)
     assert done.returncode == 0, out.read_text()
     assert "/update_weights_from_tensor: weights updated" in out.read_text()

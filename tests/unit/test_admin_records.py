@@ -22,15 +22,17 @@ SAMPLES: list[a.AdminCommand] = [
     a.UpdateWeightVersion("v3"), a.ReleaseMemory(["weights"]), a.ResumeMemory(None),
     a.InitWeightsGroup("10.0.0.1", 29500, 1, 3, "g", "gloo"),
     a.JoinWeightsGroup("g", "10.0.0.1", 29500, 3, 2, 9.0, None, "init_process_group"),
+    a.JoinWeightsGroup("g", "10.0.0.1", 29500, 2, 1, 9.0, None, None, 1, 2, "k1"),
     a.UpdateFromDistributed(["w"], ["float32"], [[2]], "g", None, "flattened_bucket"),
     a.StageWeights("g", "u1", ["w"], ["float32"], [[2]]),
     a.UpdateFromTensor(["QUJD"], "v4"), a.StageTensors("u2", "QUJD"),
+    a.StageTensors("u3", "QUJD", None, 1, 2), a.GetWeights("model.norm.weight", 3),
     a.CommitWeights("u1", "v5"), a.DiscardWeights("u1", "g"), a.DestroyWeightsGroup("g"),
     a.CancelWeightUpdate()]
 
 
 def test_every_command_has_a_sample_and_one_wire_name():
-    assert sorted(type(s).COMMAND for s in SAMPLES) == sorted(a.COMMANDS)
+    assert sorted({type(s).COMMAND for s in SAMPLES}) == sorted(a.COMMANDS)
     assert all(a.COMMANDS[cls.COMMAND] is cls for cls in map(type, SAMPLES))
 
 
@@ -138,3 +140,17 @@ def test_fuzz_hostile_arguments_only_ever_raise_bad_args(command, data):
     except af.BadArgs:
         return
     assert a.parse(command, cmd.args()) == cmd       # what was taken travels as it was
+
+
+@pytest.mark.parametrize("args, why", [
+    ({"relay_rank": 0}, "go together"), ({"relay_rank": 2, "relay_size": 2, "relay_key": "k"},
+                                         "below the size"),
+    ({"relay_rank": 0, "relay_size": 1, "relay_key": "k"}, "go together"),
+])
+def test_a_relay_is_all_three_fields_consistent(args, why):
+    base = {"group_name": "g", "master_address": "h", "master_port": 1, "world_size": 2,
+            "rank": 1, "timeout_s": 5.0}
+    with pytest.raises(af.BadArgs, match=why):
+        a.parse("join_weights_group", base | args)
+    with pytest.raises(af.BadArgs, match="'rank' 2 must be below 'ranks' 2"):
+        a.StageTensors("u", "QUJD", None, 2, 2)

@@ -248,8 +248,6 @@ def test_weight_sync_routes_send_what_sglang_clients_send():
      "master_port"),
     ("/init_weights_update_group", {"master_address": "h", "master_port": 1, "world_size": 2,
                                     "backend": "mpi"}, "backend"),
-    ("/init_weights_update_group", {"master_address": "h", "master_port": 1, "world_size": 2,
-                                    "surprise": 1}, "surprise"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"]}, "shapes"),
     ("/update_weights_from_distributed", {"names": "a", "dtypes": [], "shapes": []}, "names"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],

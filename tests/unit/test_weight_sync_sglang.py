@@ -22,7 +22,7 @@ from engines.models.tiny import tiny_state_dict
 from tests.unit.http_fake import call, front
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_handoff import PROMPT, reference_tiny
-from tests.unit.test_tensor_payload import flattened, serialize
+from tests.unit.test_tensor_payload import flattened, serialize, verl_payload
 from tests.unit.test_weight_sync import admin, push, versions, weights_equal
 from tests.unit.trainer_side import Trainer
 from zpd.wire.admin import JoinWeightsGroup
@@ -68,6 +68,37 @@ def test_sglang_keyed_group_is_the_default_and_master_port_may_be_a_string(clust
         assert t.wait() is None
         assert push(cluster, t, W2, version="v2")["ok"]
         assert versions(cluster) == ["v2", "v2"] and weights_equal(cluster, "tiny:7")
+    finally:
+        t.close()
+
+
+def test_one_rank_for_two_workers_relays_inside_the_cluster(cluster):
+    """AReaL's `sglang:d1`: world_size 2, rank_offset 1, one rank for a 1P1D cluster
+    (before: 400 "rank_offset 1 + 2 workers exceeds world_size 2"). The first worker
+    joins the trainer's group and relays each broadcast to the other; both move, per
+    tensor and as one bucket, and generate as the pushed weights do."""
+    t = Trainer(world_size=2, group_name="areal")
+    try:
+        t.join()
+        got = admin(cluster, "init_weights_update_group", master_address="127.0.0.1",
+                    master_port=str(t.port), rank_offset=1, world_size=2, group_name="areal",
+                    backend="gloo")
+        assert got["ok"] and t.wait() is None, got
+        first, second = (w.endpoint for w in cluster.router.workers)
+        assert got["ranks"] == {first: 1} and got["relay"] == {"from": first, "to": [second]}
+        q = "model.layers.0.self_attn.q_proj.weight"       # refused: drained through the relay
+        bad = push(cluster, t, W2 | {q: torch.zeros(W2[q].shape[0] + 1, W2[q].shape[1])})
+        assert not bad["ok"] and {w["status"] for w in bad["workers"]} == {400}, bad
+        assert versions(cluster) == ["tiny", "tiny"] and t.error is None
+        assert push(cluster, t, W2, version="r1")["ok"]
+        assert versions(cluster) == ["r1", "r1"] and weights_equal(cluster, "tiny:7")
+        rid = cluster.submit(PROMPT, 8)
+        assert cluster.run(rid).token_ids == reference_tiny("tiny:7", PROMPT, 8)
+        w3 = tiny_state_dict(3)
+        assert push(cluster, t, w3, version="r2", bucket=True)["ok"]
+        assert versions(cluster) == ["r2", "r2"] and weights_equal(cluster, "tiny:3")
+        assert admin(cluster, "destroy_weights_update_group", group_name="areal")["ok"]
+        assert idle(cluster)
     finally:
         t.close()
 
@@ -183,6 +214,38 @@ def test_a_flattened_bucket_moves_every_worker(cluster, file_system):
     reply = cluster.admin("update_weights_from_tensor", load_format="zip",
                           serialized_named_tensors=["QUJD"])
     assert not reply["ok"] and reply["status"] == 400 and "load_format" in reply["error"]
+
+
+def test_verls_local_serialized_tensors_give_each_worker_its_rank(cluster, file_system):
+    """verl through sglang's weight_sync.utils.update_weights: every entry of
+    serialized_named_tensors the same, each tensor a LocalSerializedTensor of one dump
+    per TP rank; worker i (status order) takes values[i]. Before: 400 "names
+    ...LocalSerializedTensor, which is not one of torch's ... rebuild functions"."""
+    mlp = lambda seed: [(n, t) for n, t in tiny_state_dict(seed).items() if ".mlp." in n]  # noqa: E731
+    payload = verl_payload([mlp(7), mlp(3)])
+    reply = admin(cluster, "update_weights_from_tensor", serialized_named_tensors=[payload] * 2,
+                  weight_version="verl1")
+    assert reply["ok"], reply
+    order = [w.endpoint for w in cluster.router.workers]
+    cores = {core.endpoint: core for core in (cluster.prefill, cluster.decode)}
+    for endpoint, seed in zip(order, (7, 3)):
+        want = dict(load_model(f"tiny:{seed}", dtype="float64").net.named_parameters())
+        got = dict(cores[endpoint].model.net.named_parameters())
+        assert all(torch.equal(got[n], want[n]) for n in want if ".mlp." in n)
+    # verl at infer_tp 1: one value, every worker takes it; then generation follows it
+    reply = admin(cluster, "update_weights_from_tensor",
+                  serialized_named_tensors=[verl_payload([list(W2.items())])])
+    assert reply["ok"] and weights_equal(cluster, "tiny:7"), reply
+    rid = cluster.submit(PROMPT, 8)
+    assert cluster.run(rid).token_ids == reference_tiny("tiny:7", PROMPT, 8)
+    # and SGLang's get_weights_by_name reads them back (q_proj: rows of the packed qkv)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
+        reply = cluster.admin("get_weights", name=name, truncate_size=3)
+        assert reply["ok"], reply
+        want = W2[name][:3].to(torch.float32).tolist()
+        assert all(w["values"] == want for w in reply["workers"]), name
+    reply = cluster.admin("get_weights", name="model.nope.weight")
+    assert not reply["ok"] and "no weight named" in reply["workers"][0]["error"]
 
 
 def test_one_entry_per_worker_in_status_order(cluster, file_system):
@@ -330,9 +393,10 @@ def test_cancel_route_is_admin_guarded_and_sends_the_command():
         status, _ = call(f, "POST", "/cancel_weight_update", {}, headers=headers)
         assert status == 401
     assert not f.backend.admins
-    status, body = call(f, "POST", "/cancel_weight_update", {"x": 1},
+    assert not f.backend.admins
+    status, body = call(f, "POST", "/cancel_weight_update", {"x": 1},   # unknown: dropped
                         headers={"Authorization": "Bearer adm"})
-    assert status == 400 and not f.backend.admins, body
+    assert status == 200 and f.backend.admins == [("cancel_weight_update", {})], body
     status, body = call(f, "POST", "/cancel_weight_update", None,
                         headers={"Authorization": "Bearer adm"})
     assert status == 200 and body["success"], body

@@ -12,8 +12,8 @@ from typing import Any, Mapping
 from aiohttp import web
 
 from zpd.http.front import FRONT, Front, json_response, read_body
-from zpd.http.records import BadRequest, boolean, refuse_unknown, stop_strings, string, take
-from zpd.wire.admin import (AbortAll, AbortRequest, AdminCommand, Continue, FlushCache, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, UpdateWeightVersion, parse)
+from zpd.http.records import BadRequest, boolean, stop_strings, string, take
+from zpd.wire.admin import (AbortAll, AbortRequest, AdminCommand, Continue, FlushCache, GetWeights, Pause, ReleaseMemory, ResumeMemory, Status, UpdateWeights, UpdateWeightVersion, parse)
 from zpd.wire.admin_fields import MEMORY_TAGS, BadArgs
 
 routes = web.RouteTableDef()
@@ -32,6 +32,13 @@ def command(cls: type[AdminCommand], renamed: Mapping[str, str] | None = None,
         for wire, body_name in (renamed or {}).items():
             message = message.replace(repr(wire), repr(body_name))
         raise BadRequest(message) from None
+
+
+def ignore_unknown(request: web.Request, body: dict, known: tuple[str, ...]) -> None:
+    """Names the route does not know are dropped and logged once each, as on /generate
+    and as SGLang's bodies drop them (AReaL's older `abort_all_request`, say)."""
+    unknown = sorted((str(k) for k in set(body) - set(known)), key=str)
+    request.app[FRONT].unknown_fields.note(unknown, request.path)
 
 
 async def send(front: Front, cmd: AdminCommand, timeout: float | None = None) -> dict:
@@ -61,14 +68,14 @@ async def admin_answer(front: Front, cmd: AdminCommand, done: str,
 @routes.post("/pause_generation")
 async def pause_generation(request: web.Request) -> web.Response:
     body = await read_body(request, required=False)
-    refuse_unknown(body, ("mode",))
+    ignore_unknown(request, body, ("mode",))
     cmd = command(Pause, mode="abort" if body.get("mode") is None else body["mode"])
     return await admin_answer(request.app[FRONT], cmd, f"paused ({cmd.mode})")
 
 
 @routes.post("/continue_generation")
 async def continue_generation(request: web.Request) -> web.Response:
-    refuse_unknown(await read_body(request, required=False), ())
+    ignore_unknown(request, await read_body(request, required=False), ())
     return await admin_answer(request.app[FRONT], Continue(), "continued")
 
 
@@ -78,8 +85,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     does the same anyway (load_format auto; the cache and pause are left as they are).
     Without a weight_version the version stays what it was (SGLang's way)."""
     body = await read_body(request)
-    refuse_unknown(body, ("model_path", "weight_version", "load_format", "abort_all_requests",
-                          "flush_cache", "keep_pause", "is_async", "torch_empty_cache"))
+    ignore_unknown(request, body, ("model_path", "weight_version", "load_format",
+                                  "abort_all_requests", "flush_cache", "keep_pause", "is_async",
+                                  "torch_empty_cache"))
     cmd = command(UpdateWeights, {"path": "model_path"}, path=body.get("model_path"),
                   weight_version=body.get("weight_version"))
     if take(body, "load_format", string, "auto") != "auto":
@@ -100,12 +108,31 @@ async def get_weight_version(request: web.Request) -> web.Response:
                                               for w in workers}})
 
 
+@routes.get("/get_weights_by_name")
+@routes.post("/get_weights_by_name")
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    """SGLang's {"name", "truncate_size" (100)}: the weight's first truncate_size rows
+    as float32 values in nested lists (a 1-D weight: a flat list), the JSON body itself,
+    from the first worker of the router's status (every worker serves the same ones)."""
+    body = await read_body(request, required=False) or dict(request.query)   # GET ?name=
+    if isinstance(body.get("truncate_size"), str) and body["truncate_size"].isdigit():
+        body["truncate_size"] = int(body["truncate_size"])
+    ignore_unknown(request, body, ("name", "truncate_size"))
+    cmd = command(GetWeights, name=body.get("name"), truncate_size=body.get("truncate_size"))
+    reply = await send(request.app[FRONT], cmd)
+    workers = reply.get("workers", [])
+    if _all_ok(reply) and workers:
+        return json_response(workers[0]["values"])
+    status, message = failure(reply)
+    raise BadRequest(message, status)
+
+
 @routes.post("/update_weight_version")
 async def update_weight_version(request: web.Request) -> web.Response:
     """SGLang's {"new_version", "abort_all_requests"}: every worker reports `new_version`
     for the tokens it makes from now on; the weights stay as they are."""
     body = await read_body(request)
-    refuse_unknown(body, ("new_version", "abort_all_requests"))
+    ignore_unknown(request, body, ("new_version", "abort_all_requests"))
     cmd = command(UpdateWeightVersion, {"weight_version": "new_version"},
                   weight_version=body.get("new_version"))
     version = cmd.weight_version
@@ -124,7 +151,7 @@ async def abort_request(request: web.Request) -> web.Response:
     """200 for a rid that is running (aborted), finished or unknown, as SGLang answers:
     a client that aborts a request which just finished has nothing to handle."""
     body = await read_body(request)
-    refuse_unknown(body, ("rid", "abort_all"))
+    ignore_unknown(request, body, ("rid", "abort_all"))
     front = request.app[FRONT]
     if take(body, "abort_all", boolean, False):
         return await admin_answer(front, AbortAll(), "every request aborted")
@@ -146,7 +173,7 @@ async def abort_request(request: web.Request) -> web.Response:
 async def flush_cache(request: web.Request) -> web.Response:
     """GET or POST, answered as SGLang does: 200 with a line of text once flushed, 400
     with the reason when it was not (requests running); slime retries until 200."""
-    refuse_unknown(await read_body(request, required=False), ())
+    ignore_unknown(request, await read_body(request, required=False), ())
     reply = await send(request.app[FRONT], FlushCache())
     if _all_ok(reply):
         return web.Response(text="Cache flushed.\n", status=200)
@@ -175,7 +202,7 @@ async def _memory_command(request: web.Request, cls: type[AdminCommand]) -> Admi
     or a private spill file, zpd/worker/memory.py), "cuda_graph" has nothing to release.
     A single tag may come as a string."""
     body = await read_body(request, required=False)
-    refuse_unknown(body, ("tags",))
+    ignore_unknown(request, body, ("tags",))
     return command(cls, tags=take(body, "tags", stop_strings) or None)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import orjson
 
@@ -114,12 +114,6 @@ def take(body: dict, name: str, check: Check, default: Any = None) -> Any:
     """Field `name` of `body` as `check` accepts it; `default` when absent or null."""
     value = body.get(name)
     return default if value is None else check(name, value)
-
-
-def refuse_unknown(body: dict, known: Iterable[str], where: str = "the body") -> None:
-    unknown = sorted(set(body) - set(known))
-    if unknown:
-        raise BadRequest(f"{where} has unknown or unsupported field(s): {', '.join(unknown)}")
 
 
 def boolean(name: str, value: Any) -> bool:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from zpd.http.admin_routes import abort_all_first, command, failure, send
+from zpd.http.admin_routes import abort_all_first, command, failure, ignore_unknown, send
 from zpd.http.front import FRONT, json_response, read_body
-from zpd.http.records import BadRequest, boolean, integer, refuse_unknown, take
+from zpd.http.records import BadRequest, boolean, integer, take
 from zpd.wire.admin import (AdminCommand, CancelWeightUpdate, DestroyWeightsGroup,
                             InitWeightsGroup, UpdateFromDistributed, UpdateFromTensor)
 
@@ -41,22 +41,25 @@ def _or(body: dict, name: str, default: object) -> object:
 @routes.post("/init_weights_update_group")
 async def init_weights_update_group(request: web.Request) -> web.Response:
     """Every worker joins the trainer's torch.distributed group as rank
-    rank_offset + i (i in the order of the router's status); the trainer is rank 0 and
+    rank_offset + i (i in the order of the router's status), or, given fewer ranks
+    (world_size - rank_offset) than workers, that many do and the first relays each
+    broadcast to the rest (zpd/router/weights/sync.py); the trainer is rank 0 and
     builds its side as SGLang's init_custom_process_group does. `backend` left out:
     nccl on CUDA workers, gloo on CPU ones. `trainer_init` (zpd's own):
     "init_process_group" for a trainer that made its side with torch's
     init_process_group (zpd/worker/weights/trainer_group.py). `pp_rank`: 0 only (zpd has no
     pipeline stages)."""
     body = await read_body(request)
-    refuse_unknown(body, ("master_address", "master_port", "rank_offset", "world_size",
-                          "group_name", "backend", "trainer_init", "pp_rank"))
+    ignore_unknown(request, body, ("master_address", "master_port", "rank_offset", "world_size",
+                                  "group_name", "backend", "trainer_init", "pp_rank"))
     if take(body, "pp_rank", integer(0, 1 << 16), 0) != 0:
         raise BadRequest("'pp_rank' must be 0: zpd serves no pipeline stages")
     cmd = command(InitWeightsGroup, **_fields(body, ("master_address", "master_port",
                                                      "world_size", "backend", "trainer_init")),
                   rank_offset=_or(body, "rank_offset", 1),
                   group_name=_or(body, "group_name", DEFAULT_GROUP))
-    return await _answer(request, cmd, f"joined weight group {cmd.group_name!r}", None, ("ranks",))
+    return await _answer(request, cmd, f"joined weight group {cmd.group_name!r}", None,
+                         ("ranks", "relay"))
 
 
 @routes.post("/update_weights_from_distributed")
@@ -66,8 +69,8 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     `flush_cache` is accepted (zpd keeps no cache to flush) and `abort_all_requests`
     aborts first."""
     body = await read_body(request)
-    refuse_unknown(body, ("names", "dtypes", "shapes", "group_name", "weight_version",
-                          "load_format", "flush_cache", "abort_all_requests"))
+    ignore_unknown(request, body, ("names", "dtypes", "shapes", "group_name", "weight_version",
+                                  "load_format", "flush_cache", "abort_all_requests"))
     cmd = command(UpdateFromDistributed, **_fields(body, ("names", "dtypes", "shapes",
                                                           "weight_version", "load_format")),
                   group_name=_or(body, "group_name", DEFAULT_GROUP))
@@ -90,9 +93,9 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     Two-phase, as update_weights_from_distributed; without a weight_version the
     version stays. SGLang's "direct" and custom loaders name code of their own: refused."""
     body = await read_body(request)
-    refuse_unknown(body, ("serialized_named_tensors", "load_format", "flush_cache",
-                          "abort_all_requests", "weight_version", "disable_draft_model",
-                          "torch_empty_cache"))
+    ignore_unknown(request, body, ("serialized_named_tensors", "load_format", "flush_cache",
+                                  "abort_all_requests", "weight_version",
+                                  "disable_draft_model", "torch_empty_cache"))
     cmd = command(UpdateFromTensor, **_fields(body, ("serialized_named_tensors",
                                                      "weight_version", "load_format")))
     for name in ("flush_cache", "disable_draft_model", "torch_empty_cache"):
@@ -106,7 +109,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 @routes.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
     body = await read_body(request, required=False)
-    refuse_unknown(body, ("group_name",))
+    ignore_unknown(request, body, ("group_name",))
     cmd = command(DestroyWeightsGroup, group_name=_or(body, "group_name", DEFAULT_GROUP))
     return await _answer(request, cmd, f"weight group {cmd.group_name!r} destroyed", None, ())
 
@@ -118,6 +121,6 @@ async def cancel_weight_update(request: web.Request) -> web.Response:
     its old weights and version, leaves the trainer's group, and takes a new
     init_weights_update_group at once. Nothing under way: success, nothing changes."""
     body = await read_body(request, required=False)
-    refuse_unknown(body, ())
+    ignore_unknown(request, body, ())
     return await _answer(request, CancelWeightUpdate(), "weight update cancelled", None,
                          ("workers",))

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, Mapping
 
-from zpd.wire.admin_fields import (BACKEND, BadArgs, Check, LIST, LOAD_FORMAT, MAX_SECONDS,
+from zpd.wire.admin_fields import (BACKEND, COUNT, INDEX, BadArgs, Check, LIST, LOAD_FORMAT, MAX_SECONDS,
                                   MAX_TIMEOUT_S, MEMORY_TAGS, MODE, NAME, NAMES, OBJECT,
-                                  PAYLOAD, PAYLOADS, PORT, PauseMode, RANK, RANK_OFFSET, RID,
+                                  PAYLOAD, PAYLOADS, PORT, PauseMode, RANK, RANK_OFFSET, RID, ROWS,
                                   SECONDS, STRINGS, TAGS, TEXT, TRAINER_INIT, VERSION, WORLD,
                                   arg)
 from zpd.wire.admin_reply import (AdminResult, Cancelled, Continued, Destroyed, Discarded,
                                   Flushed, Joined, MemoryState, NoResult, StagedPush,
-                                  VersionChanged, WeightVersion, WorkerStatus)
+                                  VersionChanged, WeightValues, WeightVersion, WorkerStatus)
 from zpd.wire.messages import Admin
 
 
@@ -130,6 +130,15 @@ class UpdateWeightVersion(AdminCommand):
     weight_version: str = arg(TEXT)
 
 
+@dataclass(frozen=True, slots=True)
+class GetWeights(AdminCommand):
+    """SGLang's get_weights_by_name: the first `truncate_size` rows of weight `name`."""
+    COMMAND: ClassVar[str] = "get_weights"
+    RESULT: ClassVar[type[AdminResult]] = WeightValues
+    name: str = arg(NAME)
+    truncate_size: int = arg(ROWS, 100)
+
+
 class _Tagged:
     """SGLang's memory `tags` (null: all of them)."""
     __slots__ = ()
@@ -175,10 +184,13 @@ class InitWeightsGroup(AdminCommand):
     backend: str | None = arg(BACKEND, None)          # None: nccl on CUDA workers, else gloo
     trainer_init: str | None = arg(TRAINER_INIT, None)
 
-    def join(self, rank: int, timeout_s: float) -> JoinWeightsGroup:
-        """What one worker is told."""
+    def join(self, rank: int, timeout_s: float, relay: tuple[int, int, str] | None = None
+             ) -> JoinWeightsGroup:
+        """What one worker is told; `relay`: (its rank, size, key) in the cluster's relay
+        group (zpd/router/weights/sync.py)."""
         return JoinWeightsGroup(self.group_name, self.master_address, self.master_port,
-                                self.world_size, rank, timeout_s, self.backend, self.trainer_init)
+                                self.world_size, rank, timeout_s, self.backend, self.trainer_init,
+                                *(relay or (None, None, None)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +206,23 @@ class JoinWeightsGroup(AdminCommand):
     timeout_s: float = arg(SECONDS, MAX_SECONDS)      # the worker's own limit caps it
     backend: str | None = arg(BACKEND, None)
     trainer_init: str | None = arg(TRAINER_INIT, None)
+    # With fewer trainer ranks than workers: this worker's rank in the cluster's relay
+    # group of relay_size, met on the trainer's store under relay_key. Rank 0 also
+    # joins the trainer's group as `rank` and passes each broadcast on; the others
+    # receive from it alone (their `rank` is rank 0's).
+    relay_rank: int | None = arg(INDEX, None)
+    relay_size: int | None = arg(COUNT, None)
+    relay_key: str | None = arg(NAME, None)
 
     def check(self) -> None:
         if self.rank >= self.world_size:
             raise BadArgs(f"{self.COMMAND}: 'rank' {self.rank} must be below 'world_size' "
                           f"{self.world_size}")
+        relay = (self.relay_rank, self.relay_size, self.relay_key)
+        if relay.count(None) not in (0, 3) or (self.relay_size or 2) < 2 \
+                or (self.relay_rank or 0) >= (self.relay_size or 1):
+            raise BadArgs(f"{self.COMMAND}: 'relay_rank', 'relay_size' and 'relay_key' go "
+                          f"together, the rank below the size (>= 2), not {relay}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +268,12 @@ class StageTensors(AdminCommand):
     update_id: str = arg(NAME)
     payload: str = arg(PAYLOAD)
     load_format: str | None = arg(LOAD_FORMAT, None)
+    rank: int = arg(INDEX, 0)          # this worker's index of `ranks` (a LocalSerializedTensor's)
+    ranks: int = arg(COUNT, 1)
+
+    def check(self) -> None:
+        if self.rank >= self.ranks:
+            raise BadArgs(f"{self.COMMAND}: 'rank' {self.rank} must be below 'ranks' {self.ranks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +314,7 @@ class CancelWeightUpdate(AdminCommand):
 
 COMMANDS: Mapping[str, type[AdminCommand]] = {cls.COMMAND: cls for cls in (
     Pause, Continue, Status, FlushCache, AbortRequest, AbortAll, UpdateWeights,
-    UpdateWeightVersion, ReleaseMemory, ResumeMemory, InitWeightsGroup, JoinWeightsGroup,
+    UpdateWeightVersion, GetWeights, ReleaseMemory, ResumeMemory, InitWeightsGroup, JoinWeightsGroup,
     UpdateFromDistributed, StageWeights, UpdateFromTensor, StageTensors, CommitWeights,
     DiscardWeights, DestroyWeightsGroup, CancelWeightUpdate)}
 

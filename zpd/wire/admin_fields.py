@@ -113,6 +113,9 @@ WORLD = Check(lambda v: _int(v) and 2 <= v <= 1 << 16, "an integer in [2, 65536]
 RANK_OFFSET = Check(lambda v: _int(v) and 1 <= v < 1 << 16,
                     "an integer >= 1 (rank 0 is the trainer)")
 RANK = Check(lambda v: _int(v) and 1 <= v < 1 << 16, "an integer >= 1 (rank 0 is the trainer)")
+INDEX = Check(lambda v: _int(v) and 0 <= v < MAX_RANKS, f"an integer in [0, {MAX_RANKS})")
+COUNT = Check(lambda v: _int(v) and 1 <= v <= MAX_RANKS, f"an integer in [1, {MAX_RANKS}]")
+ROWS = Check(lambda v: _int(v) and 1 <= v <= 1 << 30, "a positive integer")
 BACKEND = Check(lambda v: v in GROUP_BACKENDS, " or ".join(GROUP_BACKENDS))
 TRAINER_INIT = Check(lambda v: v in TRAINER_INITS, " or ".join(TRAINER_INITS))
 SECONDS = Check(_seconds, f"a number of seconds in (0, {MAX_SECONDS:g}]", float)

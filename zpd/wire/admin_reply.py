@@ -171,6 +171,12 @@ class VersionChanged(AdminResult):
 
 
 @dataclass(frozen=True, slots=True)
+class WeightValues(AdminResult):
+    """`get_weights`: the rows asked for, as nested lists of floats (SGLang's shape)."""
+    values: list
+
+
+@dataclass(frozen=True, slots=True)
 class Flushed(AdminResult):
     flushed_pages: int
 

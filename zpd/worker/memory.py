@@ -28,9 +28,11 @@ from engines.text import SMOLLM2
 from engines.loader import update_weights as load_new_weights
 from engines.models.tiny import is_tiny
 from engines.models.null import is_null
-from zpd.wire.admin import (FlushCache, ReleaseMemory, ResumeMemory, UpdateWeights, UpdateWeightVersion)
+from engines.weight_read import first_rows
+from zpd.wire.admin import (FlushCache, GetWeights, ReleaseMemory, ResumeMemory, UpdateWeights,
+                            UpdateWeightVersion)
 from zpd.wire.admin_fields import KV_CACHE, WEIGHTS
-from zpd.wire.admin_reply import Flushed, MemoryState, VersionChanged, WeightVersion
+from zpd.wire.admin_reply import Flushed, MemoryState, VersionChanged, WeightValues, WeightVersion
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
 from engines.tp.runner import TpRunner
 from zpd.worker.scheduler import Respond
@@ -89,7 +91,7 @@ class WeightsAndMemory:
 
     def commands(self) -> dict[type, Callable[..., None]]:
         return {UpdateWeights: self.update_weights, FlushCache: self.flush_cache,
-                UpdateWeightVersion: self.update_weight_version,
+                UpdateWeightVersion: self.update_weight_version, GetWeights: self.get_weights,
                 ReleaseMemory: self.release_memory, ResumeMemory: self.resume_memory}
 
     @property
@@ -152,6 +154,19 @@ class WeightsAndMemory:
         self.port.set_weights(version)
         log.warning("weight version %r -> %r (weights unchanged)", old, version)
         respond(True, VersionChanged(version, old))
+
+    def get_weights(self, cmd: GetWeights, respond: Respond) -> None:
+        """SGLang's get_weights_by_name: the first rows of one weight, as float32 values
+        in nested lists. At --tp > 1 each rank holds only its part: refused."""
+        self.require_weights("get_weights_by_name")
+        if self.port.ranks is not None:
+            raise StatusError(BAD_REQUEST, "get_weights_by_name reads a worker at --tp 1; "
+                                           "this worker's weights are split over its ranks")
+        try:
+            rows = first_rows(self.port.model.net, cmd.name, cmd.truncate_size)
+        except ModelError as e:
+            raise StatusError(BAD_REQUEST, str(e)) from None
+        respond(True, WeightValues(rows.detach().to("cpu", torch.float32).tolist()))
 
     def flush_cache(self, cmd: FlushCache, respond: Respond) -> None:
         """Drop the prefix cache; refused while requests run unpaused (as SGLang does).

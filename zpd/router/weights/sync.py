@@ -3,6 +3,7 @@ zpd/worker/weights/sync.py). Plugged into the router's admin by zpd/ops/router.p
 
 - `init_weights_update_group`: every worker, in the order of `status`, joins the
   trainer's group as rank `rank_offset + i`; if any cannot, all leave it again.
+  Given fewer ranks than workers, the first worker relays to the rest (`_joins`).
 - `update_weights_from_distributed`: two phases. Every worker stages the push
   (receives all of it, checked against its model); only when all have it does the
   router send the commit, and the new version is then on every prefill and decode.
@@ -28,7 +29,9 @@ from typing import Callable, Protocol
 from zpd.config import RouterConfig
 from zpd.router.flights import Worker
 from zpd.router.hooks import HOLD_SHARE, Peers
-from zpd.wire.admin import (AdminCommand, CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, InitWeightsGroup, StageTensors, StageWeights, UpdateFromDistributed, UpdateFromTensor)
+from zpd.wire.admin import (AdminCommand, CancelWeightUpdate, CommitWeights, DestroyWeightsGroup,
+                            DiscardWeights, InitWeightsGroup, JoinWeightsGroup, StageTensors,
+                            StageWeights, UpdateFromDistributed, UpdateFromTensor)
 from zpd.wire.admin_fields import MAX_NAME_CHARS, BadArgs, PauseMode, SyncStep
 from zpd.wire.admin_reply import WeightVersion, WorkerReply, to_wire
 from zpd.wire.loop import Loop
@@ -122,9 +125,9 @@ class RouterWeightSync:
                           "workers": []})
             return
         offset, world = cmd.rank_offset, cmd.world_size
-        if offset + len(workers) > world:
-            raise BadArgs(f"rank_offset {offset} + {len(workers)} workers exceeds world_size {world}")
-        ranks = {w.endpoint: offset + i for i, w in enumerate(workers)}
+        if offset >= world:
+            raise BadArgs(f"rank_offset {offset} leaves this server no rank of world_size {world}")
+        joins, ranks, relay = self._joins(cmd, timeout)
         self._begin(SyncStep.JOINING, f"joining weight group {cmd.group_name!r}")
 
         def joined(replies: list[WorkerReply]) -> None:
@@ -137,11 +140,41 @@ class RouterWeightSync:
 
         def answer(ok: bool, replies: list[WorkerReply]) -> None:
             self._end()
-            reply(ok, {"workers": to_wire(replies), "ranks": ranks})
+            reply(ok, {"workers": to_wire(replies), "ranks": ranks} | relay)
 
         # any failure dooms the rest: the trainer's rendezvous waits for every rank
-        self.fan_out(lambda w: cmd.join(ranks[w.endpoint], timeout * WORKER_SHARE),
-                     workers, timeout, joined, self._end_early("the join", early))
+        self.fan_out(lambda w: joins[w.endpoint], workers, timeout, joined,
+                     self._end_early("the join", early))
+
+    def _joins(self, cmd: InitWeightsGroup, timeout: float
+               ) -> tuple[dict[str, JoinWeightsGroup], dict[str, int], dict]:
+        """What each worker joins as, its trainer rank, and the relay (if any).
+
+        The trainer gives this server the ranks rank_offset.. world_size - 1 (as an
+        SGLang server at --tp N takes rank_offset + tp_rank). With as many as it has
+        workers (or more), worker i joins as rank_offset + i. With fewer (AReaL's
+        `sglang:d1`: world_size 2, one rank), that many workers join; the first of
+        them also passes every broadcast on to the workers left over, in a relay group
+        of the cluster's own (zpd/worker/weights/trainer_group.py). One worker relays
+        rather than the router: the router holds no weights and no torch, the workers'
+        helpers already receive and check every broadcast, and the relay is then one
+        more broadcast of what the first helper received, with its checks and
+        deadlines, not a second receiving path."""
+        workers, offset = self.server.workers, cmd.rank_offset
+        direct = workers[:cmd.world_size - offset]
+        ranks = {w.endpoint: offset + i for i, w in enumerate(direct)}
+        share = timeout * WORKER_SHARE
+        joins = {w.endpoint: cmd.join(ranks[w.endpoint], share) for w in direct}
+        rest = workers[len(direct):]
+        if not rest:
+            return joins, ranks, {}
+        key, size, source = uuid.uuid4().hex, 1 + len(rest), direct[0].endpoint
+        joins[source] = cmd.join(offset, share, (0, size, key))
+        joins |= {w.endpoint: cmd.join(offset, share, (1 + i, size, key))
+                  for i, w in enumerate(rest)}
+        log.warning("weight group %r: %d ranks for %d workers; %s relays to %s", cmd.group_name,
+                    len(direct), len(workers), source, ", ".join(w.endpoint for w in rest))
+        return joins, ranks, {"relay": {"from": source, "to": [w.endpoint for w in rest]}}
 
     # --- pushes: stage everywhere, then commit everywhere or discard everywhere -------
 
@@ -170,10 +203,14 @@ class RouterWeightSync:
         if len(entries) not in (1, len(workers)):
             raise BadArgs(f"'serialized_named_tensors' has {len(entries)} entries: give one "
                           f"(every worker takes it) or one per worker ({len(workers)})")
-        index = {w.endpoint: (i if len(entries) > 1 else 0) for i, w in enumerate(workers)}
+        index = {w.endpoint: i for i, w in enumerate(workers)}
         update_id = uuid.uuid4().hex
-        self.two_phase(Push(update_id, lambda w: StageTensors(update_id, entries[index[w.endpoint]],
-                                                              cmd.load_format),
+
+        def stage(w: Worker) -> StageTensors:
+            i = index[w.endpoint]
+            return StageTensors(update_id, entries[i if len(entries) > 1 else 0],
+                                cmd.load_format, i, len(workers))
+        self.two_phase(Push(update_id, stage,
                             cmd.weight_version, "tensors", None, timeout,
                             self.server.loop.time()), reply)
 

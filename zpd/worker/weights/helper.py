@@ -39,7 +39,7 @@ from multiprocessing.reduction import recv_handle
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
 
-from zpd.worker.weights.trainer_group import GroupError, TrainerGroup
+from zpd.worker.weights.trainer_group import GroupError, TrainerGroup, join_group
 
 FILL = 0xFF
 GRACE_S = 1.0       # torch's own timeouts end this much after the worker's, which kills first
@@ -62,7 +62,7 @@ def main(conn: Connection, device: str) -> None:
             return
         if msg[0] == "join":
             try:
-                group = TrainerGroup.join(*msg[1:])
+                group = join_group(*msg[1:])
                 conn.send(("joined",))
             except GroupError as e:
                 conn.send(("error", str(e)))

@@ -124,6 +124,8 @@ class WeightSync:
         # Left out: what the trainer would use with a worker like this one.
         backend = cmd.backend or ("nccl" if self.port.model.device.type == "cuda" else "gloo")
         trainer_init = cmd.trainer_init or DEFAULT_TRAINER_INIT
+        relay = None if cmd.relay_size is None else (cmd.relay_rank, cmd.relay_size,
+                                                     cmd.relay_key)
         timeout = min(cmd.timeout_s, self.timeout_s)
         if name in self.groups:
             raise StatusError(CONFLICT, f"already in weight group {name!r}: destroy it first")
@@ -136,8 +138,8 @@ class WeightSync:
             link = HelperLink(device)
             job.attach(link)
             try:
-                link.join((name, backend, address, port, rank, world, trainer_init, timeout),
-                          deadline)
+                link.join((name, backend, address, port, rank, world, trainer_init, timeout,
+                           relay), deadline)
                 if self.shadow is None:          # made here, off the loop: it copies the weights
                     self.shadow = self.new_shadow(device)
                     log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)

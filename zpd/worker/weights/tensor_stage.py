@@ -67,7 +67,8 @@ def stage_tensors(sync: Staging, cmd: StageTensors, respond: Respond) -> None:
 
     def work(_job) -> list[Announced]:
         named = decode_named_tensors(payload, limit, MAX_TENSORS,
-                                     bucket=load_format == "flattened_bucket")
+                                     bucket=load_format == "flattened_bucket",
+                                     rank=cmd.rank, ranks=cmd.ranks)
         items = announce(net, [n for n, _ in named], [str(t.dtype) for _, t in named],
                          [list(t.shape) for _, t in named])
         if sync.shadow is None:       # made here, off the loop: it copies the weights
