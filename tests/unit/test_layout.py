@@ -215,3 +215,20 @@ def test_test_files_have_distinct_names():
     two files of one name in tests/unit and tests/e2e stop the whole run at collection."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_the_tests_the_docs_name_exist():
+    """docs/*.md back claims with test names (`tests/...py::test_x`, or `::test_x`
+    after one): each must exist, or the claim has lost its evidence."""
+    sources = {p: p.read_text() for p in (ROOT / "tests").rglob("*.py")}
+    missing = []
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        text = doc.read_text()
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", text):
+            source = sources.get(ROOT / path)
+            if source is None or (name and f"def {name}(" not in source):
+                missing.append(f"{doc.name}: {path}::{name}")
+        for name in re.findall(r"`::(test_\w+)`", text):
+            if not any(f"def {name}(" in s for s in sources.values()):
+                missing.append(f"{doc.name}: ::{name}")
+    assert not missing
