@@ -63,6 +63,7 @@ SLOW_TESTS = frozenset({
     "tests/unit/test_weight_release.py::test_released_weights_free_their_memory_and_come_back_bit_for_bit",
     "tests/unit/test_weight_sync.py::test_a_push_into_a_float32_or_bfloat16_model",
     "tests/unit/test_weight_sync.py::test_push_while_idle_moves_every_worker",
+    "tests/unit/test_weight_sync.py::test_packed_copies_never_outlive_the_weights_they_were_made_from",
     "tests/unit/test_chat_requests.py::test_zpd_run_chat_prints_the_answer",
     # thousands of random inputs
     "tests/unit/test_protocol.py::test_fuzz_plausible_headers",

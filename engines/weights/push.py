@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from engines.config import ModelError
 from engines.formats.weights import Placement, checked_placement
@@ -150,6 +151,10 @@ class Shadow:
             param, staged = self.params[pname], self.copy[pname]
             if covered == param.shape[0] and staged.device == param.device:
                 self.copy[pname], param.data = param.data, staged     # swap: no copy
+                # its memory alternates between two places: what is cached by address
+                # and version (packed copies, engines/cpu/linear.py) must not be taken
+                # for the new values when it comes back to one
+                increment_version(param)
             else:
                 for a in written:
                     if a.where is not None and a.where[0] == pname:

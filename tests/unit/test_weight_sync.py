@@ -351,3 +351,29 @@ def test_stage_with_garbage_tensors_is_400_before_any_broadcast(cluster, trainer
     for core in (cluster.prefill, cluster.decode):
         assert core.parts["weight_sync"].job is None and core.parts["weight_sync"].groups.keys() == {"g"}
     assert push(cluster, trainer, W2)["ok"]     # the group is still in step with the trainer
+
+
+def test_packed_copies_never_outlive_the_weights_they_were_made_from():
+    """A weight's packed copy (engines/cpu/linear.py) is keyed by its address and
+    version; a commit swaps a weight with its staging copy, so the third push puts it
+    back where the first did, with bytes the worker never wrote itself (the helper
+    did). The commit bumps its version, so the copy packed after the first push is not
+    taken for the third's (no request ran between the second and the third)."""
+    c = InprocCluster(kv_cache_mb=2.0, dtype="bfloat16")
+    trainer = Trainer(world_size=3)
+    try:
+        def answers() -> list[list[int]]:
+            rids = [c.submit(PROMPT, 6), c.submit(PROMPT[1:], 6)]   # batches of 2: packed
+            return [c.run(rid).token_ids for rid in rids]
+
+        assert join(c, trainer)["ok"]
+        for seed, then_run in ((7, True), (3, False), (5, True)):
+            sent = {n: t.to(torch.bfloat16) for n, t in tiny_state_dict(seed).items()}
+            assert push(c, trainer, sent, version=f"s{seed}")["ok"]
+            if then_run:
+                fresh = load_model(f"tiny:{seed}", dtype="bfloat16")
+                assert answers() == [reference_tiny_model(fresh, PROMPT, 6),
+                                     reference_tiny_model(fresh, PROMPT[1:], 6)]
+    finally:
+        trainer.close()
+        c.close()
