@@ -17,6 +17,7 @@ from torch import nn
 
 from engines.config import ModelError
 from engines.formats.weights import Placement, checked_placement
+from engines.weights.pool import SharedPool
 
 # Names a trainer may give a dtype ("torch.bfloat16" as str(torch.bfloat16) prints too).
 PUSH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
@@ -106,18 +107,35 @@ class Shadow:
     push neither touches the model before its commit nor allocates memory each time.
     Committing swaps each fully written parameter with the model's own (the old
     weights become the next push's staging area) and copies the rows of a partly
-    written one. Made once per trainer group, on `device` (the model's, unless the
+    written one; a shared copy (in a SharedPool) is copied from, never swapped, so
+    it stays where the helper receives. Made once per trainer group, on `device` (the model's, unless the
     group's backend cannot reach it)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, blank: bool = False) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, blank: bool = False,
+                 shared: bool = False) -> None:
         """`blank`: zeros of the parameters' shapes, not their values (`model` may then be
         on the meta device: a tensor-parallel rank's template of the whole model, whose
-        commit applies only the rows a push wrote, engines/tp/runner.py)."""
+        commit applies only the rows a push wrote, engines/tp/runner.py). `shared` (on
+        CPU): the copy lives in a SharedPool a helper process receives into; commits
+        then copy from it rather than swap."""
         self.params = dict(model.named_parameters())
+        self.pool = SharedPool(model) if shared and device.type == "cpu" else None
         with torch.no_grad():
-            self.copy = {n: torch.zeros(p.shape, dtype=p.dtype, device=device) if blank
-                         else p.detach().to(device, copy=True) for n, p in self.params.items()}
+            if self.pool is not None:
+                self.copy = self.pool.views
+                if not blank:
+                    for n, p in self.params.items():
+                        self.copy[n].copy_(p.detach())
+            else:
+                self.copy = {n: torch.zeros(p.shape, dtype=p.dtype, device=device) if blank
+                             else p.detach().to(device, copy=True)
+                             for n, p in self.params.items()}
         self.nbytes = sum(t.nbytes for t in self.copy.values())
+
+    def close(self) -> None:
+        """Give back what a shared copy holds open (its memory goes with its tensors)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def written_rows(self, written: list[Announced]) -> dict[str, list[tuple[int, int]]]:
         """Each parameter the written tensors land in, with the row ranges they cover."""
@@ -148,7 +166,8 @@ class Shadow:
                 rows[pname] = rows.get(pname, 0) + (n if n >= 0 else self.params[pname].shape[0])
         for pname, covered in rows.items():
             param, staged = self.params[pname], self.copy[pname]
-            if covered == param.shape[0] and staged.device == param.device:
+            if covered == param.shape[0] and staged.device == param.device \
+                    and self.pool is None:
                 self.copy[pname], param.data = param.data, staged     # swap: no copy
             else:
                 for a in written:

@@ -283,19 +283,23 @@ class WeightSync:
     def _receive(self, link: HelperLink, items: list[Announced], bucket: torch.dtype | None,
                  shadow: Shadow | None, deadline: float) -> None:
         """Every announced tensor, through the helper, into `shadow` (None: a refused
-        push, received and dropped); SyncFailure(400) if any did not arrive whole."""
+        push, received and dropped): in place where the shadow is shared memory and the
+        tensor has its parameter's dtype, else copied in; SyncFailure(400) if any did
+        not arrive whole."""
         incoming = [Incoming(a.name, a.dtype, a.shape, a.nbytes) for a in items]
-        got, problems = link.stage(incoming, bucket, deadline)
+        pool = None if shadow is None else shadow.pool
+        targets = [None if shadow is None else shadow.target(a) for a in items]
+        direct = [None if pool is None or t is None or t.dtype != a.dtype else pool.offset_of(t)
+                  for a, t in zip(items, targets)]
+        got, problems = link.stage(incoming, bucket, deadline, pool, direct)
         try:
             if problems:
                 more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
                 raise SyncFailure(400, "; ".join(problems[:3]) + more)
-            if shadow is not None:
-                with torch.no_grad():
-                    for a, tensor in zip(items, got):
-                        target = shadow.target(a)
-                        if target is not None:
-                            target.copy_(tensor)
+            with torch.no_grad():
+                for target, tensor in zip(targets, got):
+                    if target is not None and tensor is not None:
+                        target.copy_(tensor)
         finally:
             got.clear()
             link.release()
@@ -325,11 +329,13 @@ class WeightSync:
     def new_shadow(self, device: torch.device) -> Shadow:
         """Staging for pushes: a copy of the weights, or at --tp > 1 a blank of the whole
         model's shapes (only the rows a push writes are ever applied from it)."""
-        return Shadow(self.template, device, blank=self.port.ranks is not None)
+        return Shadow(self.template, device, blank=self.port.ranks is not None, shared=True)
 
     def drop_shadow(self) -> None:
         """The staging memory goes with the last group (a tensor push's, after it)."""
-        if not self.groups and self.job is None and self.staged is None:
+        if not self.groups and self.job is None and self.staged is None \
+                and self.shadow is not None:
+            self.shadow.close()
             self.shadow = None
 
     def idle_or_409(self) -> None:
