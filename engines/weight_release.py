@@ -31,6 +31,7 @@ from torch import nn
 
 from engines.cpu.linear import PackedWeights
 from engines.models.moe import Experts
+from engines.weights.pool import unshare
 
 log = logging.getLogger("engines.weight_release")
 
@@ -92,6 +93,7 @@ def trim_heap() -> None:
 def release(net: nn.Module, device: torch.device) -> Released:
     """Free the memory of `net`'s weights; `resume` with the result restores them.
     On an error nothing is released."""
+    unshare(net)           # weights a push committed in place: to memory torch can resize
     storages = _storages(net)
     held = Released(storages, [s.nbytes() for s in storages])
     if device.type == "cuda":

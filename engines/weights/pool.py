@@ -1,39 +1,49 @@
-"""Shared staging memory for pushes on CPU: every parameter's staging copy, back to
-back in the model's parameter order, in one anonymous shared file (a memfd) that a
-weight-sync helper process maps once (zpd/worker/weights/helper.py) and receives
-broadcasts straight into. A bucket whose tensors come in the model's order (a
-trainer walking its own `named_parameters`, as slime's and SGLang's updaters do)
-is one contiguous range of it, so it lands in place too.
+"""Shared staging memory for pushes on CPU: two slots per parameter, each half of
+the pool holding every parameter back to back in the model's parameter order, in
+one anonymous shared file (a memfd) that a weight-sync helper process maps once
+(zpd/worker/weights/helper.py) and receives broadcasts straight into.
 
-The model's own parameters never live here: a commit copies from it, so that the
-weights stay ordinary (resizable, releasable) memory of the model's."""
+A push's staging copy (engines/weights/push.Shadow) takes, per parameter, the slot
+the model's weight is not in; a commit hands the model that slot (no copy) and the
+staging copy the other. So after a whole push the staging copy is one half, back
+to back: a bucket whose tensors come in the model's order (a trainer walking its
+own `named_parameters`, as slime's and SGLang's updaters do) is one contiguous
+range of it and lands in place too.
+
+The memory of a slot nobody uses is given back (`punch`): the staging copy's when
+it is dropped, a weight's when release_memory_occupation moves it out
+(`unshare`, engines/weight_release.py: the pool's memory cannot be resized as
+torch's own can)."""
 from __future__ import annotations
 
 import itertools
 import mmap
 import os
+import weakref
 
 import torch
 from torch import nn
 
 NAME = "zpd-weight-staging"
 _KEYS = itertools.count(1)
+_LIVE: "weakref.WeakSet[SharedPool]" = weakref.WeakSet()
 
 
 class SharedPool:
-    """One memfd holding a staging tensor per parameter; `fd` stays open (for the
-    helpers) until `close`."""
+    """One memfd with two slots per parameter of `model`; `fd` stays open for the
+    helpers while the pool lives."""
 
     def __init__(self, model: nn.Module) -> None:
         self.key = next(_KEYS)          # which pool a helper was given
-        self.offsets: dict[str, int] = {}
-        at = 0
-        for name, p in model.named_parameters():
+        params = dict(model.named_parameters())
+        offsets, at = {}, 0
+        for name, p in params.items():
             size = p.dtype.itemsize
             at = -(-at // size) * size                 # aligned for its own dtype only
-            self.offsets[name] = at
+            offsets[name] = at
             at += p.numel() * size
-        self.size = max(at, 1)
+        self.half = -(-max(at, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = 2 * self.half
         self.fd = os.memfd_create(NAME)
         try:
             os.ftruncate(self.fd, self.size)
@@ -42,8 +52,17 @@ class SharedPool:
             os.close(self.fd)
             raise
         self.flat = torch.frombuffer(self.memory, dtype=torch.uint8)
-        self.views = {name: self.flat[self.offsets[name]:self.offsets[name] + p.nbytes]
-                      .view(p.dtype).view(p.shape) for name, p in model.named_parameters()}
+        self.slots = [{name: _slot(self.flat, h * self.half + offsets[name], p)
+                       for name, p in params.items()} for h in (0, 1)]
+        _LIVE.add(self)
+        weakref.finalize(self, os.close, self.fd)
+
+    def half_of(self, t: torch.Tensor) -> int | None:
+        """Which half `t`'s memory is in, None if not in this pool."""
+        if t.device.type != "cpu":
+            return None
+        at = t.data_ptr() - self.flat.data_ptr()
+        return at // self.half if 0 <= at < self.size else None
 
     def offset_of(self, t: torch.Tensor) -> int | None:
         """Where contiguous `t` starts in the pool, None if it is not in it."""
@@ -52,8 +71,42 @@ class SharedPool:
             return None
         return at
 
-    def close(self) -> None:
-        """Give the fd back; the memory goes with the last tensor viewing it."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def punch(self, t: torch.Tensor) -> None:
+        """Give back the whole pages under `t` (it reads as zeros afterwards)."""
+        at = self.offset_of(t)
+        if at is None:
+            return
+        start = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (at + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self.memory.madvise(mmap.MADV_REMOVE, start, end - start)
+
+
+def _slot(flat: torch.Tensor, at: int, p: torch.Tensor) -> torch.Tensor:
+    """`p`'s slot at byte `at`, laid out as `p` is (a column-major weight stays so)."""
+    raw = flat[at:at + p.nbytes].view(p.dtype)
+    return raw.as_strided(p.shape, p.stride()) if _dense(p) else raw.view(p.shape)
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """Whether `p` fills its numel() elements exactly, in some order of its dims."""
+    want = 1
+    for size, stride in sorted(zip(p.shape, p.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != want:
+            return False
+        want *= size
+    return True
+
+
+def unshare(net: nn.Module) -> None:
+    """Move every weight of `net` that lives in a pool to memory of its own (torch's,
+    resizable), giving the pool's pages back."""
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.device.type != "cpu" or p.untyped_storage().resizable():
+                continue
+            for pool in list(_LIVE):
+                if pool.half_of(p) is not None:
+                    old, p.data = p.data, p.data.clone()
+                    pool.punch(old)
+                    break

@@ -107,22 +107,23 @@ class Shadow:
     push neither touches the model before its commit nor allocates memory each time.
     Committing swaps each fully written parameter with the model's own (the old
     weights become the next push's staging area) and copies the rows of a partly
-    written one; a shared copy (in a SharedPool) is copied from, never swapped, so
-    it stays where the helper receives. Made once per trainer group, on `device` (the model's, unless the
-    group's backend cannot reach it)."""
+    written one (in a SharedPool, the swap is of the pool's two slots). Made once
+    per trainer group, on `device` (the model's, unless the group's backend cannot
+    reach it)."""
 
     def __init__(self, model: nn.Module, device: torch.device, blank: bool = False,
-                 shared: bool = False) -> None:
+                 pool: SharedPool | None = None) -> None:
         """`blank`: zeros of the parameters' shapes, not their values (`model` may then be
         on the meta device: a tensor-parallel rank's template of the whole model, whose
-        commit applies only the rows a push wrote, engines/tp/runner.py). `shared` (on
-        CPU): the copy lives in a SharedPool a helper process receives into; commits
-        then copy from it rather than swap."""
+        commit applies only the rows a push wrote, engines/tp/runner.py). `pool` (made
+        for `model`, on CPU): the copy takes the pool's slots, the one each weight is
+        not in, for a helper process to receive into (engines/weights/pool.py)."""
         self.params = dict(model.named_parameters())
-        self.pool = SharedPool(model) if shared and device.type == "cpu" else None
+        self.pool = pool if device.type == "cpu" else None
         with torch.no_grad():
             if self.pool is not None:
-                self.copy = self.pool.views
+                self.copy = {n: self.pool.slots[1 - (self.pool.half_of(p) or 0)][n]
+                             for n, p in self.params.items()}
                 if not blank:
                     for n, p in self.params.items():
                         self.copy[n].copy_(p.detach())
@@ -133,9 +134,10 @@ class Shadow:
         self.nbytes = sum(t.nbytes for t in self.copy.values())
 
     def close(self) -> None:
-        """Give back what a shared copy holds open (its memory goes with its tensors)."""
+        """Give back the memory of a copy in a pool (its slots read as zeros after)."""
         if self.pool is not None:
-            self.pool.close()
+            for t in self.copy.values():
+                self.pool.punch(t)
 
     def written_rows(self, written: list[Announced]) -> dict[str, list[tuple[int, int]]]:
         """Each parameter the written tensors land in, with the row ranges they cover."""
@@ -166,8 +168,11 @@ class Shadow:
                 rows[pname] = rows.get(pname, 0) + (n if n >= 0 else self.params[pname].shape[0])
         for pname, covered in rows.items():
             param, staged = self.params[pname], self.copy[pname]
-            if covered == param.shape[0] and staged.device == param.device \
-                    and self.pool is None:
+            if covered == param.shape[0] and self.pool is not None:
+                # the pool's other slot: the weight's old memory if it was there
+                half = self.pool.half_of(staged)
+                param.data, self.copy[pname] = staged, self.pool.slots[1 - half][pname]
+            elif covered == param.shape[0] and staged.device == param.device:
                 self.copy[pname], param.data = param.data, staged     # swap: no copy
             else:
                 for a in written:

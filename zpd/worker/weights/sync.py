@@ -42,6 +42,7 @@ import torch
 
 from engines.config import ModelError
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from engines.weights.pool import SharedPool
 from engines.weights.push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
 from zpd.worker.weights.helper_link import HelperLink, Incoming, SyncFailure
 from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights)
@@ -103,6 +104,8 @@ class WeightSync:
         self.staged: Staged | None = None
         self.shadow: Shadow | None = None        # staging: a second copy of the weights
         self._template: torch.nn.Module | None = None    # see `template`
+        self.pool: SharedPool | None = None      # on CPU: where the shadow is, and the
+        #                                          weights after a commit (pool.py)
         self.abandoned: set[str] = set()         # the push's id, discarded while receiving
 
     def commands(self) -> dict[type, Callable[..., None]]:
@@ -329,7 +332,9 @@ class WeightSync:
     def new_shadow(self, device: torch.device) -> Shadow:
         """Staging for pushes: a copy of the weights, or at --tp > 1 a blank of the whole
         model's shapes (only the rows a push writes are ever applied from it)."""
-        return Shadow(self.template, device, blank=self.port.ranks is not None, shared=True)
+        if device.type == "cpu" and self.pool is None:
+            self.pool = SharedPool(self.template)
+        return Shadow(self.template, device, blank=self.port.ranks is not None, pool=self.pool)
 
     def drop_shadow(self) -> None:
         """The staging memory goes with the last group (a tensor push's, after it)."""
