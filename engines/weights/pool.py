@@ -73,8 +73,8 @@ class SharedPool:
 
     def punch(self, t: torch.Tensor) -> None:
         """Give back the whole pages under `t` (it reads as zeros afterwards)."""
-        at = self.offset_of(t)
-        if at is None:
+        at = t.data_ptr() - self.flat.data_ptr()
+        if t.device.type != "cpu" or not _dense(t) or not 0 <= at <= self.size - t.nbytes:
             return
         start = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (at + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
