@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from engines.config import ModelError
 from engines.formats.weights import Placement, checked_placement
@@ -107,7 +108,10 @@ class Shadow:
     push neither touches the model before its commit nor allocates memory each time.
     Committing swaps each fully written parameter with the model's own (the old
     weights become the next push's staging area) and copies the rows of a partly
-    written one (in a SharedPool, the swap is of the pool's two slots). Made once
+    written one (in a SharedPool, the swap is of the pool's two slots). A swapped
+    parameter's version goes up: its memory alternates between two places, and what
+    is cached by address and version (packed copies, engines/cpu/linear.py) must not
+    be taken for the new values when it comes back to one. Made once
     per trainer group, on `device` (the model's, unless the group's backend cannot
     reach it)."""
 
@@ -172,8 +176,10 @@ class Shadow:
                 # the pool's other slot: the weight's old memory if it was there
                 half = self.pool.half_of(staged)
                 param.data, self.copy[pname] = staged, self.pool.slots[1 - half][pname]
+                increment_version(param)
             elif covered == param.shape[0] and staged.device == param.device:
                 self.copy[pname], param.data = param.data, staged     # swap: no copy
+                increment_version(param)
             else:
                 for a in written:
                     if a.where is not None and a.where[0] == pname:

@@ -19,6 +19,7 @@ from engines.loader import load_model
 from engines.models.tiny import tiny_state_dict
 from engines.weights.pool import SharedPool, unshare
 from tests.unit.inproc import InprocCluster
+from tests.unit.test_handoff import PROMPT, reference_tiny_model
 from tests.unit.test_weight_sync import join, push, versions
 from tests.unit.trainer_side import Trainer
 from zpd.worker.weights.helper_link import HelperLink
@@ -131,3 +132,29 @@ def test_pool_slots_keep_each_weights_layout_and_give_pages_back():
     unshare(net)                                      # out of the pool, layout kept
     assert pool.half_of(net.b) is None and net.b.untyped_storage().resizable()
     assert net.b.stride() == pool.slots[1]["b"].stride()
+
+
+def test_packed_copies_never_outlive_the_weights_they_were_made_from():
+    """A weight's packed copy (engines/cpu/linear.py) is keyed by its address and
+    version; a commit moves a weight between the pool's two slots, so the third push
+    puts it back where the first did, with bytes the worker never wrote itself (the
+    helper did). The commit bumps its version, so the copy packed after the first push
+    is not taken for the third's: answers match a fresh load of each."""
+    c = InprocCluster(kv_cache_mb=2.0, dtype="bfloat16")
+    trainer = Trainer(world_size=3)
+    try:
+        def answers() -> list[list[int]]:
+            rids = [c.submit(PROMPT, 6), c.submit(PROMPT[1:], 6)]   # batches of 2: packed
+            return [c.run(rid).token_ids for rid in rids]
+
+        assert join(c, trainer)["ok"]
+        for seed, then_run in ((7, True), (3, False), (5, True)):
+            sent = {n: t.to(torch.bfloat16) for n, t in weights(seed).items()}
+            assert push(c, trainer, sent, version=f"s{seed}")["ok"] and in_pool(c)
+            if then_run:
+                fresh = load_model(f"tiny:{seed}", dtype="bfloat16")
+                assert answers() == [reference_tiny_model(fresh, PROMPT, 6),
+                                     reference_tiny_model(fresh, PROMPT[1:], 6)]
+    finally:
+        trainer.close()
+        c.close()
