@@ -3,9 +3,12 @@ the pool holding every parameter back to back in the model's parameter order, in
 one anonymous shared file (a memfd) that a weight-sync helper process maps once
 (zpd/worker/weights/helper.py) and receives broadcasts straight into.
 
-A push's staging copy (engines/weights/push.Shadow) takes, per parameter, the slot
-the model's weight is not in; a commit hands the model that slot (no copy) and the
-staging copy the other. So after a whole push the staging copy is one half, back
+When a trainer group's staging copy (engines/weights/push.Shadow) is made, the
+model's weights move into the pool (copied off the worker's loop, switched on it:
+the memory stays the model's plus the staging copy's), and the staging copy takes, per parameter, the slot the
+weight is not in; a commit hands the model that slot (no copy) and the staging
+copy the other. Every page is written by the worker then, so a helper maps them
+all at once (MAP_POPULATE) and a push takes no page faults. So after a whole push the staging copy is one half, back
 to back: a bucket whose tensors come in the model's order (a trainer walking its
 own `named_parameters`, as slime's and SGLang's updaters do) is one contiguous
 range of it and lands in place too.

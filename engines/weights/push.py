@@ -120,12 +120,18 @@ class Shadow:
         """`blank`: zeros of the parameters' shapes, not their values (`model` may then be
         on the meta device: a tensor-parallel rank's template of the whole model, whose
         commit applies only the rows a push wrote, engines/tp/runner.py). `pool` (made
-        for `model`, on CPU): the copy takes the pool's slots, the one each weight is
-        not in, for a helper process to receive into (engines/weights/pool.py)."""
+        for `model`, on CPU): the copy takes the slots the weights are not in, for a
+        helper process to receive into (engines/weights/pool.py); weights not in the
+        pool yet are copied into its first slots, to move there by `adopt`."""
         self.params = dict(model.named_parameters())
         self.pool = pool if device.type == "cpu" else None
         with torch.no_grad():
+            self.moving: dict[str, tuple[int, int]] = {}      # see `adopt`
             if self.pool is not None:
+                for n, p in self.params.items():
+                    if p.device.type == "cpu" and self.pool.half_of(p) is None:
+                        self.pool.slots[0][n].copy_(p.detach())
+                        self.moving[n] = (p.data_ptr(), p._version)
                 self.copy = {n: self.pool.slots[1 - (self.pool.half_of(p) or 0)][n]
                              for n, p in self.params.items()}
                 if not blank:
@@ -137,11 +143,27 @@ class Shadow:
                              for n, p in self.params.items()}
         self.nbytes = sum(t.nbytes for t in self.copy.values())
 
+    def adopt(self) -> None:
+        """Move the weights into the pool's first slots, which `__init__` filled (off the
+        worker's loop): run on the loop, where no forward reads them meanwhile; a
+        weight changed since (its address or version) stays where it is, and the first
+        commit that swaps it moves it in instead."""
+        with torch.no_grad():
+            for n, (ptr, version) in self.moving.items():
+                p = self.params[n]
+                if (p.data_ptr(), p._version) == (ptr, version):
+                    p.data = self.pool.slots[0][n]
+                    increment_version(p)
+        self.moving = {}
+
     def close(self) -> None:
         """Give back the memory of a copy in a pool (its slots read as zeros after)."""
         if self.pool is not None:
             for t in self.copy.values():
                 self.pool.punch(t)
+            for n in self.moving:                    # never adopted (a failed join)
+                self.pool.punch(self.pool.slots[0][n])
+            self.moving = {}
 
     def written_rows(self, written: list[Announced]) -> dict[str, list[tuple[int, int]]]:
         """Each parameter the written tensors land in, with the row ranges they cover."""

@@ -87,7 +87,8 @@ def _map(conn: Connection, size: int) -> torch.Tensor:
     """The worker's staging memory (engines/weights/pool.py), its fd passed next."""
     fd = recv_handle(conn)
     try:
-        return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)    # no faults in a push
+        return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)
     finally:
         os.close(fd)
 

@@ -107,10 +107,8 @@ class HelperLink:
         metas = [(a.name, _name(a.dtype), a.shape, w, o, a.nbytes)
                  for (w, o), a in zip(places, items)]
         spec = None if bucket is None else (_name(bucket),) + places[0]
-        if pool is not None and self.pool != pool.key:
-            self.conn.send(("pool", pool.size))
-            multiprocessing.reduction.send_handle(self.conn, pool.fd, self.proc.pid)
-            self.pool = pool.key
+        if pool is not None:
+            self.share_pool(pool)
         self.conn.send(("stage", metas, spec, max(0.5, deadline - time.monotonic()), total))
         memory = None if self.cuda or not total else self._share(total)
         flat = None if memory is None else torch.frombuffer(memory, dtype=torch.uint8)
@@ -131,6 +129,14 @@ class HelperLink:
         if reply[0] != "staged":
             raise SyncFailure(500, reply[1])
         return got, problems
+
+    def share_pool(self, pool: SharedPool) -> None:
+        """Have the helper map the staging pool (once: at the join, so that no push
+        waits for it)."""
+        if self.pool != pool.key:
+            self.conn.send(("pool", pool.size))
+            multiprocessing.reduction.send_handle(self.conn, pool.fd, self.proc.pid)
+            self.pool = pool.key
 
     def release(self) -> None:
         """The worker has copied what `stage` returned: the helper may drop it."""

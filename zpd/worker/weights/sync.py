@@ -146,6 +146,8 @@ class WeightSync:
                 if self.shadow is None:          # made here, off the loop: it copies the weights
                     self.shadow = self.new_shadow(device)
                     log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)
+                if self.shadow.pool is not None:
+                    link.share_pool(self.shadow.pool)
             except BaseException:
                 link.close()
                 raise
@@ -153,6 +155,8 @@ class WeightSync:
 
         def done(group: Group | None, error: Exception | None) -> None:
             if group is not None:
+                if self.shadow is not None:
+                    self.shadow.adopt()          # on the loop: no forward reads them now
                 self.groups[name] = group
                 respond(True, Joined(name, rank, world))
                 return
