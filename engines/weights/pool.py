@@ -15,8 +15,8 @@ range of it and lands in place too.
 
 The memory of a slot nobody uses is given back (`punch`): the staging copy's when
 it is dropped, a weight's when release_memory_occupation moves it out
-(`unshare`, engines/weight_release.py: the pool's memory cannot be resized as
-torch's own can)."""
+(engines/weight_release.py calls `give_back`: the pool's memory cannot be resized
+as torch's own can)."""
 from __future__ import annotations
 
 import itertools
@@ -26,6 +26,8 @@ import weakref
 
 import torch
 from torch import nn
+
+from engines import weight_release
 
 NAME = "zpd-weight-staging"
 _KEYS = itertools.count(1)
@@ -101,15 +103,13 @@ def _dense(p: torch.Tensor) -> bool:
     return True
 
 
-def unshare(net: nn.Module) -> None:
-    """Move every weight of `net` that lives in a pool to memory of its own (torch's,
-    resizable), giving the pool's pages back."""
-    with torch.no_grad():
-        for p in net.parameters():
-            if p.device.type != "cpu" or p.untyped_storage().resizable():
-                continue
-            for pool in list(_LIVE):
-                if pool.half_of(p) is not None:
-                    old, p.data = p.data, p.data.clone()
-                    pool.punch(old)
-                    break
+def give_back(t: torch.Tensor) -> None:
+    """Punch `t` in whichever live pool holds it (release_memory_occupation moved a
+    weight out of it, engines/weight_release.py)."""
+    for pool in list(_LIVE):
+        if pool.half_of(t) is not None:
+            pool.punch(t)
+            return
+
+
+weight_release.on_unresizable(give_back)

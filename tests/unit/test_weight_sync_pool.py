@@ -17,7 +17,7 @@ from torch import nn
 from engines import weight_release
 from engines.loader import load_model
 from engines.models.tiny import tiny_state_dict
-from engines.weights.pool import SharedPool, unshare
+from engines.weights.pool import SharedPool
 from tests.unit.inproc import InprocCluster
 from tests.unit.test_handoff import PROMPT, reference_tiny_model
 from tests.unit.test_weight_sync import join, push, versions
@@ -129,7 +129,7 @@ def test_pool_slots_keep_each_weights_layout_and_give_pages_back():
     assert 0 < int((b == 0).sum()) < b.numel()      # its whole pages: zeros now
     with torch.no_grad():
         net.b.data = pool.slots[1]["b"]
-    unshare(net)                                      # out of the pool, layout kept
+    weight_release._unshare(net)                      # out of the pool, layout kept
     assert pool.half_of(net.b) is None and net.b.untyped_storage().resizable()
     assert net.b.stride() == pool.slots[1]["b"].stride()
 
