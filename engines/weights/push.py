@@ -194,7 +194,8 @@ class Shadow:
                 rows[pname] = rows.get(pname, 0) + (n if n >= 0 else self.params[pname].shape[0])
         for pname, covered in rows.items():
             param, staged = self.params[pname], self.copy[pname]
-            if covered == param.shape[0] and self.pool is not None:
+            if covered == param.shape[0] and self.pool is not None \
+                    and staged.device == param.device:     # (a CUDA model's gloo group: copied)
                 # the pool's other slot: the weight's old memory if it was there
                 half = self.pool.half_of(staged)
                 param.data, self.copy[pname] = staged, self.pool.slots[1 - half][pname]
