@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -89,9 +90,31 @@ def trim_heap() -> None:
         pass
 
 
+# Who holds weights in memory that cannot be resized (a weight-sync pool's,
+# engines/weights/pool.py) registers here what gives a tensor's pages back.
+_GIVE_BACK: list[Callable[[torch.Tensor], None]] = []
+
+
+def on_unresizable(give_back: Callable[[torch.Tensor], None]) -> None:
+    if give_back not in _GIVE_BACK:
+        _GIVE_BACK.append(give_back)
+
+
+def _unshare(net: nn.Module) -> None:
+    """Move every CPU weight whose memory cannot be resized to memory of its own (its
+    layout kept), and have that memory's owner give it back."""
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.device.type == "cpu" and not p.untyped_storage().resizable():
+                old, p.data = p.data, p.data.clone()
+                for give_back in _GIVE_BACK:
+                    give_back(old)
+
+
 def release(net: nn.Module, device: torch.device) -> Released:
     """Free the memory of `net`'s weights; `resume` with the result restores them.
     On an error nothing is released."""
+    _unshare(net)          # weights in a push's shared memory: to memory torch can resize
     storages = _storages(net)
     held = Released(storages, [s.nbytes() for s in storages])
     if device.type == "cuda":

@@ -25,6 +25,7 @@ SLOW_FILES = frozenset({
     "tests/unit/test_model_vs_hf.py",      # every architecture against transformers
     "tests/unit/test_gguf_moe.py",         # GGUF mixtures against their transformers checkpoints
     "tests/unit/test_weight_sync_moe.py",  # pushes of a mixture's experts into real workers
+    "tests/unit/test_weight_sync_pool.py",  # pushes received in place, into real workers
     "tests/unit/test_moe_parallel.py",     # MoE under --tp / --ep against transformers
     "tests/unit/test_moe_parallel_workers.py",     # and workers of MoE ranks, processes by gloo
     "tests/unit/test_tp_workers.py",       # tensor-parallel ranks: processes joined by gloo

@@ -18,6 +18,7 @@ from torch.autograd.graph import increment_version
 
 from engines.config import ModelError
 from engines.formats.weights import Placement, checked_placement
+from engines.weights.pool import SharedPool
 
 # Names a trainer may give a dtype ("torch.bfloat16" as str(torch.bfloat16) prints too).
 PUSH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
@@ -107,18 +108,62 @@ class Shadow:
     push neither touches the model before its commit nor allocates memory each time.
     Committing swaps each fully written parameter with the model's own (the old
     weights become the next push's staging area) and copies the rows of a partly
-    written one. Made once per trainer group, on `device` (the model's, unless the
-    group's backend cannot reach it)."""
+    written one (in a SharedPool, the swap is of the pool's two slots). A swapped
+    parameter's version goes up: its memory alternates between two places, and what
+    is cached by address and version (packed copies, engines/cpu/linear.py) must not
+    be taken for the new values when it comes back to one. Made once
+    per trainer group, on `device` (the model's, unless the group's backend cannot
+    reach it)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, blank: bool = False) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, blank: bool = False,
+                 pool: SharedPool | None = None) -> None:
         """`blank`: zeros of the parameters' shapes, not their values (`model` may then be
         on the meta device: a tensor-parallel rank's template of the whole model, whose
-        commit applies only the rows a push wrote, engines/tp/runner.py)."""
+        commit applies only the rows a push wrote, engines/tp/runner.py). `pool` (made
+        for `model`, on CPU): the copy takes the slots the weights are not in, for a
+        helper process to receive into (engines/weights/pool.py); weights not in the
+        pool yet are copied into its first slots, to move there by `adopt`."""
         self.params = dict(model.named_parameters())
+        self.pool = pool if device.type == "cpu" else None
         with torch.no_grad():
-            self.copy = {n: torch.zeros(p.shape, dtype=p.dtype, device=device) if blank
-                         else p.detach().to(device, copy=True) for n, p in self.params.items()}
+            self.moving: dict[str, tuple[int, int]] = {}      # see `adopt`
+            if self.pool is not None:
+                for n, p in self.params.items():
+                    if p.device.type == "cpu" and self.pool.half_of(p) is None:
+                        self.pool.slots[0][n].copy_(p.detach())
+                        self.moving[n] = (p.data_ptr(), p._version)
+                self.copy = {n: self.pool.slots[1 - (self.pool.half_of(p) or 0)][n]
+                             for n, p in self.params.items()}
+                if not blank:
+                    for n, p in self.params.items():
+                        self.copy[n].copy_(p.detach())
+            else:
+                self.copy = {n: torch.zeros(p.shape, dtype=p.dtype, device=device) if blank
+                             else p.detach().to(device, copy=True)
+                             for n, p in self.params.items()}
         self.nbytes = sum(t.nbytes for t in self.copy.values())
+
+    def adopt(self) -> None:
+        """Move the weights into the pool's first slots, which `__init__` filled (off the
+        worker's loop): run on the loop, where no forward reads them meanwhile; a
+        weight changed since (its address or version) stays where it is, and the first
+        commit that swaps it moves it in instead."""
+        with torch.no_grad():
+            for n, (ptr, version) in self.moving.items():
+                p = self.params[n]
+                if (p.data_ptr(), p._version) == (ptr, version):
+                    p.data = self.pool.slots[0][n]
+                    increment_version(p)
+        self.moving = {}
+
+    def close(self) -> None:
+        """Give back the memory of a copy in a pool (its slots read as zeros after)."""
+        if self.pool is not None:
+            for t in self.copy.values():
+                self.pool.punch(t)
+            for n in self.moving:                    # never adopted (a failed join)
+                self.pool.punch(self.pool.slots[0][n])
+            self.moving = {}
 
     def written_rows(self, written: list[Announced]) -> dict[str, list[tuple[int, int]]]:
         """Each parameter the written tensors land in, with the row ranges they cover."""
@@ -149,7 +194,13 @@ class Shadow:
                 rows[pname] = rows.get(pname, 0) + (n if n >= 0 else self.params[pname].shape[0])
         for pname, covered in rows.items():
             param, staged = self.params[pname], self.copy[pname]
-            if covered == param.shape[0] and staged.device == param.device:
+            if covered == param.shape[0] and self.pool is not None \
+                    and staged.device == param.device:     # (a CUDA model's gloo group: copied)
+                # the pool's other slot: the weight's old memory if it was there
+                half = self.pool.half_of(staged)
+                param.data, self.copy[pname] = staged, self.pool.slots[1 - half][pname]
+                increment_version(param)
+            elif covered == param.shape[0] and staged.device == param.device:
                 self.copy[pname], param.data = param.data, staged     # swap: no copy
                 # its memory alternates between two places: what is cached by address
                 # and version (packed copies, engines/cpu/linear.py) must not be taken

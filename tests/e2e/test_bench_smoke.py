@@ -83,7 +83,7 @@ RUNS = {
                                           r"incremental\s+200(\s+[\d.]+){4}"]),
     "bench_weight_sync.py": (["--hidden", "64", "--layers", "2", "--intermediate", "128",
                               "--vocab", "512", "--heads", "4", "--kv-heads", "2", "--rounds", "1",
-                              "--bucket-mb", "0.05", "--quiet-wait", "0"],
+                              "--bucket-mib", "0.05", "--quiet-wait", "0"],
                              [r"push buckets(\s+[\d.]+){7}",
                               r"push relay(\s+[\d.]+){7}",
                               r"relay buckets(\s+[\d.]+){7}",

@@ -8,22 +8,28 @@ costs only this helper: the worker sees it die or overstay, kills it, and keeps
 serving with its old weights.
 
 The helper joins the trainer's group as the worker's rank (trainer_group.py), then
-receives each push into memory the worker maps too: on CPU one memfd, every tensor
-at an offset the worker chose; on CUDA tensors of its own on the worker's device,
-handed over by CUDA IPC (torch.multiprocessing's reductions) and held until the
-worker has copied them. The CUDA path is written but not run by the test suite
-(no GPU there).
+receives each push into memory the worker maps too: on CPU straight into the
+worker's staging copy of the weights (engines/weights/pool.py: one memfd, mapped
+here once), or, for a tensor that cannot land in place (another dtype than the
+model's, one the model drops, a refused push), into a memfd of the push's own; on
+CUDA tensors of its own on the worker's device, handed over by CUDA IPC
+(torch.multiprocessing's reductions) and held until the worker has copied them.
+The CUDA path is written but not run by the test suite (no GPU there).
 
-Every receive buffer is filled with 0xFF bytes first. All-ones is a NaN in every
-IEEE float format, and a little-endian element whose last (most significant) byte
-is still 0xFF was not received whole: gloo writes a short broadcast as a prefix, so
-a trainer that sends fewer bytes than it announced leaves such elements, and the
-tensor is refused by name. A weight that really has that top byte is -inf, a NaN or
-beyond 2^127 in magnitude (float16: -inf or NaN), refused as well; so is any NaN.
+The last element of every receive buffer is filled with 0xFF bytes first. All-ones
+is a NaN in every IEEE float format, and a little-endian element whose last (most
+significant) byte is still 0xFF was not received whole: gloo writes a short
+broadcast as a prefix, so a trainer that sends fewer bytes than it announced leaves
+the last element so, and the tensor is refused by name. A received tensor is then
+summed: a finite sum means no NaN (nor inf) anywhere, the common case, one read of
+its bytes. Otherwise every element is looked at: one whose top byte is 0xFF is -inf,
+a NaN or beyond 2^127 in magnitude (float16: -inf or NaN), refused as well; so is
+any NaN.
 
 Messages are pickled tuples on the worker's pipe (the worker is the only peer):
-in ("join", ...), ("stage", ...), ("release",); out ("joined",), ("error", text),
-("got", index, problem | None[, cuda tensor]), ("staged",).
+in ("join", ...), ("pool", size) and its fd, ("stage", ...) [and a scratch fd],
+("release",); out ("joined",), ("error", text), ("got", index, problem | None[, cuda
+tensor]), ("staged",).
 """
 from __future__ import annotations
 
@@ -53,7 +59,7 @@ def main(conn: Connection, device: str) -> None:
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    group = None
+    group, pool = None, None           # pool: the worker's staging memory, mapped once
     held: list[torch.Tensor] = []      # what the worker maps by CUDA IPC, until it releases it
     while True:
         try:
@@ -67,12 +73,24 @@ def main(conn: Connection, device: str) -> None:
             except GroupError as e:
                 conn.send(("error", str(e)))
                 return
+        elif msg[0] == "pool":
+            pool = _map(conn, msg[1])
         elif msg[0] == "stage":
-            held[:] = _stage(conn, group, *msg[1:])
+            held[:] = _stage(conn, group, pool, *msg[1:])
         elif msg[0] == "release":
             held.clear()
         else:
             return
+
+
+def _map(conn: Connection, size: int) -> torch.Tensor:
+    """The worker's staging memory (engines/weights/pool.py), its fd passed next."""
+    fd = recv_handle(conn)
+    try:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)    # no faults in a push
+        return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)
+    finally:
+        os.close(fd)
 
 
 def _die_with_parent() -> None:
@@ -84,27 +102,36 @@ def _die_with_parent() -> None:
             pass
 
 
-def _stage(conn: Connection, group: TrainerGroup, metas: list[tuple[str, str, tuple, int, int]],
-           bucket: str | None, seconds: float) -> list[torch.Tensor]:
-    """Receive one push. `metas`: (name, dtype, shape, offset, nbytes) per tensor;
-    `bucket`: the dtype one flat broadcast of them all travels as (None: one broadcast
-    each). Answers per tensor, then ("staged",); returns what the worker still maps."""
+def _stage(conn: Connection, group: TrainerGroup, pool: torch.Tensor | None,
+           metas: list[tuple[str, str, tuple, str, int, int]], bucket: tuple | None,
+           seconds: float, scratch: int) -> list[torch.Tensor]:
+    """Receive one push. `metas`: (name, dtype, shape, where, offset, nbytes) per tensor,
+    `where` "pool" (in place, in the staging memory mapped by `pool`) or "scratch" (a
+    memory of this push's, `scratch` bytes, passed now); `bucket`: (dtype, where,
+    offset) of the one flat broadcast they all travel in (None: one broadcast each).
+    Answers per tensor, then ("staged",); returns what the worker still maps."""
     deadline = time.monotonic() + seconds + GRACE_S
     cuda = group.device.type == "cuda"
-    total = max((o + n for _, _, _, o, n in metas), default=0)
     try:
         if cuda:
-            flat = torch.full((max(total, 1),), FILL, dtype=torch.uint8, device=group.device)
-        else:
+            flat = torch.full((max(scratch, 1),), FILL, dtype=torch.uint8, device=group.device)
+        elif scratch:
             fd = recv_handle(conn)
-            memory = mmap.mmap(fd, max(total, 1))
+            memory = mmap.mmap(fd, scratch)
             os.close(fd)
             flat = torch.frombuffer(memory, dtype=torch.uint8)
-            flat.fill_(FILL)
+        else:
+            flat = None
+        spaces = {"pool": pool, "scratch": flat}
+        parts = [spaces[where][offset:offset + nbytes] for _, _, _, where, offset, nbytes in metas]
+        for (_, dtype, _, _, _, _), raw in zip(metas, parts):
+            mark(raw, getattr(torch, dtype))
         if bucket is not None:
-            group.receive(flat[:total].view(getattr(torch, bucket)), deadline)
-        for i, (name, dtype, shape, offset, nbytes) in enumerate(metas):
-            raw = flat[offset:offset + nbytes]
+            dtype, where, offset = bucket
+            total = sum(m[5] for m in metas)
+            group.receive(spaces[where][offset:offset + total].view(getattr(torch, dtype)),
+                          deadline)
+        for i, ((name, dtype, shape, _, _, _), raw) in enumerate(zip(metas, parts)):
             if bucket is None:
                 group.receive(raw.view(getattr(torch, dtype)).view(shape), deadline)
             problem = check(name, raw, getattr(torch, dtype))
@@ -118,11 +145,24 @@ def _stage(conn: Connection, group: TrainerGroup, metas: list[tuple[str, str, tu
     return [flat] if cuda else []
 
 
+def mark(raw: torch.Tensor, dtype: torch.dtype) -> None:
+    """FILL the last element of a receive buffer: a broadcast that ends short of it
+    leaves its top byte so (gloo writes a short broadcast as a prefix). The rest is
+    not filled: a full pass over every byte costs about as much as receiving them."""
+    if raw.numel() >= dtype.itemsize:
+        raw[-dtype.itemsize:] = FILL
+
+
 def check(name: str, raw: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """Why tensor `name`, received into `raw` (bytes, prefilled with FILL), must not
-    be staged; None if it arrived whole."""
+    """Why tensor `name`, received into `raw` (bytes whose last element was FILLed,
+    `mark`), must not be staged; None if it arrived whole. The common case costs one
+    read: a last element received and a finite sum (no NaN anywhere); else every
+    element is looked at."""
     size = dtype.itemsize
     if raw.numel() == 0:
+        return None
+    values = raw if raw.data_ptr() % size == 0 else raw.clone()
+    if raw[-1] != FILL and bool(torch.isfinite(values.view(dtype).sum())):
         return None
     top = raw.view(-1, size)[:, size - 1] == FILL          # little-endian: the top byte
     if bool(top.any()):
@@ -131,7 +171,6 @@ def check(name: str, raw: torch.Tensor, dtype: torch.dtype) -> str | None:
             return (f"tensor {name!r}: fewer than {(first + 1) * size} of its {raw.numel()} "
                     "bytes arrived (the trainer broadcast fewer bytes than it announced)")
         return f"tensor {name!r}: element {first} is -inf, NaN or beyond 2^127 in magnitude"
-    values = raw if raw.data_ptr() % size == 0 else raw.clone()
     if bool(torch.isnan(values.view(dtype)).any()):
         return f"tensor {name!r} holds NaN"
     return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.weights.pool import SharedPool
 from zpd.worker.weights import helper as sync_helper
 from zpd.worker.weights.trainer_group import GroupError
 
@@ -66,6 +67,7 @@ class HelperLink:
         child.close()
         self.cuda = device.type == "cuda"
         self.why: tuple[int, str] | None = None     # set by `kill`: the answer's status, reason
+        self.pool: int | None = None                # the staging memory the helper maps
 
     def kill(self, status: int, why: str) -> None:
         """End the helper now (any thread); the step waiting on it fails with `why`."""
@@ -87,19 +89,31 @@ class HelperLink:
         if reply[0] != "joined":
             raise SyncFailure(502, reply[1])
 
-    def stage(self, items: list[Incoming], bucket: torch.dtype | None,
-              deadline: float) -> tuple[list[torch.Tensor], list[str]]:
-        """Receive one push; returns each tensor as received (valid until `release`) and
-        the problems found (a tensor short, NaN): the push is refused unless empty."""
-        offsets = _offsets(items, bucket is not None)
-        total = max((o + a.nbytes for o, a in zip(offsets, items)), default=0)
-        metas = [(a.name, _name(a.dtype), a.shape, o, a.nbytes) for o, a in zip(offsets, items)]
-        self.conn.send(("stage", metas, None if bucket is None else _name(bucket),
-                        max(0.5, deadline - time.monotonic())))
-        memory = None if self.cuda else self._share(max(total, 1))
+    def stage(self, items: list[Incoming], bucket: torch.dtype | None, deadline: float,
+              pool: SharedPool | None = None, direct: list[int | None] | None = None,
+              ) -> tuple[list[torch.Tensor | None], list[str]]:
+        """Receive one push; returns each tensor as received (valid until `release`;
+        None for one received in place, at its `direct` offset in `pool`) and the
+        problems found (a tensor short, NaN): the push is refused unless empty. A
+        bucket lands in place only if every tensor of it does, back to back."""
+        direct = direct if pool is not None and direct is not None else [None] * len(items)
+        if bucket is not None and not _in_order(items, direct):
+            direct = [None] * len(items)
+        scratch = [a for a, d in zip(items, direct) if d is None]
+        offsets = iter(_offsets(scratch, bucket is not None))
+        places = [("pool", d) if d is not None else ("scratch", next(offsets)) for d in direct]
+        total = max((o + a.nbytes for (w, o), a in zip(places, items) if w == "scratch"),
+                    default=0)
+        metas = [(a.name, _name(a.dtype), a.shape, w, o, a.nbytes)
+                 for (w, o), a in zip(places, items)]
+        spec = None if bucket is None else (_name(bucket),) + places[0]
+        if pool is not None:
+            self.share_pool(pool)
+        self.conn.send(("stage", metas, spec, max(0.5, deadline - time.monotonic()), total))
+        memory = None if self.cuda or not total else self._share(total)
         flat = None if memory is None else torch.frombuffer(memory, dtype=torch.uint8)
         got, problems = [], []
-        for a, offset in zip(items, offsets):
+        for a, (where, offset) in zip(items, places):
             doing = (f"receiving tensor {a.name!r} ({len(got) + 1} of {len(items)}, "
                      f"{a.nbytes} bytes)")
             reply = self._next(deadline, doing)
@@ -108,12 +122,21 @@ class HelperLink:
                 raise SyncFailure(status, f"{doing}: {reply[1]}")
             if reply[2] is not None:
                 problems.append(reply[2])
-            raw = reply[3] if self.cuda else flat[offset:offset + a.nbytes]
-            got.append(_typed(raw, a))
+            raw = reply[3] if self.cuda else None if where == "pool" else \
+                flat[offset:offset + a.nbytes]
+            got.append(None if raw is None else _typed(raw, a))
         reply = self._next(deadline, "finishing the push")
         if reply[0] != "staged":
             raise SyncFailure(500, reply[1])
         return got, problems
+
+    def share_pool(self, pool: SharedPool) -> None:
+        """Have the helper map the staging pool (once: at the join, so that no push
+        waits for it)."""
+        if self.pool != pool.key:
+            self.conn.send(("pool", pool.size))
+            multiprocessing.reduction.send_handle(self.conn, pool.fd, self.proc.pid)
+            self.pool = pool.key
 
     def release(self) -> None:
         """The worker has copied what `stage` returned: the helper may drop it."""
@@ -170,6 +193,13 @@ def _offsets(items: list[Incoming], bucket: bool) -> list[int]:
         out.append(at)
         at += a.nbytes if bucket else -(-a.nbytes // ALIGN) * ALIGN
     return out
+
+
+def _in_order(items: list[Incoming], direct: list[int | None]) -> bool:
+    """Whether a bucket's tensors land in place back to back, as the bucket is laid out."""
+    if None in direct:
+        return False
+    return all(d + a.nbytes == e for d, a, e in zip(direct, items, direct[1:]))
 
 
 def _typed(raw: torch.Tensor, a: Incoming) -> torch.Tensor:

@@ -42,6 +42,7 @@ import torch
 
 from engines.config import ModelError
 from zpd.wire.status import BAD_REQUEST, CONFLICT, INTERNAL, StatusError
+from engines.weights.pool import SharedPool
 from engines.weights.push import Announced, Shadow, announce, bucket_dtype, push_limit, sizes
 from zpd.worker.weights.helper_link import HelperLink, Incoming, SyncFailure
 from zpd.wire.admin import (CancelWeightUpdate, CommitWeights, DestroyWeightsGroup, DiscardWeights, JoinWeightsGroup, StageTensors, StageWeights)
@@ -103,6 +104,8 @@ class WeightSync:
         self.staged: Staged | None = None
         self.shadow: Shadow | None = None        # staging: a second copy of the weights
         self._template: torch.nn.Module | None = None    # see `template`
+        self.pool: SharedPool | None = None      # on CPU: where the shadow is, and the
+        #                                          weights after a commit (pool.py)
         self.abandoned: set[str] = set()         # the push's id, discarded while receiving
 
     def commands(self) -> dict[type, Callable[..., None]]:
@@ -143,6 +146,8 @@ class WeightSync:
                 if self.shadow is None:          # made here, off the loop: it copies the weights
                     self.shadow = self.new_shadow(device)
                     log.warning("weight staging: %d bytes on %s", self.shadow.nbytes, device)
+                if self.shadow.pool is not None:
+                    link.share_pool(self.shadow.pool)
             except BaseException:
                 link.close()
                 raise
@@ -150,6 +155,8 @@ class WeightSync:
 
         def done(group: Group | None, error: Exception | None) -> None:
             if group is not None:
+                if self.shadow is not None:
+                    self.shadow.adopt()          # on the loop: no forward reads them now
                 self.groups[name] = group
                 respond(True, Joined(name, rank, world))
                 return
@@ -283,19 +290,23 @@ class WeightSync:
     def _receive(self, link: HelperLink, items: list[Announced], bucket: torch.dtype | None,
                  shadow: Shadow | None, deadline: float) -> None:
         """Every announced tensor, through the helper, into `shadow` (None: a refused
-        push, received and dropped); SyncFailure(400) if any did not arrive whole."""
+        push, received and dropped): in place where the shadow is shared memory and the
+        tensor has its parameter's dtype, else copied in; SyncFailure(400) if any did
+        not arrive whole."""
         incoming = [Incoming(a.name, a.dtype, a.shape, a.nbytes) for a in items]
-        got, problems = link.stage(incoming, bucket, deadline)
+        pool = None if shadow is None else shadow.pool
+        targets = [None if shadow is None else shadow.target(a) for a in items]
+        direct = [None if pool is None or t is None or t.dtype != a.dtype else pool.offset_of(t)
+                  for a, t in zip(items, targets)]
+        got, problems = link.stage(incoming, bucket, deadline, pool, direct)
         try:
             if problems:
                 more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
                 raise SyncFailure(400, "; ".join(problems[:3]) + more)
-            if shadow is not None:
-                with torch.no_grad():
-                    for a, tensor in zip(items, got):
-                        target = shadow.target(a)
-                        if target is not None:
-                            target.copy_(tensor)
+            with torch.no_grad():
+                for target, tensor in zip(targets, got):
+                    if target is not None and tensor is not None:
+                        target.copy_(tensor)
         finally:
             got.clear()
             link.release()
@@ -325,11 +336,15 @@ class WeightSync:
     def new_shadow(self, device: torch.device) -> Shadow:
         """Staging for pushes: a copy of the weights, or at --tp > 1 a blank of the whole
         model's shapes (only the rows a push writes are ever applied from it)."""
-        return Shadow(self.template, device, blank=self.port.ranks is not None)
+        if device.type == "cpu" and self.pool is None:
+            self.pool = SharedPool(self.template)
+        return Shadow(self.template, device, blank=self.port.ranks is not None, pool=self.pool)
 
     def drop_shadow(self) -> None:
         """The staging memory goes with the last group (a tensor push's, after it)."""
-        if not self.groups and self.job is None and self.staged is None:
+        if not self.groups and self.job is None and self.staged is None \
+                and self.shadow is not None:
+            self.shadow.close()
             self.shadow = None
 
     def idle_or_409(self) -> None:
