@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -218,3 +219,61 @@ def test_a_wake_up_reads_the_events_of_the_ready_socket_only(
 def test_unknown_waiter_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="unknown waiter 'kqueue'"):
         Loop(waiter="kqueue")
+
+
+def _echo(ctx: zmq.Context, router: Router, stop: list[bool]) -> None:
+    """A peer thread: answer every Ping on `router` with a Pong of the same seq."""
+    while not stop[0]:
+        got = router.recv(timeout=0.05)
+        if got is not None:
+            router.send(got[0], p.Pong(seq=got[1].seq, sent_at=0.0))
+
+
+def test_a_relay_under_load_strands_nothing(ctx: zmq.Context, lp: Loop) -> None:
+    """The router's pattern: a client's Pings in at a ROUTER (inproc: what the loop
+    sends the client can read at once), out through DEALERs over TCP (each sends and
+    receives: sends that take edges) to echoing peer threads, Pongs back; max_batch 10
+    leaves messages behind. With answers owed, no turn may sleep its wait out."""
+    lp.max_poll = 30.0
+    front = Router(ctx, f"inproc://relay-{lp._waiter.__class__.__name__}", 0)
+    peers = [Router(ctx, "127.0.0.1", 0) for _ in range(3)]
+    links = [Dealer(ctx, peer.endpoint, identity=b"relay") for peer in peers]
+    stop = [False]
+    threads = [threading.Thread(target=_echo, args=(ctx, peer, stop)) for peer in peers]
+    client = Dealer(ctx, front.endpoint, identity=b"client")
+    asked: dict[int, bytes] = {}
+
+    def on_front() -> None:
+        got = front.recv()
+        if got is not None:
+            asked[got[1].seq] = got[0]
+            links[got[1].seq % len(links)].send(got[1])
+
+    def on_link(link: Dealer) -> None:
+        msg = link.recv()
+        if msg is not None:
+            front.send(asked.pop(msg.seq), msg)
+
+    lp.add_socket(front, on_front)
+    for link in links:
+        lp.add_socket(link, lambda link=link: on_link(link))
+    for t in threads:
+        t.start()
+    try:
+        total, window, sent, seen, stalls = 3000, 64, 0, set(), 0
+        deadline = time.monotonic() + 20
+        while len(seen) < total and time.monotonic() < deadline:
+            while sent < total and sent - len(seen) < window:
+                client.send(p.Ping(seq=sent, sent_at=0.0))
+                sent += 1
+            stalls += timed(lp, 2.0) >= 1.0   # answers owed, yet it slept its wait out
+            while (got := client.recv(timeout=0)) is not None:
+                seen.add(got.seq)
+        assert stalls == 0
+        assert len(seen) == total and not asked
+    finally:
+        stop[0] = True
+        for t in threads:
+            t.join()
+        for s in (client, front, *links, *peers):
+            s.close()
