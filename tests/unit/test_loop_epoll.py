@@ -2,7 +2,7 @@
 sockets that may be ready, and no message is left waiting for a timeout by ZMQ_FD's
 edge: one arriving between a drain and the sleep, one whose edge a send took, more
 than max_batch queued, a socket removed by its own handler, raw fds beside sockets.
-Every case runs on both waiters (epoll, and zmq.Poller: the old way)."""
+The edge cases run on both waiters (epoll, and zmq.Poller: the old way)."""
 
 from __future__ import annotations
 
