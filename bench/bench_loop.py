@@ -9,8 +9,16 @@
 2. Deadline lateness (fire time - due time) for ~1,000 timers due over a few
    seconds while the loop also serves ping/pong traffic from a peer process
    and holds 10,000 far-future deadlines. Target: p99 <= 50 ms.
+3. Wake-up cost vs idle sockets: the loop watches one ROUTER that a peer thread
+   pings (one Ping, wait for the Pong: every message is a wake-up from sleep)
+   plus 1, 9, 81 or 256 idle DEALERs connected over TCP (a router's links to
+   workers), once with zmq.Poller (``Loop(waiter="poll")``, the old loop) and
+   once with epoll, interleaved. CPU seconds of the loop's thread per wake-up
+   (CLOCK_THREAD_CPUTIME_ID: the kernel's per-thread account, as
+   /proc/self/task/TID/stat has it, at ns resolution); the handler's own work (recv,
+   decode, a Pong) is in every figure alike.
 
-Run from the repository root: ``python bench/bench_loop.py [--quick]``.
+Run from the repository root: ``python bench/bench_loop.py [--quick] [--only wakeup]``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import multiprocessing as mp
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -157,10 +166,110 @@ def lateness(timers: int, spread: float, rate: float, background: int) -> dict[s
             "peer_sent": sent, "peer_received": received}
 
 
+PACE = 200e-6     # seconds between one Pong and the next Ping
+
+
+def _pinger(endpoint: str, ctx: zmq.Context, go: threading.Event, done: threading.Event,
+            count: list[int], stop: threading.Event) -> None:
+    """A peer thread: per round, ``count[0]`` Ping/Pong exchanges, one at a time."""
+    dealer = Dealer(ctx, endpoint, identity=b"pinger")
+    try:
+        while True:
+            go.wait()
+            go.clear()
+            if stop.is_set():
+                return
+            for seq in range(count[0]):
+                dealer.send(p.Ping(seq=seq, sent_at=0.0, sender="bench"))
+                if dealer.recv(timeout=5.0) is None:
+                    raise RuntimeError("the loop did not answer a ping within 5 s")
+                time.sleep(PACE)     # the loop goes back to sleep before the next one
+            done.set()
+    finally:
+        dealer.close()
+
+
+def wakeup_costs(idle_counts: tuple[int, ...], exchanges: int, rounds: int) -> dict:
+    """(waiter, idle) -> (median CPU s per wake-up of the loop's thread, [per round],
+    median wall s per exchange, iterations per exchange that answered nothing)."""
+    ctx = zmq.Context()
+    sink = Router(ctx, "127.0.0.1", 0)          # what the idle DEALERs are connected to
+    idle = [Dealer(ctx, sink.endpoint, identity=f"idle{i}".encode()) for i in range(max(idle_counts))]
+    front = Router(ctx, "inproc://bench-wakeup", 0)
+    go, done, stop, count = threading.Event(), threading.Event(), threading.Event(), [exchanges]
+    peer = threading.Thread(target=_pinger, args=(front.endpoint, ctx, go, done, count, stop))
+    peer.start()
+    cpu: dict[tuple[str, int], list[float]] = {}
+    wall: dict[tuple[str, int], list[float]] = {}
+    answered = [0]
+    slept: dict[tuple[str, int], list[int]] = {}
+
+    def on_front() -> None:
+        got = front.recv()
+        if got is not None:
+            front.send(got[0], p.Pong(seq=got[1].seq, sent_at=0.0, sender="bench"))
+            answered[0] += 1
+
+    try:
+        for _ in range(rounds):
+            for n in idle_counts:
+                for waiter in ("poll", "epoll"):
+                    loop = Loop(waiter=waiter, max_poll=0.5)
+                    loop.add_socket(front, on_front)
+                    for d in idle[:n]:
+                        loop.add_socket(d, d.recv)
+                    loop.run_once(max_wait=0)
+                    answered[0] = 0
+                    done.clear()
+                    c0, w0 = time.thread_time(), time.perf_counter()
+                    go.set()
+                    sleeps = 0
+                    while not done.is_set() or answered[0] < exchanges:
+                        before = answered[0]
+                        loop.run_once()
+                        sleeps += answered[0] == before
+                    slept.setdefault((waiter, n), []).append(sleeps)
+                    c1, w1 = time.thread_time(), time.perf_counter()
+                    cpu.setdefault((waiter, n), []).append((c1 - c0) / exchanges)
+                    wall.setdefault((waiter, n), []).append((w1 - w0) / exchanges)
+                    for d in idle[:n]:
+                        loop.remove_socket(d)
+                    loop.remove_socket(front)
+                    loop.close()
+    finally:
+        stop.set()
+        go.set()
+        peer.join()
+        for s in (*idle, front, sink):
+            s.close()
+        ctx.term()
+    return {k: (statistics.median(v), v, statistics.median(wall[k]),
+                sum(slept[k]) / (exchanges * rounds)) for k, v in cpu.items()}
+
+
+def report_wakeups(quick: bool) -> None:
+    exchanges, rounds = (500, 3) if quick else (3_000, 7)
+    idle_counts = (1, 9, 81, 256)
+    costs = wakeup_costs(idle_counts, exchanges, rounds)
+    print(f"wake-up cost: {exchanges} ping/pong exchanges x {rounds} interleaved rounds (median); "
+          "CPU us of the loop's thread per wake-up (spread of the rounds), wall us per exchange")
+    for n in idle_counts:
+        old, new = costs[("poll", n)], costs[("epoll", n)]
+        spread = lambda v: f"{min(v) * 1e6:.1f}-{max(v) * 1e6:.1f}"  # noqa: E731
+        print(f"  {n:>4} idle sockets: zmq.Poller {old[0] * 1e6:6.1f} us ({spread(old[1])})"
+              f"   epoll {new[0] * 1e6:6.1f} us ({spread(new[1])})"
+              f"   wall {old[2] * 1e6:6.1f} / {new[2] * 1e6:6.1f} us"
+              f"   idle turns {old[3]:.2f} / {new[3]:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--only", choices=("wakeup",), help="run only the wake-up comparison (3.)")
     args = ap.parse_args()
+    if args.only == "wakeup":
+        report_wakeups(args.quick)
+        return
     iters = 2_000 if args.quick else 20_000
     print(f"run_once cost, {iters} iterations x 7 interleaved rounds (median), "
           "2 cancel+reschedule per iteration")
@@ -181,6 +290,7 @@ def main() -> None:
           f"  (target p99 <= 50 ms: {'PASS' if res['p99'] <= 0.050 else 'FAIL'})")
     print(f"  pings served by the loop: {res['served']}  (peer sent {res['peer_sent']}, "
           f"got {res['peer_received']} pongs)")
+    report_wakeups(args.quick)
 
 
 if __name__ == "__main__":

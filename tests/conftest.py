@@ -114,6 +114,7 @@ SLOW_TESTS = frozenset({
     "tests/unit/test_router_queue.py::test_a_waiting_request_is_abortable_and_its_rid_taken",
     "tests/unit/test_router_queue.py::test_at_most_max_concurrent_requests_are_routed_and_all_finish",
     "tests/unit/test_router_no_torch.py::test_zpd_admin_against_a_running_router_imports_no_torch",
+    "tests/unit/test_router_probe.py::test_a_client_that_hung_up_loses_its_requests_at_the_next_heartbeat",
     "tests/unit/test_security.py::test_authorised_client_submits_but_cannot_administer",
     "tests/unit/test_security.py::test_plaintext_process_cannot_reach_a_keyed_one",
     "tests/unit/test_security.py::test_unknown_key_and_plaintext_are_refused",

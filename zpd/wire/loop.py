@@ -1,8 +1,9 @@
 """The scheduler thread's poller loop: sockets, raw fds, a deadline heap.
 
-One ``Loop`` per scheduler thread. Each ``run_once`` sleeps in ``zmq.Poller``
-until a socket or fd is ready or the earliest deadline is due, dispatches the
-ready sources, then fires every due timer in deadline order. The heap makes
+One ``Loop`` per scheduler thread. Each ``run_once`` sleeps (in epoll, over every
+socket's ZMQ_FD: zpd/wire/readiness.py) until a socket or fd is ready or the
+earliest deadline is due, dispatches the ready sources, then fires every due timer
+in deadline order. A wake-up costs O(ready sources), not O(sockets). The heap makes
 the per-iteration cost independent of how many deadlines are pending: peeking
 is O(1), scheduling and cancelling O(log n) (cancel is lazy; the heap is
 compacted when cancelled entries dominate it).
@@ -21,6 +22,8 @@ from collections import deque
 from typing import Any, Callable, Optional, Protocol, Union
 
 import zmq
+
+from zpd.wire.readiness import make_waiter, readable
 
 log = logging.getLogger("zpd.wire.loop")
 
@@ -89,10 +92,14 @@ class Periodic:
 class Loop:
     """A poller loop owning sockets, fds and timers; not thread-safe except
     ``call_soon_threadsafe`` and ``stop``. ``clock`` is injectable so tests can
-    drive timers deterministically (then call ``run_once(max_wait=0)``)."""
+    drive timers deterministically (then call ``run_once(max_wait=0)``).
+    ``waiter``: "epoll" (the default where the platform has it) or "poll" (zmq.Poller
+    over every source each wake-up: the old way, for platforms without epoll and
+    for comparison)."""
 
     def __init__(self, clock: Clock = time.monotonic, *, max_batch: int = 64,
-                 max_poll: float = 1.0, compact_min: int = 256, busy_poll: float = 0.0) -> None:
+                 max_poll: float = 1.0, compact_min: int = 256, busy_poll: float = 0.0,
+                 waiter: Optional[str] = None) -> None:
         self.time = clock
         self.max_batch = max_batch  # messages drained per socket per iteration
         self.max_poll = max_poll  # longest single sleep, so stop_event is seen
@@ -102,7 +109,7 @@ class Loop:
         self.busy_poll = busy_poll
         self._active_at = -math.inf
         self._compact_min = compact_min
-        self._poller = zmq.Poller()
+        self._waiter = make_waiter(waiter)
         self._sockets: dict[zmq.Socket, Callable[[], None]] = {}
         self._fds: dict[int, Callable[[], None]] = {}
         self._heap: list[tuple[float, int, Timer]] = []
@@ -112,7 +119,7 @@ class Loop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._waiter.add_fd(self._wake_r)
         self._stopping = False
         self._firing = False
         self.max_late = 0.0  # seconds: the latest any timer fired after its time (status)
@@ -124,24 +131,35 @@ class Loop:
         per iteration); it must consume at most one, e.g. ``router.recv()``."""
         sock = source if isinstance(source, zmq.Socket) else source.socket
         self._sockets[sock] = on_readable
-        self._poller.register(sock, zmq.POLLIN)
+        self._waiter.add_socket(sock, source)
 
     def remove_socket(self, source: Union[zmq.Socket, HasSocket]) -> None:
         """Stop watching a socket (before closing it)."""
         sock = source if isinstance(source, zmq.Socket) else source.socket
         if self._sockets.pop(sock, None) is not None:
-            self._poller.unregister(sock)
+            self._waiter.remove_socket(sock)
+
+    def touch(self, source: Union[zmq.Socket, HasSocket]) -> None:
+        """A watched socket was used where the loop cannot see it (another thread
+        polled or read it): its ZMQ_EVENTS are read before the loop next sleeps,
+        since that use may have taken the edge its ZMQ_FD would have fired on. The
+        zpd.wire.net wrappers' own sends and receives need no call."""
+        sock = source if isinstance(source, zmq.Socket) else source.socket
+        if sock in self._sockets:
+            self._waiter.leftover(sock)
 
     def add_fd(self, fd: int, on_readable: Callable[[], None]) -> None:
         """Call ``on_readable()`` whenever ``fd`` is readable (level-triggered:
         it must consume what made the fd readable)."""
+        if fd in self._fds:
+            self._waiter.remove_fd(fd)
         self._fds[fd] = on_readable
-        self._poller.register(fd, zmq.POLLIN)
+        self._waiter.add_fd(fd)
 
     def remove_fd(self, fd: int) -> None:
         """Stop watching ``fd``."""
         if self._fds.pop(fd, None) is not None:
-            self._poller.unregister(fd)
+            self._waiter.remove_fd(fd)
 
     # --- timers ------------------------------------------------------------
 
@@ -214,16 +232,18 @@ class Loop:
         timeout = self._poll_timeout(max_wait)
         if timeout and self.busy_poll and self.time() - self._active_at < self.busy_poll:
             timeout = 0.0
-        events = self._poller.poll(math.ceil(timeout * 1000))
-        if events and self.busy_poll:
-            self._active_at = self.time()
-        for source, _ in events:
-            if source == self._wake_r:
+        socks, fds = self._waiter.wait(timeout)
+        busy = False
+        for fd in fds:
+            busy = True
+            if fd == self._wake_r:
                 self._run_ready()
-            elif isinstance(source, zmq.Socket):
-                self._drain(source)
             else:
-                self._call(self._fds.get(source))
+                self._call(self._fds.get(fd))
+        for sock in socks:
+            busy = self._drain(sock) or busy
+        if busy and self.busy_poll:
+            self._active_at = self.time()
         self._fire_due()
 
     def run(self, stop_event: Optional[threading.Event] = None) -> None:
@@ -239,7 +259,7 @@ class Loop:
 
     def close(self) -> None:
         """Release the wakeup pipe; sockets stay open (their owners close them)."""
-        self._poller.unregister(self._wake_r)
+        self._waiter.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -252,14 +272,22 @@ class Loop:
             return max(cap, 0.0)
         return max(0.0, min(cap, deadline - self.time()))
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _drain(self, sock: zmq.Socket) -> bool:
+        """Up to max_batch messages; True if there was one."""
         handler = self._sockets.get(sock)
         # Bounded so one chatty peer cannot starve the others or the timers.
-        for _ in range(self.max_batch):
-            if handler is None or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
+        for n in range(self.max_batch):
+            if handler is None:
+                return n > 0
+            if not readable(sock):
+                # Read after the handlers' last send/recv on it: its fd fires next time.
+                self._waiter.settled(sock)
+                return n > 0
             self._call(handler)
             handler = self._sockets.get(sock)  # the handler may unregister it
+        if handler is not None:
+            self._waiter.leftover(sock)        # more may wait: no edge will say so
+        return True
 
     def _run_ready(self) -> None:
         try:

@@ -136,8 +136,13 @@ class _Endpoint:
         self.dropped_sends = 0  # counts sends that could not be queued
         self.last_send_unreachable = False  # the last failed send: peer not connected
         self.bad_messages = 0  # counts inbound messages that failed to decode
+        # Set by a Loop watching the socket (zpd/wire/readiness.py): a send or receive
+        # may take the edge its ZMQ_FD would fire on, so each one is reported there.
+        self.touched: Optional[set[zmq.Socket]] = None
 
     def _send_frames(self, frames: list[bytes], peer: str) -> bool:
+        if self.touched is not None:
+            self.touched.add(self.socket)
         try:
             self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
             return True
@@ -154,6 +159,8 @@ class _Endpoint:
         return False
 
     def _recv_frames(self, timeout: Optional[float]) -> Optional[list[bytes]]:
+        if self.touched is not None:
+            self.touched.add(self.socket)
         if not _wait_readable(self.socket, timeout):
             return None
         try:
@@ -239,6 +246,8 @@ class Router(_Endpoint):
     def _recv_keyed(self, timeout: Optional[float]) -> Optional[tuple[str, bytes, Message]]:
         # Zero-copy frames carry the connection's metadata, here the rights that
         # the ZAP handler gave the sender's key.
+        if self.touched is not None:
+            self.touched.add(self.socket)
         if not _wait_readable(self.socket, timeout):
             return None
         try:

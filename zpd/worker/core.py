@@ -198,12 +198,15 @@ class WorkerCore:
     def long_call(self) -> Iterator[None]:
         """Wrap a long call on the scheduler thread (a forward, a weight load): peers'
         pings are answered meanwhile; other messages wait for the loop, in order."""
+        served = self.responder.served_calls
         try:
             with self.responder.busy():
                 yield
                 if self.slow_s:
                     time.sleep(self.slow_s)
         finally:
+            if self.responder.served_calls != served:   # its poll may have taken the fd's edge
+                self.loop.touch(self.sock)
             if self.responder.backlog:
                 self.loop.call_soon_threadsafe(self._drain_backlog)   # even if the socket is quiet
 
