@@ -264,13 +264,16 @@ class Client:
             if self._owner.get(msg.rid) == i:
                 self._acked(msg.rid)
         elif isinstance(msg, Tokens):            # several requests' tokens at once
-            parts = [p for p in msg.unpack() if self._owner.get(p.rid, i) == i]
-            for part in parts:                   # an answer implies the request arrived
-                self._acked(part.rid)
-                resumes.got(part)
+            for got in msg.unpack():
+                if self._owner.get(got.rid, i) != i:
+                    continue
+                self._acked(got.rid)             # an answer implies the request arrived
+                part = resumes.got(got)          # what this client has not had
+                if part is None:
+                    continue
                 if part.finished:
                     self._owner.pop(part.rid, None)
-            self._parts.extend(parts)
+                self._parts.append(part)
             if kind is TokenPart and self._parts:
                 return self._parts.popleft()
         elif isinstance(msg, Rows):              # a request's routed experts, before its end

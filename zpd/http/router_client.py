@@ -349,8 +349,9 @@ class RouterClient:
                     if not part.finished:
                         self._send(Abort(part.rid, 499, "sent to another router"), to=i)
                     continue
-                self._links[i].resumes.got(part)
-                self._take(part)
+                part = self._links[i].resumes.got(part)     # what it has not had
+                if part is not None:
+                    self._take(part)
         elif isinstance(msg, Rows):           # a request's routed experts, before its end
             if self._owner.get(msg.rid) == i and msg.rid in self._sinks:
                 self._rows.take(msg)

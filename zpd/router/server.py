@@ -18,9 +18,11 @@ from zpd.router.affinity import PrefixAffinity, least_loaded
 from zpd.router.flights import InFlight, Worker
 from zpd.router.hooks import Alone, Coordinator, Peers, Restart
 from zpd.router.memory import ReleasedMemory, timeout_message
+from zpd.router.relay import Relay
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.first_token import FirstToken
+from zpd.wire.step import is_step
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
@@ -75,6 +77,7 @@ class RouterServer:
         self.released = ReleasedMemory()       # the workers' memory that is released
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
+        self.relayer = Relay(self)             # a worker's steps, on to the clients
         self.followers: Peers = Alone()        # routers that follow this one
         self.coordinator: Coordinator | None = None    # the router this one follows
         self.adoption: Restart | None = None   # the requests of this endpoint's last router
@@ -344,19 +347,25 @@ class RouterServer:
     # --- workers ----------------------------------------------------------------
 
     def on_worker(self, worker: Worker) -> None:
-        msg = worker.dealer.recv()
-        if msg is None:
+        frames = worker.dealer.recv_frames()
+        if frames is None:
             return
         worker.clock.heard(self.loop.time())
         if not worker.alive:
             worker.alive = True
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
+        if is_step(frames[0]):                   # a decode step's tokens: passed on unread
+            self.relayer.step(worker, frames)
+            return
+        msg = worker.dealer.read([f.bytes for f in frames])
+        if msg is None:
+            return
         if isinstance(msg, Tokens) and msg.first:
             self.on_first_tokens(worker, msg)
         elif isinstance(msg, Tokens):
             self.relay(msg.unpack(), worker)
         elif isinstance(msg, Rows):
-            self.relay_rows(msg, worker)
+            self.relayer.rows(msg, worker)
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
         elif isinstance(msg, Adopted) and self.adoption is not None:
@@ -389,22 +398,6 @@ class RouterServer:
         for client, mine in by_client.items():
             self.to_client(client, Tokens.pack(mine))
         self.dispatch()                      # finished requests made room
-
-    def relay_rows(self, msg: Rows, sender: Worker) -> None:
-        """A finished request's routed experts, ahead of its final tokens: on to its
-        client, only from the worker that answers it, once, and only if it asked (else
-        dropped: the final part then finds them missing, and its client fails it)."""
-        flight = self.inflight.get(msg.rid)
-        answers = None if flight is None else flight.decode or flight.prefill
-        if flight is None or sender is not answers or not flight.routed or flight.rows:
-            log.warning("dropping rows for rid=%r from %s %s: %s", msg.rid, sender.role,
-                        sender.endpoint, "no such request" if flight is None else
-                        f"{answers.role} {answers.endpoint} answers it" if sender is not answers
-                        else "passed already" if flight.rows else "it asked none")
-            return
-        flight.rows = True
-        if self.adoption is None or not self.adoption.hold_rows(msg):
-            self.to_client(flight.client, msg)
 
     def _settle(self, part: TokenPart, sender: Worker | None) -> tuple[InFlight | None, TokenPart | None]:
         """The request's flight and what of the decode's `part` the client has not had
