@@ -139,9 +139,14 @@ class SamplingParams:
 
     def to_wire(self) -> dict:
         """The parameters that differ from their defaults, JSON-ready: what a generate
-        or recompute carries (the receiver's ``from_dict`` fills in the rest)."""
-        full = self.to_dict()
-        return {f.name: full[f.name] for f in fields(self) if getattr(self, f.name) != f.default}
+        or recompute carries (the receiver's ``from_dict`` fills in the rest). Once per
+        request at the router: only those that differ are looked at twice."""
+        out = {}
+        for name, default in _DEFAULTS:
+            value = getattr(self, name)
+            if value != default:
+                out[name] = list(value) if type(value) is tuple else value
+        return out
 
     @property
     def constraint(self) -> Constraint | None:
@@ -233,3 +238,7 @@ def _show(value: object) -> str:
     except ValueError:
         return f"an int of {value.bit_length()} bits"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# (name, default) of every parameter, in field order: `to_wire`'s, read once
+_DEFAULTS = tuple((f.name, f.default) for f in fields(SamplingParams))

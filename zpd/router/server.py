@@ -31,7 +31,7 @@ from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Adopted, Generate, Ping, Pong,
-                               Resume, Rows, TokenPart, Tokens, new_room)
+                               Resume, Rows, TokenPart, Tokens, encode, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
@@ -268,9 +268,10 @@ class RouterServer:
                           owner=client.hex(), user=msg.user)
         log.info("rid=%r room=%d -> prefill %s, %s", rid, room, prefill.endpoint,
                  f"decode {decode.endpoint}" if decode else "scored there")
+        frames = encode(routed)                 # once for both
         for w in (decode, prefill) if decode else (prefill,):
             w.load += 1
-            w.dealer.send(routed)
+            w.dealer.send_frames(frames)
 
     def owner(self, rid: str) -> bytes | None:
         """The identity of the client that submitted `rid` (None: no such request here)."""

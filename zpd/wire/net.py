@@ -281,6 +281,10 @@ class Dealer(_Endpoint):
         """Queue ``msg`` for the peer; False if it had to be dropped."""
         return self._send_frames(encode(msg), self.endpoint)
 
+    def send_frames(self, frames: list[bytes]) -> bool:
+        """Queue a message encoded already (one encoding for several peers)."""
+        return self._send_frames(frames, self.endpoint)
+
     def recv(self, timeout: Optional[float] = 0) -> Optional[Message]:
         """Next message; None on timeout (see ``Router.recv``) or if malformed. A
         worker's step (zpd/wire/step.py) comes as one ``Tokens`` of all its bodies."""
