@@ -261,8 +261,9 @@ class Client:
         for resume in resumes.note(msg, time.monotonic()):     # the router restarted
             self._links.send(i, resume)
         if isinstance(msg, Accepted):
-            if self._owner.get(msg.rid) == i:
-                self._acked(msg.rid)
+            for rid in msg.rids:
+                if self._owner.get(rid) == i:
+                    self._acked(rid)
         elif isinstance(msg, Tokens):            # several requests' tokens at once
             for got in msg.unpack():
                 if self._owner.get(got.rid, i) != i:

@@ -159,7 +159,7 @@ class InprocCluster:
                 self.replies[msg.req_id] = {"ok": msg.ok} | msg.result
                 continue
             if isinstance(msg, Accepted):
-                self.accepted.add(msg.rid)
+                self.accepted.update(msg.rids)
                 continue
             if isinstance(msg, Pong):
                 self.pong = msg               # the router's boot id, as a client learns it

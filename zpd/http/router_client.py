@@ -341,8 +341,9 @@ class RouterClient:
 
     def _dispatch(self, msg: Message, i: int) -> None:
         if isinstance(msg, Accepted):
-            if self._owner.get(msg.rid) == i:
-                self._unacked.pop(msg.rid, None)
+            for rid in msg.rids:
+                if self._owner.get(rid) == i:
+                    self._unacked.pop(rid, None)
         elif isinstance(msg, Tokens):
             for part in msg.unpack():
                 if self._owner.get(part.rid, i) != i:    # a late copy of one sent elsewhere

@@ -42,7 +42,6 @@ class Server(Protocol):
 
     def to_client(self, client: bytes, msg: Message) -> None: ...
 
-    def relay(self, parts: list[TokenPart], sender: Worker | None = None) -> None: ...
 
 
 class Relay:
@@ -99,7 +98,10 @@ class Relay:
         if not seen.rids or (server.adoption is not None and server.adoption.unclaimed):
             return None
         inflight = server.inflight
-        flights = [inflight.get(rid) for rid in seen.rids]
+        try:
+            flights = [inflight.get(rid) for rid in seen.rids]
+        except TypeError:                    # a rid that is not a string (unhashable)
+            return None
         first = flights[0]
         if first is None:
             return None
@@ -108,6 +110,46 @@ class Relay:
             if flight is None or flight.decode is not sender or flight.client != client:
                 return None
         return flights
+
+    def parts(self, parts: list[TokenPart], sender: Worker | None = None) -> None:
+        """Tokens settled part by part (a decoded body; the router's own answers when
+        `sender` is None): one message on to each client concerned."""
+        server = self.server
+        by_client: dict[bytes, list[TokenPart]] = {}
+        for got in parts:
+            flight, part = self._settle(got, sender)
+            held = part is not None and server.adoption is not None and server.adoption.hold(part)
+            if part is not None and not held:           # held: its client is away
+                by_client.setdefault(flight.client, []).append(part)
+        for client, mine in by_client.items():
+            server.to_client(client, Tokens.pack(mine))
+        server.dispatch()                    # finished requests made room
+
+    def _settle(self, part: TokenPart, sender: Worker | None) -> tuple[InFlight | None, TokenPart | None]:
+        """The request's flight and what of the decode's `part` the client has not had
+        (None: nothing); the flight is forgotten once it finishes. Only the worker that
+        answers the request may: its decode, or the prefill of a scoring one."""
+        flight = self.server.inflight.get(part.rid)
+        if flight is None:
+            return None, None
+        answers = flight.decode or flight.prefill
+        if sender is not None and sender is not answers:
+            log.warning("dropping tokens for rid=%r from %s %s: %s %s answers it", part.rid,
+                        sender.role, sender.endpoint, answers.role, answers.endpoint)
+            return None, None
+        start, n = flight.from_decode, len(part.token_ids)
+        flight.from_decode += n
+        if n and not flight.prefilled:           # the decode has the KV: prefill's part is done
+            flight.prefilled = True
+            flight.prefill.load -= 1
+        skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
+        flight.sent = max(flight.sent, start + n)
+        if skip:
+            part = part.skip(skip)
+        if part.finished:
+            del self.server.inflight[part.rid]
+            self._ended(flight)
+        return flight, (part if part.token_ids or part.finished else None)
 
     def _ended(self, flight: InFlight) -> None:
         server = self.server
@@ -125,7 +167,7 @@ class Relay:
             self._malformed(sender, e)
             return
         if isinstance(msg, Tokens) and not msg.first:
-            self.server.relay(msg.unpack(), sender)
+            self.parts(msg.unpack(), sender)
 
     def rows(self, msg: Rows, sender: Worker) -> None:
         """A finished request's routed experts, ahead of its final tokens: on to its

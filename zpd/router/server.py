@@ -73,6 +73,7 @@ class RouterServer:
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
+        self.accepts: dict[bytes, list[str]] = {}     # client -> rids to acknowledge
         self.paused: PauseMode | None = None
         self.released = ReleasedMemory()       # the workers' memory that is released
         self.affinity = PrefixAffinity()
@@ -165,6 +166,15 @@ class RouterServer:
     # --- clients ---------------------------------------------------------------
 
     def on_client(self) -> None:
+        self.read_client()
+        # One accepted per client for every generate read in one go: sent once no
+        # more messages wait (they would wake this again), ahead of anything else.
+        if self.accepts and not self.front.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            accepts, self.accepts = self.accepts, {}
+            for client, rids in accepts.items():
+                self.front.send(client, Accepted(rids[0], self.boot, rids[1:] or None))
+
+    def read_client(self) -> None:
         got = self.front.recv()
         if got is None:
             return
@@ -199,8 +209,8 @@ class RouterServer:
 
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
-        # Before anything else, so a client learns at once that a router listens here.
-        self.front.send(client, Accepted(rid, self.boot))
+        # Whatever comes next, so a client learns at once that a router listens here.
+        self.accepts.setdefault(client, []).append(rid)
         if rid in self.inflight or rid in self.admission:
             self.to_client(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
@@ -388,47 +398,8 @@ class RouterServer:
             self.to_client(flight.client, Tokens.pack([part]))
 
     def relay(self, parts: list[TokenPart], sender: Worker | None = None) -> None:
-        """Decode tokens (a step's worth; from the router itself when `sender` is None):
-        one message on to each client concerned."""
-        by_client: dict[bytes, list[TokenPart]] = {}
-        for got in parts:
-            flight, part = self._settle(got, sender)
-            held = part is not None and self.adoption is not None and self.adoption.hold(part)
-            if part is not None and not held:           # held: its client is away
-                by_client.setdefault(flight.client, []).append(part)
-        for client, mine in by_client.items():
-            self.to_client(client, Tokens.pack(mine))
-        self.dispatch()                      # finished requests made room
-
-    def _settle(self, part: TokenPart, sender: Worker | None) -> tuple[InFlight | None, TokenPart | None]:
-        """The request's flight and what of the decode's `part` the client has not had
-        (None: nothing); the flight is forgotten once it finishes. Only the worker that
-        answers the request may: its decode, or the prefill of a scoring one."""
-        flight = self.inflight.get(part.rid)
-        if flight is None:
-            return None, None
-        answers = flight.decode or flight.prefill
-        if sender is not None and sender is not answers:
-            log.warning("dropping tokens for rid=%r from %s %s: %s %s answers it", part.rid,
-                        sender.role, sender.endpoint, answers.role, answers.endpoint)
-            return None, None
-        start, n = flight.from_decode, len(part.token_ids)
-        flight.from_decode += n
-        if n and not flight.prefilled:           # the decode has the KV: prefill's part is done
-            flight.prefilled = True
-            flight.prefill.load -= 1
-        skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
-        flight.sent = max(flight.sent, start + n)
-        if skip:
-            part = part.skip(skip)
-        if part.finished:
-            del self.inflight[part.rid]
-            self.shares.release(part.rid)
-            if not flight.prefilled:
-                flight.prefill.load -= 1
-            if flight.decode is not None:
-                flight.decode.load -= 1
-        return flight, (part if part.token_ids or part.finished else None)
+        """Decode tokens settled part by part (zpd/router/relay.py `Relay.parts`)."""
+        self.relayer.parts(parts, sender)
 
     # --- process ----------------------------------------------------------------
 

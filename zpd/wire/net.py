@@ -61,6 +61,11 @@ class SocketOptions:
     monitor: Optional[Callable[[zmq.Socket], None]] = None
 
 
+# pyzmq's compiled send, frame by frame: its Python send_multipart costs twice as much
+# per message (flag enums, per-frame checks), which at a router is per token
+_SEND = zmq.backend.Socket.send
+_MORE, _LAST = int(zmq.SNDMORE) | int(zmq.NOBLOCK), int(zmq.NOBLOCK)
+
 INPROC = "inproc://"   # an in-process endpoint (tests): bound and connected as it is
 
 
@@ -139,8 +144,10 @@ class _Endpoint:
         self.bad_messages = 0  # counts inbound messages that failed to decode
 
     def _send_frames(self, frames: list, peer: str, copy: bool = True) -> bool:
+        sock, last = self.socket, len(frames) - 1
         try:
-            self.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
+            for i, frame in enumerate(frames):      # a message is queued whole or not at all
+                _SEND(sock, frame, _MORE if i < last else _LAST, copy, False)
             return True
         except zmq.Again:
             why, self.last_send_unreachable = "send queue full (peer slow or gone)", False

@@ -52,8 +52,10 @@ class Resumes:
         self.heard = now
         if not isinstance(msg, (Accepted, Ping, Pong)):
             return []
-        if isinstance(msg, Accepted) and msg.rid in self.open and self.open[msg.rid][0] is None:
-            self.open[msg.rid][0] = msg.boot
+        if isinstance(msg, Accepted):
+            for rid in msg.rids:
+                if rid in self.open and self.open[rid][0] is None:
+                    self.open[rid][0] = msg.boot
         if not msg.boot or msg.boot == self.boot:       # the usual case: nothing to look at
             return []
         self.boot = msg.boot

@@ -30,6 +30,7 @@ STEP = "step"
 PREFIX = b'{"v":%d,"type":"step",' % PROTOCOL_VERSION
 MAX_BODIES = 4096          # clients in one step: more is a malformed step
 _INT32 = next(code for code in "ihl" if array(code).itemsize == 4)
+_SWAP = array(_INT32, [1]).tobytes() != b"\x01\x00\x00\x00"     # a big-endian host
 
 
 class Peek(NamedTuple):
@@ -109,27 +110,33 @@ def peek(body: Sequence[Any]) -> Peek:
     those are malformed. The rest (token ids, versions, logprobs) is its client's to
     check (``zpd.wire.protocol.decode``), as for any message it reads."""
     try:
-        header = orjson.loads(body[0].buffer if hasattr(body[0], "buffer") else body[0])
+        header = orjson.loads(_bytes(body[0]))
     except (orjson.JSONDecodeError, TypeError) as e:
         raise ProtocolError(f"step body header is not JSON ({e})") from None
     if type(header) is not dict or header.get("v") != PROTOCOL_VERSION or \
-            header.get("type") != Tokens.TYPE or header.get("first", False) is not False:
+            header.get("type") != "tokens" or header.get("first", False) is not False:
         raise ProtocolError("step body is not a tokens message")
     rids, at, ends = header.get("rids"), header.get("counts"), header.get("ends", {})
     if type(rids) is not list or type(at) is not int or not 0 <= at < len(body) - 1 or \
             type(ends) is not dict:
         raise ProtocolError("step body: bad rids, counts or ends")
-    blob = body[at + 1]
-    counts = array(_INT32)
-    raw = blob.buffer if hasattr(blob, "buffer") else blob
-    if len(raw) != 4 * len(rids) or not all(type(rid) is str for rid in rids):
+    raw = _bytes(body[at + 1])
+    if len(raw) != 4 * len(rids):
         raise ProtocolError(f"step body: {len(raw)} bytes of counts for {len(rids)} rids")
+    counts = array(_INT32)
     counts.frombytes(raw)
-    if array(_INT32, [1]).tobytes() != b"\x01\x00\x00\x00":
+    if _SWAP:
         counts.byteswap()
-    if counts and min(counts) < 0 or not all(_end_ok(rid, end, rids) for rid, end in ends.items()):
+    # rids that are not strings find no flight: their body goes the slow way
+    if counts and min(counts) < 0 or (ends and not all(_end_ok(rid, end, rids)
+                                                       for rid, end in ends.items())):
         raise ProtocolError("step body: a negative count, or a bad end")
     return Peek(rids, counts.tolist(), ends, sum(counts))
+
+
+def _bytes(frame: Any) -> Any:
+    """A frame's bytes: a zmq Frame's buffer (no copy), or the bytes themselves."""
+    return frame if type(frame) is bytes else frame.buffer
 
 
 def _end_ok(rid: str, end: Any, rids: list) -> bool:
