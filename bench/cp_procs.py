@@ -60,7 +60,7 @@ class SimPool(Proc):
 
     def dropped(self) -> int:
         """Sends the pool dropped (read from its log once it has stopped)."""
-        found = [line for line in self.log.read_text().splitlines() if line.startswith("dropped")]
+        found = [line for line in self.log.read_text().splitlines() if line.startswith("dropped sends:")]
         return int(found[-1].split()[-1]) if found else 0
 
     def stamps(self) -> dict[str, list[float]]:
