@@ -28,7 +28,7 @@ STEP = "step"
 # how every step's header begins (orjson keeps the keys in order): a step is told apart
 # from a message without parsing its header twice
 PREFIX = b'{"v":%d,"type":"step",' % PROTOCOL_VERSION
-MAX_BODIES = 4096          # clients in one step: more is a malformed step
+MAX_BODIES = 1 << 14      # clients in one step (a sender splits more): more is malformed
 _INT32 = next(code for code in "ihl" if array(code).itemsize == 4)
 _SWAP = array(_INT32, [1]).tobytes() != b"\x01\x00\x00\x00"     # a big-endian host
 

@@ -34,7 +34,7 @@ from zpd.wire.admin_reply import AdminResult, Continued, Failed, WorkerStatus
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
-from zpd.wire.step import pack_step
+from zpd.wire.step import MAX_BODIES, pack_step
 from zpd.wire.router_proof import load_router_secret
 from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.mem_fraction import kv_cache_mb
@@ -252,9 +252,10 @@ class WorkerCore:
         for identity, owners in outbox.items():
             bodies = [msg for msg in (Tokens.pack(list(parts.values()))
                                       for parts in owners.values()) if not self.drops.drops(msg)]
-            if bodies and not self.sock.send_frames(identity, pack_step(bodies)) \
-                    and self.sock.last_send_unreachable:    # a decode keeps what ends for it
-                self.unreachable.add(identity)              # (zpd/worker/ha/adoption.py)
+            for at in range(0, len(bodies), MAX_BODIES):
+                if not self.sock.send_frames(identity, pack_step(bodies[at:at + MAX_BODIES])) \
+                        and self.sock.last_send_unreachable:    # a decode keeps what ends for it
+                    self.unreachable.add(identity)              # (zpd/worker/ha/adoption.py)
 
     # --- receiving -----------------------------------------------------------------
 
