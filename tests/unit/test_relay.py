@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tests.unit.inproc import InprocCluster, reference, send_raw
 from zpd.wire.net import Dealer
-from zpd.wire.protocol import Generate, ProtocolError, TokenPart, Tokens, encode
+from zpd.wire.protocol import Accepted, Generate, ProtocolError, TokenPart, Tokens, encode
 from zpd.wire.resume import Resumes
 from zpd.wire.step import bodies, decode_any, header_of, pack_step, peek
 
@@ -99,3 +99,21 @@ def test_a_client_drops_the_tokens_it_has():
     assert r.got(TokenPart("a", [6], ["v"], start=1)) is None
     end = r.got(TokenPart("a", [6, 7], ["v", "v"], {"type": "stop"}, start=1))
     assert end.token_ids == [7] and end.start == 2 and end.finished and "a" not in r.open
+
+
+def test_one_accepted_for_the_generates_read_in_one_go(cluster):
+    accepted = []
+    decode = cluster.client._decode
+
+    def counting(frames, peer):
+        msg = decode(frames, peer)
+        if isinstance(msg, Accepted):
+            accepted.append(msg)
+        return msg
+
+    cluster.client._decode = counting
+    rids = [cluster.submit(PROMPT[i:], 3, stream=False) for i in range(3)]
+    for rid in rids:
+        cluster.run(rid)
+    assert sorted(r for msg in accepted for r in msg.rids) == sorted(rids)
+    assert len(accepted) == 1 and cluster.accepted >= set(rids)
