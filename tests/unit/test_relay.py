@@ -36,10 +36,10 @@ def forge(c: InprocCluster, sender, parts: list[TokenPart]) -> None:
 
 
 def test_tokens_only_from_the_decode_that_answers_and_only_to_their_client(cluster):
-    mine = cluster.submit(PROMPT, 30)
+    mine = cluster.submit(PROMPT, 12)
     other = Dealer(cluster.ctx, cluster.router.endpoint, identity=b"other")
     send_raw(other, Generate("theirs", PROMPT[1:], stream=True),
-             {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True})
+             {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
     running(cluster, mine)
     running(cluster, "theirs")
     # the prefill does not answer `mine`: its step is settled part by part and dropped
@@ -54,7 +54,7 @@ def test_tokens_only_from_the_decode_that_answers_and_only_to_their_client(clust
     cluster.pump(2)
     assert cluster.router.relayer.slow == seen + 1
     assert "theirs" not in cluster.answers
-    assert cluster.run(mine).token_ids == reference(cluster, PROMPT, 30)
+    assert cluster.run(mine).token_ids == reference(cluster, PROMPT, 12)
     other.close()
 
 
