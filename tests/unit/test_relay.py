@@ -89,6 +89,12 @@ def test_step_codec():
         except ProtocolError:
             continue
         raise AssertionError("a malformed step decoded")
+    for starts in ([0, 1], [-2]):
+        try:
+            Tokens(rids=["a"], counts=[0], token_ids=[], weight_versions=[], starts=starts)
+        except ProtocolError:
+            continue
+        raise AssertionError(f"starts {starts} taken")
 
 
 def test_a_client_drops_the_tokens_it_has():
