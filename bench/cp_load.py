@@ -123,7 +123,10 @@ class ZmqLoad:
             req = self.inflight[i].get(part.rid)
             if req is None:
                 continue
-            req.take(part.token_ids, now)
+            ids = part.token_ids             # less those it has (each part says its start)
+            if part.start is not None and part.start < len(req.tokens):
+                ids = ids[len(req.tokens) - part.start:]
+            req.take(ids, now)
             if part.finished:
                 req.finish, req.done = part.finish, now
                 self.done[i].append(self.inflight[i].pop(part.rid))

@@ -89,8 +89,9 @@ def stop_all(procs: list[Proc], problems: list[str]) -> None:
 
 
 def zpd(*args: str, profile: str = "") -> list[str]:
-    prof = ["-m", "cProfile", "-o", profile] if profile else []
-    return [sys.executable, *prof, "-m", "zpd", *args]
+    if profile:      # by the router thread's CPU time (bench/cpu_profile.py)
+        return [sys.executable, str(ROOT / "bench" / "cpu_profile.py"), profile, *args]
+    return [sys.executable, "-m", "zpd", *args]
 
 
 def router_argv(prefill: list[str], decode: list[str], flags: list[str], profile: str = "") -> list[str]:

@@ -14,8 +14,8 @@ ends the request, and a Generate is answered the way a null-engine worker answer
   and sends a streamed request's first token to the router (`Tokens`, first=True);
 - its decode starts the request when that prefill is done (the KV "arrived"), sends
   the first token (streamed requests), then every step_ms one token of each running
-  request, all of a step's in one `Tokens` message per router, as the real decode
-  batches them (a mixture's step, `--experts TOTAL/ACTIVE`, takes the null model's
+  request, all of a step's in one step per router (a `Tokens` body per client,
+  zpd/wire/step.py), as the real decode batches them (a mixture's step, `--experts TOTAL/ACTIVE`, takes the null model's
   time for its batch: engines/models/null_spec.py `NullSpec.step_s`); a non-streamed
   request's tokens come once, with its end.
 
@@ -47,6 +47,7 @@ from zpd.wire.loop import Loop  # noqa: E402
 from zpd.wire.net import Router  # noqa: E402
 from zpd.wire.protocol import (Abort, Admin, AdminReply, Generate, Ping, Pong,  # noqa: E402
                                TokenPart, Tokens)
+from zpd.wire.step import pack_step  # noqa: E402
 
 VERSION = "null"                 # a null model's weight version with seed 0
 
@@ -61,6 +62,7 @@ class SimJob:
     stream: bool
     out: int = 0                 # tokens produced so far
     sent: int = 0                # tokens sent so far
+    owner: str = ""              # the router's client (Generate.owner)
 
 
 @dataclass
@@ -147,7 +149,8 @@ class SimPrefill(SimEndpoint):
     def send_first(self, identity: bytes, rid: str, first: list[int]) -> None:
         if first:
             self.pool.stamps.mark(rid, 1, self.pool.loop.time())
-            self.sock.send(identity, Tokens.pack([TokenPart(rid, first, [VERSION])], first=True))
+            self.sock.send(identity, Tokens.pack([TokenPart(rid, first, [VERSION], start=0)],
+                                                 first=True))
 
 
 class SimDecode(SimEndpoint):
@@ -172,7 +175,8 @@ class SimDecode(SimEndpoint):
         if prefill is None:
             self.sock.send(identity, Tokens.abort(msg.rid, 400, f"no prefill {msg.prefill!r}"))
             return
-        job = SimJob(msg.rid, identity, len(msg.input_ids), self.pool.tokens(msg), msg.stream)
+        job = SimJob(msg.rid, identity, len(msg.input_ids), self.pool.tokens(msg), msg.stream,
+                     owner=msg.owner)
         self.jobs[msg.rid] = job
         self.pool.loop.call_at(prefill.finish_time(msg.rid, job.prompt_len), self.start, job)
 
@@ -182,18 +186,18 @@ class SimDecode(SimEndpoint):
             return                                  # aborted meanwhile
         job.out = 1
         self.running[job.rid] = job
-        self.emit({job.client: [self.part(job)]} if job.stream or job.out == len(job.tokens)
-                  else {})
+        self.emit({job.client: {job.owner: [self.part(job)]}}
+                  if job.stream or job.out == len(job.tokens) else {})
         if not self.stepping:
             self.stepping = True
             self.pool.loop.call_later(self.pool.spec.step_s(len(self.running)), self.step)
 
     def step(self) -> None:
-        by_client: dict[bytes, list[TokenPart]] = {}
+        by_client: dict[bytes, dict[str, list[TokenPart]]] = {}
         for job in list(self.running.values()):
             job.out += 1
             if job.stream or job.out >= len(job.tokens):
-                by_client.setdefault(job.client, []).append(self.part(job))
+                by_client.setdefault(job.client, {}).setdefault(job.owner, []).append(self.part(job))
         self.emit(by_client)
         self.stepping = bool(self.running)
         if self.stepping:
@@ -201,20 +205,22 @@ class SimDecode(SimEndpoint):
 
     def part(self, job: SimJob) -> TokenPart:
         """The job's tokens not yet sent, with its end once it has them all."""
+        start = job.sent
         ids, job.sent = job.tokens[job.sent:job.out], job.out
         if job.stream:
             self.pool.stamps.mark(job.rid, job.out, self.pool.loop.time())
         if job.out < len(job.tokens):
-            return TokenPart(job.rid, ids, [VERSION] * len(ids))
+            return TokenPart(job.rid, ids, [VERSION] * len(ids), start=start)
         self.forget(job.rid)
         n = len(job.tokens)
         meta = {"prompt_tokens": job.prompt_len, "completion_tokens": n, "retractions": 0,
                 "cached_tokens": 0, "text": bytes(job.tokens).decode("latin-1")}
-        return TokenPart(job.rid, ids, [VERSION] * len(ids), {"type": "length", "length": n}, meta)
+        return TokenPart(job.rid, ids, [VERSION] * len(ids), {"type": "length", "length": n}, meta,
+                         start=start)
 
-    def emit(self, by_client: dict[bytes, list[TokenPart]]) -> None:
-        for client, parts in by_client.items():
-            self.sock.send(client, Tokens.pack(parts))
+    def emit(self, by_client: dict[bytes, dict[str, list[TokenPart]]]) -> None:
+        for router, owners in by_client.items():
+            self.sock.send_frames(router, pack_step([Tokens.pack(p) for p in owners.values()]))
 
     def forget(self, rid: str) -> None:
         self.jobs.pop(rid, None)

@@ -65,9 +65,9 @@ class SamplingParams:
     ebnf: str | None = None
 
     def __post_init__(self) -> None:
-        for name, ok, bound in self._checks():
+        for name, ok in self._oks():
             if not ok:
-                raise ValueError(f"{name} must be {bound}, got {_show(getattr(self, name))}")
+                raise ValueError(f"{name} must be {_BOUNDS[name]}, got {_show(getattr(self, name))}")
         given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"only one of regex, json_schema and ebnf may be given, got "
@@ -75,44 +75,34 @@ class SamplingParams:
 
     def _checks(self) -> list[tuple[str, bool, str]]:
         """(parameter, within bounds, the bounds in words), in field order."""
+        return [(name, ok, _BOUNDS[name]) for name, ok in self._oks()]
+
+    def _oks(self) -> list[tuple[str, bool]]:
+        """(parameter, within bounds), in field order: once per request at the router
+        and at each worker, so the words (`_BOUNDS`) are written once."""
         t_low, t_high = TEMPERATURE_RANGE
         r_low, r_high = REPETITION_PENALTY_RANGE
         return [
-            ("max_new_tokens", _integer(self.max_new_tokens, 0, INT32_MAX),
-             f"an integer in [0, {INT32_MAX}] (0: score the prompt only)"),
-            ("min_new_tokens", _integer(self.min_new_tokens, 0, _bound(self.max_new_tokens)),
-             "an integer in [0, max_new_tokens]"),
-            ("temperature", _real(self.temperature, 0, 0) or _real(self.temperature, t_low, t_high),
-             f"0 (greedy) or in [{t_low}, {t_high:g}]"),
-            ("top_p", _real(self.top_p, TOP_P_MIN, 1.0), f"in [{TOP_P_MIN}, 1]"),
-            ("top_k", _integer(self.top_k, -1, INT32_MAX), f"-1 or 0 (no limit) or in [1, {INT32_MAX}]"),
-            ("min_p", _real(self.min_p, 0.0, 1.0), "in [0, 1]"),
-            ("repetition_penalty", _real(self.repetition_penalty, r_low, r_high),
-             f"in [{r_low}, {r_high:g}]"),
-            ("frequency_penalty", _real(self.frequency_penalty, -PENALTY_MAX, PENALTY_MAX),
-             f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]"),
-            ("presence_penalty", _real(self.presence_penalty, -PENALTY_MAX, PENALTY_MAX),
-             f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]"),
-            ("stop", _stop_ok(self.stop),
-             f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
-            ("stop_token_ids", _stop_ids_ok(self.stop_token_ids),
-             f"at most {MAX_STOP_TOKEN_IDS} token ids in [0, {INT32_MAX}]"),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
-            ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE),
-             f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
-            ("return_logprob", isinstance(self.return_logprob, bool), "true or false"),
-            ("top_logprobs_num", _integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
-             f"an integer in [0, {MAX_TOP_LOGPROBS}]"),
-            ("logprob_start_len", _integer(self.logprob_start_len, -1, INT32_MAX),
-             f"-1 (no prompt logprobs) or an integer in [0, {INT32_MAX}]"),
-            ("token_ids_logprob", _ids_ok(self.token_ids_logprob, MAX_TOKEN_IDS_LOGPROB),
-             f"at most {MAX_TOKEN_IDS_LOGPROB} token ids in [0, {INT32_MAX}]"),
-            ("return_routed_experts", isinstance(self.return_routed_experts, bool), "true or false"),
-            ("return_routed_expert_weights", isinstance(self.return_routed_expert_weights, bool),
-             "true or false"),
-        ] + [(k, _grammar_ok(getattr(self, k)),
-              f"null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
-             for k in GRAMMAR_KINDS]
+            ("max_new_tokens", _integer(self.max_new_tokens, 0, INT32_MAX)),
+            ("min_new_tokens", _integer(self.min_new_tokens, 0, _bound(self.max_new_tokens))),
+            ("temperature", _real(self.temperature, 0, 0) or _real(self.temperature, t_low, t_high)),
+            ("top_p", _real(self.top_p, TOP_P_MIN, 1.0)),
+            ("top_k", _integer(self.top_k, -1, INT32_MAX)),
+            ("min_p", _real(self.min_p, 0.0, 1.0)),
+            ("repetition_penalty", _real(self.repetition_penalty, r_low, r_high)),
+            ("frequency_penalty", _real(self.frequency_penalty, -PENALTY_MAX, PENALTY_MAX)),
+            ("presence_penalty", _real(self.presence_penalty, -PENALTY_MAX, PENALTY_MAX)),
+            ("stop", _stop_ok(self.stop)),
+            ("stop_token_ids", _stop_ids_ok(self.stop_token_ids)),
+            ("ignore_eos", isinstance(self.ignore_eos, bool)),
+            ("seed", self.seed is None or _integer(self.seed, *SEED_RANGE)),
+            ("return_logprob", isinstance(self.return_logprob, bool)),
+            ("top_logprobs_num", _integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS)),
+            ("logprob_start_len", _integer(self.logprob_start_len, -1, INT32_MAX)),
+            ("token_ids_logprob", _ids_ok(self.token_ids_logprob, MAX_TOKEN_IDS_LOGPROB)),
+            ("return_routed_experts", isinstance(self.return_routed_experts, bool)),
+            ("return_routed_expert_weights", isinstance(self.return_routed_expert_weights, bool)),
+        ] + [(k, _grammar_ok(getattr(self, k))) for k in GRAMMAR_KINDS]
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "SamplingParams":
@@ -139,9 +129,14 @@ class SamplingParams:
 
     def to_wire(self) -> dict:
         """The parameters that differ from their defaults, JSON-ready: what a generate
-        or recompute carries (the receiver's ``from_dict`` fills in the rest)."""
-        full = self.to_dict()
-        return {f.name: full[f.name] for f in fields(self) if getattr(self, f.name) != f.default}
+        or recompute carries (the receiver's ``from_dict`` fills in the rest). Once per
+        request at the router: only those that differ are looked at twice."""
+        out = {}
+        for name, default in _DEFAULTS:
+            value = getattr(self, name)
+            if value != default:
+                out[name] = list(value) if type(value) is tuple else value
+        return out
 
     @property
     def constraint(self) -> Constraint | None:
@@ -233,3 +228,38 @@ def _show(value: object) -> str:
     except ValueError:
         return f"an int of {value.bit_length()} bits"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+# (name, default) of every parameter, in field order: `to_wire`'s, read once
+_DEFAULTS = tuple((f.name, f.default) for f in fields(SamplingParams))
+
+
+def _bounds() -> dict[str, str]:
+    """Each parameter's bounds in words, for its error."""
+    t_low, t_high = TEMPERATURE_RANGE
+    r_low, r_high = REPETITION_PENALTY_RANGE
+    return {
+        "max_new_tokens": f"an integer in [0, {INT32_MAX}] (0: score the prompt only)",
+        "min_new_tokens": "an integer in [0, max_new_tokens]",
+        "temperature": f"0 (greedy) or in [{t_low}, {t_high:g}]",
+        "top_p": f"in [{TOP_P_MIN}, 1]",
+        "top_k": f"-1 or 0 (no limit) or in [1, {INT32_MAX}]",
+        "min_p": "in [0, 1]",
+        "repetition_penalty": f"in [{r_low}, {r_high:g}]",
+        "frequency_penalty": f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
+        "presence_penalty": f"in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
+        "stop": f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+        "stop_token_ids": f"at most {MAX_STOP_TOKEN_IDS} token ids in [0, {INT32_MAX}]",
+        "ignore_eos": "true or false",
+        "seed": f"null or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+        "return_logprob": "true or false",
+        "top_logprobs_num": f"an integer in [0, {MAX_TOP_LOGPROBS}]",
+        "logprob_start_len": f"-1 (no prompt logprobs) or an integer in [0, {INT32_MAX}]",
+        "token_ids_logprob": f"at most {MAX_TOKEN_IDS_LOGPROB} token ids in [0, {INT32_MAX}]",
+        "return_routed_experts": "true or false",
+        "return_routed_expert_weights": "true or false",
+    } | {k: f"null or a non-empty string of at most {MAX_GRAMMAR_CHARS} characters"
+         for k in GRAMMAR_KINDS}
+
+
+_BOUNDS = _bounds()

@@ -261,16 +261,20 @@ class Client:
         for resume in resumes.note(msg, time.monotonic()):     # the router restarted
             self._links.send(i, resume)
         if isinstance(msg, Accepted):
-            if self._owner.get(msg.rid) == i:
-                self._acked(msg.rid)
+            for rid in msg.rids:
+                if self._owner.get(rid) == i:
+                    self._acked(rid)
         elif isinstance(msg, Tokens):            # several requests' tokens at once
-            parts = [p for p in msg.unpack() if self._owner.get(p.rid, i) == i]
-            for part in parts:                   # an answer implies the request arrived
-                self._acked(part.rid)
-                resumes.got(part)
+            for got in msg.unpack():
+                if self._owner.get(got.rid, i) != i:
+                    continue
+                self._acked(got.rid)             # an answer implies the request arrived
+                part = resumes.got(got)          # what this client has not had
+                if part is None:
+                    continue
                 if part.finished:
                     self._owner.pop(part.rid, None)
-            self._parts.extend(parts)
+                self._parts.append(part)
             if kind is TokenPart and self._parts:
                 return self._parts.popleft()
         elif isinstance(msg, Rows):              # a request's routed experts, before its end

@@ -64,7 +64,7 @@ class Flooder:
         while not until() and time.monotonic() < deadline:
             msg = self.dealer.recv(timeout=0.2)
             if isinstance(msg, Accepted):
-                self.accepted.add(msg.rid)
+                self.accepted.update(msg.rids)    # one for the generates read in one go
             elif isinstance(msg, Tokens):
                 self.ends |= {p.rid: p.finish for p in msg.unpack() if p.finished}
         assert until(), f"{len(self.accepted)} accepted, {len(self.ends)} ended"

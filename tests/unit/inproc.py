@@ -159,7 +159,7 @@ class InprocCluster:
                 self.replies[msg.req_id] = {"ok": msg.ok} | msg.result
                 continue
             if isinstance(msg, Accepted):
-                self.accepted.add(msg.rid)
+                self.accepted.update(msg.rids)
                 continue
             if isinstance(msg, Pong):
                 self.pong = msg               # the router's boot id, as a client learns it
@@ -170,6 +170,8 @@ class InprocCluster:
             for part in msg.unpack() if isinstance(msg, Tokens) else []:
                 part = self.rows.finish(part)
                 got = self.answers.setdefault(part.rid, Answer())
+                if part.start is not None and part.start < len(got.token_ids):   # had those
+                    part = part.skip(min(len(got.token_ids) - part.start, len(part.token_ids)))
                 got.token_ids += part.token_ids
                 got.weight_versions += part.weight_versions
                 if part.logprobs is not None:

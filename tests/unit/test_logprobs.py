@@ -228,12 +228,12 @@ def test_no_logprob_keys_or_frames_for_requests_not_asking(cluster):
     cluster.client._decode = lambda f, peer: (frames.append(len(f)), decode(f, peer))[1]
     plain = cluster.submit(PROMPT, 5)
     assert cluster.run(plain).logprobs is None and cluster.answers[plain].top_logprobs is None
-    assert frames and max(frames) == 3                 # header, counts, token ids
+    assert frames and max(frames) == 4                 # header, counts, token ids, starts
     asking = cluster.submit(PROMPT, 5, sampling={"return_logprob": True})
     other = cluster.submit(PROMPT[1:], 5)
     assert len(cluster.run(asking).logprobs) == 5
     assert cluster.run(other).logprobs is None         # in the same messages, without any
-    assert max(frames) == 5                            # + logprob_mode, logprobs; no top
+    assert max(frames) == 6                            # + logprob_mode, logprobs; no top
     cluster.check_pages()
 
 

@@ -196,14 +196,14 @@ def test_what_no_router_sends_is_refused(cluster, monkeypatch):
     """A decode-less generate that asks for tokens, and a decode sent a scoring one:
     400 each, nothing computed, nothing held."""
     sent = []
-    monkeypatch.setattr(cluster.prefill, "queue_token", lambda to, part: sent.append(part))
+    monkeypatch.setattr(cluster.prefill, "queue_token", lambda to, part, owner="": sent.append(part))
     cluster.prefill.scheduler.on_generate(b"router", p.Generate("x", PROMPT, SamplingParams(max_new_tokens=3), room=5))
     (part,) = sent
     assert part.finish["status_code"] == 400 and "names no decode" in part.finish["message"]
     assert not cluster.prefill.scheduler.jobs
     monkeypatch.undo()
     told = []
-    monkeypatch.setattr(cluster.decode, "queue_token", lambda to, part: told.append(part))
+    monkeypatch.setattr(cluster.decode, "queue_token", lambda to, part, owner="": told.append(part))
     cluster.decode.scheduler.on_generate(b"router", p.Generate(
         "y", PROMPT, SamplingParams(max_new_tokens=0), room=6, prefill=cluster.prefill.endpoint,
         decode=cluster.decode.endpoint))

@@ -341,16 +341,18 @@ class RouterClient:
 
     def _dispatch(self, msg: Message, i: int) -> None:
         if isinstance(msg, Accepted):
-            if self._owner.get(msg.rid) == i:
-                self._unacked.pop(msg.rid, None)
+            for rid in msg.rids:
+                if self._owner.get(rid) == i:
+                    self._unacked.pop(rid, None)
         elif isinstance(msg, Tokens):
             for part in msg.unpack():
                 if self._owner.get(part.rid, i) != i:    # a late copy of one sent elsewhere
                     if not part.finished:
                         self._send(Abort(part.rid, 499, "sent to another router"), to=i)
                     continue
-                self._links[i].resumes.got(part)
-                self._take(part)
+                part = self._links[i].resumes.got(part)     # what it has not had
+                if part is not None:
+                    self._take(part)
         elif isinstance(msg, Rows):           # a request's routed experts, before its end
             if self._owner.get(msg.rid) == i and msg.rid in self._sinks:
                 self._rows.take(msg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Callable, Collection, Protocol
 
 from zpd.router.flights import Worker
-from zpd.wire.protocol import Admin, AdminReply, Adopted, Resume, TokenPart
+from zpd.wire.protocol import Admin, AdminReply, Adopted, Resume, Rows, TokenPart
 
 Acks = Callable[[list[dict]], None]
 # A follower that does not confirm a hold within this share of the command's timeout
@@ -56,6 +56,8 @@ class Restart(Protocol):
     unclaimed: Collection[str]          # adopted, their client not back yet
 
     def hold(self, part: TokenPart) -> bool: ...
+
+    def hold_rows(self, msg: Rows) -> bool: ...
 
     def on_resume(self, client: bytes, msg: Resume) -> None: ...
 

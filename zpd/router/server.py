@@ -18,9 +18,11 @@ from zpd.router.affinity import PrefixAffinity, least_loaded
 from zpd.router.flights import InFlight, Worker
 from zpd.router.hooks import Alone, Coordinator, Peers, Restart
 from zpd.router.memory import ReleasedMemory, timeout_message
+from zpd.router.relay import Relay
 from zpd.router.shares import ClientShares, request_tokens
 from zpd.router.tally import Tally
 from zpd.wire.first_token import FirstToken
+from zpd.wire.step import is_step
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
 from zpd.wire.net import Dealer, Router
@@ -29,7 +31,7 @@ from zpd.wire.router_proof import load_router_secret, router_identity
 from zpd.wire.security import ROUTER_POLICY, Security
 from zpd.wire.messages import user_problem
 from zpd.wire.protocol import (Abort, Accepted, Admin, AdminReply, Adopted, Generate, Ping, Pong,
-                               Resume, Rows, TokenPart, Tokens, new_room)
+                               Resume, Rows, TokenPart, Tokens, encode, new_room)
 
 log = logging.getLogger("zpd.router.server")
 
@@ -71,10 +73,12 @@ class RouterServer:
                         for role, eps in (("prefill", cfg.prefill), ("decode", cfg.decode))
                         for ep in eps]
         self.inflight: dict[str, InFlight] = {}
+        self.accepts: dict[bytes, list[str]] = {}     # client -> rids to acknowledge
         self.paused: PauseMode | None = None
         self.released = ReleasedMemory()       # the workers' memory that is released
         self.affinity = PrefixAffinity()
         self.admin = RouterAdmin(self)
+        self.relayer = Relay(self)             # a worker's steps, on to the clients
         self.followers: Peers = Alone()        # routers that follow this one
         self.coordinator: Coordinator | None = None    # the router this one follows
         self.adoption: Restart | None = None   # the requests of this endpoint's last router
@@ -164,6 +168,15 @@ class RouterServer:
     # --- clients ---------------------------------------------------------------
 
     def on_client(self) -> None:
+        self.read_client()
+        # One accepted per client for every generate read in one go: sent once no
+        # more messages wait (they would wake this again), ahead of anything else.
+        if self.accepts and not self.front.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            accepts, self.accepts = self.accepts, {}
+            for client, rids in accepts.items():
+                self.front.send(client, Accepted(rids[0], self.boot, rids[1:] or None))
+
+    def read_client(self) -> None:
         got = self.front.recv()
         if got is None:
             return
@@ -198,8 +211,8 @@ class RouterServer:
 
     def on_generate(self, client: bytes, msg: Generate) -> None:
         rid = msg.rid or uuid.uuid4().hex
-        # Before anything else, so a client learns at once that a router listens here.
-        self.front.send(client, Accepted(rid, self.boot))
+        # Whatever comes next, so a client learns at once that a router listens here.
+        self.accepts.setdefault(client, []).append(rid)
         if rid in self.inflight or rid in self.admission:
             self.to_client(client, Tokens.abort(rid, 409, f"rid {rid!r} is already in flight"))
             return
@@ -267,9 +280,10 @@ class RouterServer:
                           owner=client.hex(), user=msg.user)
         log.info("rid=%r room=%d -> prefill %s, %s", rid, room, prefill.endpoint,
                  f"decode {decode.endpoint}" if decode else "scored there")
+        frames = encode(routed)                 # once for both
         for w in (decode, prefill) if decode else (prefill,):
             w.load += 1
-            w.dealer.send(routed)
+            w.dealer.send_frames(frames)
 
     def owner(self, rid: str) -> bytes | None:
         """The identity of the client that submitted `rid` (None: no such request here)."""
@@ -346,19 +360,25 @@ class RouterServer:
     # --- workers ----------------------------------------------------------------
 
     def on_worker(self, worker: Worker) -> None:
-        msg = worker.dealer.recv()
-        if msg is None:
+        frames = worker.dealer.recv_frames()
+        if frames is None:
             return
         worker.clock.heard(self.loop.time())
         if not worker.alive:
             worker.alive = True
             log.warning("%s %s answers again: routing to it", worker.role, worker.endpoint)
+        if is_step(frames[0]):                   # a decode step's tokens: passed on unread
+            self.relayer.step(worker, frames)
+            return
+        msg = worker.dealer.read([f.bytes for f in frames])
+        if msg is None:
+            return
         if isinstance(msg, Tokens) and msg.first:
             self.on_first_tokens(worker, msg)
         elif isinstance(msg, Tokens):
             self.relay(msg.unpack(), worker)
         elif isinstance(msg, Rows):
-            self.relay_rows(msg, worker)
+            self.relayer.rows(msg, worker)
         elif isinstance(msg, AdminReply):
             self.admin.on_reply(worker, msg)
         elif isinstance(msg, Adopted) and self.adoption is not None:
@@ -380,63 +400,8 @@ class RouterServer:
             self.to_client(flight.client, Tokens.pack([part]))
 
     def relay(self, parts: list[TokenPart], sender: Worker | None = None) -> None:
-        """Decode tokens (a step's worth; from the router itself when `sender` is None):
-        one message on to each client concerned."""
-        by_client: dict[bytes, list[TokenPart]] = {}
-        for got in parts:
-            flight, part = self._settle(got, sender)
-            held = part is not None and self.adoption is not None and self.adoption.hold(part)
-            if part is not None and not held:           # held: its client is away
-                by_client.setdefault(flight.client, []).append(part)
-        for client, mine in by_client.items():
-            self.to_client(client, Tokens.pack(mine))
-        self.dispatch()                      # finished requests made room
-
-    def relay_rows(self, msg: Rows, sender: Worker) -> None:
-        """A finished request's routed experts, ahead of its final tokens: on to its
-        client, only from the worker that answers it, once, and only if it asked (else
-        dropped: the final part then finds them missing, and its client fails it)."""
-        flight = self.inflight.get(msg.rid)
-        answers = None if flight is None else flight.decode or flight.prefill
-        if flight is None or sender is not answers or not flight.routed or flight.rows:
-            log.warning("dropping rows for rid=%r from %s %s: %s", msg.rid, sender.role,
-                        sender.endpoint, "no such request" if flight is None else
-                        f"{answers.role} {answers.endpoint} answers it" if sender is not answers
-                        else "passed already" if flight.rows else "it asked none")
-            return
-        flight.rows = True
-        if self.adoption is None or not self.adoption.hold_rows(msg):
-            self.to_client(flight.client, msg)
-
-    def _settle(self, part: TokenPart, sender: Worker | None) -> tuple[InFlight | None, TokenPart | None]:
-        """The request's flight and what of the decode's `part` the client has not had
-        (None: nothing); the flight is forgotten once it finishes. Only the worker that
-        answers the request may: its decode, or the prefill of a scoring one."""
-        flight = self.inflight.get(part.rid)
-        if flight is None:
-            return None, None
-        answers = flight.decode or flight.prefill
-        if sender is not None and sender is not answers:
-            log.warning("dropping tokens for rid=%r from %s %s: %s %s answers it", part.rid,
-                        sender.role, sender.endpoint, answers.role, answers.endpoint)
-            return None, None
-        start, n = flight.from_decode, len(part.token_ids)
-        flight.from_decode += n
-        if n and not flight.prefilled:           # the decode has the KV: prefill's part is done
-            flight.prefilled = True
-            flight.prefill.load -= 1
-        skip = min(n, max(0, flight.sent - start))    # the prefill's first token went ahead
-        flight.sent = max(flight.sent, start + n)
-        if skip:
-            part = part.skip(skip)
-        if part.finished:
-            del self.inflight[part.rid]
-            self.shares.release(part.rid)
-            if not flight.prefilled:
-                flight.prefill.load -= 1
-            if flight.decode is not None:
-                flight.decode.load -= 1
-        return flight, (part if part.token_ids or part.finished else None)
+        """Decode tokens settled part by part (zpd/router/relay.py `Relay.parts`)."""
+        self.relayer.parts(parts, sender)
 
     # --- process ----------------------------------------------------------------
 

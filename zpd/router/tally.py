@@ -25,12 +25,16 @@ class Tally:
         self.recent = Recent(THROUGHPUT_SPAN_S)      # tokens sent, per second
 
     def count(self, msg: object) -> None:
-        if not isinstance(msg, Tokens):
-            return
-        self.generation_tokens += len(msg.token_ids)
-        if msg.token_ids:
-            self.recent.add(len(msg.token_ids))
-        for end in msg.ends.values():                # checked by Tokens: dicts all the way
+        if isinstance(msg, Tokens):
+            self.add(len(msg.token_ids), msg.ends)
+
+    def add(self, tokens: int, ends: dict) -> None:
+        """`tokens` sent to a client and `ends`, a Tokens message's (rid -> {"finish",
+        "meta"}), as Tokens (or zpd.wire.step.peek) checks them: dicts all the way."""
+        self.generation_tokens += tokens
+        if tokens:
+            self.recent.add(tokens)
+        for end in ends.values():
             finish, meta = end["finish"], end.get("meta", {})
             kind = str(finish.get("type"))
             self.finished[kind] += 1

@@ -251,11 +251,18 @@ class Recompute(Message):
 class Accepted(Message):
     """Router → client, at once for every Generate it receives, whatever it then does
     with it (routes it, queues it while paused, or answers an error): the client
-    learns within seconds that a router listens at the address it was given."""
+    learns within seconds that a router listens at the address it was given. One
+    message acknowledges every generate of that client the router read in one go:
+    `rid` and the rids in `more`."""
 
     TYPE: ClassVar[str] = "accepted"
     rid: str
     boot: str = ""     # the router process's boot id (see Ping.boot)
+    more: Optional[list[str]] = None
+
+    @property
+    def rids(self) -> list[str]:
+        return [self.rid] if self.more is None else [self.rid, *self.more]
 
 
 @dataclass(frozen=True, slots=True)

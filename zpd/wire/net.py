@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import zmq
 
-from zpd.wire.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
+from zpd.wire.protocol import MAX_FRAME_BYTES, Message, ProtocolError, encode
+from zpd.wire.step import decode_any
 
 log = logging.getLogger("zpd.wire.net")
 
@@ -59,6 +60,11 @@ class SocketOptions:
     # Called with each new socket before it binds or connects (handshake logging).
     monitor: Optional[Callable[[zmq.Socket], None]] = None
 
+
+# pyzmq's compiled send, frame by frame: its Python send_multipart costs twice as much
+# per message (flag enums, per-frame checks), which at a router is per token
+_SEND = zmq.backend.Socket.send
+_MORE, _LAST = int(zmq.SNDMORE) | int(zmq.NOBLOCK), int(zmq.NOBLOCK)
 
 INPROC = "inproc://"   # an in-process endpoint (tests): bound and connected as it is
 
@@ -140,11 +146,13 @@ class _Endpoint:
         # may take the edge its ZMQ_FD would fire on, so each one is reported there.
         self.touched: Optional[set[zmq.Socket]] = None
 
-    def _send_frames(self, frames: list[bytes], peer: str) -> bool:
+    def _send_frames(self, frames: list, peer: str, copy: bool = True) -> bool:
+        sock, last = self.socket, len(frames) - 1
         if self.touched is not None:
-            self.touched.add(self.socket)
+            self.touched.add(sock)
         try:
-            self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            for i, frame in enumerate(frames):      # a message is queued whole or not at all
+                _SEND(sock, frame, _MORE if i < last else _LAST, copy, False)
             return True
         except zmq.Again:
             why, self.last_send_unreachable = "send queue full (peer slow or gone)", False
@@ -170,7 +178,7 @@ class _Endpoint:
 
     def _decode(self, frames: list[bytes], peer: str) -> Optional[Message]:
         try:
-            return decode(frames)
+            return decode_any(frames)
         except ProtocolError as e:
             self.bad_messages += 1
             log.warning("dropped malformed message from %s: %s", peer, e.reason)
@@ -215,6 +223,11 @@ class Router(_Endpoint):
     def send(self, identity: bytes, msg: Message) -> bool:
         """Queue ``msg`` for peer ``identity``; False if it had to be dropped."""
         return self._send_frames([identity, *encode(msg)], _peer_name(identity))
+
+    def send_frames(self, identity: bytes, frames: list) -> bool:
+        """Queue frames encoded already (bytes or zmq Frames, sent without a copy: a
+        step, a body the router passes on); False if they had to be dropped."""
+        return self._send_frames([identity, *frames], _peer_name(identity), copy=False)
 
     def recv(self, timeout: Optional[float] = 0) -> Optional[tuple[bytes, Message]]:
         """Next (identity, message); None if none arrived within ``timeout``
@@ -284,10 +297,27 @@ class Dealer(_Endpoint):
         """Queue ``msg`` for the peer; False if it had to be dropped."""
         return self._send_frames(encode(msg), self.endpoint)
 
+    def send_frames(self, frames: list[bytes]) -> bool:
+        """Queue a message encoded already (one encoding for several peers)."""
+        return self._send_frames(frames, self.endpoint)
+
     def recv(self, timeout: Optional[float] = 0) -> Optional[Message]:
-        """Next message; None on timeout (see ``Router.recv``) or if malformed."""
+        """Next message; None on timeout (see ``Router.recv``) or if malformed. A
+        worker's step (zpd/wire/step.py) comes as one ``Tokens`` of all its bodies."""
         frames = self._recv_frames(timeout)
         return None if frames is None else self._decode(frames, self.endpoint)
+
+    def read(self, frames: list[bytes]) -> Optional[Message]:
+        """`frames` of `recv_frames` decoded as `recv` decodes them; None if malformed."""
+        return self._decode(frames, self.endpoint)
+
+    def recv_frames(self) -> Optional[list]:
+        """The next message's frames undecoded, as zmq Frames (no copy), if one is
+        there; for a reader that decodes them itself (the router's, zpd/router/relay.py)."""
+        try:
+            return self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
 
 
 def _peer_name(identity: bytes) -> str:

@@ -55,7 +55,9 @@ __all__ = ["Abort", "Accepted", "Admin", "AdminReply", "Adopt", "Adopted", "Erro
 # 6: routed experts compact and in pieces: kv_done's as raw frames (uint8 ids where the
 # model has at most 256 experts), the answer's in a `rows` message ahead of the final
 # tokens (zpd/wire/rows.py); adopted requests say whether they asked for them.
-PROTOCOL_VERSION = 6
+# 7: a worker sends each router a step (zpd/wire/step.py): one tokens body per client,
+# which the router passes on unread; a tokens message says where each part starts.
+PROTOCOL_VERSION = 7
 
 MESSAGE_TYPES: Mapping[str, type[Message]] = types.MappingProxyType(
     {cls.TYPE: cls for cls in (Generate, Hello, HelloAck, KvDest, KvDone, KvFailed, Recompute,

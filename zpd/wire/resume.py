@@ -52,19 +52,27 @@ class Resumes:
         self.heard = now
         if not isinstance(msg, (Accepted, Ping, Pong)):
             return []
-        if isinstance(msg, Accepted) and msg.rid in self.open and self.open[msg.rid][0] is None:
-            self.open[msg.rid][0] = msg.boot
+        if isinstance(msg, Accepted):
+            for rid in msg.rids:
+                if rid in self.open and self.open[rid][0] is None:
+                    self.open[rid][0] = msg.boot
         if not msg.boot or msg.boot == self.boot:       # the usual case: nothing to look at
             return []
         self.boot = msg.boot
         return self.rebooted(msg.boot)
 
-    def got(self, part: TokenPart) -> None:
+    def got(self, part: TokenPart) -> TokenPart | None:
+        """`part` less the tokens of it this client has already (a part says where it
+        starts: a decode sends again the first token its prefill sent ahead, and after a
+        resume what came before `have`); None when nothing of it is new."""
         entry = self.open.get(part.rid)
         if entry is not None:
+            if part.start is not None and part.start < entry[1]:
+                part = part.skip(min(entry[1] - part.start, len(part.token_ids)))
             entry[1] += len(part.token_ids)
         if part.finished:
             self.open.pop(part.rid, None)
+        return part if part.token_ids or part.finished else None
 
     def rebooted(self, boot: str) -> list[Resume]:
         """Resumes for the requests accepted by a router other than boot `boot`'s."""

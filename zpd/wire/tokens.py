@@ -19,7 +19,10 @@ class TokenPart:
     the request asked for logprobs, ``top_logprobs`` (per token, [(token id, logprob),
     ...] highest first) only when it asked for top logprobs, ``ids_logprobs`` (per
     token, the logprobs of its token_ids_logprob ids, in the order asked) only when it
-    asked for those; None otherwise."""
+    asked for those; None otherwise. ``start``: the index of its first token in the
+    request's output, where its sender knows it (a worker always does), so that a
+    client drops the tokens it has already (``zpd.wire.resume.Resumes.got``): the
+    router passes a decode's tokens on without looking inside them."""
 
     rid: str
     token_ids: list[int]
@@ -29,6 +32,7 @@ class TokenPart:
     logprobs: Optional[list[float]] = None
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None
     ids_logprobs: Optional[list[list[float]]] = None
+    start: Optional[int] = None
 
     @property
     def finished(self) -> bool:
@@ -44,7 +48,8 @@ class TokenPart:
         """The part without its first `n` tokens (and their logprobs)."""
         return TokenPart(self.rid, self.token_ids[n:], self.weight_versions[n:], self.finish,
                          self.meta, _tail(self.logprobs, n), _tail(self.top_logprobs, n),
-                         _tail(self.ids_logprobs, n))
+                         _tail(self.ids_logprobs, n),
+                         None if self.start is None else self.start + n)
 
     def then(self, later: "TokenPart") -> "TokenPart":
         """This part followed by a later one of the same request; the later one's
@@ -53,7 +58,7 @@ class TokenPart:
                          self.weight_versions + later.weight_versions, later.finish, later.meta,
                          _join(self.logprobs, later.logprobs),
                          _join(self.top_logprobs, later.top_logprobs),
-                         _join(self.ids_logprobs, later.ids_logprobs))
+                         _join(self.ids_logprobs, later.ids_logprobs), self.start)
 
     @classmethod
     def abort(cls, rid: str, status: int, message: str, meta: Optional[dict] = None) -> "TokenPart":
@@ -80,7 +85,8 @@ class Tokens(Message):
     and ``top_logprobs`` (float32). ``ids_counts``: one per rid, how many token_ids_logprob
     ids each of its tokens has logprobs for (0: it asked none; only with logprobs),
     their logprobs the next that many entries of ``ids_logprobs`` (float32), token by
-    token (the ids themselves are the request's own, not sent)."""
+    token (the ids themselves are the request's own, not sent). ``starts``: one per rid,
+    its part's ``start`` (-1: not known); None when no part knows its start."""
 
     TYPE: ClassVar[str] = "tokens"
     rids: list[str]
@@ -96,6 +102,7 @@ class Tokens(Message):
     top_logprobs: Optional[list[float]] = None
     ids_counts: Optional[list[int]] = None
     ids_logprobs: Optional[list[float]] = None
+    starts: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         counts = self.counts
@@ -112,6 +119,9 @@ class Tokens(Message):
             if rid not in rids or type(end) is not dict or type(end.get("finish")) is not dict \
                     or type(end.get("meta", {})) is not dict:
                 raise ProtocolError(f"tokens: bad end for rid {rid!r}")
+        if self.starts is not None and (len(self.starts) != len(self.rids)
+                                        or (self.starts and min(self.starts) < -1)):
+            raise ProtocolError(f"tokens: {len(self.starts)} starts for {len(self.rids)} rids")
         self._check_logprobs()
         self._check_ids_logprobs()
 
@@ -164,7 +174,13 @@ class Tokens(Message):
         """One message for many parts (distinct rids). One pass over the parts: the
         router packs one per client per decode step, so this is per-token work."""
         rids, counts, ids, versions, ends, plain = [], [], [], [], {}, True
+        starts, known = [], False
         for t in parts:
+            if t.start is None:
+                starts.append(-1)
+            else:
+                starts.append(t.start)
+                known = True
             rids.append(t.rid)
             counts.append(len(t.token_ids))
             ids += t.token_ids
@@ -174,6 +190,8 @@ class Tokens(Message):
             if t.logprobs is not None or t.ids_logprobs is not None:
                 plain = False
         extra = {} if plain else _pack_logprobs(parts) | _pack_ids_logprobs(parts)
+        if known:
+            extra["starts"] = starts
         return cls(rids, counts, ids, versions, ends, first, **extra)
 
     @classmethod
@@ -191,15 +209,17 @@ class Tokens(Message):
                                                           self.top_logprobs))
         asked = _Reader(self.ids_logprobs or [])
         nones = [0] * len(self.rids)
-        for rid, n, mode, per in zip(self.rids, self.counts, self.logprob_mode or nones,
-                                     self.ids_counts or nones):
+        starts = self.starts or [-1] * len(self.rids)
+        for rid, n, mode, per, start in zip(self.rids, self.counts, self.logprob_mode or nones,
+                                            self.ids_counts or nones, starts):
             end = self.ends.get(rid) or {}
             top = None if mode < 2 else [list(zip(ids.take(k), values.take(k)))
                                          for k in counts.take(n)]
             out.append(TokenPart(rid, self.token_ids[at:at + n], self.weight_versions[at:at + n],
                                  end.get("finish"), end.get("meta", {}),
                                  logprobs.take(n) if mode else None, top,
-                                 [asked.take(per) for _ in range(n)] if per else None))
+                                 [asked.take(per) for _ in range(n)] if per else None,
+                                 None if start < 0 else start))
             at += n
         return out
 
@@ -207,13 +227,15 @@ class Tokens(Message):
         """`unpack` of a message without logprobs (most are): per-token work at the
         router, so no readers and no per-part logprob slots to fill."""
         out, at, ends, ids, versions = [], 0, self.ends, self.token_ids, self.weight_versions
-        for rid, n in zip(self.rids, self.counts):
+        starts = self.starts or [-1] * len(self.rids)
+        for rid, n, start in zip(self.rids, self.counts, starts):
             end = ends.get(rid)
+            first = None if start < 0 else start
             if end is None:
-                out.append(TokenPart(rid, ids[at:at + n], versions[at:at + n]))
+                out.append(TokenPart(rid, ids[at:at + n], versions[at:at + n], start=first))
             else:
                 out.append(TokenPart(rid, ids[at:at + n], versions[at:at + n], end["finish"],
-                                     end.get("meta", {})))
+                                     end.get("meta", {}), start=first))
             at += n
         return out
 

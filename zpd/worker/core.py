@@ -34,6 +34,7 @@ from zpd.wire.admin_reply import AdminResult, Continued, Failed, WorkerStatus
 from zpd.wire.loop import Loop
 from zpd.wire.net import Router
 from zpd.wire.protocol import Admin, AdminReply, Message, Ping, Pong, TokenPart, Tokens
+from zpd.wire.step import MAX_BODIES, pack_step
 from zpd.wire.router_proof import load_router_secret
 from zpd.wire.security import WORKER_POLICY, Security
 from zpd.worker.mem_fraction import kv_cache_mb
@@ -108,7 +109,8 @@ class WorkerCore:
         self.unreachable: set[bytes] = set()      # peers gone when our tokens were sent
         self.drops = knobs.drops
         self.slow_s = knobs.slow_s
-        self.outbox: dict[bytes, dict[str, TokenPart]] = {}   # peer -> rid -> tokens not sent yet
+        # peer -> its client (Generate.owner) -> rid -> tokens not sent yet
+        self.outbox: dict[bytes, dict[str, dict[str, TokenPart]]] = {}
         self.scheduler: Scheduler | None = None
         self.handlers: dict[type[Message], Callable[[bytes, Message], None]] = {
             Ping: self._on_ping, Admin: self._on_admin}
@@ -236,23 +238,27 @@ class WorkerCore:
         if not self.drops.drops(msg):
             self.sock.send(identity, msg)
 
-    def queue_token(self, identity: bytes, part: TokenPart) -> None:
+    def queue_token(self, identity: bytes, part: TokenPart, owner: str = "") -> None:
         """Queue a request's new tokens for `flush_tokens`; a second part for the same
-        rid before the flush is appended to the first."""
-        parts = self.outbox.setdefault(identity, {})
+        rid before the flush is appended to the first. `owner`: the request's client
+        at that router (Generate.owner; "" where unknown)."""
+        parts = self.outbox.setdefault(identity, {}).setdefault(owner, {})
         old = parts.get(part.rid)
         if old is not None:
             part = old.then(part)
         parts[part.rid] = part
 
     def flush_tokens(self) -> None:
-        """Send the queued tokens: one message per peer (a decode step's worth)."""
+        """Send the queued tokens: one step per peer (a decode step's worth), one body
+        in it per client, which the router passes on unread (zpd/wire/step.py)."""
         outbox, self.outbox = self.outbox, {}
-        for identity, parts in outbox.items():
-            msg = Tokens.pack(list(parts.values()))
-            if not self.drops.drops(msg) and not self.sock.send(identity, msg) \
-                    and self.sock.last_send_unreachable:    # a decode keeps what ends for it
-                self.unreachable.add(identity)              # (zpd/worker/ha/adoption.py)
+        for identity, owners in outbox.items():
+            bodies = [msg for msg in (Tokens.pack(list(parts.values()))
+                                      for parts in owners.values()) if not self.drops.drops(msg)]
+            for at in range(0, len(bodies), MAX_BODIES):
+                if not self.sock.send_frames(identity, pack_step(bodies[at:at + MAX_BODIES])) \
+                        and self.sock.last_send_unreachable:    # a decode keeps what ends for it
+                    self.unreachable.add(identity)              # (zpd/worker/ha/adoption.py)
 
     # --- receiving -----------------------------------------------------------------
 

@@ -375,7 +375,7 @@ class DecodeScheduler:
                      job.epoch, req.finish.get("type"), len(req.output))
             if rows is not None:
                 self.core.send(job.client, rows)
-        self.core.queue_token(job.client, token_part(req, start, meta))
+        self.core.queue_token(job.client, token_part(req, start, meta), job.owner)
         if req.finished:
             self.orphans.ended(job, meta, rows)     # kept if its router is gone
             self._forget(job)

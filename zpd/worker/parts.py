@@ -26,7 +26,7 @@ def token_part(req: Request, start: int, meta: dict | None = None) -> TokenPart:
                      dict(meta or {}),
                      req.output_logprobs[start:] if p.wants_logprobs else None,
                      req.output_top_logprobs[start:] if p.top_logprobs_num else None,
-                     req.output_ids_logprobs[start:] if p.output_ids_logprob else None)
+                     req.output_ids_logprobs[start:] if p.output_ids_logprob else None, start)
 
 
 def final_meta(req: Request, tokenizer: Tokenizer | None, cached_tokens: int,

@@ -240,7 +240,8 @@ class PrefillScheduler:
         if rows is not None:
             self.core.send(job.answer_to, rows)
         self.core.queue_token(job.answer_to, token_part(
-            req, 0, final_meta(req, self.core.model.tokenizer, cached, rows)))
+            req, 0, final_meta(req, self.core.model.tokenizer, cached, rows)),
+            job.caller[1] if len(job.caller) > 1 else "")
 
     # --- requests ------------------------------------------------------------------
 

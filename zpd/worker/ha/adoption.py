@@ -64,7 +64,7 @@ class RouterSocket(Protocol):
 
     def send(self, identity: bytes, msg: Message) -> None: ...
 
-    def queue_token(self, identity: bytes, part: TokenPart) -> None: ...
+    def queue_token(self, identity: bytes, part: TokenPart, owner: str = "") -> None: ...
 
 
 class RouterOrphans:
@@ -143,14 +143,14 @@ class RouterOrphans:
         handed = {part.rid: info for info, part, _ in ended} | {j.req.rid: entry(j) for j in jobs}
         paused = self.core.paused
         self.core.send(identity, Adopted(handed, paused.value if paused is not None else ""))
-        for _, part, rows in ended:     # after Adopted: the router knows the rids by then
+        for info, part, rows in ended:  # after Adopted: the router knows the rids by then
             if rows is not None:
                 self.core.send(identity, rows)
-            self.core.queue_token(identity, part)
+            self.core.queue_token(identity, part, info.owner)
         for job in jobs:
             if job.stream:
                 if job.req.output:
-                    self.core.queue_token(identity, token_part(job.req, 0))
+                    self.core.queue_token(identity, token_part(job.req, 0), job.owner)
                 job.sent = len(job.req.output)
         if handed:
             log.warning("router %r adopted %d requests (%d ended) of %d earlier router(s)",
