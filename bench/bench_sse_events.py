@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))     # the reposi
 
 from engines.models.tiny import tiny_tokenizer  # noqa: E402
 from engines.sampling_params import SamplingParams
-from zpd.http.native import CumulativeEvents, native_answer, native_delta  # noqa: E402
+from zpd.http.native_format import CumulativeEvents, native_answer, native_delta  # noqa: E402
 from zpd.http.output import Output  # noqa: E402
 from zpd.http.records import GenRequest  # noqa: E402
 

@@ -27,23 +27,28 @@ PROMPT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_lo
 class Detokenizer:
     """Token ids -> text, one piece at a time. Each step decodes from the token before
     the last stable point, so tokenizers whose pieces depend on their left neighbour
-    (SentencePiece's leading spaces) come out as a whole decode would."""
+    (SentencePiece's leading spaces) come out as a whole decode would. Not
+    `incremental` (a request that does not stream), it only keeps the ids: its text
+    is decoded once, at the end (`whole`)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, skip_special: bool = True,
+                 incremental: bool = True) -> None:
         self.tokenizer, self.skip_special = tokenizer, skip_special
         self.ids: list[int] = []
         self.text = ""
         self._prefix = self._read = 0      # ids[prefix:read] is what `text` last ended with
+        self._before = ""                  # ... decoded
+        self._decode = None if tokenizer is None or not incremental else self.decode
 
     def add(self, ids: list[int]) -> None:
-        self.ids.extend(ids)
-        if self.tokenizer is None or not ids:
+        self.ids += ids
+        if self._decode is None or not ids:
             return
-        before = self.decode(self.ids[self._prefix:self._read])
-        after = self.decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith(REPLACEMENT):
-            self.text += after[len(before):]
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(self._before) and not after.endswith(REPLACEMENT):
+            self.text += after[len(self._before):]
             self._prefix, self._read = self._read, len(self.ids)
+            self._before = self._decode(self.ids[self._prefix:self._read])
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, self.skip_special)
@@ -56,7 +61,10 @@ class Detokenizer:
 class Output:
     """What one request (`index` in its answer) has produced so far."""
 
-    def __init__(self, index: int, req: GenRequest, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, index: int, req: GenRequest, tokenizer: Tokenizer | None,
+                 incremental: bool = True) -> None:
+        """`incremental`: the text is shown as it comes (a stream); else it is decoded
+        once, at the end, and a chunk costs appending its ids."""
         self.index, self.req, self.tokenizer = index, req, tokenizer
         self.rid = req.rid or ""
         self.token_ids: list[int] = []
@@ -66,7 +74,7 @@ class Output:
         self.ids_logprobs: list[list[tuple[int, float]]] = []    # token_ids_logprob's
         self.finish: dict | None = None
         self.meta: dict = {}
-        self.detok = Detokenizer(tokenizer, req.skip_special)
+        self.detok = Detokenizer(tokenizer, req.skip_special, incremental)
         self.finished_at: float | None = None
         self._final_text: str | None = None
         self._hold = max(map(len, req.stop), default=1) - 1   # chars a stop string may still take
@@ -83,11 +91,18 @@ class Output:
         ids = chunk["token_ids"]
         self.token_ids += ids
         self.weight_versions += chunk["weight_versions"]
-        self.logprobs += chunk.get("logprobs") or []
+        self.detok.add(ids)
+        self.held += ENTRY_BYTES * len(ids)
+        if chunk["finished"] or len(chunk) > 4:     # logprobs, or the end
+            self._add_rest(chunk)
+
+    def _add_rest(self, chunk: dict) -> None:
+        """A chunk's logprobs, and its end."""
+        logprobs = chunk.get("logprobs") or []
+        self.logprobs += logprobs
         for mine, key in ((self.top_logprobs, "top_logprobs"), (self.ids_logprobs, "token_ids_logprobs")):
             mine += [[(int(t), float(lp)) for t, lp in row] for row in chunk.get(key) or []]
-        self.detok.add(ids)
-        self.held += ENTRY_BYTES * (len(ids) + len(chunk.get("logprobs") or ()) + sum(
+        self.held += ENTRY_BYTES * (len(logprobs) + sum(
             len(row) for key in ("top_logprobs", "token_ids_logprobs") for row in chunk.get(key) or ()))
         if chunk["finished"]:
             self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}
