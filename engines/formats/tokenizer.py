@@ -16,6 +16,7 @@ class Tokenizer:
 
     def __init__(self, inner: HFTokenizer) -> None:
         self.inner = inner
+        self._ones: tuple[dict[int, str], dict[int, str]] = ({}, {})   # decode_one's, by skip
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
@@ -53,6 +54,15 @@ class Tokenizer:
         if len(ids) <= SHORT_DECODE:
             return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.inner.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id], skip_special_tokens)`, remembered (the HTTP front's
+        incremental decode asks it once per streamed token)."""
+        known = self._ones[skip_special_tokens]
+        text = known.get(token_id)
+        if text is None:
+            text = known[token_id] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (how logprobs name a token)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import orjson
 
-from zpd.http.output import Output, meta_info, version_spans
+from zpd.http.output import Output, meta_info
 
 
 def native_answer(out: Output, text_in_logprobs: bool | None = None,
@@ -127,20 +127,29 @@ class CumulativeEvents:
 
 class Fragments:
     """One request's output so far as JSON fragments: its ids, per-token weight
-    versions and shown text (escaped, without the quotes), each token's appended once,
-    and its version spans."""
-    __slots__ = ("tokens", "ids", "versions", "spans", "chars", "text")
+    versions and shown text (escaped, without the quotes), each token's appended once;
+    its version spans, and their JSON up to the last one's end."""
+    __slots__ = ("tokens", "ids", "versions", "spans", "spans_head", "chars", "text", "rid",
+                 "head")
 
     def __init__(self) -> None:
         self.tokens = self.chars = 0           # tokens and characters taken so far
         self.ids, self.versions, self.text = bytearray(), bytearray(), bytearray()
         self.spans: list[dict] = []
+        self.spans_head = b""
+        self.rid, self.head = None, b""        # meta_info's opening, for this rid
+
+    def restart(self, start: int) -> None:
+        """Forget what was taken: the next take is of the tokens from `start` on, and
+        the text not yet shown (an incremental event's)."""
+        self.ids.clear(), self.versions.clear(), self.text.clear(), self.spans.clear()
+        self.tokens = start
 
     def take(self, out: Output) -> None:
         """`out`'s tokens and shown text since the last take (advances out.new_text)."""
         start, stop = self.tokens, len(out.token_ids)
         if stop > start:
-            comma = b"," if start else b""
+            comma = b"," if self.ids else b""
             self.ids += comma + orjson.dumps(out.token_ids[start:stop])[1:-1]
             versions = out.weight_versions[start:stop]
             self.versions += comma + orjson.dumps(versions)[1:-1]
@@ -153,27 +162,30 @@ class Fragments:
                         spans[-1]["end"] = i + 1
                     else:
                         spans.append({"version": v, "start": i, "end": i + 1})
+                last = spans[-1]
+                self.spans_head = orjson.dumps(spans[:-1])[:-1] + (b"," if len(spans) > 1 else b"") \
+                    + b'{"version":%b,"start":%d,"end":' % (orjson.dumps(last["version"]), last["start"])
             self.tokens = stop
         piece = out.new_text()
         if piece:
             self.text += orjson.dumps(piece)[1:-1]
             self.chars += len(piece)
 
-
-def _event(out: Output, text: bytes, ids: bytes, spans: list[dict], versions: bytes,
-           index: bytes) -> bytes:
-    """An unfinished request's event without logprobs, as `native_answer` would give it
-    (the same keys in the same order), from JSON fragments."""
-    every = out.weight_versions
-    meta = out.meta
-    return b'data: {"text":"%b","output_ids":[%b],"meta_info":{"id":%b,"finish_reason":null,' \
-        b'"prompt_tokens":%d,"completion_tokens":%d,"cached_tokens":%d,"e2e_latency":%b,' \
-        b'"weight_version":%b,"weight_versions":%b,"output_token_weight_versions":[%b],' \
-        b'"retractions":%d}%b}\n\n' % (
-            text, ids, orjson.dumps(out.rid), out.prompt_tokens, len(out.token_ids),
-            int(meta.get("cached_tokens", 0)), orjson.dumps(out.e2e_latency),
-            orjson.dumps(every[-1] if every else meta.get("weight_version")),
-            orjson.dumps(spans), versions, int(meta.get("retractions", 0)), index)
+    def event(self, out: Output, index: bytes) -> bytes:
+        """`out`'s event so far (unfinished, without logprobs), as `native_answer` would
+        give it: the same keys in the same order."""
+        if out.rid != self.rid:
+            self.rid = out.rid
+            self.head = b'"meta_info":{"id":%b,"finish_reason":null,"prompt_tokens":%d,' % (
+                orjson.dumps(out.rid), out.prompt_tokens)
+        spans = b"%b%d}]" % (self.spans_head, self.spans[-1]["end"]) if self.spans else b"[]"
+        every = out.weight_versions
+        version = orjson.dumps(every[-1] if every else out.meta.get("weight_version"))
+        return b'data: {"text":"%b","output_ids":[%b],%b"completion_tokens":%d,' \
+            b'"cached_tokens":0,"e2e_latency":%b,"weight_version":%b,"weight_versions":%b,' \
+            b'"output_token_weight_versions":[%b],"retractions":0}%b}\n\n' % (
+                self.text, self.ids, self.head, len(out.token_ids), orjson.dumps(out.e2e_latency),
+                version, spans, self.versions, index)
 
 
 class NativeEvents:
@@ -204,22 +216,19 @@ class NativeEvents:
     def _fast(self, out: Output) -> bytes | None:
         """An unfinished event without logprobs, from fragments."""
         cumulative = self.cumulative
-        if cumulative is None:                  # what is new since the last event
-            text, tokens = out.new_text(), out.new_tokens()
-            if not (text or tokens):
-                return None
-            versions = out.weight_versions[tokens.start:tokens.stop]
-            return _event(out, orjson.dumps(text)[1:-1],
-                          orjson.dumps(out.token_ids[tokens.start:tokens.stop])[1:-1],
-                          version_spans(versions, tokens.start), orjson.dumps(versions)[1:-1],
-                          self._index(out))
-        if not cumulative.due(out):
-            return None
         frag = self.fragments.get(out.index)
         if frag is None:
             frag = self.fragments[out.index] = Fragments()
+        if cumulative is None:                  # what is new since the last event
+            frag.restart(out.new_tokens().start)
+            frag.take(out)
+            if not (frag.ids or frag.text):
+                return None
+            return frag.event(out, self._index(out))
+        if not cumulative.due(out):
+            return None
         frag.take(out)
-        return _event(out, frag.text, frag.ids, frag.spans, frag.versions, self._index(out))
+        return frag.event(out, self._index(out))
 
     def _whole(self, out: Output) -> bytes | None:
         """The event formatted whole (logprobs, or the last)."""

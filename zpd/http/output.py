@@ -38,17 +38,20 @@ class Detokenizer:
         self.text = ""
         self._prefix = self._read = 0      # ids[prefix:read] is what `text` last ended with
         self._before = ""                  # ... decoded
-        self._decode = None if tokenizer is None or not incremental else self.decode
+        self._decode = None if tokenizer is None or not incremental else tokenizer.decode
 
     def add(self, ids: list[int]) -> None:
         self.ids += ids
         if self._decode is None or not ids:
             return
-        after = self._decode(self.ids[self._prefix:])
+        after = self._decode(self.ids[self._prefix:], self.skip_special)
         if len(after) > len(self._before) and not after.endswith(REPLACEMENT):
             self.text += after[len(self._before):]
             self._prefix, self._read = self._read, len(self.ids)
-            self._before = self._decode(self.ids[self._prefix:self._read])
+            # one token since the last stable point (most steps): its text is known
+            self._before = self.tokenizer.decode_one(self.ids[-1], self.skip_special) \
+                if self._read - self._prefix == 1 else \
+                self._decode(self.ids[self._prefix:], self.skip_special)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, self.skip_special)
