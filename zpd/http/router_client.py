@@ -352,13 +352,14 @@ class RouterClient:
             if self._owner.get(msg.rid) == i:
                 self._unacked.pop(msg.rid, None)
         elif isinstance(msg, Tokens):
+            owner, got, take = self._owner.get, self._links[i].resumes.got, self._take
             for part in msg.unpack():
-                if self._owner.get(part.rid, i) != i:    # a late copy of one sent elsewhere
+                if owner(part.rid, i) != i:    # a late copy of one sent elsewhere
                     if not part.finished:
                         self._send(Abort(part.rid, 499, "sent to another router"), to=i)
                     continue
-                self._links[i].resumes.got(part)
-                self._take(part)
+                got(part)
+                take(part)
         elif isinstance(msg, Rows):           # a request's routed experts, before its end
             if self._owner.get(msg.rid) == i and msg.rid in self._sinks:
                 self._rows.take(msg)

@@ -3,11 +3,12 @@
 `follow` runs every request of one HTTP call at once (a batch, or n copies) and
 yields each Output as a chunk of it arrives. The backend hands chunks to a sink that
 adds each to its Output at once and queues the Output for the route's task (once
-while it waits), so a token costs one task switch, the route's, and a route that
-cannot write holds its requests' answers so far, never a backlog of chunks.
-Leaving `follow` early, by an error or by the handler's cancellation when the HTTP
-client disconnects, closes every request, and each closed one is aborted at the
-router (499).
+while it waits), so a route that cannot keep up holds its requests' answers so far,
+never a backlog of chunks. `pump` runs a streamed call's requests the same way but
+writes their events itself, from the backend's reader, without a task switch per
+event (Pump). Leaving either early, by an error or by the handler's cancellation
+when the HTTP client disconnects, closes every request, and each closed one is
+aborted at the router (499).
 
 An EventStream never lets a client that stops reading hold the front's memory or the
 workers' pages: past `buffer_bytes` unsent its writes wait for the client, and a write
@@ -179,6 +180,7 @@ class Pump:
         self.outputs = [Output(i, req, tokenizer) for i, req in enumerate(items)]
         self.events, self.render = events, render
         self.moved: list[Output] = []       # Outputs with news not yet rendered, in order
+        self.pending = b""                  # rendered, for the task to write
         self.left = len(items)              # not yet rendered finished
         self.failure: BaseException | None = None
         self.busy = True                    # the task is writing (or yet to start)
@@ -201,6 +203,7 @@ class Pump:
         return take
 
     def flush(self) -> None:
+        """Write the events of the Outputs that moved, or wake the task to."""
         self.scheduled = False
         if self.busy or not self.moved:
             return self._wake()
@@ -212,8 +215,6 @@ class Pump:
             self.failure = e
         if self.failure is not None or not self.left or self.pending or self.events.backlogged():
             self._wake()
-
-    pending = b""                       # rendered, for the task to write
 
     def _wake(self) -> None:
         if self.wake is not None and not self.wake.done():
