@@ -228,6 +228,8 @@ def version_spans(versions: list[str], start: int = 0) -> list[dict]:
     """Per-token weight versions as SGLang's spans: each run of one version is
     {"version", "start", "end"} over output token positions, `end` exclusive;
     `versions` are those of the tokens from position `start` on."""
+    if versions and versions.count(versions[0]) == len(versions):     # one version (most)
+        return [{"version": versions[0], "start": start, "end": start + len(versions)}]
     spans: list[dict] = []
     for i, v in enumerate(versions, start):
         if spans and spans[-1]["version"] == v:
