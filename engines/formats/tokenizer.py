@@ -17,6 +17,11 @@ class Tokenizer:
     def __init__(self, inner: HFTokenizer) -> None:
         self.inner = inner
         self._ones: tuple[dict[int, str], dict[int, str]] = ({}, {})   # decode_one's, by skip
+        # Byte-level BPE (GPT-2's, Llama 3's, Qwen's, SmolLM2's): each token decodes to
+        # its own bytes, whatever its neighbours, so ids whose texts are whole UTF-8
+        # decode to their texts joined. SentencePiece's do not (a leading space is
+        # dropped at the start of a decode only).
+        self.joins = type(inner.decoder) is decoders.ByteLevel
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":

@@ -12,6 +12,7 @@ import random
 import orjson
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from engines.formats.tokenizer import Tokenizer
 from engines.models.tiny import tiny_tokenizer
 from engines.sampling_params import SamplingParams
 from tests.unit.http_fake import FakeBackend, call, chunk, front, tiny_answer
@@ -112,6 +113,27 @@ def test_a_stream_that_does_not_wait_for_its_text_decodes_only_at_the_end():
         lazy.add(ids[i:i + 2])
     assert lazy.text == "" and lazy.ids == ids and lazy.whole() == TEXT
     assert TOK.decode_one(ids[0]) == TOK.decode(ids[:1]) == TOK.decode_one(ids[0])
+
+
+def test_byte_level_texts_joined_are_what_a_decode_from_the_last_stable_point_gives():
+    """A byte-level tokenizer's texts are joined where nothing waits for more bytes;
+    any ids (broken UTF-8, characters split over tokens, special tokens) give the text
+    the decode from the last stable point gives."""
+    plain = Tokenizer(TOK.inner)
+    plain.joins = False
+    assert TOK.joins
+    rng = random.Random(1)
+    whole = list(TOK.encode(TEXT, add_special_tokens=False))
+    for trial in range(200):
+        ids = [rng.choice((rng.randrange(258), rng.choice(whole))) for _ in range(rng.randint(1, 40))]
+        for skip in (True, False):
+            fast, slow, at = Detokenizer(TOK, skip), Detokenizer(plain, skip), 0
+            while at < len(ids):
+                step = rng.randint(1, 3)
+                fast.add(ids[at:at + step])
+                slow.add(ids[at:at + step])
+                at += step
+                assert fast.text == slow.text, (ids, skip)
 
 
 class Burst(FakeBackend):

@@ -44,6 +44,15 @@ class Detokenizer:
         self.ids += ids
         if self._decode is None or not ids:
             return
+        if self.tokenizer.joins and self._read == len(self.ids) - len(ids):
+            # nothing waits for more bytes: whole characters are their tokens' texts
+            one, skip = self.tokenizer.decode_one, self.skip_special
+            last = one(ids[-1], skip)
+            pieces = last if len(ids) == 1 else "".join([one(t, skip) for t in ids])
+            if REPLACEMENT not in pieces:
+                self.text += pieces
+                self._prefix, self._read, self._before = len(self.ids) - 1, len(self.ids), last
+                return
         after = self._decode(self.ids[self._prefix:], self.skip_special)
         if len(after) > len(self._before) and not after.endswith(REPLACEMENT):
             self.text += after[len(self._before):]
