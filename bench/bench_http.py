@@ -24,6 +24,9 @@ The table gives medians over rounds, the TTFT the front adds, and the ratio of
 throughputs. Prompts are random ids, fresh for every request, so the prefix cache
 does not favour either path.
 
+--cpu instead measures the front's CPU per token, over simulated workers, against
+another revision's front with --baseline REV (bench/front_cpu.py says how).
+
 The HTTP client reads answers in its transport's callback (an asyncio Protocol, no
 task switch per event), as lean as the `zpd.Client` loop on the other side: on this
 machine the client shares the cores with the cluster, and a heavier client would be
@@ -254,7 +257,7 @@ async def http_round(endpoint: str, args: argparse.Namespace, sampling: dict,
         while time.perf_counter() < tally.stop_at:
             sent, last = time.perf_counter(), [b""]
 
-            def on_event(data: bytes) -> None:         # one event per chunk
+            def on_event(data: bytes) -> None:         # a chunk: one event or more
                 if data.startswith(b"data: {"):
                     if not last[0]:
                         tally.first(sent, time.perf_counter())
@@ -262,7 +265,8 @@ async def http_round(endpoint: str, args: argparse.Namespace, sampling: dict,
             body = orjson.dumps({"input_ids": tally.prompt(), "sampling_params": sampling,
                                  "stream": True})
             await conn.post("/generate", body, on_event)
-            tally.tokens += len(orjson.loads(last[0][len(b"data: "):])["output_ids"])  # cumulative
+            event = last[0].rstrip(b"\n").rsplit(b"\n\n", 1)[-1]    # a chunk may hold several
+            tally.tokens += len(orjson.loads(event[len(b"data: "):])["output_ids"])  # cumulative
         conn.transport.close()
 
     conns = [await SSEConnection.open(endpoint) for _ in range(args.streams)]

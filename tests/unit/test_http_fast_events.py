@@ -191,3 +191,44 @@ def test_token_histograms_count_as_prometheus_clients_do():
         texts.append([line for line in generate_latest(registry).decode().splitlines()
                       if "_created" not in line])
     assert texts[0] == texts[1] and 'itl_seconds_bucket{le="0.002",model_name="m"} 3.0' in texts[0]
+
+
+class Unwritable:
+    """An EventStream whose writes never go straight out (not yet open, or holding
+    bytes unsent): every event must reach `write`, in order."""
+
+    def __init__(self) -> None:
+        self.written = b""
+
+    def write_now(self, data: bytes) -> bool:
+        return False
+
+    def backlogged(self) -> bool:
+        return False
+
+    async def write(self, data: bytes) -> None:
+        self.written += data
+
+
+def test_events_the_reader_cannot_write_wait_for_the_task_none_lost():
+    async def go() -> bytes:
+        events = Unwritable()
+        loop = asyncio.get_running_loop()
+
+        class Backend(FakeBackend):
+            def open(self, req, sink):
+                def feed(chunks: list[dict]) -> None:    # one chunk per turn, the task's
+                    sink(chunks[0])                      # wake-up still to come
+                    if chunks[1:]:
+                        loop.call_soon(loop.call_soon, feed, chunks[1:])
+                loop.call_soon(feed, tiny_answer(req, "r0", [72, 105, 33, 32, 72, 105]))
+                return lambda: None
+        answer = Answer("tiny", False, None)
+
+        def render(out: Output) -> bytes:
+            return answer.event(out, out.new_text(), out.new_tokens(), False)
+        from zpd.http.streams import pump
+        await pump(Backend(), [request()], TOK, events, render)
+        return events.written
+    texts = [orjson.loads(e[6:])["choices"][0]["text"] for e in asyncio.run(go()).split(b"\n\n") if e]
+    assert "".join(texts) == "Hi! Hi" and len(texts) >= 2, texts

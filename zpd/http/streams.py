@@ -210,7 +210,7 @@ class Pump:
         try:
             data = self._render()
             if data and not self.events.write_now(data):
-                self.pending = data
+                self.pending += data
         except Exception as e:          # the task raises it
             self.failure = e
         if self.failure is not None or not self.left or self.pending or self.events.backlogged():
