@@ -24,6 +24,9 @@ The table gives medians over rounds, the TTFT the front adds, and the ratio of
 throughputs. Prompts are random ids, fresh for every request, so the prefix cache
 does not favour either path.
 
+--cpu instead measures the front's CPU per token, over simulated workers, against
+another revision's front with --baseline REV (bench/front_cpu.py says how).
+
 The HTTP client reads answers in its transport's callback (an asyncio Protocol, no
 task switch per event), as lean as the `zpd.Client` loop on the other side: on this
 machine the client shares the cores with the cluster, and a heavier client would be
@@ -148,7 +151,8 @@ class SSEConnection(asyncio.Protocol):
             self.done.set_exception(ConnectionError("the front closed the connection"))
 
     async def post(self, path: str, body: bytes, on_event) -> None:
-        """Send one request; `on_event(data)` per chunk of its answer until the last."""
+        """Send one request; `on_event(data)` per chunk of its answer until the last (a
+        whole answer, not streamed, is one chunk)."""
         self.on_event, self.done = on_event, asyncio.get_running_loop().create_future()
         self.transport.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host, len(body), body))
@@ -165,8 +169,15 @@ class SSEConnection(asyncio.Protocol):
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return False
-            if b"transfer-encoding: chunked" not in self.buf[:end].lower():
-                raise RuntimeError(f"not a streamed answer: {self.buf[:end]!r}")
+            head = self.buf[:end].lower()
+            if b"transfer-encoding: chunked" not in head:       # a whole answer: one "event"
+                self.size = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
+                if len(self.buf) < end + 4 + self.size:
+                    return False
+                self.on_event(self.buf[end + 4:end + 4 + self.size])
+                self.buf = self.buf[end + 4 + self.size:]
+                self.done.set_result(None)
+                return True
             self.buf, self.state = self.buf[end + 4:], "size"
         elif self.state == "size":
             end = self.buf.find(b"\r\n")
@@ -246,7 +257,7 @@ async def http_round(endpoint: str, args: argparse.Namespace, sampling: dict,
         while time.perf_counter() < tally.stop_at:
             sent, last = time.perf_counter(), [b""]
 
-            def on_event(data: bytes) -> None:         # one event per chunk
+            def on_event(data: bytes) -> None:         # a chunk: one event or more
                 if data.startswith(b"data: {"):
                     if not last[0]:
                         tally.first(sent, time.perf_counter())
@@ -254,7 +265,8 @@ async def http_round(endpoint: str, args: argparse.Namespace, sampling: dict,
             body = orjson.dumps({"input_ids": tally.prompt(), "sampling_params": sampling,
                                  "stream": True})
             await conn.post("/generate", body, on_event)
-            tally.tokens += len(orjson.loads(last[0][len(b"data: "):])["output_ids"])  # cumulative
+            event = last[0].rstrip(b"\n").rsplit(b"\n\n", 1)[-1]    # a chunk may hold several
+            tally.tokens += len(orjson.loads(event[len(b"data: "):])["output_ids"])  # cumulative
         conn.transport.close()
 
     conns = [await SSEConnection.open(endpoint) for _ in range(args.streams)]
@@ -300,7 +312,22 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=0.5,
                    help="TTFTs of requests sent this early in a round are left out")
     p.add_argument("--rounds", type=int, default=3)
+    cpu = p.add_argument_group("--cpu: the front's CPU per token (bench/front_cpu.py)")
+    cpu.add_argument("--cpu", action="store_true",
+                     help="measure the front's CPU per token over simulated workers instead")
+    cpu.add_argument("--baseline", default="", metavar="REV",
+                     help="also run the front of git revision REV, side by side")
+    cpu.add_argument("--loads", default="generate,incremental,chat,whole")
+    cpu.add_argument("--cpu-tokens", type=int, default=500, help="new tokens per request")
+    cpu.add_argument("--decodes", type=int, default=2)
+    cpu.add_argument("--step-ms", type=float, default=2.0)
+    cpu.add_argument("--prefill-us", type=float, default=20.0)
+    cpu.add_argument("--profile", default="", metavar="FILE",
+                     help="run each front under cProfile, its stats in FILE.VARIANT")
     args = p.parse_args()
+    if args.cpu:
+        from front_cpu import run_cpu
+        return run_cpu(args)
     if args.streams and not 0 <= args.warmup_s < args.duration:
         p.error("--warmup-s must be at least 0 and less than --duration")
     with tempfile.TemporaryDirectory() as tmp, \

@@ -10,7 +10,8 @@ import pytest
 from engines.models.tiny import tiny_tokenizer
 from engines.sampling_params import SamplingParams
 from tests.unit.http_fake import chunk
-from zpd.http.native import engine_sampling, native_answer, parse_generate
+from zpd.http.native import engine_sampling, parse_generate
+from zpd.http.native_format import native_answer
 from zpd.http.openai_format import Answer, usage
 from zpd.http.openai_protocol import chat_messages, completion_prompts, parse_chat, parse_completion
 from zpd.http.output import Detokenizer, Output

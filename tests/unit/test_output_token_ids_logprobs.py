@@ -21,7 +21,8 @@ from tests.unit.inproc import InprocCluster
 from tests.unit.test_logprobs import reference_distributions
 from transport import FaultRule
 from zpd.client import asks_logprobs, assemble, chunk_of, sampling_record
-from zpd.http.native import native_delta, parse_generate
+from zpd.http.native import parse_generate
+from zpd.http.native_format import native_delta
 from zpd.http.output import Output
 from zpd.wire import protocol as p
 from zpd.worker import writes

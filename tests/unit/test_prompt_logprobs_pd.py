@@ -18,7 +18,8 @@ from tests.unit.http_fake import chunk
 from tests.unit.inproc import InprocCluster
 from transport import FaultRule
 from zpd.client import assemble
-from zpd.http.native import native_answer, parse_generate
+from zpd.http.native import parse_generate
+from zpd.http.native_format import native_answer
 from zpd.http.output import Output
 from zpd.http.records import BadRequest
 from zpd.wire import protocol as p

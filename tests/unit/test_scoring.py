@@ -14,7 +14,8 @@ from engines.request import Request
 from engines.sampler import SamplingParams
 from tests.unit.http_fake import chunk
 from tests.unit.inproc import InprocCluster
-from zpd.http.native import native_answer, parse_generate
+from zpd.http.native import parse_generate
+from zpd.http.native_format import native_answer
 from zpd.http.output import Output
 from zpd.wire import protocol as p
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from zpd.http.front import FRONT
 from zpd.http.records import GenRequest
-from zpd.http.sglang_metrics import SglangCluster, SglangLatencies, number
+from zpd.http.sglang_metrics import SglangCluster, SglangLatencies, TokenHistogram, number
 from zpd.http.shared_metrics import SharedHistograms
 from zpd.http.streams import Backend
 
@@ -44,14 +44,15 @@ class RequestMetrics:
         self.shared = SharedHistograms(shared_dir, self.registry) if shared_dir else None
         self.sglang = SglangLatencies(self.registry, model)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+        def histogram(name: str, doc: str, kind: type = Histogram) -> Histogram:
+            return kind(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
         self.ttft = histogram("zpd:time_to_first_token_seconds",
                               "Time from the request's arrival here to its first token.")
         self.itl = histogram("zpd:inter_token_latency_seconds",
                              "Time between two output tokens of a streamed request (a "
-                             "non-streamed one arrives whole: only its TTFT and end count).")
+                             "non-streamed one arrives whole: only its TTFT and end count).",
+                             TokenHistogram)
         self.e2e = histogram("zpd:e2e_request_latency_seconds",
                              "Time from the request's arrival here to its last chunk.")
         self.queue = histogram("zpd:request_queue_time_seconds",
@@ -66,32 +67,36 @@ class MeteredBackend:
 
     def open(self, req: GenRequest, sink: Callable[[dict], None]) -> Callable[[], None]:
         m, start = self.metrics, time.perf_counter()
+        clock, gaps, sglang_gaps = time.perf_counter, m.itl.observe_many, m.sglang.itl.observe_many
         first = last = None
         tokens = 0
 
         def timed(chunk: dict) -> None:
             nonlocal first, last, tokens
-            now, n = time.perf_counter(), len(chunk["token_ids"])
+            n = len(chunk["token_ids"])
             if n:
+                now = clock()
                 if last is None:
                     first = now
                     m.ttft.observe(now - start)
                     m.sglang.ttft.observe(now - start)
-                else:
-                    for _ in range(n):        # a chunk of n tokens: n gaps of equal share
-                        m.itl.observe((now - last) / n)
-                    m.sglang.gaps(now - last, n)
+                else:       # a chunk of n tokens: n gaps of an equal share
+                    gaps((now - last) / n, n)
+                    sglang_gaps((now - last) / n, n)
                 last, tokens = now, tokens + n
             if chunk["finished"]:
-                m.e2e.observe(now - start)
-                queued = chunk.get("meta", {}).get("timings", {}).get("prefill_queue")
-                queued = queued / 1e3 if type(queued) in (int, float) and queued >= 0 else None
-                if queued is not None:
-                    m.queue.observe(queued)
-                m.sglang.finished(now - start, None if first is None else now - first, tokens,
-                                  queued)
+                self._finished(chunk, start, first, tokens)
             sink(chunk)
         return self.inner.open(req, timed)
+
+    def _finished(self, chunk: dict, start: float, first: float | None, tokens: int) -> None:
+        m, now = self.metrics, time.perf_counter()
+        m.e2e.observe(now - start)
+        queued = chunk.get("meta", {}).get("timings", {}).get("prefill_queue")
+        queued = queued / 1e3 if type(queued) in (int, float) and queued >= 0 else None
+        if queued is not None:
+            m.queue.observe(queued)
+        m.sglang.finished(now - start, None if first is None else now - first, tokens, queued)
 
     async def admin(self, command: str, timeout: float | None = None, **args) -> dict:
         return await self.inner.admin(command, timeout, **args)

@@ -16,7 +16,6 @@ nothing generated) answers HTTP 400.
 """
 from __future__ import annotations
 
-from contextlib import aclosing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -28,13 +27,14 @@ from zpd.config import HttpConfig
 from zpd.http.front import FRONT, Front, json_answer, read_body
 from zpd.http.bodies import Generate, Sampling, decode
 from zpd.http.structured import grammar_sampling
-from zpd.http.output import Output, meta_info
+from zpd.http.output import Output
 from zpd.http.records import (MAX_TOP_LOGPROBS, BadRequest, GenRequest, boolean,
                               check_call_logprobs, check_count,
                               check_prompts, checked_sampling, id_list, integer, item_rids,
                               logprob_sampling, seeded_copies, text_field, token_ids)
 from zpd.http.sglang_fields import GENERATE, SAMPLING, screen
-from zpd.http.streams import Stalled, follow, run_all
+from zpd.http.native_format import CumulativeEvents, NativeEvents, native_answer
+from zpd.http.streams import Stalled, pump, run_all
 
 routes = web.RouteTableDef()
 
@@ -209,84 +209,6 @@ def engine_sampling(raw: dict) -> Options:
     return engine_options(raw, decode(raw, Sampling, "sampling_params."))
 
 
-def native_answer(out: Output, text_in_logprobs: bool | None = None,
-                  triples: Triples | None = None) -> dict:
-    """One request's answer (or its progress so far) in SGLang's shape; `triples`: its
-    logprobs as formatted for the events before (a cumulative stream's). Logprobs name
-    their tokens' text where `text_in_logprobs` says, by default where the request asked."""
-    return _answer(out, out.text, range(len(out.token_ids)), text_in_logprobs, triples)
-
-
-def native_delta(out: Output, text_in_logprobs: bool | None = None) -> dict | None:
-    """What SGLang's --incremental-streaming-output sends: the text, output_ids,
-    logprobs and weight versions new since the last (counts in meta_info stay whole);
-    None when nothing is new."""
-    text, tokens = out.new_text(), out.new_tokens()
-    if not (text or tokens or out.finished):
-        return None
-    return _answer(out, text, tokens, text_in_logprobs)
-
-
-def _answer(out: Output, text: str, tokens: range, text_in_logprobs: bool | None,
-            triples: Triples | None = None) -> dict:
-    if text_in_logprobs is None:
-        text_in_logprobs = out.req.text_in_logprobs
-    meta = meta_info(out, tokens)
-    ids = out.token_ids[tokens.start:tokens.stop]
-    if out.req.logprobs:
-        if triples is None or tokens.start:
-            triples = Triples(tokens.start)
-        triples.extend(out, tokens.stop, text_in_logprobs)
-        meta["output_token_logprobs"] = triples.tokens
-        if out.req.top_logprobs:
-            meta["output_top_logprobs"] = triples.tops
-        if out.req.token_ids_logprob:
-            meta["output_token_ids_logprobs"] = triples.ids
-        meta |= prompt_triples(out, text_in_logprobs)
-    return {"text": text, "output_ids": ids, "meta_info": meta}
-
-
-def prompt_triples(out: Output, text_in_logprobs: bool) -> dict:
-    """The prompt's logprobs the workers sent with the finished request (engine's
-    input_* fields) as SGLang's [logprob, token_id, text] triples; null entries stay."""
-    def named(token_id: int) -> str | None:
-        return out.token_text(token_id) if text_in_logprobs else None
-
-    def row(pairs: list | None) -> list | None:
-        return None if pairs is None else [[lp, t, named(t)] for t, lp in pairs]
-    got = {}
-    if "input_token_logprobs" in out.meta:
-        got["input_token_logprobs"] = [[lp, t, named(t)] for lp, t in out.meta["input_token_logprobs"]]
-    for key in ("input_top_logprobs", "input_token_ids_logprobs"):
-        if key in out.meta:
-            got[key] = [row(pairs) for pairs in out.meta[key]]
-    return got
-
-
-class Triples:
-    """An Output's logprobs from token `start` on as SGLang's [logprob, token_id, text]
-    triples (text null unless return_text_in_logprobs): each token's, its top
-    alternatives', its token_ids_logprob ids'. Each is formatted once: a
-    cumulative event extends the lists of the one before (formatting them all again
-    for every event cost 30x what serializing them does)."""
-
-    def __init__(self, start: int = 0) -> None:
-        self.start = start
-        self.tokens: list[list] = []
-        self.tops: list[list[list]] = []
-        self.ids: list[list[list]] = []
-
-    def extend(self, out: Output, stop: int, text_in_logprobs: bool) -> None:
-        def named(token_id: int) -> str | None:
-            return out.token_text(token_id) if text_in_logprobs else None
-        for i in range(self.start + len(self.tokens), min(stop, len(out.logprobs))):
-            t = out.token_ids[i]
-            self.tokens.append([out.logprobs[i], t, named(t)])
-        for rows, got in ((self.tops, out.top_logprobs), (self.ids, out.ids_logprobs)):
-            for i in range(self.start + len(rows), min(stop, len(got))):
-                rows.append([[lp, t, named(t)] for t, lp in got[i]])
-
-
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     front = request.app[FRONT]
@@ -312,47 +234,9 @@ async def _stream(request: web.Request, front: Front, req: NativeGenerate) -> we
     events = front.event_stream(request)
     cumulative = None if cfg.incremental_streaming_output else \
         CumulativeEvents(cfg.cumulative_bytes_per_token)
+    render = NativeEvents(req.batch, cumulative).render
     try:
-        async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
-            async for out in outs:
-                refused = out.refusal() if events.response is None else None
-                if refused is not None:
-                    raise refused
-                answer = native_delta(out) if cumulative is None else cumulative.answer(out)
-                if answer is not None:
-                    size = await events.send(answer | {"index": out.index} if req.batch else answer)
-                    if cumulative is not None:
-                        cumulative.sent(out, size)
+        await pump(front.backend, req.items, front.tokenizer, events, render)
         return await events.close()
     except Stalled:
         return events.abandon([item.rid or "" for item in req.items])
-
-
-class CumulativeEvents:
-    """A stream's cumulative events (SGLang's default), and when each is due. Each
-    carries everything so far, so one per token would write O(n^2) bytes over a
-    request (4,000 tokens with top-20 logprobs: GBs); instead an event is due once the
-    tokens since the last one pay for its size at `budget` bytes each. The first and
-    the last event always come, and the last carries the whole answer, so a client
-    that reads each event as the state so far (SGLang's clients do) sees the same
-    answer, in fewer steps once it is long."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.last: dict[int, tuple[int, int]] = {}    # index -> (tokens, bytes) at its last event
-        self.triples: dict[int, Triples] = {}         # index -> its logprobs, formatted once
-
-    def answer(self, out: Output) -> dict | None:
-        """The event of `out` if one is due."""
-        if not self.due(out):
-            return None
-        return native_answer(out, None, self.triples.setdefault(out.index, Triples()))
-
-    def due(self, out: Output) -> bool:
-        if out.finished or out.index not in self.last:
-            return True
-        tokens, size = self.last[out.index]
-        return (len(out.token_ids) - tokens) * self.budget >= size
-
-    def sent(self, out: Output, size: int) -> None:
-        self.last[out.index] = (len(out.token_ids), size)

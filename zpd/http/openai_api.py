@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 
-from contextlib import aclosing
-
 from aiohttp import web
 
 from zpd.http.front import FRONT, Front, json_answer, json_response, read_body
@@ -22,7 +20,7 @@ from zpd.http.openai_format import Answer, abort_error
 from zpd.http.openai_protocol import OpenAIRequest, parse_chat, parse_completion
 from zpd.http.output import Output
 from zpd.http.records import BadRequest, check_call_logprobs
-from zpd.http.streams import Stalled, follow, run_all
+from zpd.http.streams import Stalled, pump, run_all
 
 routes = web.RouteTableDef()
 
@@ -87,24 +85,25 @@ async def _stream(request: web.Request, front: Front, req: OpenAIRequest, answer
     started: set[int] = set()
     finished: list[Output] = []
     whole = answer.echo and answer.logprobs is not None     # each choice waits for its end
+
+    def render(out: Output) -> bytes | None:
+        if not started:             # nothing sent yet: a refused request is an HTTP error
+            refused = out.refusal()
+            if refused is not None:
+                raise refused
+        if whole and not out.finished:
+            return None
+        text, tokens = out.new_text(), out.new_tokens()
+        first = out.index not in started
+        if not (first or text or tokens or out.finished):
+            return None
+        started.add(out.index)
+        if out.finished:
+            finished.append(out)
+        echo = echoes[out.index // req.n] if echoes else ""
+        return answer.event(out, text, tokens, first, echo, req.include_usage)
     try:
-        async with aclosing(follow(front.backend, req.items, front.tokenizer)) as outs:
-            async for out in outs:
-                refused = out.refusal() if events.response is None else None
-                if refused is not None:
-                    raise refused
-                if whole and not out.finished:
-                    continue
-                text, tokens = out.new_text(), out.new_tokens()
-                first = out.index not in started
-                if not (first or text or tokens or out.finished):
-                    continue
-                started.add(out.index)
-                echo = echoes[out.index // req.n] if echoes else ""
-                await events.send(answer.chunk(out, text, tokens, first, echo,
-                                               req.include_usage))
-                if out.finished:
-                    finished.append(out)
+        await pump(front.backend, req.items, front.tokenizer, events, render)
         if req.include_usage:
             await events.send(answer.usage_chunk(finished, req.n))
         return await events.close()

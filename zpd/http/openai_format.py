@@ -10,6 +10,8 @@ import itertools
 import time
 import uuid
 
+import orjson
+
 from zpd.http.output import Output
 from zpd.http.tool_calls import ToolUse
 from zpd.http.tool_parsers import ToolCallReader
@@ -26,6 +28,7 @@ class Answer:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self._event_head: bytes | None = None       # a stream chunk's bytes up to its index
 
     def _head(self, chunk: bool) -> dict:
         kind = "chat.completion.chunk" if chunk and self.chat else self.object
@@ -79,6 +82,24 @@ class Answer:
         if out.aborted:
             choice["error"] = abort_error(out)
         return self._head(True) | {"choices": [choice]} | ({"usage": None} if include_usage else {})
+
+    def event(self, out: Output, text: str, tokens: range, first: bool, echo: str = "",
+              include_usage: bool = False) -> bytes:
+        """`chunk` as an SSE event. The common one (not a choice's first or last, no
+        logprobs, no tools) is written from its head serialized once per answer."""
+        if first or out.finished or self.tools is not None or \
+                (self.logprobs is not None and out.req.logprobs):
+            return b"data: " + orjson.dumps(self.chunk(out, text, tokens, first, echo,
+                                                       include_usage)) + b"\n\n"
+        if self._event_head is None:
+            self._event_head = b"data: " + orjson.dumps(self._head(True))[:-1] + \
+                b',"choices":[{"index":'
+        if self.chat:
+            body = b'"delta":{"content":%b}' % orjson.dumps(text) if text else b'"delta":{}'
+        else:
+            body = b'"text":%b' % orjson.dumps(text)
+        return b'%b%d,%b,"logprobs":null,"finish_reason":null}]%b}\n\n' % (
+            self._event_head, out.index, body, b',"usage":null' if include_usage else b"")
 
     def _read_calls(self, out: Output, text: str) -> tuple[str, list[dict]]:
         """A streamed choice's new text as content and tool-call deltas."""

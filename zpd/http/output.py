@@ -27,23 +27,40 @@ PROMPT_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_lo
 class Detokenizer:
     """Token ids -> text, one piece at a time. Each step decodes from the token before
     the last stable point, so tokenizers whose pieces depend on their left neighbour
-    (SentencePiece's leading spaces) come out as a whole decode would."""
+    (SentencePiece's leading spaces) come out as a whole decode would. Not
+    `incremental` (a request that does not stream), it only keeps the ids: its text
+    is decoded once, at the end (`whole`)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, skip_special: bool = True,
+                 incremental: bool = True) -> None:
         self.tokenizer, self.skip_special = tokenizer, skip_special
         self.ids: list[int] = []
         self.text = ""
         self._prefix = self._read = 0      # ids[prefix:read] is what `text` last ended with
+        self._before = ""                  # ... decoded
+        self._decode = None if tokenizer is None or not incremental else tokenizer.decode
 
     def add(self, ids: list[int]) -> None:
-        self.ids.extend(ids)
-        if self.tokenizer is None or not ids:
+        self.ids += ids
+        if self._decode is None or not ids:
             return
-        before = self.decode(self.ids[self._prefix:self._read])
-        after = self.decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith(REPLACEMENT):
-            self.text += after[len(before):]
+        if self.tokenizer.joins and self._read == len(self.ids) - len(ids):
+            # nothing waits for more bytes: whole characters are their tokens' texts
+            one, skip = self.tokenizer.decode_one, self.skip_special
+            last = one(ids[-1], skip)
+            pieces = last if len(ids) == 1 else "".join([one(t, skip) for t in ids])
+            if REPLACEMENT not in pieces:
+                self.text += pieces
+                self._prefix, self._read, self._before = len(self.ids) - 1, len(self.ids), last
+                return
+        after = self._decode(self.ids[self._prefix:], self.skip_special)
+        if len(after) > len(self._before) and not after.endswith(REPLACEMENT):
+            self.text += after[len(self._before):]
             self._prefix, self._read = self._read, len(self.ids)
+            # one token since the last stable point (most steps): its text is known
+            self._before = self.tokenizer.decode_one(self.ids[-1], self.skip_special) \
+                if self._read - self._prefix == 1 else \
+                self._decode(self.ids[self._prefix:], self.skip_special)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(ids, self.skip_special)
@@ -56,7 +73,10 @@ class Detokenizer:
 class Output:
     """What one request (`index` in its answer) has produced so far."""
 
-    def __init__(self, index: int, req: GenRequest, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, index: int, req: GenRequest, tokenizer: Tokenizer | None,
+                 incremental: bool = True) -> None:
+        """`incremental`: the text is shown as it comes (a stream); else it is decoded
+        once, at the end, and a chunk costs appending its ids."""
         self.index, self.req, self.tokenizer = index, req, tokenizer
         self.rid = req.rid or ""
         self.token_ids: list[int] = []
@@ -66,7 +86,7 @@ class Output:
         self.ids_logprobs: list[list[tuple[int, float]]] = []    # token_ids_logprob's
         self.finish: dict | None = None
         self.meta: dict = {}
-        self.detok = Detokenizer(tokenizer, req.skip_special)
+        self.detok = Detokenizer(tokenizer, req.skip_special, incremental)
         self.finished_at: float | None = None
         self._final_text: str | None = None
         self._hold = max(map(len, req.stop), default=1) - 1   # chars a stop string may still take
@@ -83,11 +103,18 @@ class Output:
         ids = chunk["token_ids"]
         self.token_ids += ids
         self.weight_versions += chunk["weight_versions"]
-        self.logprobs += chunk.get("logprobs") or []
+        self.detok.add(ids)
+        self.held += ENTRY_BYTES * len(ids)
+        if chunk["finished"] or len(chunk) > 4:     # logprobs, or the end
+            self._add_rest(chunk)
+
+    def _add_rest(self, chunk: dict) -> None:
+        """A chunk's logprobs, and its end."""
+        logprobs = chunk.get("logprobs") or []
+        self.logprobs += logprobs
         for mine, key in ((self.top_logprobs, "top_logprobs"), (self.ids_logprobs, "token_ids_logprobs")):
             mine += [[(int(t), float(lp)) for t, lp in row] for row in chunk.get(key) or []]
-        self.detok.add(ids)
-        self.held += ENTRY_BYTES * (len(ids) + len(chunk.get("logprobs") or ()) + sum(
+        self.held += ENTRY_BYTES * (len(logprobs) + sum(
             len(row) for key in ("top_logprobs", "token_ids_logprobs") for row in chunk.get(key) or ()))
         if chunk["finished"]:
             self.finish, self.meta = chunk["finish_reason"], chunk.get("meta") or {}
@@ -210,6 +237,8 @@ def version_spans(versions: list[str], start: int = 0) -> list[dict]:
     """Per-token weight versions as SGLang's spans: each run of one version is
     {"version", "start", "end"} over output token positions, `end` exclusive;
     `versions` are those of the tokens from position `start` on."""
+    if versions and versions.count(versions[0]) == len(versions):     # one version (most)
+        return [{"version": versions[0], "start": start, "end": start + len(versions)}]
     spans: list[dict] = []
     for i, v in enumerate(versions, start):
         if spans and spans[-1]["version"] == v:

@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from zpd.client import Asked, asks_logprobs, chunk_of, generate_message
+from zpd.client import NOTHING, Asked, asks_logprobs, chunk_of, generate_message
 from zpd.failover import FANNED, PEER_WAIT_S, Routers, merge_replies, parse_routers
 from zpd.http.records import GenRequest
 from zpd.http.router_link import Link, Unacked
@@ -55,6 +55,7 @@ CALL: ContextVar[str] = ContextVar("zpd_http_call", default="")
 # that `retry_after_header` sets per request (None outside one).
 RETRY: ContextVar[dict | None] = ContextVar("zpd_http_retry", default=None)
 QUEUE_REFUSALS = (429, 503)
+READ_BURST = 16                 # messages the reader takes before it lets others run
 
 
 @web.middleware
@@ -164,7 +165,8 @@ class RouterClient:
             sink(abort_chunk(rid, 409, f"rid {rid!r} is already in flight"))
             return lambda: None
         self._sinks[rid] = sink = _noting_retry(sink)
-        self._asked[rid] = asks_logprobs(req.sampling)
+        asked = asks_logprobs(req.sampling)
+        self._asked[rid] = NOTHING if asked == NOTHING else asked     # `is NOTHING`: no logprobs
         try:
             self._submit(rid, req)
         except BaseException:          # never sent: the rid must not stay taken (409)
@@ -308,8 +310,14 @@ class RouterClient:
         return self._links[to].send(msg, frames)
 
     async def _read(self, i: int) -> None:
-        link = self._links[i]
+        link, taken = self._links[i], 0
         while True:
+            taken += 1
+            if taken % READ_BURST == 0:
+                # A message waiting is taken without a turn of the loop: let the
+                # streams write what the messages so far brought (their flushes), and
+                # the HTTP side run, before taking more.
+                await asyncio.sleep(0)
             frames = await link.recv()
             link.heard = self._now()
             self.routers.heard(i)
@@ -345,14 +353,15 @@ class RouterClient:
                 if self._owner.get(rid) == i:
                     self._unacked.pop(rid, None)
         elif isinstance(msg, Tokens):
+            owner, got, take = self._owner.get, self._links[i].resumes.got, self._take
             for part in msg.unpack():
-                if self._owner.get(part.rid, i) != i:    # a late copy of one sent elsewhere
+                if owner(part.rid, i) != i:    # a late copy of one sent elsewhere
                     if not part.finished:
                         self._send(Abort(part.rid, 499, "sent to another router"), to=i)
                     continue
-                part = self._links[i].resumes.got(part)     # what it has not had
+                part = got(part)        # what it has not had
                 if part is not None:
-                    self._take(part)
+                    take(part)
         elif isinstance(msg, Rows):           # a request's routed experts, before its end
             if self._owner.get(msg.rid) == i and msg.rid in self._sinks:
                 self._rows.take(msg)
@@ -363,11 +372,19 @@ class RouterClient:
         # anything else (the router's pings) only says it is alive
 
     def _take(self, part: TokenPart) -> None:
+        """Hand `part` to its request's sink, as a chunk (zpd.Client.stream's shape)."""
         sink = self._sinks.get(part.rid)
         if sink is None:
             return
-        self._unacked.pop(part.rid, None)
-        chunk = chunk_of(self._rows.finish(part), self._asked[part.rid])
+        if self._unacked:
+            self._unacked.pop(part.rid, None)
+        if part.finish is None and part.logprobs is None and part.ids_logprobs is None \
+                and self._asked[part.rid] is NOTHING:
+            # most parts: new tokens alone (the part's lists are its own: no copies)
+            chunk = {"rid": part.rid, "token_ids": part.token_ids,
+                     "weight_versions": part.weight_versions, "finished": False}
+        else:
+            chunk = chunk_of(self._rows.finish(part), self._asked[part.rid])
         if chunk["finished"]:
             self._forget(part.rid)
         try:

@@ -108,6 +108,8 @@ class CallerBackend:
         def show(chunk: dict) -> None:
             if ours is not None and chunk.get("rid") == ours:
                 chunk = chunk | {"rid": given}
+            if not chunk.get("finished"):           # most: tokens alone
+                return sink(chunk)
             finish = chunk.get("finish_reason")
             if isinstance(finish, dict) and isinstance(finish.get("message"), str):
                 text = finish["message"].replace(ours, given) if ours else finish["message"]
