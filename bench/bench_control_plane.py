@@ -50,7 +50,8 @@ from cp_load import HttpLoad, Result, Spec, ZmqLoad  # noqa: E402
 from cp_procs import (Proc, RouterPid, SimPool, front_argv, launch_router_pid,  # noqa: E402
                       router_argv, stop_all)
 
-TARGET_TOKEN_US, TARGET_REQ_US, TARGET_FRONT_US = 2.0, 50.0, 10.0
+TARGET_TOKEN_US, TARGET_REQ_US, TARGET_FRONT_US = 2.0, 100.0, 10.0
+PROJECT_GPUS = (8, 64, 512)
 
 
 # --- one measurement ------------------------------------------------------------------
@@ -285,9 +286,35 @@ def report_rows(rows: list[dict]) -> None:
           f"x{light[-1] / light[0]:.2f}")
 
 
+def projection(rows: list[dict], tok_s: float, req_tokens: int) -> list[dict]:
+    """Cores of router and of front that PROJECT_GPUS decode GPUs at `tok_s` each would
+    keep busy, at the worst measured cost per token and per request (requests of
+    `req_tokens` new tokens; every token streamed through a front)."""
+    tok = max(r["router_us_per_token"] for r in rows)
+    req = max(r["router_us_per_req"] for r in rows)
+    front = max(r["front_us_per_token"] for r in rows)
+    out = []
+    for gpus in PROJECT_GPUS:
+        rate = gpus * tok_s
+        out.append({"gpus": gpus, "tok_per_s": rate,
+                    "router_cores": rate * (tok + req / req_tokens) / 1e6,
+                    "front_cores": rate * front / 1e6})
+    return out
+
+
+def report_projection(rows: list[dict], tok_s: float, req_tokens: int) -> None:
+    print(f"projection ({tok_s:.0f} tok/s per decode GPU, {req_tokens}-token requests, the "
+          "worst row's costs): decode GPUs | tok/s | router cores | front cores")
+    for p in projection(rows, tok_s, req_tokens):
+        print(f"  {p['gpus']:>5} | {p['tok_per_s']:>9.0f} | {p['router_cores']:>8.2f} | "
+              f"{p['front_cores']:>8.2f}")
+
+
 def report(out: dict) -> None:
     if out["rows"]:
         report_rows(out["rows"])
+        args = out["args"]
+        report_projection(out["rows"], args["project_tok_s"], args["project_tokens"])
     for v in out.get("validation", []):
         sim, real = v["sim"], v["real"]
         print(f"validation {v['workers']} decodes: router us/token (streams, all costs) sim "
@@ -339,6 +366,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 and 8 workers, short loads (CI)")
     p.add_argument("--profile-router", default="", help="cProfile the router into FILE.W")
     p.add_argument("--json", default="", help="write the figures here too")
+    p.add_argument("--project-tok-s", type=float, default=10_000,
+                   help="the projection's tokens/s per decode GPU")
+    p.add_argument("--project-tokens", type=int, default=500,
+                   help="the projection's new tokens per request")
     args = p.parse_args()
     if args.quick:
         args.workers, args.duration, args.light_s, args.fair_s = "1,8", 1.0, 0.5, 2.0

@@ -18,7 +18,7 @@ import transport
 from engines.kv.layout import KVLayout
 from engines.tp.transfer import LocalPool, RankPool, TransferPlanner
 from zpd.wire.protocol import Hello
-from zpd.worker.core import compat_hash
+from zpd.worker.compat import compat_hash
 from zpd.worker.peers import model_layout, pool_problem
 from zpd.worker.writes import transfer_runs
 

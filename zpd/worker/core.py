@@ -5,14 +5,12 @@ parts (trainer weight sync, zpd/worker/weights/) are plugged in by the assembly
 (zpd/ops/worker.py) through `add_part`; the core never imports them."""
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable, Hashable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import zmq
 
@@ -21,10 +19,7 @@ from engines.compute import Compute
 from engines.kv.layout import KVLayout
 from engines.kv.pool import KVPool
 from engines.loader import load_model
-from engines.config import ModelConfig
-from engines.request import validate
-from zpd.wire.status import BAD_REQUEST, CONFLICT, StatusError
-from engines.sampler import SamplingParams
+from zpd.wire.status import CONFLICT, StatusError
 from engines.tp.transfer import LocalPool
 from zpd.config import WorkerConfig
 from zpd.env import Knobs, configure_engine
@@ -41,7 +36,9 @@ from zpd.worker.mem_fraction import kv_cache_mb
 from zpd.worker.busy import BusyResponder
 from zpd.worker.memory import MemoryPort, WeightsAndMemory
 from zpd.worker.scheduler import Gate, Respond, Scheduler
-from zpd.worker.tokenizing import Tokenizing, is_long
+from zpd.worker.compat import compat_hash
+from zpd.worker.request_reading import RequestReading
+from zpd.worker.tokenizing import Tokenizing
 
 log = logging.getLogger("zpd.worker.core")
 
@@ -59,7 +56,7 @@ class AdminPart(Protocol):
     def close(self) -> None: ...
 
 
-class WorkerCore:
+class WorkerCore(RequestReading):
     """The parts of a worker that are not request state. `backend` and `loop` may be
     given (tests run several workers in one process on a fake transport)."""
 
@@ -387,65 +384,6 @@ class WorkerCore:
             more={k: v for part in self.parts.values() for k, v in part.status().items()}
             | fields)
 
-    # --- requests --------------------------------------------------------------------
-
-    def read_request_then(self, key: Hashable, tag: Any, msg, done: Callable[..., None]) -> None:
-        """`done(*read_request(msg), paused_meanwhile)`: now, or for a long text or chat
-        later, on the loop, once the tokenizing thread has its ids (zpd/worker/tokenizing.py);
-        until then `key` is in `self.tokenizing.pending` with `tag`, and cancelling it
-        drops it. A grammar not compiled yet goes to that thread too (compiled there,
-        read from the cache here). `paused_meanwhile`: a pause that drops requests
-        (retract, abort) was in force at some time in between; the prefill then drops the generate (as one that
-        arrived during the pause) and the decode has it recomputed."""
-        grammar = None if msg.refused else msg.sampling.constraint
-        compiled = self.compute.grammars.compiled(grammar)
-        if (msg.input_ids or not is_long(msg.text, msg.chat)) and compiled:
-            done(*self.read_request(msg), False)
-            return
-        seen = -1 if self.dropping else self.drop_pauses
-
-        def work() -> list[int]:      # a new grammar compiles here too (engines/grammar.py)
-            if not compiled:
-                self.compute.grammars.compile(grammar)
-            return self.prompt_ids(msg, on_loop=False)
-        self.tokenizing.submit(key, tag, work, lambda got: done(*self.read_request(msg, got),
-                                                                seen != self.drop_pauses))
-
-    def read_request(self, msg, tokenized: list[int] | Exception | None = None
-                     ) -> tuple[list[int], SamplingParams, StatusError | None]:
-        """A generate's prompt and sampling parameters, checked against this worker's
-        model and pool; the error (400 unless it says otherwise) instead of raising.
-        `tokenized`: the prompt's ids (or why there are none) from the tokenizing thread."""
-        prompt, params = [], msg.sampling
-        try:
-            if msg.refused:
-                raise ValueError(msg.refused)
-            if isinstance(tokenized, Exception):
-                raise tokenized
-            prompt = self.prompt_ids(msg) if tokenized is None else tokenized
-            validate(prompt, params, self.model.cfg, self.pool.layout.page_size, self.pool.num_pages,
-                     self.compute.routed_experts)
-            self.compute.grammars.check(params.constraint)
-        except StatusError as e:
-            return prompt, params, e
-        except ValueError as e:
-            return prompt, params, StatusError(BAD_REQUEST, str(e))
-        return prompt, params, None
-
-    def prompt_ids(self, msg, on_loop: bool = True) -> list[int]:
-        """The request's prompt: its token ids, or its text or conversation through our
-        tokenizer and chat template (on the loop, a long call: peers must keep hearing
-        from us; `on_loop` False on the tokenizing thread, which must not lend the socket)."""
-        refusal = self.cfg.prompt_limits.refusal(msg.input_ids, msg.text, msg.chat)
-        if refusal is not None:
-            raise StatusError(BAD_REQUEST, refusal)
-        if msg.input_ids or not (msg.text or msg.chat):
-            return list(msg.input_ids)
-        with self.long_call() if on_loop else nullcontext():
-            if msg.chat:
-                return self.model.encode_chat(*chat_parts(msg.chat))
-            return self.model.encode(msg.text)
-
     @property
     def dropping(self) -> bool:
         """A pause that drops in-flight requests (retract, abort) is in force."""
@@ -501,33 +439,3 @@ class WorkerCore:
         self.sock.close()
         self.loop.close()
         self.security.close()
-
-
-CHAT_KEYS = {"messages", "tools", "chat_template_kwargs"}
-
-
-def chat_parts(chat: dict) -> tuple[list, list | None, dict | None]:
-    """(messages, tools, template variables) of a generate's `chat` field; the chat
-    template checks each."""
-    if "messages" not in chat or not set(chat) <= CHAT_KEYS:
-        raise StatusError(BAD_REQUEST, 'chat must be {"messages": [{"role", "content"}, ...]} '
-                          'with optional "tools" and "chat_template_kwargs"')
-    return chat["messages"], chat.get("tools"), chat.get("chat_template_kwargs")
-
-
-def compat_hash(model, layout: KVLayout, cfg: ModelConfig | None = None) -> str:
-    """Two workers may exchange KV only if this matches: same model shape, same
-    KV layout and dtype, same tokenizer and chat template (both sides turn a text or a
-    conversation into ids, and must get the same ones). `cfg` is the whole model's
-    (`model.cfg` unless given: at --tp > 1 a rank's model and `layout` hold part of
-    the heads): the hash names every kv head, never one rank's, so a prefill and a
-    decode of different TP sizes match."""
-    cfg = cfg or model.cfg
-    tok = model.tokenizer.to_json() if model.tokenizer is not None else ""
-    chat = model.chat.source if model.chat is not None else ""
-    whole = replace(layout, num_kv_heads=cfg.num_kv_heads)
-    blob = json.dumps({"model": cfg.fingerprint(), "layout": whole.to_dict(),
-                       "tokenizer": hashlib.sha256(tok.encode()).hexdigest(),
-                       "chat": hashlib.sha256(chat.encode()).hexdigest()}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-

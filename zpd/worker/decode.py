@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Mapping, Protocol
+from typing import Mapping
 
 import zmq
 
@@ -21,7 +21,7 @@ from zpd.wire.admin import Continue
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.deadline import Deadline
 from zpd.wire.protocol import (Abort, Generate, Hello, KvDest, KvDone, KvFailed,
-                               Message, Recompute, Rows, Tokens)
+                               Message, Recompute, Tokens)
 from zpd.worker.core import WorkerCore
 from zpd.worker.jobs import DecodeJob, DecodePhase
 from zpd.worker.links import LinkState, PrefillLink, PrefillLinks, well_formed
@@ -31,37 +31,10 @@ from zpd.worker.parts import (asks_prompt_logprobs_again, cached_tokens, final_m
                               rows_of, take_routed, token_part)
 from zpd.worker.peers import model_layout
 from zpd.worker.retraction import Retraction
+from zpd.worker.router_loss import EndAtOnce, RouterLoss
 from zpd.worker.scheduler import Handler, step_failure
 
 log = logging.getLogger("zpd.worker.decode")
-
-
-class RouterLoss(Protocol):
-    """What becomes of a silent router's requests."""
-
-    def on_silent(self, identity: bytes) -> None:
-        """The router stopped pinging us."""
-
-    def on_back(self, identity: bytes) -> None:
-        """The same router pings again (it was frozen or cut off, not restarted)."""
-
-    def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
-        """`job` of some router ended just now, its answer queued (`meta` its final meta,
-        `rows` its routed experts, sent ahead)."""
-
-
-class EndAtOnce:
-    """A silent router's requests end at once (503): the decode without the restart
-    wing (zpd/worker/ha/adoption.py), which the assembly plugs in."""
-
-    def __init__(self, sched: DecodeScheduler) -> None:
-        self.on_silent = sched.end_router
-
-    def on_back(self, identity: bytes) -> None:
-        """Its requests ended already."""
-
-    def ended(self, job: DecodeJob, meta: dict, rows: Rows | None) -> None:
-        """No successor will ask for the answer."""
 
 
 class DecodeScheduler:
@@ -81,7 +54,7 @@ class DecodeScheduler:
                                   self.on_refused, self.on_prefill_restarted,
                                   core.security.client_options(), self.deadlines.heartbeat,
                                   self.deadlines.peer_timeout, core.drops)
-        self.orphans: RouterLoss = EndAtOnce(self)      # a silent router's requests
+        self.orphans: RouterLoss = EndAtOnce(self.end_router)      # a silent router's requests
         self.handlers = {Generate: self.on_generate, Abort: self.on_abort}
 
     def plug(self, orphans: RouterLoss, handlers: Mapping[type[Message], Handler]) -> None:
