@@ -25,6 +25,7 @@ from zpd.wire.first_token import FirstToken
 from zpd.wire.step import is_step
 from zpd.wire.liveness import PeerClock
 from zpd.wire.loop import Loop
+from zpd.wire.readiness import readable
 from zpd.wire.net import Dealer, Router
 from zpd.wire.admin_fields import PauseMode
 from zpd.wire.router_proof import load_router_secret, router_identity
@@ -171,7 +172,7 @@ class RouterServer:
         self.read_client()
         # One accepted per client for every generate read in one go: sent once no
         # more messages wait (they would wake this again), ahead of anything else.
-        if self.accepts and not self.front.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self.accepts and not readable(self.front.socket):
             accepts, self.accepts = self.accepts, {}
             for client, rids in accepts.items():
                 self.front.send(client, Accepted(rids[0], self.boot, rids[1:] or None))

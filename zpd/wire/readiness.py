@@ -44,10 +44,15 @@ Ready = tuple[Iterable[zmq.Socket], list[int]]   # sockets to drain, fds readabl
 SWEEP_S = 0.05      # seconds between reads of every socket's ZMQ_EVENTS (at a wake-up)
 
 
+# Plain ints: `events & zmq.POLLIN` builds a PollEvent flag each time (1.3 us here),
+# at every message of every socket.
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
 def readable(sock: zmq.Socket) -> bool:
     """The socket has a message to receive now (False once it is closed)."""
     try:
-        return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(sock.getsockopt(EVENTS) & POLLIN)
     except zmq.ZMQError:       # closed under us: nothing to read
         return False
 
