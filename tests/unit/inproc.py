@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,11 +144,20 @@ class InprocCluster:
             self.clock.now = min(end, self.clock.now + step)
             self.pump(3)
 
-    def until(self, done, rounds: int = 400) -> None:
+    def until(self, done, rounds: int = 400, patience_s: float = 20.0) -> None:
+        """Pump until done(); past `rounds`, keep going for `patience_s` of wall time,
+        since some work (a weight push, a busy responder) runs on threads that a
+        loaded machine may not schedule within the rounds."""
         for _ in range(rounds):
             if done():
                 return
             self.pump(1)
+        give_up = time.monotonic() + patience_s
+        while time.monotonic() < give_up:
+            if done():
+                return
+            self.pump(1)
+            time.sleep(0.001)
         raise AssertionError("the cluster did not get there")
 
     def _read_client(self) -> None:
