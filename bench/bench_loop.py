@@ -248,7 +248,7 @@ def wakeup_costs(idle_counts: tuple[int, ...], exchanges: int, rounds: int) -> d
 
 
 def report_wakeups(quick: bool) -> None:
-    exchanges, rounds = (100, 2) if quick else (3_000, 7)
+    exchanges, rounds = (40, 1) if quick else (3_000, 7)
     idle_counts = (1, 9, 81, 256)
     costs = wakeup_costs(idle_counts, exchanges, rounds)
     print(f"wake-up cost: {exchanges} ping/pong exchanges x {rounds} interleaved rounds (median); "

@@ -1,6 +1,8 @@
 """The benchmark scripts still run end to end (tiny settings: seconds, not figures).
 CI does not judge their targets, which need a quiet machine and full-size loads;
-this only keeps the scripts from rotting unseen."""
+this only keeps the scripts from rotting unseen. The selected scripts run two at a
+time from the module's start (most of a smoke run waits on processes starting), and
+each test checks its own script's run."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +11,9 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -100,12 +105,12 @@ RUNS = {
 }
 
 
-def run_bench(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_bench(argv: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """subprocess.run, except that a benchmark past its time gets SIGINT first: its
     `finally` then stops the clusters it started in sessions of their own, which a
     SIGKILL would leave running for the rest of the suite."""
     with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+                          text=True, env=env) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -119,35 +124,66 @@ def run_bench(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-@pytest.mark.parametrize("script", sorted(RUNS))
-def test_benchmark_runs(script: str) -> None:
-    args, wanted = RUNS[script]
-    done = run_bench([sys.executable, str(ROOT / "bench" / script), *args], timeout=300)
+# How many runs at once: two leave each run a core on CI's 2-core machines.
+AT_ONCE = 2
+
+
+def commands(out: Path) -> dict[str, list[str]]:
+    """Every run this module checks, by the test that checks it."""
+    runs = {f"test_benchmark_runs[{script}]": [sys.executable, str(ROOT / "bench" / script), *args]
+            for script, (args, _) in RUNS.items()}
+    runs["test_interference_runs"] = [sys.executable, str(ROOT / "bench" / "bench_interference.py"),
+                                      "--smoke", "--plot", str(out / "itl.png")]
+    runs["test_gpu_check_cpu_dry_run"] = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu",
+                                          "--skip-install", "--time-limit", "300", "--quick"]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The selected tests' runs, started AT_ONCE at a time, longest first: test name ->
+    a future of its finished process."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(AT_ONCE) as pool:
+        todo = {name: argv for name, argv in commands(Path(tmp)).items() if name in selected}
+        futures: dict[str, Future] = {}
+        for name in sorted(todo, key=lambda n: any(fast in n for fast in QUICK)):
+            env = os.environ | {"OUT": tmp, "PYTHON": sys.executable} if "gpu_check" in name else None
+            futures[name] = pool.submit(run_bench, todo[name], 330, env)
+        yield futures, Path(tmp)
+
+
+# the runs of a few seconds, started after the rest
+QUICK = ("attention", "clear", "grammar", "peer", "relay", "moe", "transfer", "sse_events")
+
+
+def finished(runs, name: str) -> subprocess.CompletedProcess:
+    done = runs[0][name].result()
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    for pattern in wanted:
+    return done
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_benchmark_runs(runs, script: str) -> None:
+    done = finished(runs, f"test_benchmark_runs[{script}]")
+    for pattern in RUNS[script][1]:
         assert re.search(pattern, done.stdout), (pattern, done.stdout[-3000:])
 
 
-def test_interference_runs(tmp_path) -> None:
-    png = tmp_path / "itl.png"
-    done = run_bench([sys.executable, str(ROOT / "bench" / "bench_interference.py"), "--smoke",
-                      "--plot", str(png)], timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+def test_interference_runs(runs) -> None:
+    done = finished(runs, "test_interference_runs")
+    png = runs[1] / "itl.png"
     for pattern in (r"SLOs:\s+TTFT <= \d+ ms", r"ITL p99 ms(\s+[\d.]+){2}", r"ITL p99/p50(\s+[\d.]+){2}",
                     r"TTFT long p50 ms(\s+[\d.]+){2}", r"goodput(\s+[\d.]+){2}"):
         assert re.search(pattern, done.stdout), (pattern, done.stdout[-3000:])
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
-def test_gpu_check_cpu_dry_run(tmp_path) -> None:
+def test_gpu_check_cpu_dry_run(runs) -> None:
     """scripts/gpu_check.sh (issue #16) as CI can run it: every check on shrunk models on
     the CPU, one table, written to $OUT."""
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu",
-                           "--skip-install", "--time-limit", "300", "--quick"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=330,
-                          env=os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable})
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    table = (tmp_path / "gpu_check.txt").read_text()
+    done = finished(runs, "test_gpu_check_cpu_dry_run")
+    table = (runs[1] / "gpu_check.txt").read_text()
     reference = "PASS" if importlib.util.find_spec("transformers") else "SKIP"
     for row, result in (("env", "PASS"), ("parity fp32 logits", reference),
                         ("parity bf16 greedy", reference), ("cluster 1P1D", "PASS"),

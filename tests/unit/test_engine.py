@@ -316,7 +316,9 @@ def test_start_up_objects_are_frozen_out_of_the_collector():
     before = gc.get_freeze_count()
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() and frozen > before
+        # frozen objects that another thread frees meanwhile leave the count (a full
+        # run's leftover threads freed 2 once)
+        assert frozen > before and 0 <= frozen - gc.get_freeze_count() < 1_000
         assert len(gc.get_objects()) < frozen      # what is left to scan is what came after
     finally:
         gc.unfreeze()
