@@ -24,12 +24,14 @@ class Compute:
     token, or the forced token after a recompute)."""
 
     def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None,
-                 routed_experts: bool = False) -> None:
+                 routed_experts: bool = False, deterministic: bool = False) -> None:
         """`tp`: the tensor-parallel group whose leader this is (`model` its part).
         `routed_experts`: requests may ask for their routed experts (engines/routed.py;
-        --enable-return-routed-experts)."""
+        --enable-return-routed-experts). `deterministic`: --deterministic, batch-invariant
+        numbers (docs/deterministic.md); ModelError where it cannot be had."""
         self.model, self.pool, self.routed_experts = model, pool, routed_experts
-        self.runner = runner_for(model, pool, tp)
+        self.deterministic = deterministic
+        self.runner = runner_for(model, pool, tp, deterministic)
         eos = () if model.cfg.eos_token_ids is None else tuple(model.cfg.eos_token_ids)
         self.sampler = Sampler(eos, self.runner.backend.argmax)
         self.stop = StopChecker(eos, model.tokenizer)
@@ -128,11 +130,14 @@ class Compute:
         return self._masks(matchers, device)
 
 
-def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None):
+def runner_for(model: LoadedModel, pool: KVPool, tp: TpGroup | None = None,
+               deterministic: bool = False):
     """The runner of `model`: the null model's (engines/null_runner.py), else the network's,
     across the tensor-parallel group `tp` if there is one."""
     if isinstance(model.net, NullNet):
         if tp is not None:
             raise ModelError("the null model runs at --tp 1 only")
         return NullRunner(model, pool)
-    return ModelRunner(model, pool) if tp is None else TpRunner(model, pool, tp)
+    if deterministic and tp is not None:
+        raise ModelError("--deterministic runs at --tp 1 and --ep 1 for now (docs/deterministic.md)")
+    return ModelRunner(model, pool, deterministic=deterministic) if tp is None else TpRunner(model, pool, tp)

@@ -19,12 +19,13 @@ from engines.tp.group import TpGroup
 class OfflineEngine:
     def __init__(self, model: LoadedModel, kv_cache_mb: float = 256, page_size: int = 16,
                  max_batch: int = 64, max_prefill_tokens: int = 8192, tp: TpGroup | None = None,
-                 routed_experts: bool = False) -> None:
+                 routed_experts: bool = False, deterministic: bool = False) -> None:
         """`tp`: `model` is rank 0's part of a tensor-parallel group (engines/tp/).
-        `routed_experts`: requests may ask for their routed experts (engines/routed.py)."""
+        `routed_experts`: requests may ask for their routed experts (engines/routed.py).
+        `deterministic`: --deterministic (engines/compute.py)."""
         layout = KVLayout.for_model(model.cfg, page_size, model.dtype)
         self.pool = KVPool.with_budget(layout, kv_cache_mb, model.dtype, model.device)
-        self.compute = Compute(model, self.pool, tp, routed_experts)
+        self.compute = Compute(model, self.pool, tp, routed_experts, deterministic)
         self.batch = DecodeBatch(self.compute, max_batch)
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()

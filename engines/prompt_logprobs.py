@@ -84,10 +84,14 @@ def chunk_rows(vocab: int, dtype: torch.dtype, bound: int) -> int:
 @torch.inference_mode()
 def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                     prompts: list[list[int]], asks: list[PromptLogprobAsk | None],
-                    runs: list[ScoredRun | None], vocab: int) -> list[PromptLogprobs | None]:
+                    runs: list[ScoredRun | None], vocab: int,
+                    per_row: bool = False) -> list[PromptLogprobs | None]:
     """hidden [R, hidden]: the runs' final hidden states, run after run (prompts
     without one have none); logits_of(hidden rows) -> their logits, a tensor this
-    overwrites (inference mode: the model's weights are inference tensors)."""
+    overwrites (inference mode: the model's weights are inference tensors).
+    `per_row` (--deterministic): by torch.log_softmax, the sampler's own
+    (engines/sampler.py, token_logprobs), so a generation's output logprobs and a
+    scoring pass's are the same bits."""
     targets, owner = [], []
     for i, (p, run) in enumerate(zip(prompts, runs)):
         if run is not None:
@@ -103,12 +107,14 @@ def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: t
     for lo in range(0, len(targets), step):
         hi = min(lo + step, len(targets))
         logits = logits_of(hidden[lo:hi]).to(dtype)                             # [rows, vocab]
+        if per_row:
+            logits = torch.log_softmax(logits, dim=-1)     # its log-sum-exp is then 0, bit for bit
         # Every answer's logit is read off first: the log-sum-exp then overwrites the chunk.
         picked = logits.gather(1, target[lo:hi, None])[:, 0]
         best = logits.topk(min(top_k, vocab), dim=-1) if top_k else None
         given = [(i, mine, logits[mine][:, list(asks[i].token_ids)])
                  for i, mine in _rows_of(ids, owner, lo, hi)]
-        lse = _logsumexp_(logits)                                               # [rows, 1]
+        lse = torch.zeros(hi - lo, 1, dtype=dtype, device=logits.device) if per_row else _logsumexp_(logits)  # [rows, 1]
         chosen.append(picked - lse[:, 0])
         if best is not None:
             tops.append((best.values - lse, best.indices))

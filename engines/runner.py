@@ -19,10 +19,14 @@ if TYPE_CHECKING:
     from engines.tp.group import TpGroup
 
 
-def backend_for(dtype: torch.dtype, device: torch.device) -> Backend:
+def backend_for(dtype: torch.dtype, device: torch.device, deterministic: bool = False) -> Backend:
     """The layer operations a model of `dtype` runs on `device` with: the CPU kernels
-    where they run (torch's ops for the rest), torch's ops elsewhere."""
-    return CpuBackend(dtype) if device.type == "cpu" else TorchBackend()
+    where they run (torch's ops for the rest), torch's ops elsewhere. `deterministic`:
+    batch-invariant on CPU (engines/cpu/deterministic.py), torch's deterministic
+    algorithms elsewhere (engines/torch_backend.py)."""
+    if device.type == "cpu":
+        return CpuBackend(dtype, deterministic)
+    return TorchBackend(deterministic)
 
 
 class ModelRunner:
@@ -30,13 +34,15 @@ class ModelRunner:
     Inputs are plain lists; outputs are logits of the last position of each sequence,
     [B, vocab], in the model's dtype."""
 
-    def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None) -> None:
+    def __init__(self, model: LoadedModel, pool: KVPool, tp: TpGroup | None = None,
+                 deterministic: bool = False) -> None:
         """`tp`: the tensor-parallel group `model` is one rank's part of (engines/tp/);
-        only its leader computes logits, the others' forwards answer None."""
+        only its leader computes logits, the others' forwards answer None.
+        `deterministic`: --deterministic (docs/deterministic.md)."""
         self.model, self.pool, self.device = model, pool, model.device
         L = pool.layout
         self.pages = PageRows(L.page_size, L.num_layers * 2 * L.page_size, L.num_kv_heads, self.device)
-        self.backend = backend_for(model.dtype, model.device)
+        self.backend = backend_for(model.dtype, model.device, deterministic)
         # the attention's and dense MLPs' sums; none where they are whole on every rank
         # (--ep alone: the experts' dispatch has the group, engines/tp/experts.py)
         self.backend.group = None if model.shard is not None and model.shard.plan.replicated else tp
@@ -94,7 +100,7 @@ class ModelRunner:
         if not any(runs):
             return logits, [None] * B
         return logits, prompt_logprobs(lambda h: net.logits(h, self.backend), hidden[B:], prompts,
-                                       asks, runs, net.cfg.vocab_size)
+                                       asks, runs, net.cfg.vocab_size, self.backend.deterministic)
 
     def _scored(self, runs: list[ScoredRun | None], starts: list[int], lens: list[int],
                 rows: torch.Tensor, tables: list[torch.Tensor]) -> ScoredRows | None:

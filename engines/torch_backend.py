@@ -2,6 +2,7 @@
 it until it has kernels of its own; engines/cpu/backend.py falls back to it op by op)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,6 +34,11 @@ class TorchBackend:
     sums over (None: one rank)."""
 
     group = None
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        if deterministic:
+            deterministic_torch()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +123,17 @@ class TorchBackend:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.group is None else self.group.all_reduce(x)
+
+
+def deterministic_torch() -> None:
+    """torch's deterministic algorithms, for --deterministic on a GPU: the same bits for
+    the same batch from run to run (cuBLAS with a fixed workspace, no atomics in the
+    kernels that have a deterministic form; an op without one raises). It does not make
+    a row's bits independent of its batch: cuBLAS and SDPA pick their kernels and split
+    K by the shapes (docs/deterministic.md)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")     # read when cuBLAS starts
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

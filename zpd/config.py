@@ -88,6 +88,14 @@ class WorkerConfig:
                "(`return_routed_expert_weights`); a mixture-of-experts model only; such requests "
                "take no prefix-cache hit (their prefix is recomputed)", "model",
         action="store_true")
+    # batch-invariant kernels and one reduction order per row (docs/deterministic.md)
+    deterministic: bool = flag(
+        False, "deterministic inference: a request's tokens and logprobs are the same bits "
+               "whatever its batch, its prefix-cache hit, a retraction or the thread count, and "
+               "a generation's output_token_logprobs equal a scoring pass's input_token_logprobs "
+               "(SGLang's --enable-deterministic-inference); CPU backend, --tp 1; costs speed "
+               "(docs/deterministic.md)", "model",
+        names=("--deterministic", "--enable-deterministic-inference"), action="store_true")
     max_batch: int = flag(64, "most requests decoding at once, counting those whose KV is "
                           "still arriving (default {default})", "memory and batching", type=int)
     max_prefill_tokens: int = flag(8192, "most prompt tokens in one prefill forward (default "

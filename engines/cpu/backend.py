@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from engines.backend import ExpertWeights, Heads
+from engines.config import ModelError
+from engines.cpu.deterministic import RowProducts, prefill_by_rows
 from engines.cpu.experts import grouped_experts
 from engines.cpu.kernels import SETTINGS, kernel_for
 from engines.cpu.layer_ops import layer_ops
@@ -38,21 +40,34 @@ class CpuBackend(TorchBackend):
     """`ops`: a layer's element-wise steps in one call each (None: torch's);
     `paged_decode`: decode attention reading the pool in place (None: torch's, over
     gathered copies); `weights`: products by packed weight copies or the library's
-    kernels (engines/cpu/linear.py)."""
+    kernels (engines/cpu/linear.py). `deterministic`: one reduction order per row at
+    every batch size (engines/cpu/deterministic.py); ModelError where the kernels it
+    needs are missing."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, deterministic: bool = False) -> None:
+        super().__init__()
         self.ops = layer_ops(dtype, "cpu")
         self.paged_decode = kernel_for(dtype, "cpu")
         self.weights = PackedWeights(SETTINGS.packed_weights)
+        self.deterministic = deterministic
+        self.rows: RowProducts | None = None
+        if deterministic:
+            if self.ops is None or self.paged_decode is None:
+                raise ModelError(f"--deterministic on cpu needs the compiled CPU kernels for "
+                                 f"{str(dtype).removeprefix('torch.')} (float32 or bfloat16, a C++ "
+                                 f"compiler, AVX-512; ZPD_CPU_KERNELS on): not available here")
+            self.rows = RowProducts(dtype)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.rows is not None:
+            return self.rows.linear(x, weight, bias)
         return self.weights.linear(x, weight, bias)
 
     def mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         if self.ops is None:
             return super().mlp(x, gate_up, down)
-        h = self.weights.gated_linear(x, gate_up)      # SiLU(gate) * up in the product, where it runs
+        h = None if self.rows is not None else self.weights.gated_linear(x, gate_up)  # fused, where it runs
         if h is None:
             h = self.ops.silu_mul(self.linear(x, gate_up))
         return self.linear(h, down)
@@ -65,7 +80,7 @@ class CpuBackend(TorchBackend):
         loop, whose experts' products (`mlp`) run by packed copies of the experts they
         read (engines/cpu/linear.py: a second copy of those experts' weights, made on
         first use, rebuilt after a weight update; ZPD_PACKED_WEIGHTS=0: none)."""
-        small = ids.numel() <= GROUPED_MAX_ROWS_PER_EXPERT * experts.num
+        small = ids.numel() <= GROUPED_MAX_ROWS_PER_EXPERT * experts.num and not self.deterministic
         kernel = grouped_experts(x.dtype) if small and x.device.type == "cpu" else None
         gate_up, down = experts.stacked()
         if kernel is None or not (gate_up.is_contiguous() and down.is_contiguous()):
@@ -103,7 +118,10 @@ class CpuBackend(TorchBackend):
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           meta: PrefillMeta, kv: PagedKV, layer: int, heads: Heads) -> torch.Tensor:
         """An uncached prompt by the causal kernel where it takes the heads (a model
-        with q/k norms keeps torch's attention, as it keeps torch's rotary)."""
+        with q/k norms keeps torch's attention, as it keeps torch's rotary). Deterministic:
+        every query as a decode step's, by the decode kernel."""
+        if self.deterministic:
+            return prefill_by_rows(self.paged_decode, q, meta, kv, layer, heads.scale)
         causal = None if self.ops is None or heads.qk_norm else self.ops.causal_attention
         return prefill_attention(q, k, v, meta, heads.scale, kv, layer, causal)
 

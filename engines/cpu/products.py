@@ -325,3 +325,22 @@ def packed_linear(dtype: torch.dtype) -> PackedLinear | None:
                 kernel.gated_fn = None
             return kernel
     return None
+
+
+@once
+def row_invariant_linear(dtype: torch.dtype) -> PackedLinear | None:
+    """The panel kernel of `dtype` (float32: `PanelLinear`, bfloat16: `BPanelLinear`,
+    even where AMX runs the default's bfloat16 products), checked once: each output one
+    FMA chain over K in order, whatever the number of rows and threads, so --deterministic
+    uses it at every size (engines/cpu/deterministic.py). None: not on this machine."""
+    kind = {torch.float32: PanelLinear, torch.bfloat16: BPanelLinear}.get(dtype)
+    lib = library() if kind is not None else None
+    if lib is None:
+        return None
+    try:
+        kernel = kind(lib)
+    except AttributeError as e:
+        log.warning("%s packed product kernel unavailable (%s)", kind.__name__, e)
+        return None
+    kernel.gated_fn = None                # SiLU(gate) * up stays apart, as in decode steps
+    return kernel if _packed_agrees(kernel) else None

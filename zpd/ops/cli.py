@@ -33,7 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     check_fraction(args.mem_fraction_static)
     tune_allocator()
     configure_engine()
-    check_tp(args.tp, args.ep)
+    check_tp(args.tp, args.ep, args.deterministic)
     tp = procs = None
     if args.tp == 1 and args.ep == 1:
         model = load_model(args.model, args.device, args.dtype, args.weight_version,
@@ -48,7 +48,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise StatusError(400, "give at least one --prompt or --input-ids")
         kv_mb = kv_budget_mb(args.mem_fraction_static, kv_cache_mb(args), model.net, model.device)
         engine = OfflineEngine(model, kv_mb, args.page_size, args.max_batch, tp=tp,
-                               routed_experts=args.enable_return_routed_experts)
+                               routed_experts=args.enable_return_routed_experts,
+                               deterministic=args.deterministic)
         freeze_startup_objects()
         reqs = [Request(f"run-{i}", ids, params) for i, ids in enumerate(inputs)]
         for out in engine.run(reqs):
@@ -138,7 +139,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     for tp, ep in ((args.tp, args.ep), (args.prefill_tp or args.tp, args.prefill_ep or args.ep),
                    (args.decode_tp or args.tp, args.decode_ep or args.ep)):
-        check_tp(tp, ep)
+        check_tp(tp, ep, args.deterministic)
     return launch(args, worker_argv(args))
 
 

@@ -39,7 +39,7 @@ _WORKER = [*pick(WorkerConfig), *pick(Deadlines), *pick(PromptLimits),
 COMMAND_FLAGS: dict[str, list[Declared]] = {
     "run": [*pick(WorkerConfig, "model", "device", "dtype", "weight_version", "page_size",
                   "kv_cache_mb", "mem_fraction_static", "max_batch", "tp", "ep",
-                  "enable_return_routed_experts"),
+                  "enable_return_routed_experts", "deterministic"),
             *_text_and_process("threads", "context_length")],
     "prefill": _WORKER,
     "decode": _WORKER,

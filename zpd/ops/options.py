@@ -126,7 +126,7 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         # Found at the first update_weights, a typo would refuse every checkpoint.
         raise ValueError(f"--weights-root {args.weights_root!r} is not a directory")
     check_fraction(args.mem_fraction_static)
-    check_tp(args.tp, args.ep)
+    check_tp(args.tp, args.ep, args.deterministic)
     if not 0 < args.weight_sync_timeout <= 86400:          # NaN fails too
         raise ValueError("--weight-sync-timeout must be a number of seconds in (0, 86400]")
     if not 0 <= args.prefill_step_seconds <= 3600:
@@ -144,12 +144,16 @@ def worker_config(args: argparse.Namespace, role: str) -> WorkerConfig:
         clear_freed_pages=args.clear_freed_pages, insecure=args.insecure,
         prefix_cache=not args.no_prefix_cache, prompt_limits=prompt_limits(args),
         weight_sync_timeout=args.weight_sync_timeout, tp=args.tp, ep=args.ep,
-        enable_return_routed_experts=args.enable_return_routed_experts)
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        deterministic=args.deterministic)
 
 
-def check_tp(tp: int | None, ep: int | None = None) -> None:
+def check_tp(tp: int | None, ep: int | None = None, deterministic: bool = False) -> None:
     """--tp and --ep as flags (the model's sizes are checked when it loads,
-    engines/tp/plan.py): each at least 1, --ep 1 or equal to --tp where both are over 1."""
+    engines/tp/plan.py): each at least 1, --ep 1 or equal to --tp where both are over 1;
+    --deterministic at 1 and 1 (docs/deterministic.md)."""
+    if deterministic and ((tp or 1) > 1 or (ep or 1) > 1):
+        raise ValueError("--deterministic runs at --tp 1 and --ep 1 for now (docs/deterministic.md)")
     if tp is not None and tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
     if ep is not None and ep < 1:
@@ -204,7 +208,7 @@ WORKER_PASSTHROUGH = ("model", "device", "dtype", "weight_version", "page_size",
                       "router_secret_file",
                       "weights_root", "weight_sync_timeout",
                       "clear_freed_pages", "no_prefix_cache", "insecure",
-                      "enable_return_routed_experts",
+                      "enable_return_routed_experts", "deterministic",
                       "max_text_bytes", "max_input_ids")
 # What `zpd launch` hands its router, besides the flags every launch sets.
 ROUTER_PASSTHROUGH = ("max_text_bytes", "max_input_ids", "max_client_requests",

@@ -114,6 +114,7 @@ class WorkerStatus(AdminResult):
     tp_pids: list
     loop_max_late_ms: float
     ep_size: int = 1            # expert-parallel ranks (a mixture's experts split over them)
+    deterministic: bool = False  # --deterministic (docs/deterministic.md)
     more: dict = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:

@@ -79,7 +79,8 @@ class WorkerCore(RequestReading):
                             self.model.device)
         self.pool = KVPool.with_budget(self.layout, kv_mb, self.model.dtype,
                                        self.model.device, clear_on_free=cfg.clear_freed_pages)
-        self.compute = Compute(self.model, self.pool, self.tp, cfg.enable_return_routed_experts)
+        self.compute = Compute(self.model, self.pool, self.tp, cfg.enable_return_routed_experts,
+                               cfg.deterministic)
         self.backend = backend or transport.create_backend(
             cfg.transport, host=cfg.host, device_name=cfg.ib_device, protocol=cfg.protocol,
             transfer_timeout_s=cfg.deadlines.transfer * 0.75, fault_plan=knobs.fault_plan)
@@ -381,6 +382,7 @@ class WorkerCore(RequestReading):
             # tensor-parallel ranks, and the processes of ranks 1.. (rank 0 is this one)
             tp_size=self.cfg.tp, tp_pids=[p.pid for p in self.tp_procs],
             loop_max_late_ms=round(self.loop.max_late * 1e3, 3), ep_size=self.cfg.ep,
+            deterministic=self.cfg.deterministic,
             more={k: v for part in self.parts.values() for k, v in part.status().items()}
             | fields)
 
