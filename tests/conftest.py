@@ -36,6 +36,7 @@ SLOW_FILES = frozenset({
     "tests/unit/test_routed_experts_pd.py",    # and through prefill and decode (MoE checkpoints)
     "tests/unit/test_routed_rows.py",          # and wider than a frame (MoE checkpoints)
     "tests/unit/test_grammar.py",          # constrained outputs of ~50 tokens through 1P1D
+    "tests/unit/test_deterministic_smollm2.py",    # SmolLM2 in two dtypes, both modes
 })
 SLOW_TESTS = frozenset({
     # a sender process of its own, torch imported there (issue 46, item 1)

@@ -24,6 +24,8 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine(-n
 RUNS = {
     "bench_attention.py": (["--smoke"], [r"float32\s+4\s+40(\s+[\d.]+){2}\s+[\d.]+x",
                                          r"bfloat16\s+1\s+40(\s+[\d.]+){2}\s+[\d.]+x"]),
+    "bench_deterministic.py": (["--smoke"], [r"decode b1(\s+[\d.]+){2}\s+[\d.]+x",
+                                             r"prefill(\s+[\d.]+){2}\s+[\d.]+x"]),
     "bench_busy_poll.py": (["--settings", "0,500", "--requests", "4", "--rounds", "1", "--idle-s", "0.5",
                             "--quiet-wait", "0"],
                            [r"(?m)^\s+0(\s+[\d.]+){4}$", r"(?m)^\s+500(\s+[\d.]+){4}$"]),

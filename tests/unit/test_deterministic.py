@@ -6,6 +6,7 @@ Each equality is `torch.equal` (or == on the floats) and is also run without the
 where the default breaks it: the test shows that it can fail."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -83,7 +84,7 @@ def test_the_rollout_equals_scoring(tiny, deterministic):
 
 
 def runner(model, deterministic: bool) -> tuple[ModelRunner, KVPool]:
-    pool = KVPool.with_budget(KVLayout.for_model(model.cfg, 16, model.dtype), 4, model.dtype, model.device)
+    pool = KVPool.with_budget(KVLayout.for_model(model.cfg, 16, model.dtype), 16, model.dtype, model.device)
     return ModelRunner(model, pool, deterministic=deterministic), pool
 
 
@@ -174,3 +175,20 @@ def test_zpd_run_takes_the_flag_and_sglangs_alias(capsys):
     assert "--deterministic runs at --tp 1" in capsys.readouterr().err
     assert main(["run", "--model", "tiny", "--dtype", "float64", "--input-ids", "1,2", "--deterministic"]) == 2
     assert "--deterministic on cpu needs the compiled CPU kernels for float64" in capsys.readouterr().err
+
+
+def test_the_gpu_backend_turns_on_torchs_deterministic_algorithms(monkeypatch):
+    """What CUDA gets (no GPU here: the backend is made for a cuda device, nothing runs)."""
+    from engines.runner import backend_for
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    try:
+        assert not backend_for(torch.float32, torch.device("cuda"), False).deterministic
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert backend_for(torch.float32, torch.device("cuda"), True).deterministic
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
