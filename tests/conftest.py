@@ -52,6 +52,10 @@ SLOW_TESTS = frozenset({
     "tests/unit/test_cpu_products.py::test_prefills_take_silu_mul_in_the_product_where_the_kernel_does",
     "tests/unit/test_cpu_products.py::test_model_products_go_to_the_packed_kernels",
     "tests/unit/test_cpu_products.py::test_a_wrong_gated_kernel_is_not_used",
+    # --deterministic: dozens of batches, both modes (issue 48)
+    "tests/unit/test_deterministic.py::test_a_request_alone_equals_it_in_any_batch_at_any_position",
+    "tests/unit/test_deterministic.py::test_seeded_sampling_is_the_same_in_any_batch",
+    "tests/unit/test_deterministic.py::test_zpd_run_takes_the_flag_and_sglangs_alias",
     # whole models, many steps, several dtypes
     "tests/unit/test_engine.py::test_dtypes_run",
     "tests/unit/test_engine.py::test_eos_ends_unless_ignored",

@@ -18,8 +18,8 @@ from tests.unit.test_deterministic import chunked_vs_whole
 
 RNG = random.Random(4848)
 TARGET = [RNG.randrange(10, 40000) for _ in range(40)]
-OTHERS = [[RNG.randrange(10, 40000) for _ in range(RNG.randrange(5, 120))] for _ in range(15)]
-GREEDY = SamplingParams(max_new_tokens=5, temperature=0, return_logprob=True, ignore_eos=True)
+OTHERS = [[RNG.randrange(10, 40000) for _ in range(RNG.randrange(5, 120))] for _ in range(11)]
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0, return_logprob=True, ignore_eos=True)
 
 
 def run(model, prompts: list[list[int]], deterministic: bool, params: SamplingParams = GREEDY) -> list[Request]:
@@ -32,7 +32,7 @@ def equalities(model, deterministic: bool) -> tuple[dict[str, bool], torch.Tenso
     """Whether the batch and scoring equalities hold, and the target's logprobs alone."""
     alone = run(model, [TARGET], deterministic)[0]
     logprobs = torch.tensor(alone.output_logprobs)
-    batched = run(model, OTHERS[:7] + [TARGET] + OTHERS[7:], deterministic)[7]
+    batched = run(model, OTHERS[:7] + [TARGET] + OTHERS[7:], deterministic)[7]      # 12 rows: not 1-8
     score = SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=len(TARGET))
     scored = run(model, [TARGET + alone.output], deterministic, score)[0]
     return {"batch": batched.output == alone.output and torch.equal(torch.tensor(batched.output_logprobs), logprobs),
@@ -47,9 +47,10 @@ def test_smollm2_is_batch_invariant_and_scores_its_rollout(dtype):
     assert chunked_vs_whole(model, True, 23)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        held, one = equalities(model, True)
+        torch.set_num_threads(1 if threads > 1 else 2)
+        one = torch.tensor(run(model, [TARGET], True)[0].output_logprobs)
     finally:
         torch.set_num_threads(threads)
-    assert held == {"batch": True, "scoring": True} and torch.equal(one, two)
-    assert equalities(model, False)[0] == {"batch": False, "scoring": False}
+    assert torch.equal(one, two)
+    if dtype == "float32":          # (bfloat16's default fails them too: one dtype shows it)
+        assert equalities(model, False)[0] == {"batch": False, "scoring": False}
