@@ -1,6 +1,8 @@
-"""--deterministic through a real 1P1D cluster (zpd launch, Mooncake on loopback): every
-request's tokens and logprobs are the bits of `zpd run`, in a batch of others, after a pause(retract) -> continue with the same weights, and a scoring pass
-(max_new_tokens 0) of prompt + output gives the output's logprobs as the prompt's."""
+"""--deterministic through a real 2P2D cluster (zpd launch, Mooncake on loopback): every
+request's tokens and logprobs are the bits of `zpd run`, whichever prefill and decode
+served it, in a batch of others, after a pause(retract) -> continue with the same
+weights; and a scoring pass (max_new_tokens 0) of prompt + output gives the output's
+logprobs as the prompt's."""
 from __future__ import annotations
 
 import random
@@ -28,7 +30,7 @@ def params(i: int, new: int) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with Cluster(tmp_path_factory.mktemp("det"), dtype="float32",
+    with Cluster(tmp_path_factory.mktemp("det"), prefill=2, decode=2, dtype="float32",
                  extra=("--deterministic", "--max-batch", "64")) as c:
         yield c
 
@@ -48,9 +50,11 @@ def zpd_run(model, new: int) -> list[dict]:
 def test_the_cluster_gives_zpd_runs_bits_and_scoring_equals_the_rollout(cluster, tiny):
     with cluster.client() as client:
         status = client.admin("status")
-        assert [w["deterministic"] for w in status["workers"]] == [True, True], status
+        assert [w["deterministic"] for w in status["workers"]] == [True] * 4, status
         outs = client.generate_many([{"input_ids": p, "sampling_params": params(i, 12)}
                                      for i, p in enumerate(WORK)])
+        served = [w["counters"]["prefix_cache_query_tokens"] for w in client.admin("status")["workers"]]
+        assert all(served), f"a worker served nothing: {served}"      # any prefill, any decode
         for i, (out, ref) in enumerate(zip(outs, zpd_run(tiny, 12))):
             assert out["output_ids"] == ref["output_ids"], i
             assert out["output_token_logprobs"] == ref["output_token_logprobs"], i
