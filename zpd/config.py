@@ -419,6 +419,21 @@ class LaunchConfig:
                              names=("--http-workers",), type=int, metavar="N")
 
 
+@dataclass(frozen=True)
+class SlurmConfig:
+    """`zpd slurm`'s own flags (scripts/slurm/zpd.sbatch): where the job keeps its files,
+    each node's RDMA device, and how its dead steps are started again."""
+    job_dir: str | None = flag(None, "the job's directory on the shared filesystem: CURVE keys, "
+                               "router secret, ready files, one log per step (default "
+                               "SUBMIT_DIR/zpd-JOBID)", "process")
+    ib_device_map: str = flag("", "each node's RDMA device(s), 'NODE=DEV[,DEV] NODE=DEV ...' "
+                              "(a node not named takes --ib-device)", "network")
+    max_restarts: int = flag(3, "times each step (worker, router, HTTP front) is started again "
+                             "after it dies, before the job gives it up (default {default})",
+                             "process", type=int)
+    restart_backoff: float = flag(1.0, "seconds before a dead step's first restart, doubled for "
+                                  "each next one (default {default})", "process", type=float)
+
 def default_of(cls: type, name: str) -> Any:
     """The default of field `name` of the dataclass `cls`."""
     for f in fields(cls):

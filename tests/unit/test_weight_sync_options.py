@@ -8,7 +8,7 @@ import pytest
 from zpd.config import HttpConfig, WorkerConfig, default_of
 from zpd.ops.admin import COMMANDS
 from zpd.ops.cli import build_parser
-from zpd.ops.launch import _weights_timeout
+from zpd.ops.launch import weights_timeout
 from zpd.ops.options import worker_argv, worker_config
 from zpd.wire.admin import CancelWeightUpdate
 
@@ -36,8 +36,8 @@ def test_launch_forwards_it_and_keeps_the_front_above_it():
     argv = worker_argv(parse("launch", "--model", "tiny", "--weight-sync-timeout", "42"))
     assert worker_config(parse("prefill", *argv), "prefill").weight_sync_timeout == 42
     default = default_of(HttpConfig, "weights_timeout")
-    assert _weights_timeout(default_of(WorkerConfig, "weight_sync_timeout")) == default
-    assert _weights_timeout(1800) * 0.9 > 1800      # the workers' deadline ends first
+    assert weights_timeout(default_of(WorkerConfig, "weight_sync_timeout")) == default
+    assert weights_timeout(1800) * 0.9 > 1800      # the workers' deadline ends first
 
 
 def test_admin_has_the_cancel_command():

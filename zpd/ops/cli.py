@@ -125,6 +125,20 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         api_key, admin_key = given_http_keys(args)
         check_http_bind(args.host, api_key, args.insecure)
         check_admin_key(admin_key, args.curve_keys, args.insecure)
+    _check_cluster(args)
+    return launch(args, worker_argv(args))
+
+
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    from zpd.ops.slurm import run_slurm
+    _check_cluster(args)
+    if args.max_restarts < 0 or not args.restart_backoff >= 0:
+        raise ValueError("--max-restarts and --restart-backoff must be at least 0")
+    return run_slurm(args)
+
+
+def _check_cluster(args: argparse.Namespace) -> None:
+    """`zpd launch`'s and `zpd slurm`'s shape and model flags, before anything starts."""
     if args.prefill < 1 or args.decode < 1 or args.routers < 1:
         raise ValueError("--prefill, --decode and --routers must be at least 1")
     if args.http_workers < 1:
@@ -140,7 +154,6 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     for tp, ep in ((args.tp, args.ep), (args.prefill_tp or args.tp, args.prefill_ep or args.ep),
                    (args.decode_tp or args.tp, args.decode_ep or args.ep)):
         check_tp(tp, ep, args.deterministic)
-    return launch(args, worker_argv(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -191,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "launch", _cmd_launch, "a whole cluster on this host",
              "Start a router and N prefill + K decode workers on this host; Ctrl-C (or "
              "SIGTERM) stops them all.")
+    _command(sub, "slurm", _cmd_slurm, "a whole cluster inside a Slurm job",
+             "Inside a Slurm job (scripts/slurm/zpd.sbatch): routers and the HTTP front on "
+             "the allocation's first node, the workers on the others, each an `srun --exact` "
+             "step; dead steps are started again. Takes `zpd launch`'s flags.")
     _command(sub, "http", _cmd_http, "serve SGLang's and OpenAI's HTTP APIs",
              "Serve SGLang's native routes (/generate, /pause_generation, "
              "/update_weights_from_disk, a trainer's /init_weights_update_group and "

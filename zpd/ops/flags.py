@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from zpd.config import (CommandFlags, Deadlines, HttpConfig, LaunchConfig, PromptLimits,
-                        RouterConfig, WorkerConfig)
+                        RouterConfig, SlurmConfig, WorkerConfig)
 from zpd.flag import GROUPS, UNSET, Flag
 
 Declared = tuple[Flag, Any]          # a flag and the default of its field, shown in its help
@@ -56,6 +56,9 @@ COMMAND_FLAGS: dict[str, list[Declared]] = {
                *_text_and_process("threads", "context_length", "api_key_file",
                                   "admin_api_key_file")],
 }
+# Inside a Slurm job (scripts/slurm/zpd.sbatch): `zpd launch`'s flags, spread over the
+# allocation's nodes, and the job's own.
+COMMAND_FLAGS["slurm"] = [*COMMAND_FLAGS["launch"], *pick(SlurmConfig)]
 
 
 def usage(declared: list[Declared]) -> str:

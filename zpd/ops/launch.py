@@ -84,7 +84,7 @@ def _wait_ready(children: list[Child], timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _weights_timeout(weight_sync_timeout: float) -> float:
+def weights_timeout(weight_sync_timeout: float) -> float:
     """The front's --weights-timeout: long enough that the workers' --weight-sync-timeout
     (of which the router gives them 0.9: zpd/router/weights/sync.WORKER_SHARE) ends a
     stalled push first, with its reason."""
@@ -98,7 +98,7 @@ def _start_http(args, py: list[str], router: str, tmp: Path, log_dir: Path | Non
     argv = py + ["http", "--router", router, "--model", args.model, "--host", args.host,
                  "--port", str(args.http_port), "--ready-file", str(tmp / "http.json"),
                  "--log-level", args.log_level, "--workers", str(args.http_workers),
-                 "--weights-timeout", f"{_weights_timeout(args.weight_sync_timeout):g}"] \
+                 "--weights-timeout", f"{weights_timeout(args.weight_sync_timeout):g}"] \
         + passthrough_argv(args, HTTP_PASSTHROUGH) \
         + (["--curve-keys", args.curve_keys] if args.curve_keys else []) \
         + (["--insecure"] if args.insecure else [])
