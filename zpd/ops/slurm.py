@@ -9,9 +9,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
+from zpd.client import Client
 from zpd.config import LaunchConfig, default_of
 from zpd.env import http_child_environ
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
@@ -22,7 +24,7 @@ from zpd.ops.ready import write_ready_file
 from zpd.ops.slurm_nodes import Node, allocation, ib_devices, place, step_cpus
 from zpd.ops.slurm_steps import CLEAN_EXITS, Step, stop_steps, wait_ready
 from zpd.wire.router_proof import write_router_secret
-from zpd.wire.security import create_keys
+from zpd.wire.security import client_curve, create_keys
 
 log = logging.getLogger("zpd.ops.slurm")
 
@@ -181,6 +183,9 @@ class Supervisor:
         if s.info is None and s.running() and s.poll_ready():
             log.warning("%s back on %s at %s after %.1f s", s.name, s.node.name, s.endpoint,
                         now - s.started)
+            if s.role in ("prefill", "decode"):
+                threading.Thread(target=check_weights, args=(s, self.steps, self.args.curve_keys),
+                                 daemon=True).start()
         code = s.exited()
         if code is None:
             return
@@ -203,6 +208,34 @@ class Supervisor:
             if all(s.gave_up for s in self.steps if s.role == role):
                 return f"every {role} worker given up"
         return None
+
+
+def check_weights(step: Step, steps: list[Step], keys: str | None) -> None:
+    """A worker started again loads --model: after an update_weights it holds other
+    weights than the cluster's, and its tokens say so (their weight version). Compare it
+    with the others (the router's status) and name it in the job's log."""
+    router = next(s for s in steps if s.role == "router")
+    try:
+        with Client(router.endpoint, timeout=10,
+                    curve=client_curve(keys, "admin") if keys else None) as client:
+            for _ in range(20):     # until the router hears it again
+                workers = [w for w in client.admin("status", timeout=5).get("workers", [])
+                           if w.get("ok")]
+                mine = [w for w in workers if w.get("endpoint") == step.endpoint]
+                if mine:
+                    break
+                time.sleep(0.5)
+            else:
+                raise TimeoutError("the router does not reach it")
+    except (TimeoutError, OSError, ValueError) as e:
+        log.warning("could not compare %s's weights with the cluster's: %s", step.name, e)
+        return
+    theirs = {w.get("weight_version") for w in workers if w.get("endpoint") != step.endpoint}
+    if theirs and mine[0].get("weight_version") not in theirs:
+        log.error("%s came back with weights %r (its --model) while the cluster serves %s: "
+                  "update it (zpd admin --endpoint %s update-weights --path ...)", step.name,
+                  mine[0].get("weight_version"), ", ".join(map(repr, sorted(theirs))),
+                  step.endpoint)
 
 
 def run_slurm(args: argparse.Namespace) -> int:
