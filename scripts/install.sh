@@ -2,7 +2,9 @@
 # Install zpd and what it needs on a Debian machine (run as root or with sudo).
 #   bash scripts/install.sh               # runtime: system libraries, torch, zpd with Mooncake,
 #                                         # and the SmolLM2-135M-Instruct model file
-#   bash scripts/install.sh --test        # also the test tools (pytest, transformers as reference)
+#   bash scripts/install.sh --test        # also the test tools (pytest, transformers as reference),
+#                                         # Debian's Slurm and munge (tests/e2e/test_slurm.py starts
+#                                         # them: scripts/slurm/local_slurm.sh),
 #                                         # and SGLang's router (sglang-router, pinned below) in its
 #                                         # own virtual environment .venv-sglang-router/ here,
 #                                         # and SGLang's frontend language (sglang, pinned) in
@@ -41,11 +43,18 @@ done
 # the CPU decode-attention kernel on first use (engines/cpu/kernels.py; without a
 # compiler decode attention runs on torch's slower path).
 libs="libibverbs1 librdmacm1 libnuma1 iproute2 procps g++"
+# The tests run a real Slurm on this machine (slurmctld, three slurmd, munge; without
+# systemd the packages start nothing), without their recommends (mail, docs).
+slurm=""
+[ "$tests" = 0 ] || slurm="slurmctld slurmd slurm-client munge"
 missing=$(for p in $libs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
-if [ -n "$missing" ]; then
+missing_slurm=$(for p in $slurm; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+if [ -n "$missing$missing_slurm" ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
+  [ -z "$missing" ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
+  [ -z "$missing_slurm" ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+    --no-install-recommends $missing_slurm >/dev/null
 fi
 "$PYTHON" -m pip install -q "torch==$TORCH"
 "$PYTHON" -m pip install -q -e ".[$extras]"

@@ -151,23 +151,24 @@ start() {
   echo "slurm up in $dir: $nodes nodes; eval \"\$($0 env)\" to use it"
 }
 
-stop_pid() {   # pid file
-  alive "$1" || { rm -f "$1"; return 0; }
-  local pid i; pid=$(cat "$1")
-  kill -TERM "$pid"
-  for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || { rm -f "$1"; return 0; }; sleep 0.2; done
-  kill -KILL "$pid" 2>/dev/null || true; rm -f "$1"
+stop_pids() {   # pid files: SIGTERM to all at once, SIGKILL to what is left after 10 s
+  local f pids=() i
+  for f in "$@"; do alive "$f" && pids+=("$(cat "$f")"); done
+  [ ${#pids[@]} -eq 0 ] || kill -TERM "${pids[@]}" 2>/dev/null || true
+  for i in $(seq 100); do
+    kill -0 "${pids[@]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  [ ${#pids[@]} -eq 0 ] || kill -KILL "${pids[@]}" 2>/dev/null || true
+  rm -f "$@"
 }
 
 stop() {
-  local f
   if alive "$dir/slurmctld.pid"; then    # end the jobs first: their steps die with slurmd
     scancel --full -u root 2>/dev/null || true
     for _ in $(seq 50); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.2; done
   fi
-  for f in "$dir"/slurmd-n*.pid; do [ -e "$f" ] && stop_pid "$f"; done
-  stop_pid "$dir/slurmctld.pid"
-  stop_pid "$dir/munge/munged.pid"
+  stop_pids "$dir"/slurmd-n*.pid "$dir/slurmctld.pid" "$dir/munge/munged.pid"   # ~2 s each, together
   # cgroup v1 directories of the fake nodes outlive their slurmd
   rmdir /sys/fs/cgroup/*/slurm_n*/uid_*/job_*/step_*/task_* /sys/fs/cgroup/*/slurm_n*/uid_*/job_*/step_* \
     /sys/fs/cgroup/*/slurm_n*/uid_*/job_* /sys/fs/cgroup/*/slurm_n*/uid_* /sys/fs/cgroup/*/slurm_n*/system \

@@ -217,6 +217,7 @@ def test_a_killed_worker_step_is_restarted_and_serves_again(job):
         assert time.monotonic() < deadline, job.output()
         time.sleep(0.1)
     back = orjson.loads(ready.read_bytes())
+    print(f"killed decode step ready again after {time.monotonic() - killed:.1f} s")
     assert back["endpoint"] == decode["endpoint"]          # on its port: the router finds it
     # it loaded --model, not the update of the test before: the job says so, by name
     deadline = time.monotonic() + 30
@@ -239,6 +240,21 @@ def test_a_killed_worker_step_is_restarted_and_serves_again(job):
     assert "decode0 back on n3" in job.output()
 
 
+def test_a_killed_router_step_comes_back_on_its_port_and_its_stream_completes(job):
+    router = orjson.loads((Path(job.info["job_dir"]) / "ready" / "router.json").read_bytes())
+    got: list[tuple[int, dict]] = []
+    streaming = threading.Thread(target=lambda: got.append(http_generate(
+        job.info["http"], PROMPT, 150, timeout=60)))
+    streaming.start()
+    time.sleep(1.0)
+    os.kill(router["pid"], 9)
+    streaming.join(60)
+    status, out = got[0]
+    # the front resumed it from the router started again on its port, which adopted it
+    assert status == 200 and out["output_ids"] == predict(PROMPT, 150, seed=7), out
+    assert "router on n1 (" in job.output() and "router back on n1" in job.output()
+
+
 def test_scancel_leaves_no_process_and_the_job_ended_cleanly(job):
     assert job.processes(), "no process of the running job found"
     t0 = time.monotonic()
@@ -251,7 +267,7 @@ def test_scancel_leaves_no_process_and_the_job_ended_cleanly(job):
     while "zpd cluster stopped" not in job.output():
         assert time.monotonic() < deadline, job.output()
         time.sleep(0.1)
-    assert "restarts {'decode0': 1}" in job.output()
+    assert "restarts {'decode0': 1, 'router': 1}" in job.output()
     assert not job.address_file.exists()          # it named a cluster that is gone
     assert "ExitCode=0:0" in job.show()            # every step ended cleanly
 

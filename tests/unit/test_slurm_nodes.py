@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zpd.ops.slurm_nodes import allocation, cpus_per_node, ib_devices, node_addr, place, step_cpus
+from zpd.ops.slurm_nodes import (allocation, as_ip, cpus_per_node, ib_devices, node_addr, place,
+                                 step_cpus)
 
 
 def test_cpus_per_node_reads_slurms_repeats():
@@ -44,3 +45,10 @@ def test_ib_device_map_is_checked_by_name():
 def test_outside_a_job_the_error_says_where_to_run():
     with pytest.raises(ValueError, match="SLURM_JOB_ID is not set: run inside a Slurm job"):
         allocation({})
+
+
+def test_a_nodeaddr_that_names_a_host_is_resolved():
+    assert as_ip("127.0.0.1") == "127.0.0.1" and as_ip("::1") == "::1"
+    assert as_ip("localhost") in ("127.0.0.1", "::1")
+    with pytest.raises(ValueError, match="NodeAddr 'no-such-node.invalid' does not resolve"):
+        as_ip("no-such-node.invalid")

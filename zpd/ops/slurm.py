@@ -146,7 +146,7 @@ class Supervisor:
         self.steps += steps
         for s in steps:
             s.start()
-        wait_ready(steps, self.args.startup_timeout)
+        wait_ready(steps, self.args.startup_timeout, lambda: self.stopping)
         for s in steps:
             log.warning("%s ready on %s at %s", s.name, s.node.name, s.endpoint)
 
@@ -257,7 +257,7 @@ def run_slurm(args: argparse.Namespace) -> int:
                         f"zpd-{env['SLURM_JOB_ID']}.json")
     sup = Supervisor(args, root, address_file)
     try:
-        addresses = sup.start(nodes)
+        sup.start(nodes)
     except RuntimeError as e:
         print(f"zpd slurm: error: {e}", file=sys.stderr, flush=True)
         stop_steps(sup.steps, STOP_SECONDS)

@@ -2,8 +2,10 @@
 node each process of the cluster takes (`zpd slurm`, scripts/slurm/zpd.sbatch)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 import subprocess
 from dataclasses import dataclass
 
@@ -28,6 +30,19 @@ def node_addr(text: str, name: str) -> str:
     return m.group(1) if m else name
 
 
+def as_ip(addr: str) -> str:
+    """A NodeAddr that names a host, resolved: ZeroMQ binds and Mooncake's sessions
+    take addresses."""
+    try:
+        return str(ipaddress.ip_address(addr))
+    except ValueError:
+        pass
+    try:
+        return socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ValueError(f"NodeAddr {addr!r} does not resolve: {e}") from None
+
+
 def cpus_per_node(text: str, count: int) -> list[int]:
     """SLURM_JOB_CPUS_PER_NODE ("2(x3)", "4,2(x2)") as one figure per node."""
     out: list[int] = []
@@ -50,7 +65,8 @@ def allocation(environ: dict[str, str] = os.environ) -> list[Node]:
                              "(sbatch scripts/slurm/zpd.sbatch ...)")
     names = _scontrol("show", "hostnames", environ["SLURM_JOB_NODELIST"]).split()
     cpus = cpus_per_node(environ["SLURM_JOB_CPUS_PER_NODE"], len(names))
-    return [Node(n, node_addr(_scontrol("show", "node", n), n), c) for n, c in zip(names, cpus)]
+    return [Node(n, as_ip(node_addr(_scontrol("show", "node", n), n)), c)
+            for n, c in zip(names, cpus)]
 
 
 def place(nodes: int, workers: int) -> list[int]:

@@ -3,7 +3,6 @@ started, watched, started again on its port after it dies, and stopped."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -100,11 +99,13 @@ class Step:
             return ""
 
 
-def wait_ready(steps: list[Step], timeout: float) -> None:
-    """Until every step wrote its ready file; a step that ends first, or the timeout,
-    raises with the node, the exit code and the end of its log."""
+def wait_ready(steps: list[Step], timeout: float, stopping=lambda: False) -> None:
+    """Until every step wrote its ready file; a step that ends first, the timeout, or
+    `stopping()` raises with the node, the exit code and the end of its log."""
     deadline = time.monotonic() + timeout
     while not all(s.poll_ready() for s in steps):
+        if stopping():
+            raise RuntimeError("stopped (SIGTERM) while starting")
         for s in steps:
             if not s.poll_ready() and (code := s.exited()) is not None:
                 raise RuntimeError(f"{s.name} on {s.node.name} exited with code {code} before "
