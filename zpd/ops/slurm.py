@@ -253,6 +253,8 @@ def run_slurm(args: argparse.Namespace) -> int:
     check_admin_key(admin_key, args.curve_keys, args.insecure)
     if args.host != default_of(LaunchConfig, "host"):
         raise ValueError("--host: under Slurm each process binds its node's NodeAddr")
+    if args.log_dir is not None:
+        raise ValueError("--log-dir: under Slurm each step logs to JOB_DIR/logs (--job-dir)")
     address_file = Path(args.ready_file or Path(env.get("SLURM_SUBMIT_DIR", ".")) /
                         f"zpd-{env['SLURM_JOB_ID']}.json")
     sup = Supervisor(args, root, address_file)
