@@ -86,6 +86,9 @@ write_conf() {   # once: the ports stay those of the first start
   cat >"$conf.tmp" <<EOF
 # made by scripts/slurm/local_slurm.sh: $nodes nodes on 127.0.0.1
 ClusterName=zpdlocal
+# Job ids of their own: two instances on one host share the nodes' cgroup directories
+# (slurm_n1, ...), and their jobs' must not collide there.
+FirstJobId=$((RANDOM * 30 + 1000))
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$((base + nodes))
 SlurmUser=root

@@ -107,10 +107,12 @@ def slurm():
         assert started.returncode == 0, started.stdout + started.stderr
         yield s
     finally:
+        pids = [int(p.read_text()) for p in (*s.dir.glob("*.pid"), *s.dir.glob("munge/*.pid"))]
         stopped = s.script("stop", timeout=120)
+        left = [p for p in pids if Path(f"/proc/{p}").exists()]
         shutil.rmtree(s.dir, ignore_errors=True)
         assert stopped.returncode == 0, stopped.stderr
-        assert not list(s.dir.glob("*.pid"))
+        assert len(pids) == 5 and not left, (pids, left)    # munged, slurmctld, 3 slurmd
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +249,13 @@ def test_a_killed_router_step_comes_back_on_its_port_and_its_stream_completes(jo
         job.info["http"], PROMPT, 150, timeout=60)))
     streaming.start()
     time.sleep(1.0)
+    killed = time.monotonic()
     os.kill(router["pid"], 9)
+    ready = Path(job.info["job_dir"]) / "ready" / "router.json"
+    while not (ready.exists() and orjson.loads(ready.read_bytes())["pid"] != router["pid"]):
+        assert time.monotonic() - killed < 60, job.output()
+        time.sleep(0.05)
+    print(f"killed router step ready again after {time.monotonic() - killed:.1f} s")
     streaming.join(60)
     status, out = got[0]
     # the front resumed it from the router started again on its port, which adopted it
