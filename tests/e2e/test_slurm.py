@@ -290,3 +290,19 @@ def test_bad_options_fail_the_job_by_name(slurm, tmp_path):
     assert j.state() == "FAILED" and "ExitCode=2:0" in j.show(), j.show()
     assert "--ib-device-map: node 'n9' is not in the job (n1, n2, n3)" in j.output()
     assert not j.processes() and not j.address_file.exists()
+
+
+def test_a_step_given_up_stops_the_job_with_exit_code_1(slurm, tmp_path):
+    j = Job(slurm, tmp_path, "--model", MODEL, "--prefill", "1", "--decode", "1", "--port", "0",
+            "--http-port", "0", "--kv-cache-mb", "16", "--max-restarts", "0")
+    j.info = j.wait_ready()
+    router = orjson.loads((Path(j.info["job_dir"]) / "ready" / "router.json").read_bytes())
+    os.kill(router["pid"], 9)
+    deadline = time.monotonic() + 30
+    while j.state() in ("RUNNING", "COMPLETING"):
+        assert time.monotonic() < deadline, j.output()
+        time.sleep(0.1)
+    assert j.state() == "FAILED" and "ExitCode=1:0" in j.show(), j.show()
+    assert "router on n1 exited with code 137; given up after 0 restarts" in j.output()
+    assert "router given up: stopping the cluster" in j.output()
+    assert not j.processes() and not j.address_file.exists()
