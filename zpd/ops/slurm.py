@@ -115,6 +115,9 @@ class Supervisor:
         self.args, self.root, self.address_file = args, root, address_file
         self.steps: list[Step] = []
         self.stopping = False
+
+    def stop_on_signals(self) -> None:
+        """SIGTERM (scancel) and SIGINT stop the cluster, whatever it is doing."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -186,6 +189,12 @@ class Supervisor:
             if s.role in ("prefill", "decode"):
                 threading.Thread(target=check_weights, args=(s, self.steps, self.args.curve_keys),
                                  daemon=True).start()
+        if s.info is None and s.running() and not s.hurried and \
+                now - s.started > self.args.startup_timeout:
+            s.hurried = True       # its exit is then a death like any other
+            log.error("%s on %s not ready %.0f s after its start: stopping it", s.name,
+                      s.node.name, self.args.startup_timeout)
+            s.signal(signal.SIGTERM)
         code = s.exited()
         if code is None:
             return
@@ -205,7 +214,8 @@ class Supervisor:
             if s.gave_up and s.role in ("router", "http"):
                 return f"{s.name} given up"
         for role in ("prefill", "decode"):
-            if all(s.gave_up for s in self.steps if s.role == role):
+            mine = [s for s in self.steps if s.role == role]
+            if mine and all(s.gave_up for s in mine):
                 return f"every {role} worker given up"
         return None
 
@@ -227,7 +237,7 @@ def check_weights(step: Step, steps: list[Step], keys: str | None) -> None:
                 time.sleep(0.5)
             else:
                 raise TimeoutError("the router does not reach it")
-    except (TimeoutError, OSError, ValueError) as e:
+    except Exception as e:     # a check in a thread of its own: said, never raised
         log.warning("could not compare %s's weights with the cluster's: %s", step.name, e)
         return
     theirs = {w.get("weight_version") for w in workers if w.get("endpoint") != step.endpoint}
@@ -258,6 +268,7 @@ def run_slurm(args: argparse.Namespace) -> int:
     address_file = Path(args.ready_file or Path(env.get("SLURM_SUBMIT_DIR", ".")) /
                         f"zpd-{env['SLURM_JOB_ID']}.json")
     sup = Supervisor(args, root, address_file)
+    sup.stop_on_signals()
     try:
         sup.start(nodes)
     except RuntimeError as e:

@@ -39,6 +39,7 @@ class Step:
     due: float | None = None    # when a dead step starts again
     started: float = 0.0
     gave_up: bool = False
+    hurried: bool = False       # stopped for not being ready within --startup-timeout
     exits: list[int] = field(default_factory=list)
 
     @property
@@ -65,7 +66,7 @@ class Step:
 
     def start(self) -> None:
         self.ready_file.unlink(missing_ok=True)
-        self.info, self.due, self.started = None, None, time.monotonic()
+        self.info, self.due, self.started, self.hurried = None, None, time.monotonic(), False
         with open(self.log_file, "ab") as out:
             out.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} start {self.name} on "
                       f"{self.node.name} (start {self.restarts + 1})\n".encode())
