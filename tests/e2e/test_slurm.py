@@ -58,11 +58,12 @@ class LocalSlurm:
 class Job:
     """One `sbatch -N3 zpd.sbatch ...` and its address file."""
 
-    def __init__(self, slurm: LocalSlurm, submit: Path, *zpd_args: str) -> None:
+    def __init__(self, slurm: LocalSlurm, submit: Path, *zpd_args: str,
+                 sbatch: tuple[str, ...] = ()) -> None:
         self.slurm, self.submit = slurm, submit
         self.t0 = time.monotonic()
         self.id = slurm.run("sbatch", "--parsable", "-N3", f"--output={submit}/slurm-%j.out",
-                            str(SLURM / "zpd.sbatch"), *zpd_args, cwd=submit).strip()
+                            *sbatch, str(SLURM / "zpd.sbatch"), *zpd_args, cwd=submit).strip()
         self.out = submit / f"slurm-{self.id}.out"
         self.address_file = submit / f"zpd-{self.id}.json"
 
@@ -120,7 +121,9 @@ def job(slurm, tmp_path_factory):
     submit = tmp_path_factory.mktemp("submit")
     j = Job(slurm, submit, "--model", MODEL, "--prefill", "1", "--decode", "1", "--port", "0",
             "--http-port", "0", "--kv-cache-mb", "16", "--log-level", "INFO",
-            "--restart-backoff", "0.2", "--peer-timeout", "1")
+            "--restart-backoff", "0.2", "--peer-timeout", "1",
+            # memory counted (CR_Core_Memory): the steps share each node's, side by side
+            sbatch=("--mem=1000",))
     try:
         j.info = j.wait_ready()
         yield j

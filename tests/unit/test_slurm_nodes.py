@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zpd.ops.slurm_nodes import (allocation, as_ip, cpus_per_node, ib_devices, node_addr, place,
-                                 step_cpus)
+from zpd.ops.slurm_nodes import (Node, allocation, as_ip, cpus_per_node, ib_devices, node_addr,
+                                 place, step_cpus, step_mem_per_cpu)
 
 
 def test_cpus_per_node_reads_slurms_repeats():
@@ -52,3 +52,10 @@ def test_a_nodeaddr_that_names_a_host_is_resolved():
     assert as_ip("localhost") in ("127.0.0.1", "::1")
     with pytest.raises(ValueError, match="NodeAddr 'no-such-node.invalid' does not resolve"):
         as_ip("no-such-node.invalid")
+
+
+def test_where_the_job_holds_memory_each_step_takes_its_cpus_share():
+    node = Node("n1", "127.0.0.1", 4)
+    assert step_mem_per_cpu({}, node) == 0                      # no --mem-per-cpu at all
+    assert step_mem_per_cpu({"SLURM_MEM_PER_NODE": "1000"}, node) == 250
+    assert step_mem_per_cpu({"SLURM_MEM_PER_CPU": "300"}, node) == 300

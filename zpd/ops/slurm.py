@@ -21,7 +21,8 @@ from zpd.ops.http_options import HTTP_PASSTHROUGH
 from zpd.ops.launch import weights_timeout
 from zpd.ops.options import passthrough_argv, router_argv, worker_argv
 from zpd.ops.ready import write_ready_file
-from zpd.ops.slurm_nodes import Node, allocation, ib_devices, place, step_cpus
+from zpd.ops.slurm_nodes import (Node, allocation, ib_devices, place, step_cpus,
+                                 step_mem_per_cpu)
 from zpd.ops.slurm_steps import CLEAN_EXITS, Step, stop_steps, wait_ready
 from zpd.wire.router_proof import write_router_secret
 from zpd.wire.security import client_curve, create_keys
@@ -148,6 +149,7 @@ class Supervisor:
     def _start(self, steps: list[Step]) -> None:
         self.steps += steps
         for s in steps:
+            s.mem_per_cpu = step_mem_per_cpu(os.environ, s.node)
             s.start()
         wait_ready(steps, self.args.startup_timeout, lambda: self.stopping)
         for s in steps:

@@ -97,3 +97,16 @@ def ib_devices(text: str, nodes: list[str]) -> dict[str, str]:
 def step_cpus(node_cpus: int, steps: int) -> int:
     """CPUs for each of `steps` workers sharing a node's `node_cpus` (at least one)."""
     return max(1, node_cpus // max(1, steps))
+
+
+def step_mem_per_cpu(environ: dict[str, str], node: Node) -> int:
+    """MB per CPU for each step on `node`, 0 when the job holds no memory. Where Slurm
+    counts memory (CR_*_Memory), a step that names none takes all the job's memory on
+    its node, and the next step there waits for it: the router and the front on the
+    first node would wait on each other forever. A share per CPU lets them run side by
+    side, each worker with memory in proportion to its CPUs."""
+    if environ.get("SLURM_MEM_PER_CPU"):
+        return int(environ["SLURM_MEM_PER_CPU"])
+    if environ.get("SLURM_MEM_PER_NODE"):
+        return max(1, int(environ["SLURM_MEM_PER_NODE"]) // max(1, node.cpus))
+    return 0

@@ -32,6 +32,7 @@ class Step:
     job_dir: Path
     port: int = 0
     gpus: int = 0
+    mem_per_cpu: int = 0        # MB; 0: the job holds no memory (zpd.ops.slurm_nodes)
     env: dict[str, str] | None = None    # the whole environment (None: this one)
     proc: subprocess.Popen | None = None
     info: dict | None = None    # the ready file, once it is there
@@ -61,6 +62,7 @@ class Step:
                 f"--cpus-per-task={self.cpus}", f"--job-name={self.name}",
                 "--kill-on-bad-exit=1", "--unbuffered"] \
             + ([f"--gpus-per-task={self.gpus}"] if self.gpus else []) \
+            + ([f"--mem-per-cpu={self.mem_per_cpu}"] if self.mem_per_cpu else []) \
             + [sys.executable, "-m", "zpd", self.role, *self.argv, "--port", str(self.port),
                "--ready-file", str(self.ready_file)]
 
