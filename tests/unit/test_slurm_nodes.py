@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zpd.ops.slurm_nodes import (Node, allocation, as_ip, cpus_per_node, ib_devices, node_addr,
-                                 place, step_cpus, step_mem_per_cpu)
+from zpd.ops.slurm_nodes import (Node, allocation, as_ip, control_cpus, cpus_per_node, ib_devices,
+                                 node_addr, place, step_cpus, step_mem_per_cpu)
 
 
 def test_cpus_per_node_reads_slurms_repeats():
@@ -59,3 +59,10 @@ def test_where_the_job_holds_memory_each_step_takes_its_cpus_share():
     assert step_mem_per_cpu({}, node) == 0                      # no --mem-per-cpu at all
     assert step_mem_per_cpu({"SLURM_MEM_PER_NODE": "1000"}, node) == 250
     assert step_mem_per_cpu({"SLURM_MEM_PER_CPU": "300"}, node) == 300
+
+
+def test_the_routers_and_front_keep_cpus_only_where_the_workers_still_get_theirs():
+    assert control_cpus(1, 2, 0) == 2          # -N3 1P1D on 2-CPU nodes: router and front
+    assert control_cpus(2, 2, 0) == 0          # --routers 2: three steps on two CPUs overlap
+    assert control_cpus(1, 2, 1) == 0          # -N2: the decode shares node 0
+    assert control_cpus(1, 64, 1) == 2         # a GPU node's CPUs suffice for all

@@ -21,7 +21,7 @@ from zpd.ops.http_options import HTTP_PASSTHROUGH
 from zpd.ops.launch import weights_timeout
 from zpd.ops.options import passthrough_argv, router_argv, worker_argv
 from zpd.ops.ready import write_ready_file
-from zpd.ops.slurm_nodes import (Node, allocation, ib_devices, place, step_cpus,
+from zpd.ops.slurm_nodes import (Node, allocation, control_cpus, ib_devices, place, step_cpus,
                                  step_mem_per_cpu)
 from zpd.ops.slurm_steps import CLEAN_EXITS, Step, stop_steps, wait_ready
 from zpd.wire.router_proof import write_router_secret
@@ -65,9 +65,8 @@ def worker_steps(args: argparse.Namespace, nodes: list[Node], root: Path) -> lis
     steps = []
     for i, (role, at) in enumerate(zip(roles, where)):
         node = nodes[at]
-        # node 0 keeps a CPU each for the routers and the front
-        spare = node.cpus - (args.routers + 1 if at == 0 else 0)
-        cpus = step_cpus(spare, per_node[at])
+        kept = control_cpus(args.routers, node.cpus, per_node[0]) if at == 0 else 0
+        cpus = step_cpus(node.cpus - kept, per_node[at])
         threads = getattr(args, f"{role}_threads") or args.threads or cpus
         tp = getattr(args, f"{role}_tp") or args.tp
         ep = getattr(args, f"{role}_ep") or args.ep
@@ -89,8 +88,10 @@ def router_steps(args: argparse.Namespace, node: Node, workers: list[Step], root
               "--router-secret-file", args.router_secret_file] \
         + (["--curve-keys", args.curve_keys] if args.curve_keys else []) \
         + (["--insecure"] if args.insecure else []) + router_argv(args)
+    overlap = not control_cpus(args.routers, node.cpus, sum(w.node == node for w in workers))
     return [Step("router" if i == 0 else f"router{i}", "router", node, 1, list(common), root,
-                 port=args.port + i if args.port else 0) for i in range(args.routers)]
+                 port=args.port + i if args.port else 0, overlap=overlap)
+            for i in range(args.routers)]
 
 
 def http_step(args: argparse.Namespace, node: Node, routers: list[Step], root: Path) -> Step:
@@ -103,7 +104,7 @@ def http_step(args: argparse.Namespace, node: Node, routers: list[Step], root: P
         + (["--insecure"] if args.insecure else [])
     port = HTTP_PORT if args.http_port is None else args.http_port
     # its API keys travel in its environment, never on its command line
-    return Step("http", "http", node, 1, argv, root, port=port,
+    return Step("http", "http", node, 1, argv, root, port=port, overlap=routers[0].overlap,
                 env=http_child_environ(*given_http_keys(args)))
 
 

@@ -94,6 +94,14 @@ def ib_devices(text: str, nodes: list[str]) -> dict[str, str]:
     return out
 
 
+def control_cpus(routers: int, cpus: int, workers: int) -> int:
+    """CPUs the routers and the front keep on the first node (of `cpus`, beside
+    `workers` workers): one each while the workers still have one each; else none, and
+    they overlap the workers' CPUs (a step that asks more CPUs than are free waits for
+    them forever)."""
+    return routers + 1 if cpus - (routers + 1) >= workers else 0
+
+
 def step_cpus(node_cpus: int, steps: int) -> int:
     """CPUs for each of `steps` workers sharing a node's `node_cpus` (at least one)."""
     return max(1, node_cpus // max(1, steps))

@@ -33,6 +33,7 @@ class Step:
     port: int = 0
     gpus: int = 0
     mem_per_cpu: int = 0        # MB; 0: the job holds no memory (zpd.ops.slurm_nodes)
+    overlap: bool = False       # shares its node's CPUs with the other steps (routers, front)
     env: dict[str, str] | None = None    # the whole environment (None: this one)
     proc: subprocess.Popen | None = None
     info: dict | None = None    # the ready file, once it is there
@@ -63,6 +64,7 @@ class Step:
                 "--kill-on-bad-exit=1", "--unbuffered"] \
             + ([f"--gpus-per-task={self.gpus}"] if self.gpus else []) \
             + ([f"--mem-per-cpu={self.mem_per_cpu}"] if self.mem_per_cpu else []) \
+            + (["--overlap"] if self.overlap else []) \
             + [sys.executable, "-m", "zpd", self.role, *self.argv, "--port", str(self.port),
                "--ready-file", str(self.ready_file)]
 
