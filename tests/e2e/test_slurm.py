@@ -146,8 +146,8 @@ def http_generate(url: str, prompt: list[int], n: int, timeout: float = 30) -> t
 
 
 def admin(job: Job, *argv: str, endpoint: str | None = None) -> dict:
-    out = subprocess.run(zpd_cmd("admin", "--endpoint", endpoint or job.info["router"], "--curve-keys",
-                                 job.info["curve_keys"], *argv),
+    out = subprocess.run(zpd_cmd("admin", "--endpoint", endpoint or job.info["router"],
+                                 "--curve-keys", job.info["curve_keys"], *argv),
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, (argv, out.stdout, out.stderr)
     return orjson.loads(out.stdout)

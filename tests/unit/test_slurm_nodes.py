@@ -18,7 +18,8 @@ def test_cpus_per_node_reads_slurms_repeats():
 
 
 def test_node_addr_is_slurms_nodeaddr():
-    text = "NodeName=n2 Arch=x86_64 CoresPerSocket=1\n   NodeAddr=10.1.2.3 NodeHostName=vm Version=22.05.8\n"
+    text = ("NodeName=n2 Arch=x86_64 CoresPerSocket=1\n"
+            "   NodeAddr=10.1.2.3 NodeHostName=vm Version=22.05.8\n")
     assert node_addr(text, "n2") == "10.1.2.3"
     assert node_addr("NodeName=gpu7 State=IDLE", "gpu7") == "gpu7"
 

@@ -35,7 +35,8 @@ STOP_SECONDS = 10.0        # SIGTERM to SIGKILL for the steps: within Slurm's Ki
 
 def job_dir(args: argparse.Namespace, env: dict[str, str]) -> Path:
     """The job's directory: keys, secret, ready files, logs (made private)."""
-    path = Path(args.job_dir or Path(env.get("SLURM_SUBMIT_DIR", ".")) / f"zpd-{env['SLURM_JOB_ID']}")
+    submit = Path(env.get("SLURM_SUBMIT_DIR", "."))
+    path = Path(args.job_dir or submit / f"zpd-{env['SLURM_JOB_ID']}")
     for sub in ("", "ready", "logs"):
         (path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
@@ -80,7 +81,8 @@ def worker_steps(args: argparse.Namespace, nodes: list[Node], root: Path) -> lis
     return steps
 
 
-def router_steps(args: argparse.Namespace, node: Node, workers: list[Step], root: Path) -> list[Step]:
+def router_steps(args: argparse.Namespace, node: Node, workers: list[Step],
+                 root: Path) -> list[Step]:
     eps = {r: ",".join(w.endpoint for w in workers if w.role == r) for r in ("prefill", "decode")}
     common = ["--host", node.addr, "--prefill", eps["prefill"], "--decode", eps["decode"],
               "--log-level", args.log_level, "--heartbeat", str(args.heartbeat),
