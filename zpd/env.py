@@ -22,6 +22,10 @@ HTTP server this way, so they never show in a process list):
     ZPD_API_KEY          the Bearer token every HTTP route but /health needs (--api-key)
     ZPD_ADMIN_API_KEY    the Bearer token of the admin routes (--admin-api-key)
 
+`zpd slurm` reads its job from Slurm's own variables (SLURM_JOB_ID,
+SLURM_JOB_NODELIST, SLURM_JOB_CPUS_PER_NODE, SLURM_SUBMIT_DIR, SLURM_MEM_PER_*;
+`slurm_job`), which zpd/ops/slurm.py checks.
+
 A malformed value raises ValueError naming the variable, its value and what is
 expected, so the worker stops at start-up. The ZPD_* variables of scripts/*.sh
 are the launch scripts' own (they become flags) and are not read here.
@@ -125,3 +129,8 @@ def http_child_environ(api_key: str | None, admin_key: str | None,
     keys = {API_KEY_ENV: api_key, ADMIN_API_KEY_ENV: admin_key}
     return {k: v for k, v in environ.items() if k not in keys} | \
         {k: v for k, v in keys.items() if v}
+
+
+def slurm_job(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The SLURM_* variables of the job this process runs in (`zpd slurm`)."""
+    return {k: v for k, v in environ.items() if k.startswith("SLURM_")}

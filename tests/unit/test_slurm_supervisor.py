@@ -24,7 +24,7 @@ def test_a_step_never_ready_is_stopped_restarted_then_given_up(tmp_path: Path) -
         (tmp_path / sub).mkdir()
     args = argparse.Namespace(startup_timeout=0.2, restart_backoff=0.05, max_restarts=1,
                               curve_keys=None)
-    sup = Supervisor(args, tmp_path, tmp_path / "zpd-1.json")
+    sup = Supervisor(args, tmp_path, tmp_path / "zpd-1.json", {"SLURM_JOB_ID": "1"})
     step = LocalStep("decode0", "decode", Node("n3", "127.0.0.1", 1), 1, [], tmp_path)
     sup.steps = [step]
     step.start()

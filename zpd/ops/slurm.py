@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from zpd.client import Client
 from zpd.config import LaunchConfig, default_of
-from zpd.env import http_child_environ
+from zpd.env import http_child_environ, slurm_job
 from zpd.ops.exposure import check_admin_key, check_bind, check_http_bind, given_http_keys
 from zpd.ops.http_options import HTTP_PASSTHROUGH
 from zpd.ops.launch import weights_timeout
@@ -115,8 +114,10 @@ class Supervisor:
     the cluster cannot serve without (a router or the front given up, or every worker
     of a role)."""
 
-    def __init__(self, args: argparse.Namespace, root: Path, address_file: Path) -> None:
-        self.args, self.root, self.address_file = args, root, address_file
+    def __init__(self, args: argparse.Namespace, root: Path, address_file: Path,
+                 job: dict[str, str]) -> None:
+        """`job`: the job's SLURM_* variables (zpd.env.slurm_job)."""
+        self.args, self.root, self.address_file, self.job = args, root, address_file, job
         self.steps: list[Step] = []
         self.stopping = False
 
@@ -142,7 +143,7 @@ class Supervisor:
         addresses = {"http": f"http://{front.endpoint}", "router": f"tcp://{routers[0].endpoint}",
                      "routers": [f"tcp://{r.endpoint}" for r in routers],
                      "curve_keys": args.curve_keys, "job_dir": str(self.root),
-                     "job_id": os.environ["SLURM_JOB_ID"],
+                     "job_id": self.job["SLURM_JOB_ID"],
                      "workers": [{"name": w.name, "role": w.role, "node": w.node.name,
                                   "endpoint": w.endpoint} for w in workers]}
         write_ready_file(self.address_file, addresses)
@@ -152,7 +153,7 @@ class Supervisor:
     def _start(self, steps: list[Step]) -> None:
         self.steps += steps
         for s in steps:
-            s.mem_per_cpu = step_mem_per_cpu(os.environ, s.node)
+            s.mem_per_cpu = step_mem_per_cpu(self.job, s.node)
             s.start()
         wait_ready(steps, self.args.startup_timeout, lambda: self.stopping)
         for s in steps:
@@ -254,7 +255,7 @@ def check_weights(step: Step, steps: list[Step], keys: str | None) -> None:
 
 
 def run_slurm(args: argparse.Namespace) -> int:
-    env = dict(os.environ)
+    env = slurm_job()
     nodes = allocation(env)
     root = job_dir(args, env)
     handler = logging.FileHandler(root / "logs" / "job.log")
@@ -272,7 +273,7 @@ def run_slurm(args: argparse.Namespace) -> int:
         raise ValueError("--log-dir: under Slurm each step logs to JOB_DIR/logs (--job-dir)")
     address_file = Path(args.ready_file or Path(env.get("SLURM_SUBMIT_DIR", ".")) /
                         f"zpd-{env['SLURM_JOB_ID']}.json")
-    sup = Supervisor(args, root, address_file)
+    sup = Supervisor(args, root, address_file, env)
     sup.stop_on_signals()
     try:
         sup.start(nodes)

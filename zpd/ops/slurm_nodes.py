@@ -3,7 +3,6 @@ node each process of the cluster takes (`zpd slurm`, scripts/slurm/zpd.sbatch)."
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import socket
 import subprocess
@@ -57,7 +56,7 @@ def cpus_per_node(text: str, count: int) -> list[int]:
     return out
 
 
-def allocation(environ: dict[str, str] = os.environ) -> list[Node]:
+def allocation(environ: dict[str, str]) -> list[Node]:
     """The job's nodes in Slurm's order, each with its NodeAddr and the job's CPUs there."""
     for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_JOB_CPUS_PER_NODE"):
         if not environ.get(var):
