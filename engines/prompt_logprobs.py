@@ -114,7 +114,7 @@ def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: t
         best = logits.topk(min(top_k, vocab), dim=-1) if top_k else None
         given = [(i, mine, logits[mine][:, list(asks[i].token_ids)])
                  for i, mine in _rows_of(ids, owner, lo, hi)]
-        lse = torch.zeros(hi - lo, 1, dtype=dtype, device=logits.device) if per_row else _logsumexp_(logits)  # [rows, 1]
+        lse = logits.new_zeros(hi - lo, 1) if per_row else _logsumexp_(logits)     # [rows, 1]
         chosen.append(picked - lse[:, 0])
         if best is not None:
             tops.append((best.values - lse, best.indices))

@@ -434,6 +434,7 @@ class SlurmConfig:
     restart_backoff: float = flag(1.0, "seconds before a dead step's first restart, doubled for "
                                   "each next one (default {default})", "process", type=float)
 
+
 def default_of(cls: type, name: str) -> Any:
     """The default of field `name` of the dataclass `cls`."""
     for f in fields(cls):

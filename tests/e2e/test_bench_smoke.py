@@ -128,6 +128,9 @@ def run_bench(argv: list[str], timeout: float, env: dict | None = None) -> subpr
 
 # How many runs at once: two leave each run a core on CI's 2-core machines.
 AT_ONCE = 2
+# the runs of a few seconds, started after the rest
+QUICK = ("attention", "clear", "deterministic", "grammar", "peer", "relay", "moe", "transfer",
+         "sse_events")
 
 
 def commands(out: Path) -> dict[str, list[str]]:
@@ -153,10 +156,6 @@ def runs(request):
             env = os.environ | {"OUT": tmp, "PYTHON": sys.executable} if "gpu_check" in name else None
             futures[name] = pool.submit(run_bench, todo[name], 330, env)
         yield futures, Path(tmp)
-
-
-# the runs of a few seconds, started after the rest
-QUICK = ("attention", "clear", "grammar", "peer", "relay", "moe", "transfer", "sse_events")
 
 
 def finished(runs, name: str) -> subprocess.CompletedProcess:
